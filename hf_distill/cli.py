@@ -1,0 +1,243 @@
+"""`hf-distill`: the command line of hf_distill.
+
+    hf-distill demo [demo options]                          distil a real classifier end to end, offline
+    hf-distill run <recipe> --config file.yaml [--field v]  run recipes/<recipe>.py (or a script path)
+    hf-distill card <student_dir> [--teacher ...]           write or refresh the folder's README.md card
+    hf-distill push <student_dir> <repo_id> [--private]     publish the student files to the Hub
+    hf-distill report <output_dir>                          plot loss components and accuracy vs size
+
+Exit codes: 0 success, 2 usage error, 1 failure (one `error: ...` line on stderr, no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class CommandError(Exception):
+    """An expected failure: reported as one `error:` line, exit code `code`."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hf-distill",
+        description="Knowledge distillation native to transformers.Trainer: run, document and publish "
+        "students.",
+        epilog="Run `hf-distill <command> --help` for the options of a command.",
+    )
+    parser.add_argument("--version", action="version", version=f"hf-distill {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="<command>")
+
+    sub.add_parser(
+        "demo",
+        add_help=False,
+        help="distil a real sentiment classifier end to end, offline (options: hf-distill demo --help)",
+    )
+
+    run = sub.add_parser(
+        "run",
+        help="run a recipe script with its own arguments",
+        description="Run recipes/<recipe>.py (from the current folder or the hf_distill repository) or a "
+        "script path, as `python <script> [args]` would. Everything after <recipe> goes to the script, e.g. "
+        "`hf-distill run tinybert --config recipes/configs/tinybert_sst2.yaml --output_dir out`.",
+        epilog=f"Available recipes: {', '.join(available_recipes()) or 'none found'}.",
+    )
+    run.add_argument("recipe", help="recipe name (e.g. tinybert) or path to a .py script")
+
+    card = sub.add_parser(
+        "card",
+        help="write or refresh README.md (the model card) of a saved student folder",
+        description="Write the model card of a saved student from what its folder holds (config.json, "
+        "trainer_state.json, training_args.bin, results.json, a previous card's distillation_report.json). "
+        "Options override what the folder says.",
+    )
+    card.add_argument("student_dir", help="folder saved by trainer.save_model() or save_pretrained()")
+    card.add_argument("--teacher", help="teacher Hub id (becomes base_model) or name")
+    card.add_argument("--dataset", action="append", help="Hub dataset id (repeatable)")
+    card.add_argument("--dataset_name", help="display name of the evaluation dataset")
+    card.add_argument("--license", help="license id, e.g. apache-2.0")
+    card.add_argument("--language", action="append", help="language code (repeatable)")
+    card.add_argument(
+        "--method", help="distillation method tag (tinybert, distilbert, minilm, minilmv2, ...)"
+    )
+    card.add_argument("--repo_id", help="Hub repo id the card's loading snippet names")
+
+    push = sub.add_parser(
+        "push",
+        help="publish a saved student folder to the Hub (student files and card only)",
+        description="Upload config.json, the safetensors weights, the tokenizer files and README.md (plus "
+        "the loss plot it links) of a student folder; never checkpoints, optimizer state, projections or "
+        "training_args.bin. A folder without README.md gets a card first.",
+    )
+    push.add_argument("student_dir")
+    push.add_argument("repo_id", help="e.g. my-user/my-tiny-student")
+    push.add_argument("--private", action="store_true", help="create the repo private (if it does not exist)")
+    push.add_argument("--revision", help="branch to push to (created if missing)")
+    push.add_argument("--token", help="Hub token (default: HF_TOKEN or the saved login)")
+    push.add_argument("--endpoint", help="Hub endpoint (default: HF_ENDPOINT or https://huggingface.co)")
+    push.add_argument("--commit_message", default=None)
+
+    report = sub.add_parser(
+        "report",
+        help="plot loss components (and accuracy vs parameters across runs)",
+        description="Write loss_components.png from trainer_state.json (the folder's or its latest "
+        "checkpoint's) and, when subfolders hold results.json files with accuracy and params, "
+        "accuracy_vs_params.png.",
+    )
+    report.add_argument("output_dir")
+    return parser
+
+
+def available_recipes() -> list[str]:
+    names = set()
+    for folder in (Path.cwd() / "recipes", REPO_ROOT / "recipes"):
+        if folder.is_dir():
+            names.update(p.stem for p in folder.glob("*.py") if not p.name.startswith("_"))
+    return sorted(names)
+
+
+def resolve_recipe(recipe: str) -> Path:
+    path = Path(recipe)
+    if path.suffix == ".py" or os.sep in recipe or "/" in recipe:
+        if path.is_file():
+            return path.resolve()
+        raise CommandError(f"no recipe script at {recipe}.", code=2)
+    for folder in (Path.cwd() / "recipes", REPO_ROOT / "recipes"):
+        if (folder / f"{recipe}.py").is_file():
+            return (folder / f"{recipe}.py").resolve()
+    known = ", ".join(available_recipes()) or "none found"
+    raise CommandError(f"unknown recipe {recipe!r}. Available recipes: {known}.", code=2)
+
+
+# ---------------------------------------------------------------------- commands
+
+
+def cmd_demo(argv: list[str]) -> int:
+    from . import demo
+
+    return _exit_code(lambda: demo.main(argv))
+
+
+def cmd_run(recipe: str, argv: list[str]) -> int:
+    path = resolve_recipe(recipe)
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    sys.argv = [str(path), *argv]
+    sys.path.insert(0, str(path.parent))  # as `python recipes/x.py`: the script's folder is importable
+    try:
+        return _exit_code(lambda: _run_script(path))
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+
+
+def _run_script(path: Path) -> int:
+    runpy.run_path(str(path), run_name="__main__")
+    return 0
+
+
+def cmd_card(args: argparse.Namespace) -> int:
+    from .hub import write_model_card
+
+    fields = {
+        "teacher": args.teacher,
+        "datasets": args.dataset,
+        "dataset_name": args.dataset_name,
+        "license": args.license,
+        "language": args.language,
+        "method": args.method,
+        "model_name": args.repo_id,
+    }
+    path = write_model_card(args.student_dir, **{k: v for k, v in fields.items() if v})
+    print(f"Wrote {path}")
+    return 0
+
+
+def cmd_push(args: argparse.Namespace) -> int:
+    from .hub import CARD_FILE, DEFAULT_COMMIT_MESSAGE, push_student, upload_files, write_model_card
+
+    folder = Path(args.student_dir)
+    upload_files(folder)  # refuse a folder that is not a student before writing anything into it
+    if not (folder / CARD_FILE).is_file():
+        print(f"Writing a model card first: {write_model_card(folder, model_name=args.repo_id)}")
+    url = push_student(
+        folder,
+        args.repo_id,
+        private=args.private or None,
+        revision=args.revision,
+        token=args.token,
+        commit_message=args.commit_message or DEFAULT_COMMIT_MESSAGE,
+        endpoint=args.endpoint,
+    )
+    print(f"Pushed {folder} to {args.repo_id}: {url}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from .report import make_report
+
+    for path in make_report(args.output_dir).values():
+        print(f"Wrote {path}")
+    return 0
+
+
+def _exit_code(run) -> int:
+    """Run a script-like callable and turn its return value or SystemExit into an exit code."""
+    try:
+        code = run()
+    except SystemExit as exit_:
+        code = exit_.code
+    if code is None or code is True:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(f"error: {code}", file=sys.stderr)  # sys.exit("message") prints and exits 1, as Python does
+    return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `hf-distill` console script; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    from .hub import HubPushError
+
+    try:
+        # demo and run hand every remaining argument (--help included) to the script they start.
+        if argv[:1] == ["demo"]:
+            return cmd_demo(argv[1:])
+        if argv[:1] == ["run"] and len(argv) > 1 and not argv[1].startswith("-"):
+            return cmd_run(argv[1], argv[2:])
+        parser = build_parser()
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as exit_:
+            return exit_.code if isinstance(exit_.code, int) else 2
+        if args.command is None:
+            parser.print_help()
+            return 2
+        return {"card": cmd_card, "push": cmd_push, "report": cmd_report}[args.command](args)
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else 2
+    except CommandError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return error.code
+    except (HubPushError, FileNotFoundError, NotADirectoryError, ValueError, ImportError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,392 @@
+"""Distillation losses: pure functions of student and teacher tensors.
+
+Every function returns a float32 scalar that is differentiable w.r.t. the student arguments. Inputs of
+any floating dtype are upcast with ``.float()`` before any arithmetic, so bf16/fp16 activations give the
+same (stable) result as float32 ones. Log-probabilities always come from ``log_softmax``.
+
+Shapes: logits ``(B, C)`` or ``(B, T, C)``; hidden states ``(B, T, D)``; attention scores
+``(B, H, T, T)``; ``mask`` is ``(B, T)`` (``(B,)`` for ``(B, C)`` logits) with non-zero for real
+tokens, in any int/bool/float dtype. Padded positions are replaced by zeros *before* the loss is
+computed, so whatever they hold (even inf/NaN) changes neither the value nor the gradient, and a mask
+without a single real position gives a loss of exactly 0.
+
+References for the definitions:
+
+- Hinton et al., 2015, "Distilling the Knowledge in a Neural Network": KL at temperature T, scaled
+  by T**2 so gradient magnitudes do not shrink as T grows.
+- Sanh et al., 2019, DistilBERT: the same KL plus a cosine loss between hidden states.
+- Jiao et al., 2020, TinyBERT: soft cross-entropy on predictions, MSE on hidden states and on
+  pre-softmax attention scores.
+- Wang et al., 2020/2021, MiniLM and MiniLMv2: KL between self-attention (relation) distributions.
+- Sun et al., 2019, BERT-PKD: distance between L2-normalised [CLS] states.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "FEATURE_LOSSES",
+    "KD_LOSSES",
+    "TeacherLogits",
+    "attention_score_mse",
+    "cosine_loss",
+    "hidden_mse",
+    "kl_div",
+    "logit_kd_loss",
+    "logit_mse",
+    "pkd_loss",
+    "relation_kl",
+    "soft_cross_entropy",
+]
+
+TeacherLogits = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+"""Dense teacher logits ``(..., C)``, or top-k ``(values, indices)``, both ``(..., k)``."""
+
+
+# --------------------------------------------------------------------------------------------------
+# validation and masking helpers
+
+
+def _check_temperature(temperature: float) -> float:
+    try:
+        value = float(temperature)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    return value
+
+
+def _check_same_shape(fn: str, student: torch.Tensor, teacher: torch.Tensor) -> None:
+    if student.shape != teacher.shape:
+        raise ValueError(
+            f"{fn}: student shape {tuple(student.shape)} and teacher shape {tuple(teacher.shape)} differ; "
+            "add a projection (e.g. nn.Linear) that maps the student to the teacher's size"
+        )
+
+
+def _real_positions(mask: torch.Tensor | None, shape: torch.Size, device: torch.device, fn: str):
+    """Boolean mask of real positions with exactly ``shape``, or None when every position is real."""
+    if mask is None:
+        return None
+    if tuple(mask.shape) != tuple(shape):
+        raise ValueError(f"{fn}: mask shape {tuple(mask.shape)} does not match the positions {tuple(shape)}")
+    return mask.to(device=device) != 0
+
+
+def _zero_padding(x: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
+    """Zero the padded positions so their content cannot reach the value or the gradient."""
+    if real is None:
+        return x
+    return torch.where(real.unsqueeze(-1), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _mean_over_positions(per_position: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
+    """Mean over the real positions; 0 (not 0/0) when there are none."""
+    if real is None:
+        return per_position.sum() / max(per_position.numel(), 1)
+    total = torch.where(real, per_position, 0.0).sum()
+    return total / real.sum().clamp_min(1)
+
+
+# --------------------------------------------------------------------------------------------------
+# logit distillation
+
+
+def _log_probs(
+    fn: str,
+    student_logits: torch.Tensor,
+    teacher_logits: TeacherLogits,
+    temperature: float,
+    mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Teacher and student log-probabilities at temperature ``T`` over the teacher's support.
+
+    Dense teacher: both are ``log_softmax(x / T)`` over all ``C`` classes. Top-k teacher
+    ``(values, indices)``: the teacher distribution is ``softmax(values / T)``, i.e. renormalised over
+    its k classes, while the student's log-probabilities are ``log_softmax(s / T)`` over *all* classes,
+    gathered at ``indices`` (the standard top-k approximation used by offline logit caches such as
+    DistillKit's compressed teacher outputs). Indices are assumed distinct, as ``torch.topk`` gives.
+    """
+    s = student_logits.float()
+    real = _real_positions(mask, s.shape[:-1], s.device, fn)
+    s = _zero_padding(s, real)
+    if isinstance(teacher_logits, tuple | list):
+        if len(teacher_logits) != 2:
+            raise ValueError(f"{fn}: sparse teacher logits must be a (values, indices) pair")
+        values, indices = teacher_logits
+        if values.shape != indices.shape:
+            raise ValueError(
+                f"{fn}: top-k teacher values {tuple(values.shape)} and indices {tuple(indices.shape)} differ"
+            )
+        if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
+            raise ValueError(f"{fn}: top-k teacher indices must be an integer tensor, got {indices.dtype}")
+        if values.shape[:-1] != s.shape[:-1] or not 0 < values.shape[-1] <= s.shape[-1]:
+            raise ValueError(
+                f"{fn}: top-k teacher shape {tuple(values.shape)} does not fit student shape "
+                f"{tuple(s.shape)} (need the same leading dims and 0 < k <= C)"
+            )
+        values = _zero_padding(values.float(), real)
+        indices = indices.to(device=s.device, dtype=torch.long)
+        if real is not None:
+            indices = torch.where(real.unsqueeze(-1), indices, 0)
+        log_p = F.log_softmax(values / temperature, dim=-1)
+        log_q = F.log_softmax(s / temperature, dim=-1).gather(-1, indices)
+    else:
+        _check_same_shape(fn, student_logits, teacher_logits)
+        t = _zero_padding(teacher_logits.float(), real)
+        log_p = F.log_softmax(t / temperature, dim=-1)
+        log_q = F.log_softmax(s / temperature, dim=-1)
+    return log_p, log_q, real
+
+
+def kl_div(
+    student_logits: torch.Tensor,
+    teacher_logits: TeacherLogits,
+    temperature: float = 1.0,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``T**2 * KL(softmax(t/T) || softmax(s/T))`` summed over classes, averaged over items.
+
+    Hinton et al. (2015) / DistilBERT. Items are the rows of ``(B, C)`` logits or the positions of
+    ``(B, T, C)`` logits (only the real ones when ``mask`` is given). ``teacher_logits`` may be a top-k
+    ``(values, indices)`` pair, see :func:`_log_probs`.
+    """
+    temperature = _check_temperature(temperature)
+    log_p, log_q, real = _log_probs("kl_div", student_logits, teacher_logits, temperature, mask)
+    p = log_p.exp()
+    # classes the teacher gives exactly zero mass contribute 0, even where log-probs are -inf
+    per_item = torch.where(p > 0, p * (log_p - log_q), 0.0).sum(-1)
+    return temperature**2 * _mean_over_positions(per_item, real)
+
+
+def soft_cross_entropy(
+    student_logits: torch.Tensor,
+    teacher_logits: TeacherLogits,
+    temperature: float = 1.0,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``-(softmax(t/T) * log_softmax(s/T)).sum(-1)`` averaged over items, without ``T**2``.
+
+    TinyBERT's prediction-layer loss. It differs from :func:`kl_div` (at ``T=1``) by the teacher's
+    entropy, so it is minimal, not zero, when student and teacher agree. Accepts top-k teacher logits.
+    """
+    temperature = _check_temperature(temperature)
+    log_p, log_q, real = _log_probs("soft_cross_entropy", student_logits, teacher_logits, temperature, mask)
+    p = log_p.exp()
+    per_item = -torch.where(p > 0, p * log_q, 0.0).sum(-1)
+    return _mean_over_positions(per_item, real)
+
+
+def _squared_error_mean(fn: str, student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor | None):
+    """Global mean of squared errors over real positions and the last (feature/class) dim."""
+    _check_same_shape(fn, student, teacher)
+    s = student.float()
+    real = _real_positions(mask, s.shape[:-1], s.device, fn)
+    diff = _zero_padding(s, real) - _zero_padding(teacher.float(), real)
+    sq = diff.square()
+    if real is None:
+        return sq.sum() / max(sq.numel(), 1)
+    return sq.sum() / (real.sum().clamp_min(1) * s.shape[-1])
+
+
+def logit_mse(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Squared error of raw logits averaged over items and classes.
+
+    Logit regression as in Ba & Caruana (2014), "Do Deep Nets Really Need to be Deep?" (see also Kim et
+    al., 2021, comparing it with KL); raw logits are compared, so there is no temperature. Needs dense
+    teacher logits.
+    """
+    if isinstance(teacher_logits, tuple | list):
+        raise ValueError(
+            "logit_mse needs dense teacher logits; top-k (values, indices) works with kl / soft_ce only"
+        )
+    return _squared_error_mean("logit_mse", student_logits, teacher_logits, mask)
+
+
+KD_LOSSES: dict[str, Callable[..., torch.Tensor]] = {
+    "kl": kl_div,
+    "soft_ce": soft_cross_entropy,
+    "mse": logit_mse,
+}
+"""Logit KD objectives by config name."""
+
+
+def logit_kd_loss(
+    kind: str,
+    student_logits: torch.Tensor,
+    teacher_logits: TeacherLogits,
+    temperature: float,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dispatch to the logit KD objective named ``kind`` (a key of :data:`KD_LOSSES`).
+
+    ``"mse"`` compares raw logits and ignores ``temperature`` (as in TinyBERT and DistilBERT, where the
+    temperature only enters the softmax-based terms); ``temperature`` is still validated for all kinds
+    so a bad config fails the same way whichever objective it selects.
+    """
+    if kind not in KD_LOSSES:
+        raise ValueError(f"unknown logit KD kind {kind!r}; known kinds: {', '.join(sorted(KD_LOSSES))}")
+    temperature = _check_temperature(temperature)
+    if kind == "mse":
+        return logit_mse(student_logits, teacher_logits, mask)
+    return KD_LOSSES[kind](student_logits, teacher_logits, temperature, mask)
+
+
+# --------------------------------------------------------------------------------------------------
+# intermediate-layer (feature) distillation
+
+
+def hidden_mse(
+    student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Squared error of hidden states, one global mean over real positions and features.
+
+    TinyBERT's hidden-state loss (after any projection of the student). Equals ``F.mse_loss`` when
+    ``mask`` is None; with a mask, padding neither contributes nor dilutes the mean.
+    """
+    return _squared_error_mean("hidden_mse", student, teacher, mask)
+
+
+def cosine_loss(
+    student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``1 - cos(s, t)`` per token, averaged over real positions (DistilBERT's cosine-embedding term)."""
+    _check_same_shape("cosine_loss", student, teacher)
+    s = student.float()
+    real = _real_positions(mask, s.shape[:-1], s.device, "cosine_loss")
+    cos = F.cosine_similarity(_zero_padding(s, real), _zero_padding(teacher.float(), real), dim=-1)
+    return _mean_over_positions(1.0 - cos, real)
+
+
+def attention_score_mse(
+    student_scores: torch.Tensor, teacher_scores: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Squared error of pre-softmax attention scores ``(B, H, T, T)``, averaged over real pairs.
+
+    TinyBERT's attention loss, but the mean runs only over (batch, head, query, key) entries whose query
+    and key are both real, so the value does not depend on how much padding the batch has (TinyBERT
+    instead zeroes scores below -100 and averages over every entry). Entries at real pairs must be
+    finite: causal models should pass scores whose masked future entries are equal in both models.
+    """
+    _check_same_shape("attention_score_mse", student_scores, teacher_scores)
+    s = student_scores.float()
+    t = teacher_scores.float()
+    if mask is None:
+        sq = (s - t).square()
+        return sq.sum() / max(sq.numel(), 1)
+    if s.dim() != 4 or s.shape[-1] != s.shape[-2]:
+        raise ValueError(
+            f"attention_score_mse: scores must be (B, H, T, T) when a mask is given, got {tuple(s.shape)}"
+        )
+    real = _real_positions(mask, torch.Size((s.shape[0], s.shape[-1])), s.device, "attention_score_mse")
+    pair = (real[:, :, None] & real[:, None, :]).unsqueeze(1).expand_as(s)
+    zero = torch.zeros((), dtype=s.dtype, device=s.device)
+    diff = torch.where(pair, s, zero) - torch.where(pair, t, zero)
+    return diff.square().sum() / pair.sum().clamp_min(1)
+
+
+def _relation_log_probs(a: torch.Tensor, b: torch.Tensor, num_heads: int, keys: torch.Tensor | None):
+    """``log_softmax(a_h b_h^T / sqrt(d_h))`` per head, ``(B, H, T, T)``, with padded keys at -inf."""
+    batch, length, dim = a.shape
+    head_dim = dim // num_heads
+    a_h = a.reshape(batch, length, num_heads, head_dim).transpose(1, 2)
+    b_h = b.reshape(batch, length, num_heads, head_dim).transpose(1, 2)
+    scores = a_h @ b_h.transpose(-1, -2) / math.sqrt(head_dim)
+    if keys is not None:
+        scores = scores.masked_fill(~keys[:, None, None, :], float("-inf"))
+    return F.log_softmax(scores, dim=-1)
+
+
+def relation_kl(
+    student_a: torch.Tensor,
+    student_b: torch.Tensor,
+    teacher_a: torch.Tensor,
+    teacher_b: torch.Tensor,
+    num_heads: int,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """KL between teacher and student self-relation distributions (MiniLM / MiniLMv2).
+
+    Each ``(B, T, D)`` input is split into ``num_heads`` contiguous heads; per head
+    ``R = softmax(a_h b_h^T / sqrt(d_h))`` over the real keys, with ``d_h`` each model's own head dim, so
+    student and teacher hidden sizes may differ. ``KL(R_teacher || R_student)`` is summed over keys,
+    averaged over heads and the real queries of each example, then over the examples that have at least
+    one real token. MiniLM: attention = ``(Q, K)`` with the model's heads and value relation = ``(V, V)``;
+    MiniLMv2: ``(Q, Q) + (K, K) + (V, V)`` with a chosen number of relation heads.
+    """
+    for name, x in (
+        ("student_a", student_a),
+        ("student_b", student_b),
+        ("teacher_a", teacher_a),
+        ("teacher_b", teacher_b),
+    ):
+        if x.dim() != 3:
+            raise ValueError(f"relation_kl: {name} must be (B, T, D), got shape {tuple(x.shape)}")
+    if student_a.shape != student_b.shape:
+        raise ValueError(
+            f"relation_kl: student_a {tuple(student_a.shape)} and student_b {tuple(student_b.shape)} differ"
+        )
+    if teacher_a.shape != teacher_b.shape:
+        raise ValueError(
+            f"relation_kl: teacher_a {tuple(teacher_a.shape)} and teacher_b {tuple(teacher_b.shape)} differ"
+        )
+    if student_a.shape[:2] != teacher_a.shape[:2]:
+        raise ValueError(
+            f"relation_kl: student {tuple(student_a.shape)} and teacher {tuple(teacher_a.shape)} need the "
+            "same (B, T)"
+        )
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+        raise ValueError(f"relation_kl: num_heads must be a positive int, got {num_heads!r}")
+    for who, x in (("student", student_a), ("teacher", teacher_a)):
+        if x.shape[-1] % num_heads:
+            raise ValueError(
+                f"relation_kl: num_heads={num_heads} does not divide the {who} hidden size {x.shape[-1]}"
+            )
+
+    real = _real_positions(mask, student_a.shape[:2], student_a.device, "relation_kl")
+    # an example without real tokens keeps all keys so its (ignored) rows stay finite
+    keys = None if real is None else real | ~real.any(-1, keepdim=True)
+    log_q = _relation_log_probs(
+        _zero_padding(student_a.float(), real), _zero_padding(student_b.float(), real), num_heads, keys
+    )
+    log_p = _relation_log_probs(
+        _zero_padding(teacher_a.float(), real), _zero_padding(teacher_b.float(), real), num_heads, keys
+    )
+    p = log_p.exp()
+    per_query = torch.where(p > 0, p * (log_p - log_q), 0.0).sum(-1)  # (B, H, T)
+    if real is None:
+        return per_query.mean(dim=(1, 2)).sum() / max(per_query.shape[0], 1)
+    n_real = real.sum(-1)
+    per_example = torch.where(real[:, None, :], per_query, 0.0).sum(dim=(1, 2))
+    per_example = per_example / (num_heads * n_real.clamp_min(1))
+    return per_example.sum() / (n_real > 0).sum().clamp_min(1)
+
+
+def pkd_loss(student_cls: torch.Tensor, teacher_cls: torch.Tensor) -> torch.Tensor:
+    """``||s/||s|| - t/||t|| ||^2`` summed over features, averaged over the batch (BERT-PKD).
+
+    Normalising first makes the loss independent of the two models' activation scales.
+    """
+    _check_same_shape("pkd_loss", student_cls, teacher_cls)
+    s = F.normalize(student_cls.float(), dim=-1)
+    t = F.normalize(teacher_cls.float(), dim=-1)
+    per_item = (s - t).square().sum(-1)
+    return per_item.sum() / max(per_item.numel(), 1)
+
+
+FEATURE_LOSSES: dict[str, Callable[..., torch.Tensor]] = {
+    "hidden_mse": hidden_mse,
+    "cosine_loss": cosine_loss,
+    "attention_score_mse": attention_score_mse,
+    "relation_kl": relation_kl,
+    "pkd_loss": pkd_loss,
+}
+"""Intermediate-layer objectives by name (their signatures differ; see each function)."""

@@ -1,0 +1,711 @@
+"""What a distillation run produced, gathered once so that model cards, the CLI and plots agree.
+
+`DistillationReport` holds the facts a model card states (teacher, method, losses, sizes, speed, metrics,
+training settings). It is filled from a live `DistillationTrainer` (`from_trainer`), from a saved student
+folder (`from_folder`: `config.json`, `trainer_state.json`, `training_args.bin`, `results.json`), or by
+hand in a recipe. A field that could not be measured stays empty and the card leaves it out: the card
+never shows a placeholder.
+
+`make_report(output_dir)` draws the loss components against steps (`loss_components.png`) and, when the
+folder holds several runs, accuracy against parameter count (`accuracy_vs_params.png`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPORT_FILE = "distillation_report.json"
+RESULTS_FILE = "results.json"
+LOSS_PLOT = "loss_components.png"
+ACCURACY_PLOT = "accuracy_vs_params.png"
+
+# Student head -> Hub pipeline tag; the first matching suffix of the architecture name wins.
+_HEAD_TASKS = (
+    ("ForSequenceClassification", "text-classification"),
+    ("ForTokenClassification", "token-classification"),
+    ("ForQuestionAnswering", "question-answering"),
+    ("ForMaskedLM", "fill-mask"),
+    ("ForMultipleChoice", "multiple-choice"),
+    ("ForCausalLM", "text-generation"),
+    ("Model", "feature-extraction"),
+)
+_NOT_METRICS = {
+    "runtime",
+    "samples_per_second",
+    "steps_per_second",
+    "epoch",
+    "step",
+    "loss",
+    "jit_compilation_time",
+}
+_WEIGHTS = re.compile(r"(model|pytorch_model|adapter_model)(-\d+-of-\d+)?\.(safetensors|bin)")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass
+class DistillationReport:
+    """The facts of one distillation run that a model card reports. Every field is optional."""
+
+    model_name: str | None = None  # repo id or folder name: the card's title and model-index name
+    teacher: str | None = None  # Hub id when known, else a name or a local path
+    method: str | None = None  # distilbert, tinybert, minilm, minilmv2, bert-pkd, logit-kd, feature-kd
+    architecture: str | None = None  # the student's class, e.g. BertForSequenceClassification
+    pipeline_tag: str | None = None
+    student_init: dict[str, Any] = field(default_factory=dict)  # student.config.distillation
+    distillation: dict[str, Any] = field(default_factory=dict)  # DistillationArguments.distillation_summary()
+    stages: list[str] = field(default_factory=list)
+    datasets: list[str] = field(default_factory=list)  # Hub dataset ids
+    dataset_name: str | None = None
+    dataset_config: str | None = None
+    dataset_split: str | None = None
+    augmentation: str | None = None
+    license: str | None = None
+    language: list[str] = field(default_factory=list)
+    tags: list[str] = field(default_factory=list)  # extra tags on top of the card's own
+    student_shape: dict[str, int] = field(default_factory=dict)  # layers, hidden size, heads
+    teacher_shape: dict[str, int] = field(default_factory=dict)
+    student_params: int | None = None
+    teacher_params: int | None = None
+    student_size_bytes: int | None = None
+    teacher_size_bytes: int | None = None
+    speedup: float | None = None
+    speedup_setup: str | None = None  # how the speed-up was measured
+    student_metrics: dict[str, float] = field(default_factory=dict)
+    teacher_metrics: dict[str, float] = field(default_factory=dict)
+    eval_step: int | None = None  # training step at which student_metrics were measured
+    training: dict[str, Any] = field(default_factory=dict)
+    loss_plot: str | None = None  # file name, relative to the student folder
+
+    # ------------------------------------------------------------------ (de)serialisation
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DistillationReport:
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def updated(self, **fields: Any) -> DistillationReport:
+        """A copy with the given fields replaced; None, {} and [] leave a field as it is."""
+        _check_fields(fields)
+        values = {k: v for k, v in fields.items() if not _empty(v)}
+        return dataclasses.replace(self, **values)
+
+    @property
+    def teacher_hub_id(self) -> str | None:
+        """The teacher as a Hub model id, or None when it is a local path or a bare name."""
+        return hub_id(self.teacher)
+
+    # ------------------------------------------------------------------ sources
+
+    @classmethod
+    def from_trainer(
+        cls,
+        trainer: Any,
+        *,
+        measure_speed: bool = True,
+        evaluate_teacher: bool = True,
+        speed_batches: int = 8,
+        **fields: Any,
+    ) -> DistillationReport:
+        """Everything a `DistillationTrainer` knows after training; `fields` override what it found.
+
+        The speed-up is measured on up to `speed_batches` evaluation batches (training batches when there
+        is no evaluation set). The teacher is evaluated with the trainer's `compute_metrics` on the
+        evaluation set, so that the card can say how much of the teacher's quality the student keeps.
+        """
+        from . import measure
+        from .taps import unwrap
+
+        _check_fields(fields)
+        student = unwrap(trainer.model)
+        teacher = getattr(trainer, "teacher", None)
+        args = trainer.args
+        found: dict[str, Any] = _from_config(
+            getattr(student, "config", None), student_class=type(student).__name__
+        )
+        found["model_name"] = (
+            getattr(trainer, "hub_model_id", None) or args.hub_model_id or Path(args.output_dir).name
+        )
+        if teacher is not None:
+            t_config = getattr(teacher, "config", None)
+            found["teacher_shape"] = _shape(t_config)
+            found["teacher_params"] = measure.count_parameters(teacher)
+            t_path = getattr(t_config, "_name_or_path", "") or ""
+            if t_path:
+                found["teacher"] = t_path
+            if t_path and os.path.isdir(t_path):
+                found["teacher_size_bytes"] = weight_bytes(t_path)
+        found["student_params"] = measure.count_parameters(student)
+        if hasattr(args, "distillation_summary"):
+            found["distillation"] = args.distillation_summary()
+            found["method"] = detect_method(found["distillation"])
+        found["training"] = _training_from_args(args, trainer.state)
+        metrics, step = latest_eval_metrics(trainer.state.log_history)
+        found["student_metrics"], found["eval_step"] = metrics, step
+        if teacher is not None and evaluate_teacher and metrics:
+            found["teacher_metrics"] = {k: v for k, v in _evaluate_teacher(trainer).items() if k in metrics}
+        if teacher is not None and measure_speed:
+            batches = _speed_batches(trainer, speed_batches)
+            if batches:
+                found["speedup"] = measure.speedup(teacher, student, batches, repeats=3)
+                size = len(next(iter(batches[0].values())))
+                device = next(student.parameters()).device
+                found["speedup_setup"] = (
+                    f"teacher time / student time over {len(batches)} batches of {size} "
+                    f"{'evaluation' if trainer.eval_dataset is not None else 'training'} examples, "
+                    f"no gradients, {device.type}, fp32, median of 3 interleaved passes"
+                )
+        return cls.from_dict(_merge(found, fields))
+
+    @classmethod
+    def from_folder(cls, folder: str | os.PathLike, **fields: Any) -> DistillationReport:
+        """What a saved student folder says about its run; `fields` override it.
+
+        Read, later sources winning: `config.json`, `trainer_state.json` (the folder's or its latest
+        checkpoint's), `training_args.bin` and the weight files; then `distillation_report.json` (what the
+        last card said, measured by the trainer); last `results.json` (a recipe's or the demo's
+        measurements: `teacher`, `method`, `dataset(s)`, `license`, `speedup`, `student_parameters`/`params`,
+        `teacher_parameters`, `*_size_bytes`, `student_metrics`/`teacher_metrics` dicts or flat
+        `student_<metric>`/`teacher_<metric>` numbers, `accuracy`, `learning_rate`, `epochs`, `seed`,
+        `bf16`, `distillation`).
+        """
+
+        _check_fields(fields)
+        folder = Path(folder)
+        if not folder.is_dir():
+            raise FileNotFoundError(f"{folder} is not a folder.")
+        found: dict[str, Any] = {"model_name": folder.resolve().name}
+        config = _read_json(folder / "config.json")
+        if config:
+            arch = (config.get("architectures") or [None])[0]
+            found.update(_from_config(config, student_class=arch))
+        state_path = find_trainer_state(folder)
+        if state_path is not None:
+            state = _read_json(state_path)
+            found["student_metrics"], found["eval_step"] = latest_eval_metrics(state.get("log_history", []))
+            found["training"] = _training_from_state(state)
+        targs = _load_training_args(folder / "training_args.bin")
+        if targs is not None:
+            found["training"] = {**found.get("training", {}), **_training_from_args(targs, None)}
+            if hasattr(targs, "distillation_summary"):
+                found["distillation"] = targs.distillation_summary()
+        found["student_params"] = _stored_parameters(folder)
+        found["student_size_bytes"] = weight_bytes(folder)
+        # The teacher's folder, when config.json (or the caller) names a local one: its facts are real too.
+        local = [Path(str(t)) for t in (found.get("teacher"), fields.get("teacher")) if t]
+        teacher_dir = next((t for t in local if (t / "config.json").is_file()), None)
+        if teacher_dir is not None:
+            found["teacher_shape"] = _shape(_read_json(teacher_dir / "config.json"))
+            found["teacher_params"] = _stored_parameters(teacher_dir)
+            found["teacher_size_bytes"] = weight_bytes(teacher_dir)
+        if (folder / LOSS_PLOT).is_file():
+            found["loss_plot"] = LOSS_PLOT
+        merged: dict[str, Any] = {}
+        results = _from_results(_read_json(folder / RESULTS_FILE))
+        for layer in (found, _read_json(folder / REPORT_FILE), results):
+            merged = _merge(merged, layer)
+        if "method" not in merged and merged.get("distillation"):
+            merged["method"] = detect_method(merged["distillation"])
+        return cls.from_dict(_merge(merged, fields))
+
+
+# ---------------------------------------------------------------------- helpers used by the card
+
+
+def hub_id(name: str | None) -> str | None:
+    """`name` if it reads as a Hub model id (`org/name`) and is not a local path."""
+    if not name or os.path.exists(name) or not _HUB_ID.match(name) or ".." in name:
+        return None
+    return name
+
+
+def pipeline_tag_for(architecture: str | None) -> str | None:
+    if not architecture:
+        return None
+    return next((tag for suffix, tag in _HEAD_TASKS if architecture.endswith(suffix)), None)
+
+
+def detect_method(summary: dict[str, Any]) -> str:
+    """The published method a loss configuration follows, named as the card's tag."""
+    preset = summary.get("distill_preset") or ""
+    if preset.startswith("tinybert"):
+        return "tinybert"
+    if preset in ("distilbert", "minilm", "minilmv2"):
+        return preset
+    terms = summary.get("distill_terms") or []
+    losses = {t.get("loss") for t in terms}
+    relations = {r for t in terms for r in t.get("relations") or []}
+    if "attention_score_mse" in losses:
+        return "tinybert"
+    if relations & {"qq", "kk"}:
+        return "minilmv2"
+    if "relation_kl" in losses:
+        return "minilm"
+    if "pkd_loss" in losses:
+        return "bert-pkd"
+    if "cosine_loss" in losses:
+        return "distilbert"
+    if losses:
+        return "feature-kd"
+    return "logit-kd"
+
+
+def latest_eval_metrics(log_history: list[dict[str, Any]]) -> tuple[dict[str, float], int | None]:
+    """The last evaluation's metrics (without the `eval_` prefix, loss and timings) and its step."""
+    for entry in reversed(log_history or []):
+        metrics = {
+            k[len("eval_") :]: float(v)
+            for k, v in entry.items()
+            if k.startswith("eval_") and _number(v) and k[len("eval_") :] not in _NOT_METRICS
+        }
+        if metrics:
+            return metrics, entry.get("step")
+    return {}, None
+
+
+def weight_bytes(folder: str | os.PathLike) -> int | None:
+    """Bytes of a saved model's weight files (what `from_pretrained` loads and the Hub stores). Unlike
+    `measure.size_on_disk`, `training_args.bin` or optimizer files next to the weights do not count."""
+    files = [p for p in Path(folder).iterdir() if p.is_file() and _WEIGHTS.fullmatch(p.name)]
+    return sum(p.stat().st_size for p in files) or None
+
+
+def find_trainer_state(folder: str | os.PathLike) -> Path | None:
+    """`trainer_state.json` of the folder or of its checkpoints, whichever went furthest."""
+    folder = Path(folder)
+    candidates = [folder / "trainer_state.json", *folder.glob("checkpoint-*/trainer_state.json")]
+    found = [(int(_read_json(p).get("global_step") or 0), p) for p in candidates if p.is_file()]
+    return max(found, key=lambda item: (item[0], item[1] == candidates[0]))[1] if found else None
+
+
+# ---------------------------------------------------------------------- plots
+
+
+def make_report(output_dir: str | os.PathLike) -> dict[str, Path]:
+    """Write the run's plots into `output_dir`; returns {plot name: path}."""
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        raise FileNotFoundError(f"{output_dir} is not a folder.")
+    written: dict[str, Path] = {}
+    state = find_trainer_state(output_dir)
+    if state is not None:
+        written["loss_components"] = plot_loss_components(state, output_dir / LOSS_PLOT)
+    runs = collect_runs(output_dir)
+    if len(runs) >= 2:
+        written["accuracy_vs_params"] = plot_accuracy_vs_params(runs, output_dir / ACCURACY_PLOT)
+    if not written:
+        raise FileNotFoundError(
+            f"Nothing to plot in {output_dir}: no trainer_state.json (in it or a checkpoint-* folder) and "
+            f"fewer than two run folders with a {RESULTS_FILE} holding `accuracy` and `params`."
+        )
+    return written
+
+
+def loss_series(log_history: list[dict[str, Any]]) -> dict[str, tuple[list[int], list[float]]]:
+    """{logged loss name: (steps, values)} for every key starting with `loss` (train logs only)."""
+    series: dict[str, tuple[list[int], list[float]]] = {}
+    for entry in log_history:
+        if "step" not in entry:
+            continue
+        for key, value in entry.items():
+            if key.startswith("loss") and _number(value):
+                steps, values = series.setdefault(key, ([], []))
+                steps.append(entry["step"])
+                values.append(float(value))
+    return series
+
+
+def plot_loss_components(trainer_state: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """Every logged loss (`loss`, `loss_kd`, `loss_hidden`, ...) against the training step."""
+    series = loss_series(_read_json(Path(trainer_state)).get("log_history", []))
+    if not series:
+        raise ValueError(f"{trainer_state} logs no loss: train with logging_steps > 0 to get a loss curve.")
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
+    for key in sorted(series, key=lambda k: (k != "loss", k)):
+        steps, values = series[key]
+        ax.plot(
+            steps,
+            values,
+            marker="o" if len(steps) < 30 else None,
+            linewidth=2 if key == "loss" else 1.2,
+            label=key,
+        )
+    ax.set_xlabel("training step")
+    ax.set_ylabel("loss (unweighted components, weighted total)")
+    folder = Path(trainer_state).resolve().parent
+    run = folder.parent.name if folder.name.startswith("checkpoint-") else folder.name
+    ax.set_title(f"Loss components: {run}")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    return _save(fig, plt, out)
+
+
+def collect_runs(output_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """Runs below `output_dir` (one level) whose results.json has an accuracy and a parameter count."""
+    runs = []
+    for path in sorted(Path(output_dir).glob(f"*/{RESULTS_FILE}")):
+        data = _read_json(path)
+        accuracy = data.get("accuracy", data.get("student_accuracy"))
+        params = data.get("params", data.get("student_parameters"))
+        if _number(accuracy) and _number(params):
+            runs.append(
+                {
+                    "name": path.parent.name,
+                    "accuracy": float(accuracy),
+                    "params": int(params),
+                    "teacher_accuracy": data.get("teacher_accuracy"),
+                    "teacher_params": data.get("teacher_params", data.get("teacher_parameters")),
+                }
+            )
+    return runs
+
+
+def plot_accuracy_vs_params(runs: list[dict[str, Any]], out: str | os.PathLike) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
+    ax.scatter(
+        [r["params"] / 1e6 for r in runs], [r["accuracy"] for r in runs], s=50, label="students", zorder=3
+    )
+    for r in runs:
+        ax.annotate(
+            r["name"],
+            (r["params"] / 1e6, r["accuracy"]),
+            textcoords="offset points",
+            xytext=(5, 5),
+            fontsize=8,
+        )
+    teachers = {
+        (r["teacher_params"], r["teacher_accuracy"])
+        for r in runs
+        if _number(r["teacher_params"]) and _number(r["teacher_accuracy"])
+    }
+    if teachers:
+        ax.scatter(
+            [p / 1e6 for p, _ in teachers],
+            [a for _, a in teachers],
+            marker="*",
+            s=200,
+            color="tab:red",
+            label="teacher",
+            zorder=3,
+        )
+    ax.set_xscale("log")
+    ax.set_xlabel("parameters (millions, log scale)")
+    ax.set_ylabel("accuracy")
+    ax.set_title("Accuracy against size")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    return _save(fig, plt, out)
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError("Plots need matplotlib: pip install 'hf-distill[plots]'.") from None
+    matplotlib.use("Agg")  # no display on training machines
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, plt, out: str | os.PathLike) -> Path:
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return Path(out)
+
+
+# ---------------------------------------------------------------------- collection internals
+
+
+def _check_fields(fields: dict[str, Any]) -> None:
+    known = {f.name for f in dataclasses.fields(DistillationReport)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise TypeError(f"Unknown DistillationReport field(s) {unknown}. Known: {', '.join(sorted(known))}.")
+
+
+def _empty(value: Any) -> bool:
+    return value is None or (isinstance(value, (dict, list, tuple, str)) and len(value) == 0)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in update.items():
+        if _empty(value):
+            continue
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and key == "training":
+            out[key] = {**out[key], **value}
+        else:
+            out[key] = value
+    return out
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _get(config: Any, key: str) -> Any:
+    return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+
+
+def _shape(config: Any) -> dict[str, int]:
+    if config is None:
+        return {}
+    keys = {
+        "layers": ("num_hidden_layers", "n_layers", "num_layers"),
+        "hidden": ("hidden_size", "dim", "d_model"),
+        "heads": ("num_attention_heads", "n_heads"),
+    }
+    shape = {}
+    for name, candidates in keys.items():
+        value = next((_get(config, k) for k in candidates if _number(_get(config, k))), None)
+        if value is not None:
+            shape[name] = int(value)
+    return shape
+
+
+def _from_config(config: Any, student_class: str | None) -> dict[str, Any]:
+    found: dict[str, Any] = {
+        "architecture": student_class,
+        "pipeline_tag": pipeline_tag_for(student_class),
+        "student_shape": _shape(config),
+    }
+    init = _get(config, "distillation") if config is not None else None
+    if isinstance(init, dict):
+        found["student_init"] = dict(init)
+        found["teacher"] = init.get("teacher_name_or_path") or None
+        if init.get("teacher_num_layers"):
+            found["teacher_shape"] = {"layers": int(init["teacher_num_layers"])}
+    return found
+
+
+def _precision(bf16: Any, fp16: Any) -> str:
+    if bf16:
+        return "bf16 mixed precision"
+    if fp16:
+        return "fp16 mixed precision"
+    return "fp32"
+
+
+def _training_from_args(args: Any, state: Any) -> dict[str, Any]:
+    per_device = args.per_device_train_batch_size
+    ga = args.gradient_accumulation_steps
+    world = getattr(args, "world_size", 1) or 1
+    training = {
+        "learning_rate": args.learning_rate,
+        "per_device_train_batch_size": per_device,
+        "gradient_accumulation_steps": ga,
+        "effective_batch_size": per_device * ga * world,
+        "precision": _precision(getattr(args, "bf16", False), getattr(args, "fp16", False)),
+        "seed": args.seed,
+        "optimizer": str(getattr(args.optim, "value", args.optim)),
+        "lr_scheduler": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
+        "weight_decay": args.weight_decay,
+    }
+    if args.max_steps and args.max_steps > 0:
+        training["max_steps"] = args.max_steps
+    else:
+        training["epochs"] = args.num_train_epochs
+    warmup = getattr(args, "warmup_steps", 0) or 0
+    if warmup:
+        training["warmup_steps"] = warmup
+    if state is not None and getattr(state, "global_step", 0):
+        training["steps"] = state.global_step
+        training["epochs_trained"] = round(float(state.epoch or 0), 4)
+    return training
+
+
+def _training_from_state(state: dict[str, Any]) -> dict[str, Any]:
+    training = {}
+    if state.get("global_step"):
+        training["steps"] = state["global_step"]
+    if _number(state.get("epoch")):
+        training["epochs_trained"] = round(float(state["epoch"]), 4)
+    if state.get("train_batch_size"):
+        training["per_device_train_batch_size"] = state["train_batch_size"]
+    return training
+
+
+def _load_training_args(path: Path) -> Any:
+    """`training_args.bin` without running arbitrary pickled code: weights-only loading, allowing only
+    classes from transformers, accelerate and hf_distill. None when the file is absent or foreign."""
+    if not path.is_file():
+        return None
+    import torch
+
+    try:
+        allowed = []
+        for name in torch.serialization.get_unsafe_globals_in_checkpoint(str(path)):
+            module, _, attr = name.rpartition(".")
+            if module.split(".")[0] not in ("transformers", "accelerate", "hf_distill"):
+                return None
+            obj = getattr(importlib.import_module(module), attr, None)
+            if not inspect.isclass(obj):
+                return None
+            allowed.append(obj)
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(str(path), weights_only=True)
+    except Exception:  # an unreadable or foreign file only means fewer facts on the card
+        return None
+
+
+def _stored_parameters(folder: Path) -> int | None:
+    """Parameters stored in the folder's safetensors weights, read from their headers (no model load)."""
+    files = sorted(folder.glob("model*.safetensors"))
+    if not files:
+        return None
+    from safetensors import safe_open
+
+    total = 0
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                n = 1
+                for dim in f.get_slice(key).get_shape():
+                    n *= dim
+                total += n
+    return total
+
+
+def _from_results(data: dict[str, Any]) -> dict[str, Any]:
+    """Map a results.json (recipe, demo) onto report fields; see `DistillationReport.from_folder`."""
+    if not data:
+        return {}
+    out: dict[str, Any] = {}
+    simple = {
+        "teacher": "teacher",
+        "method": "method",
+        "license": "license",
+        "augmentation": "augmentation",
+        "dataset_name": "dataset_name",
+        "dataset_config": "dataset_config",
+        "dataset_split": "dataset_split",
+        "speedup": "speedup",
+        "speedup_setup": "speedup_setup",
+        "stages": "stages",
+        "student_size_bytes": "student_size_bytes",
+        "teacher_size_bytes": "teacher_size_bytes",
+    }
+    for key, name in simple.items():
+        if isinstance(data.get(key), (str, int, float, list)) and not isinstance(data.get(key), bool):
+            out[name] = data[key]
+    datasets = data.get("datasets", data.get("dataset"))
+    if datasets:
+        out["datasets"] = [datasets] if isinstance(datasets, str) else list(datasets)
+    for key in ("student_parameters", "params"):
+        if _number(data.get(key)):
+            out["student_params"] = int(data[key])
+            break
+    if _number(data.get("teacher_parameters", data.get("teacher_params"))):
+        out["teacher_params"] = int(data.get("teacher_parameters", data.get("teacher_params")))
+    student = dict(data.get("student_metrics") or data.get("metrics") or {})
+    teacher = dict(data.get("teacher_metrics") or {})
+    skip = {"parameters", "params", "size_bytes", "layers", "metrics"}
+    for key, value in data.items():
+        for prefix, target in (("student_", student), ("teacher_", teacher)):
+            if key.startswith(prefix) and _number(value) and key[len(prefix) :] not in skip:
+                target[key[len(prefix) :]] = float(value)
+    if _number(data.get("accuracy")):
+        student.setdefault("accuracy", float(data["accuracy"]))
+    out["student_metrics"], out["teacher_metrics"] = student, teacher
+    if isinstance(data.get("distillation"), dict):
+        out["distillation"] = data["distillation"]
+    training = {}
+    for key, name in (
+        ("learning_rate", "learning_rate"),
+        ("epochs", "epochs"),
+        ("num_train_epochs", "epochs"),
+        ("seed", "seed"),
+        ("batch_size", "per_device_train_batch_size"),
+        ("per_device_train_batch_size", "per_device_train_batch_size"),
+        ("gradient_accumulation_steps", "gradient_accumulation_steps"),
+    ):
+        if _number(data.get(key)):
+            training[name] = data[key]
+    if isinstance(data.get("bf16"), bool) or isinstance(data.get("fp16"), bool):
+        training["precision"] = _precision(data.get("bf16"), data.get("fp16"))
+    out["training"] = training
+    return out
+
+
+def _teacher_batches(trainer: Any, limit: int | None, dataset: Any) -> list[dict[str, Any]]:
+    """Batches of `dataset` as the trainer collates them, on its device, in one process (no sharding)."""
+    from torch.utils.data import DataLoader
+
+    if dataset is None or isinstance(dataset, dict) or not hasattr(dataset, "__len__"):
+        return []
+    if trainer.args.remove_unused_columns and hasattr(dataset, "column_names"):
+        dataset = trainer._remove_unused_columns(dataset, description="model card")
+    loader = DataLoader(
+        dataset,
+        batch_size=trainer.args.per_device_eval_batch_size,
+        collate_fn=trainer.data_collator,
+        shuffle=False,
+    )
+    batches = []
+    for batch in loader:
+        batches.append(trainer._prepare_inputs(batch))
+        if limit is not None and len(batches) >= limit:
+            break
+    return batches
+
+
+def _speed_batches(trainer: Any, limit: int) -> list[dict[str, Any]]:
+    dataset = trainer.eval_dataset if trainer.eval_dataset is not None else trainer.train_dataset
+    batches = _teacher_batches(trainer, limit, dataset)
+    # Labels and cached teacher outputs would make the forward compute a loss: time inference only.
+    return [{k: v for k, v in b.items() if k != "labels" and not k.startswith("teacher_")} for b in batches]
+
+
+def _evaluate_teacher(trainer: Any) -> dict[str, float]:
+    """The teacher's metrics on the evaluation set, computed as the trainer computes the student's."""
+    import torch
+    from transformers.trainer_pt_utils import nested_concat, nested_numpify
+    from transformers.trainer_utils import EvalPrediction
+
+    if trainer.compute_metrics is None or getattr(trainer.args, "batch_eval_metrics", False):
+        return {}
+    teacher = trainer.teacher
+    names = set(inspect.signature(teacher.forward).parameters) - {"labels"}
+    preds = labels = None
+    with torch.no_grad(), trainer.accelerator.autocast():
+        for batch in _teacher_batches(trainer, None, trainer.eval_dataset):
+            if "labels" not in batch:
+                return {}
+            out = teacher(**{k: v for k, v in batch.items() if k in names})
+            logits = out.logits if hasattr(out, "logits") else out[0]
+            if trainer.preprocess_logits_for_metrics is not None:
+                logits = trainer.preprocess_logits_for_metrics(logits, batch["labels"])
+            preds = logits if preds is None else nested_concat(preds, logits, padding_index=-100)
+            labels = (
+                batch["labels"]
+                if labels is None
+                else nested_concat(labels, batch["labels"], padding_index=-100)
+            )
+    if preds is None:
+        return {}
+    if isinstance(preds, torch.Tensor):
+        preds = preds.float()  # numpy has no bfloat16
+    metrics = trainer.compute_metrics(EvalPrediction(nested_numpify(preds), nested_numpify(labels)))
+    return {k.removeprefix("eval_"): float(v) for k, v in metrics.items() if _number(v)}

@@ -1,0 +1,372 @@
+"""Build student models from a teacher: layer extraction (DistilBERT) or a smaller random copy (TinyBERT).
+
+Two ways to make a student:
+
+* :func:`from_teacher` keeps a subset of the teacher's encoder layers and copies every kept weight bit-exactly
+  (embeddings, pooler, task head included). DistilBERT initialised its 6-layer student this way from BERT-base
+  layers ``[0, 2, 4, 7, 9, 11]``; the benchmarks use a 3-layer student from layers ``[0, 2, 4]``.
+* :func:`shrink` builds a randomly initialised model of the same family, head and label space with a smaller
+  depth / width (TinyBERT's general student: 4 layers, hidden 312, 12 heads, FFN 1200).
+
+Both record their provenance in ``student.config.distillation`` so that it survives ``save_pretrained`` and a
+model card can cite the teacher later.
+
+Model families are looked up by ``config.model_type`` in :data:`STUDENT_FAMILIES`. BERT, RoBERTa, XLM-RoBERTa,
+CamemBERT, ELECTRA and DistilBERT are registered. Another encoder family needs one call, naming where its
+``nn.ModuleList`` of encoder layers lives relative to ``model.base_model`` and, if they differ from BERT's,
+the config fields that hold the sizes::
+
+    from hf_distill.students import register_family
+
+    register_family("data2vec-text", layers_path="encoder.layer")
+    register_family(
+        "my-encoder",
+        layers_path="blocks",
+        num_layers_field="n_layer",
+        hidden_size_field="d_model",
+        num_heads_field="n_head",
+        intermediate_size_field="d_ff",
+    )
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoModel, PreTrainedConfig, PreTrainedModel
+
+__all__ = [
+    "STUDENT_FAMILIES",
+    "StudentFamily",
+    "encoder_layers",
+    "from_teacher",
+    "get_family",
+    "register_family",
+    "shrink",
+]
+
+# Config lists with one entry per layer (transformers 5 convention). They must shrink with the layer stack,
+# otherwise the config fails validation or the model indexes past the end.
+_DEFAULT_PER_LAYER_FIELDS = ("layer_types", "mlp_layer_types")
+
+
+@dataclass(frozen=True)
+class StudentFamily:
+    """Where a family keeps its encoder layers and what its config calls the sizes.
+
+    ``layers_path`` is a dotted path from ``model.base_model`` to the ``nn.ModuleList`` of encoder layers, so
+    one entry serves the base model and every task head. ``follows_hidden_size`` lists config fields that
+    :func:`shrink` sets to the new hidden size when the teacher had them equal to its hidden size (ELECTRA's
+    ``embedding_size``); when they differ (a factorised embedding) they are kept.
+    """
+
+    layers_path: str
+    num_layers_field: str = "num_hidden_layers"
+    hidden_size_field: str = "hidden_size"
+    num_heads_field: str = "num_attention_heads"
+    intermediate_size_field: str = "intermediate_size"
+    per_layer_fields: tuple[str, ...] = _DEFAULT_PER_LAYER_FIELDS
+    follows_hidden_size: tuple[str, ...] = ()
+
+
+#: ``config.model_type`` -> :class:`StudentFamily`. Extend it with :func:`register_family`.
+STUDENT_FAMILIES: dict[str, StudentFamily] = {}
+
+
+def register_family(
+    model_type: str,
+    layers_path: str,
+    *,
+    num_layers_field: str = "num_hidden_layers",
+    hidden_size_field: str = "hidden_size",
+    num_heads_field: str = "num_attention_heads",
+    intermediate_size_field: str = "intermediate_size",
+    per_layer_fields: Sequence[str] = _DEFAULT_PER_LAYER_FIELDS,
+    follows_hidden_size: Sequence[str] = (),
+    overwrite: bool = False,
+) -> StudentFamily:
+    """Teach :func:`from_teacher` and :func:`shrink` a new ``model_type``.
+
+    Re-registering an identical entry is a no-op (so notebook cells can be re-run); changing an existing one
+    needs ``overwrite=True`` so a typo cannot silently break a built-in family.
+    """
+    family = StudentFamily(
+        layers_path=layers_path,
+        num_layers_field=num_layers_field,
+        hidden_size_field=hidden_size_field,
+        num_heads_field=num_heads_field,
+        intermediate_size_field=intermediate_size_field,
+        per_layer_fields=tuple(per_layer_fields),
+        follows_hidden_size=tuple(follows_hidden_size),
+    )
+    existing = STUDENT_FAMILIES.get(model_type)
+    if existing is not None and existing != family and not overwrite:
+        raise ValueError(
+            f"model_type {model_type!r} is already registered as {existing}; "
+            "pass overwrite=True to register_family to replace it."
+        )
+    STUDENT_FAMILIES[model_type] = family
+    return family
+
+
+for _model_type in ("bert", "roberta", "xlm-roberta", "camembert"):
+    register_family(_model_type, "encoder.layer")
+register_family("electra", "encoder.layer", follows_hidden_size=("embedding_size",))
+register_family(
+    "distilbert",
+    "transformer.layer",
+    num_layers_field="n_layers",
+    hidden_size_field="dim",
+    num_heads_field="n_heads",
+    intermediate_size_field="hidden_dim",
+)
+
+
+def get_family(config: PreTrainedConfig) -> StudentFamily:
+    """Registry lookup with an error that says how to register the missing family."""
+    model_type = getattr(config, "model_type", None)
+    family = STUDENT_FAMILIES.get(model_type)
+    if family is None:
+        raise ValueError(
+            f"No student family is registered for model_type {model_type!r} "
+            f"(registered: {sorted(STUDENT_FAMILIES)}). Register it with "
+            f"hf_distill.students.register_family({model_type!r}, layers_path=...), where layers_path is the "
+            "dotted path of the encoder-layer nn.ModuleList relative to model.base_model "
+            "(e.g. 'encoder.layer' for BERT-like models)."
+        )
+    return family
+
+
+def encoder_layers(model: PreTrainedModel) -> nn.ModuleList:
+    """The model's encoder-layer list, wherever its family keeps it (also useful for layer-wise KD hooks)."""
+    family = get_family(model.config)
+    try:
+        layers = model.base_model.get_submodule(family.layers_path)
+    except AttributeError as err:
+        raise ValueError(
+            f"layers_path {family.layers_path!r} registered for model_type {model.config.model_type!r} does "
+            f"not exist on {type(model.base_model).__name__}; fix it with "
+            "register_family(..., overwrite=True)."
+        ) from err
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(
+            f"layers_path {family.layers_path!r} for model_type {model.config.model_type!r} points to a "
+            f"{type(layers).__name__}, not an nn.ModuleList; fix it with "
+            "register_family(..., overwrite=True)."
+        )
+    return layers
+
+
+def _reject_heterogeneous(config: PreTrainedConfig) -> None:
+    # transformers 5 configs may carry `per_layer_config` overrides keyed by layer index; renumbering them is
+    # not something any registered family needs, so refuse rather than silently mis-assign them.
+    if getattr(config, "is_heterogeneous", False):
+        raise ValueError(
+            "Configs with per_layer_config (heterogeneous layers) are not supported by hf_distill.students."
+        )
+
+
+def _check_layers(layers: Sequence[int], num_teacher_layers: int) -> list[int]:
+    """Normalise to plain ints (the list is written to config.json) and reject anything ambiguous."""
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):
+        raise TypeError(f"layers must be a sequence of ints, got {type(layers).__name__}.")
+    if len(layers) == 0:
+        raise ValueError(
+            f"layers is empty; name at least one teacher layer (valid indices 0..{num_teacher_layers - 1})."
+        )
+    checked = []
+    for index in layers:
+        if isinstance(index, bool):
+            raise TypeError(f"layers must contain ints, got {index!r}.")
+        try:
+            checked.append(operator.index(index))
+        except TypeError as err:
+            raise TypeError(f"layers must contain ints, got {index!r} ({type(index).__name__}).") from err
+    bad = [i for i in checked if not 0 <= i < num_teacher_layers]
+    if bad:
+        raise ValueError(
+            f"layers {checked} has out-of-range index {bad[0]}: the teacher has {num_teacher_layers} encoder "
+            f"layers, so valid indices are 0..{num_teacher_layers - 1} (negative indices are not accepted)."
+        )
+    if any(a >= b for a, b in zip(checked, checked[1:])):
+        raise ValueError(
+            f"layers must be strictly increasing (no repeats, in teacher order), got {checked}; "
+            f"did you mean {sorted(set(checked))}?"
+        )
+    return checked
+
+
+def from_teacher(teacher: PreTrainedModel, layers: Sequence[int]) -> PreTrainedModel:
+    """Student of the teacher's class keeping only ``layers`` (0-based, strictly increasing).
+
+    The student is built fresh from the reduced config, exactly as ``from_pretrained`` would build it (so
+    per-layer state such as ``layer_idx`` is renumbered and tied weights are tied), then filled from the
+    teacher's state dict. Nothing is shared with the teacher, the teacher's ``requires_grad`` flags are not
+    inherited (a frozen teacher still gives a trainable student), and the student ends up on the teacher's
+    (first) device, in its dtype and train/eval mode.
+    """
+    if not isinstance(teacher, PreTrainedModel):
+        raise TypeError(f"teacher must be a transformers PreTrainedModel, got {type(teacher).__name__}.")
+    _reject_heterogeneous(teacher.config)
+    family = get_family(teacher.config)
+    teacher_layers = encoder_layers(teacher)
+    num_teacher_layers = len(teacher_layers)
+    layers = _check_layers(layers, num_teacher_layers)
+
+    config = copy.deepcopy(teacher.config)
+    setattr(config, family.num_layers_field, len(layers))
+    for field in family.per_layer_fields:
+        values = getattr(config, field, None)
+        if isinstance(values, (list, tuple)) and len(values) == num_teacher_layers:
+            setattr(config, field, [values[i] for i in layers])
+    config.distillation = {
+        "init": "from_teacher",
+        "teacher_layers": list(layers),
+        "teacher_name_or_path": teacher.config._name_or_path,
+        "teacher_num_layers": num_teacher_layers,
+    }
+    # The student is not the teacher checkpoint; keep its name out of places (e.g. Trainer model cards) that
+    # would otherwise present it as one. The teacher's name lives in `distillation` instead.
+    config._name_or_path = ""
+    config.validate()
+
+    student = type(teacher)._from_config(config, dtype=teacher.dtype)
+    prefix = next(name for name, module in teacher.named_modules() if module is teacher_layers) + "."
+    new_index = {old: new for new, old in enumerate(layers)}
+    state = {}
+    for key, tensor in teacher.state_dict().items():
+        if key.startswith(prefix):
+            old, _, rest = key[len(prefix) :].partition(".")
+            if int(old) not in new_index:
+                continue
+            key = f"{prefix}{new_index[int(old)]}.{rest}"
+        state[key] = tensor
+    # strict: every student parameter and persistent buffer must come from the teacher, none may be left over.
+    student.load_state_dict(state, strict=True)
+    student.to(teacher.device)
+    student.train(teacher.training)
+    return student
+
+
+def _build(model_class: Any, config: PreTrainedConfig) -> PreTrainedModel:
+    # Auto classes expose `from_config`; concrete classes only the (dtype/attention aware) `_from_config`.
+    if hasattr(model_class, "from_config"):
+        return model_class.from_config(config)
+    return model_class._from_config(config)
+
+
+def shrink(
+    teacher_or_config: PreTrainedModel | PreTrainedConfig,
+    num_layers: int,
+    hidden_size: int,
+    num_attention_heads: int,
+    intermediate_size: int,
+    *,
+    model_class: Any = None,
+    seed: int | None = None,
+    **config_overrides: Any,
+) -> PreTrainedModel:
+    """Randomly initialised, smaller model of the teacher's family, head and label space.
+
+    Everything not named here (vocabulary, max positions, token types, labels, problem type, dropout,
+    activation, ...) is taken from the teacher's config; ``config_overrides`` may change any existing config
+    field. The model class is the teacher's class when given a model, ``AutoModel`` when given a config, or
+    ``model_class`` (an ``AutoModelFor...`` or a concrete class) when passed. Weights come from the model's
+    own ``_init_weights``; ``seed`` makes them reproducible without touching the caller's global RNG state.
+    """
+    if isinstance(teacher_or_config, PreTrainedModel):
+        teacher_config = teacher_or_config.config
+        model_class = model_class if model_class is not None else type(teacher_or_config)
+    elif isinstance(teacher_or_config, PreTrainedConfig):
+        teacher_config = teacher_or_config
+        model_class = model_class if model_class is not None else AutoModel
+    else:
+        raise TypeError(
+            "teacher_or_config must be a transformers PreTrainedModel or PreTrainedConfig, "
+            f"got {type(teacher_or_config).__name__}."
+        )
+    _reject_heterogeneous(teacher_config)
+    family = get_family(teacher_config)
+
+    sizes = {
+        "num_layers": num_layers,
+        "hidden_size": hidden_size,
+        "num_attention_heads": num_attention_heads,
+        "intermediate_size": intermediate_size,
+    }
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}.")
+    if hidden_size % num_attention_heads:
+        raise ValueError(
+            f"hidden_size ({hidden_size}) must be divisible by num_attention_heads ({num_attention_heads}); "
+            f"e.g. use num_attention_heads={_largest_divisor_at_most(hidden_size, num_attention_heads)}."
+        )
+
+    # Normalise override names through attribute_map (DistilBERT's `hidden_size` -> `dim`) before checking.
+    attribute_map = getattr(teacher_config, "attribute_map", {})
+    overrides = {attribute_map.get(key, key): value for key, value in config_overrides.items()}
+    size_fields = {
+        family.num_layers_field: "num_layers",
+        family.hidden_size_field: "hidden_size",
+        family.num_heads_field: "num_attention_heads",
+        family.intermediate_size_field: "intermediate_size",
+    }
+    for key in overrides:
+        if key in size_fields:
+            raise ValueError(
+                f"Config override {key!r} duplicates shrink's {size_fields[key]} argument; "
+                "pass it there instead."
+            )
+        if not hasattr(teacher_config, key):
+            raise ValueError(
+                f"Config override {key!r} is not a field of {type(teacher_config).__name__}; check the "
+                "spelling, or set custom attributes on student.config after shrink returns."
+            )
+
+    values = teacher_config.to_dict()
+    for field in family.follows_hidden_size:
+        if field in values and values[field] == getattr(teacher_config, family.hidden_size_field):
+            values[field] = hidden_size
+    for field in family.per_layer_fields:
+        per_layer = values.get(field)
+        if isinstance(per_layer, (list, tuple)) and len(per_layer) != num_layers and field not in overrides:
+            # Let the config class derive the pattern for the new depth (or leave it unset).
+            values.pop(field)
+    if "num_labels" in overrides and "id2label" not in overrides:
+        values.pop("id2label", None)
+        values.pop("label2id", None)
+    values.pop("_name_or_path", None)
+    values.update(
+        {
+            family.num_layers_field: num_layers,
+            family.hidden_size_field: hidden_size,
+            family.num_heads_field: num_attention_heads,
+            family.intermediate_size_field: intermediate_size,
+        }
+    )
+    values.update(overrides)
+    extra = {}
+    if teacher_config._attn_implementation is not None:
+        extra["attn_implementation"] = teacher_config._attn_implementation
+    # Rebuilding through the config class (not deepcopy + setattr) re-runs its validation and derived fields.
+    config = type(teacher_config)(**values, **extra)
+    config.distillation = {"init": "shrink", "teacher_name_or_path": teacher_config._name_or_path}
+
+    if seed is None:
+        return _build(model_class, config)
+    # torch.manual_seed also reseeds every CUDA device, so fork those too, not only the CPU generator.
+    cuda_devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=cuda_devices):
+        torch.manual_seed(seed)
+        return _build(model_class, config)
+
+
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+    return next(d for d in range(min(n, limit), 0, -1) if n % d == 0)

@@ -1,0 +1,84 @@
+"""The teacher: loading it, freezing it, and checking that it fits the student.
+
+The teacher is never trained and never wrapped for gradients (not by DDP): it is a plain attribute of
+the trainer, frozen, in eval mode, on the student's device. A teacher that does not fit the student
+(vocabulary, label set) fails here, before training, with the fix in the message.
+"""
+
+from __future__ import annotations
+
+import transformers
+from torch import nn
+
+from .taps import unwrap
+
+# Auto classes tried, most specific first, to load a teacher "like" the student.
+_AUTO_CLASSES = (
+    "AutoModelForSequenceClassification",
+    "AutoModelForTokenClassification",
+    "AutoModelForQuestionAnswering",
+    "AutoModelForMaskedLM",
+    "AutoModelForCausalLM",
+    "AutoModelForMultipleChoice",
+)
+
+
+def load_teacher(name_or_path: str, like: nn.Module | None = None, **kwargs) -> nn.Module:
+    """Load a teacher with the auto class whose head matches the student's (`like`)."""
+    auto = transformers.AutoModel
+    student = unwrap(like) if like is not None else None
+    for name in _AUTO_CLASSES:
+        cls = getattr(transformers, name)
+        if student is not None and type(student) in cls._model_mapping.values():
+            auto = cls
+            break
+    return auto.from_pretrained(name_or_path, **kwargs)
+
+
+def prepare_teacher(teacher: nn.Module, device) -> nn.Module:
+    """Freeze the teacher and put it in eval mode on the student's device."""
+    teacher.requires_grad_(False)
+    teacher.eval()
+    return teacher.to(device)
+
+
+def _default_id2label(id2label: dict) -> bool:
+    return all(str(v) == f"LABEL_{k}" for k, v in id2label.items())
+
+
+def validate_pair(student: nn.Module, teacher: nn.Module, args) -> None:
+    """Refuse teacher/student pairs whose outputs or inputs cannot be compared."""
+    s_cfg = getattr(unwrap(student), "config", None)
+    t_cfg = getattr(unwrap(teacher), "config", None)
+    if s_cfg is None or t_cfg is None:
+        return
+    s_vocab, t_vocab = getattr(s_cfg, "vocab_size", None), getattr(t_cfg, "vocab_size", None)
+    if s_vocab is not None and t_vocab is not None:
+        get_head = getattr(unwrap(student), "get_output_embeddings", None)
+        token_level = get_head is not None and get_head() is not None
+        if token_level and args.kd_weight > 0 and s_vocab != t_vocab:
+            raise ValueError(
+                f"Vocabulary sizes differ (student {s_vocab}, teacher {t_vocab}), so token-level logits cannot "
+                "be compared. Use the teacher's tokenizer and vocabulary for the student (students.shrink or "
+                "students.from_teacher keep it)."
+            )
+        if s_vocab > t_vocab:
+            raise ValueError(
+                f"The student's vocabulary ({s_vocab}) is larger than the teacher's ({t_vocab}): the teacher "
+                "is fed the student's input ids and would index past its embedding table. Give both models "
+                "the same tokenizer."
+            )
+    s_head, t_head = type(unwrap(student)).__name__, type(unwrap(teacher)).__name__
+    for suffix in ("ForSequenceClassification", "ForTokenClassification"):
+        if s_head.endswith(suffix) and t_head.endswith(suffix):
+            if s_cfg.num_labels != t_cfg.num_labels:
+                raise ValueError(
+                    f"The teacher has {t_cfg.num_labels} labels and the student {s_cfg.num_labels}: their logits "
+                    f"cannot be compared. Build the student with num_labels={t_cfg.num_labels}."
+                )
+            s_map, t_map = s_cfg.id2label, t_cfg.id2label
+            if not _default_id2label(s_map) and not _default_id2label(t_map) and s_map != t_map:
+                raise ValueError(
+                    f"The teacher's labels {t_map} and the student's {s_map} differ in names or order, so logit "
+                    "k would not mean the same class. Give the student the teacher's id2label/label2id."
+                )

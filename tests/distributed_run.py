@@ -1,0 +1,69 @@
+"""Train a tiny student for a few steps; run under torchrun (2 processes) or in-process (1).
+
+Saves the student's and projections' parameters, the log history and how the models were wrapped,
+so tests/test_distributed.py can compare a 2-process run with a single-process one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from helpers import args, bert, collate, flat_params, teacher, token_dataset  # noqa: E402
+
+from hf_distill import DistillationTrainer  # noqa: E402
+
+
+def run(out: Path, per_device_batch: int, intermediate: bool) -> dict:
+    extra = {}
+    student = bert(2)
+    # Token-averaged terms are means per micro-batch (as any mean loss under DDP): with equal lengths the
+    # 2 x 4 and 1 x 8 splits weight every token alike, so the runs must agree exactly.
+    data = token_dataset(48, min_len=10, max_len=10) if intermediate else token_dataset(48)
+    if intermediate:
+        student = bert(2, hidden=16)  # narrower: a projection is trained and must stay in sync across ranks
+        extra = dict(
+            distill_terms=["loss=hidden_mse,layers=uniform", "loss=attention_score_mse,layers=uniform"],
+            kd_weight=0.5,
+            task_weight=0.5,
+        )
+    a = args(
+        out,
+        per_device_train_batch_size=per_device_batch,
+        max_steps=3,
+        optim="sgd",
+        learning_rate=0.5,
+        **extra,
+    )
+    trainer = DistillationTrainer(
+        model=student, teacher_model=teacher(), args=a, train_dataset=data, data_collator=collate
+    )
+    trainer.train()
+    proj = trainer.intermediate.projections if trainer.intermediate else None
+    result = {
+        "student": flat_params(trainer.model).tolist(),
+        "projections": flat_params(proj).tolist() if proj is not None else [],
+        "logs": [r for r in trainer.state.log_history if "loss" in r],
+        "world_size": trainer.accelerator.num_processes,
+        "teacher_type": type(trainer.teacher).__name__,
+        "wrapped_type": type(trainer.model_wrapped).__name__,
+    }
+    if trainer.accelerator.is_main_process:
+        (out / "result.json").write_text(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("out", type=Path)
+    p.add_argument("--per_device_batch", type=int, default=4)
+    p.add_argument("--intermediate", action="store_true")
+    a = p.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    run(a.out, a.per_device_batch, a.intermediate)

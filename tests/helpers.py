@@ -1,0 +1,110 @@
+"""Tiny real models and datasets shared by the trainer tests."""
+
+from __future__ import annotations
+
+import torch
+from datasets import Dataset
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    DistilBertConfig,
+    DistilBertForSequenceClassification,
+)
+
+from hf_distill import DistillationArguments
+
+VOCAB = 120
+
+
+def bert_config(layers=4, hidden=32, heads=4, labels=2, **kw) -> BertConfig:
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=2 * hidden,
+        max_position_embeddings=64,
+        num_labels=labels,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    base.update(kw)
+    return BertConfig(**base)
+
+
+def bert(layers=4, hidden=32, heads=4, labels=2, seed=0, **kw) -> BertForSequenceClassification:
+    torch.manual_seed(seed)
+    return BertForSequenceClassification(bert_config(layers, hidden, heads, labels, **kw))
+
+
+def teacher(layers=4, hidden=32, heads=4, labels=2, seed=1, **kw) -> BertForSequenceClassification:
+    """A random BERT whose logits are far from uniform, so the KD term carries real gradient."""
+    model = bert(layers, hidden, heads, labels, seed, **kw)
+    with torch.no_grad():
+        model.classifier.weight.mul_(40.0)
+    return model
+
+
+def distilbert(layers=2, dim=32, heads=4, labels=2, seed=0, **kw) -> DistilBertForSequenceClassification:
+    torch.manual_seed(seed)
+    cfg = DistilBertConfig(
+        vocab_size=VOCAB,
+        dim=dim,
+        n_layers=layers,
+        n_heads=heads,
+        hidden_dim=2 * dim,
+        max_position_embeddings=64,
+        num_labels=labels,
+        dropout=0.0,
+        attention_dropout=0.0,
+        seq_classif_dropout=0.0,
+        **kw,
+    )
+    return DistilBertForSequenceClassification(cfg)
+
+
+def token_dataset(n=32, seed=0, min_len=3, max_len=12, labels=2) -> Dataset:
+    """Variable-length rows of random ids (so batches really are padded), with labels."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (n,), generator=g)
+    rows = []
+    for i, n_tok in enumerate(lengths.tolist()):
+        ids = [101] + torch.randint(5, VOCAB, (n_tok - 1,), generator=g).tolist()
+        rows.append({"input_ids": ids, "label": i % labels})
+    return Dataset.from_list(rows)
+
+
+def collate(features: list[dict]) -> dict:
+    """Right-padding collator for the random-id rows (no tokenizer needed)."""
+    length = max(len(f["input_ids"]) for f in features)
+    ids = torch.zeros(len(features), length, dtype=torch.long)
+    mask = torch.zeros(len(features), length, dtype=torch.long)
+    for i, f in enumerate(features):
+        ids[i, : len(f["input_ids"])] = torch.tensor(f["input_ids"])
+        mask[i, : len(f["input_ids"])] = 1
+    batch = {"input_ids": ids, "attention_mask": mask}
+    if "label" in features[0]:
+        batch["labels"] = torch.tensor([f["label"] for f in features])
+    return batch
+
+
+def args(tmp_path, **kw) -> DistillationArguments:
+    base = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=8,
+        max_steps=3,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    base.update(kw)
+    return DistillationArguments(**base)
+
+
+def flat_params(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])

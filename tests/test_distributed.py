@@ -1,0 +1,60 @@
+"""Real 2-process DDP runs (torchrun, gloo on CPU) against the single-process run with the same global batch."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import distributed_run
+import pytest
+import torch
+
+pytestmark = pytest.mark.distributed
+SCRIPT = Path(distributed_run.__file__)
+
+
+def _torchrun(out: Path, *extra: str) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    with socket.socket() as sock:  # torchrun has no "any free port" option for a standalone master
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        port,
+        str(SCRIPT),
+        str(out),
+        "--per_device_batch",
+        "4",
+        *extra,
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads((out / "result.json").read_text())
+
+
+@pytest.mark.parametrize("intermediate", [False, True], ids=["logit", "logit+intermediate"])
+def test_two_processes_match_one(tmp_path, intermediate):
+    extra = ("--intermediate",) if intermediate else ()
+    ddp = _torchrun(tmp_path / "ddp", *extra)
+    single = distributed_run.run(tmp_path / "single", per_device_batch=8, intermediate=intermediate)
+    assert ddp["world_size"] == 2 and single["world_size"] == 1
+    assert ddp["wrapped_type"] == "DistributedDataParallel"
+    assert ddp["teacher_type"] == "BertForSequenceClassification"  # a plain replica, never DDP-wrapped
+    torch.testing.assert_close(
+        torch.tensor(ddp["student"]), torch.tensor(single["student"]), atol=1e-5, rtol=0
+    )
+    torch.testing.assert_close(
+        torch.tensor(ddp["projections"]), torch.tensor(single["projections"]), atol=1e-5, rtol=0
+    )
+    for a, b in zip(ddp["logs"], single["logs"], strict=True):
+        for key in (k for k in b if k.startswith("loss")):
+            assert a[key] == pytest.approx(b[key], rel=1e-4), key

@@ -1,0 +1,509 @@
+"""Publishing students: the model card, and pushes through a real HTTP round trip to a local fake Hub.
+
+One tiny real `DistillationTrainer` run (random 4x32 BERT teacher -> 2x16 student, logit KD + hidden-state
+MSE through a projection, checkpoints every 3 steps) is pushed with `trainer.push_to_hub()`; the checks read
+what the server received.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import huggingface_hub.constants as hub_constants
+import pytest
+import torch
+import yaml
+from hub_server import FakeHub, tiny_run
+from huggingface_hub import ModelCard
+from safetensors.torch import load as load_safetensors
+
+import hf_distill
+from hf_distill import DistillationArguments, measure
+from hf_distill.hub import (
+    BIBTEX,
+    HubPushError,
+    citations,
+    model_card,
+    push_student,
+    upload_files,
+    write_model_card,
+)
+from hf_distill.presets import PRESETS
+from hf_distill.report import DistillationReport, detect_method
+
+REPO = "fake-user/out"  # the fake Hub puts an un-namespaced repo under its user; output_dir is ".../out"
+TEACHER_ID = "fake-org/tiny-bert-teacher"
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def online(mp: pytest.MonkeyPatch, endpoint: str, xet: bool = True) -> None:
+    """Let huggingface_hub talk to `endpoint` (the tests run with HF_HUB_OFFLINE=1 otherwise).
+
+    With hf_xet installed, `upload_folder` takes huggingface_hub's pipelined path (preupload + commit, as the
+    fake Hub answers "regular" for every file no Xet transfer happens), which retries a failed commit five
+    times over ~23 s; `xet=False` selects the single-commit path, which fails at once.
+    """
+    mp.setattr(hub_constants, "HF_HUB_OFFLINE", False)
+    mp.setattr(hub_constants, "ENDPOINT", endpoint)
+    if not xet:
+        mp.setattr(hub_constants, "HF_HUB_DISABLE_XET", True)
+
+
+def front_matter(readme: str) -> dict:
+    assert readme.startswith("---\n")
+    return yaml.safe_load(readme.split("---\n", 2)[1])
+
+
+def tables(markdown: str) -> list[list[list[str]]]:
+    """Every markdown table as rows of cells (header first, the --- separator dropped)."""
+    found, current = [], []
+    for line in markdown.splitlines() + [""]:
+        if line.startswith("|"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if not all(set(c) <= set("-: ") and c for c in cells):
+                current.append(cells)
+        elif current:
+            found.append(current)
+            current = []
+    return found
+
+
+def table_with(markdown: str, header: list[str]) -> dict[str, list[str]]:
+    """The table with this header, as {first cell: the other cells}."""
+    for table in tables(markdown):
+        if table[0] == header:
+            return {row[0]: row[1:] for row in table[1:]}
+    raise AssertionError(f"no table with header {header} in:\n{markdown}")
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def teacher_accuracy(trainer) -> float:
+    """The teacher's accuracy on the eval set, computed here independently of hf_distill.report."""
+    correct = total = 0
+    with torch.no_grad():
+        for row in trainer.eval_dataset:
+            logits = trainer.teacher(input_ids=torch.tensor([row["input_ids"]])).logits
+            correct += int(logits.argmax(-1).item() == row["label"])
+            total += 1
+    return correct / total
+
+
+# ---------------------------------------------------------------------- the push of a real run
+
+
+@pytest.fixture(scope="module")
+def pushed(tmp_path_factory):
+    """Train, leave decoys a careless upload would take along, then `trainer.push_to_hub()`."""
+    root = tmp_path_factory.mktemp("hub")
+    trainer = tiny_run(root)
+    out = Path(trainer.args.output_dir)
+    trainer.teacher.save_pretrained(out / "teacher")  # a user keeping the teacher next to the student
+    (out / "runs").mkdir()
+    (out / "runs" / "events.out.tfevents.1").write_bytes(b"logs")
+    torch.save({"w": torch.zeros(2)}, out / "distill_projections.pt")
+    torch.save({"state": {}}, out / "optimizer.pt")
+    with FakeHub() as hub, pytest.MonkeyPatch.context() as mp:
+        online(mp, hub.endpoint)
+        url = trainer.push_to_hub(
+            finetuned_from=TEACHER_ID,
+            dataset_tags="nyu-mll/glue",
+            dataset="GLUE SST-2",
+            dataset_args="sst2",
+            license="apache-2.0",
+        )
+    return trainer, hub, url
+
+
+def test_push_uploads_exactly_the_student_files(pushed, tmp_path):
+    trainer, hub, url = pushed
+    out = Path(trainer.args.output_dir)
+    trainer.processing_class.save_pretrained(tmp_path / "tok")
+    tokenizer_files = {p.name for p in (tmp_path / "tok").iterdir()}
+    assert set(hub.repos) == {REPO}
+    assert set(hub.files(REPO)) == {"config.json", "model.safetensors", "README.md"} | tokenizer_files
+    # Training artefacts exist locally but stayed there.
+    assert (out / "training_args.bin").is_file() and (out / "checkpoint-6" / "optimizer.pt").is_file()
+    assert (out / "checkpoint-6" / "distill_projections.pt").is_file()
+    for name, data in hub.files(REPO).items():
+        assert data == (out / name).read_bytes(), name
+    commit = hub.repos[REPO]["commits"][-1]
+    assert url == f"{hub.endpoint}/{REPO}/commit/{commit['oid']}"
+    assert commit["summary"] == "End of training"
+    assert trainer.hub_model_id == REPO
+
+
+def test_pushed_weights_are_the_student_not_the_teacher(pushed):
+    trainer, hub, _ = pushed
+    weights = load_safetensors(hub.files(REPO)["model.safetensors"])
+    student = trainer.model.state_dict()
+    assert set(weights) == set(student)
+    for key, tensor in weights.items():
+        assert torch.equal(tensor, student[key]), key
+    assert weights["bert.embeddings.word_embeddings.weight"].shape[1] == 16  # the teacher's width is 32
+    assert not any(key.startswith(("projections", "teacher")) for key in weights)
+    config = json.loads(hub.files(REPO)["config.json"])
+    assert config["num_hidden_layers"] == 2 and config["distillation"]["init"] == "shrink"
+
+
+def test_pushed_card_metadata(pushed):
+    trainer, hub, _ = pushed
+    meta = front_matter(hub.files(REPO)["README.md"].decode())
+    assert meta["base_model"] == TEACHER_ID
+    assert "base_model_relation" not in meta  # the Hub defines no value for distillation
+    assert meta["library_name"] == "transformers"
+    assert meta["pipeline_tag"] == "text-classification"
+    assert meta["license"] == "apache-2.0"
+    assert meta["datasets"] == ["nyu-mll/glue"]
+    assert {"distillation", "hf-distill", "feature-kd"} <= set(meta["tags"])
+    (index,) = meta["model-index"]
+    assert index["name"] == REPO
+    (result,) = index["results"]
+    assert result["task"]["type"] == "text-classification"
+    assert result["dataset"] == {"name": "GLUE SST-2", "type": "nyu-mll/glue", "config": "sst2"}
+    last_eval = [e for e in trainer.state.log_history if "eval_accuracy" in e][-1]
+    assert result["metrics"] == [{"type": "accuracy", "value": pytest.approx(last_eval["eval_accuracy"])}]
+    # huggingface_hub itself reads it back.
+    card = ModelCard(hub.files(REPO)["README.md"].decode())
+    assert card.data.eval_results[0].metric_value == pytest.approx(last_eval["eval_accuracy"])
+
+
+def test_pushed_card_tables(pushed):
+    trainer, hub, _ = pushed
+    readme = hub.files(REPO)["README.md"].decode()
+    student_params = measure.count_parameters(trainer.model)
+    teacher_params = measure.count_parameters(trainer.teacher)
+    sizes = table_with(readme, ["", "Teacher", "Student", "Student / teacher"])
+    assert sizes["Parameters"] == [
+        f"{teacher_params:,}",
+        f"{student_params:,}",
+        f"{student_params / teacher_params:.1%}",
+    ]
+    assert sizes["Layers"][:2] == ["4", "2"] and sizes["Hidden size"][:2] == ["32", "16"]
+    student_bytes = len(hub.files(REPO)["model.safetensors"])
+    teacher_bytes = (Path(trainer.args.output_dir).parent / "teacher" / "model.safetensors").stat().st_size
+    assert sizes["Size on disk (weights)"] == [
+        f"{teacher_bytes / 1e3:.2f} kB",
+        f"{student_bytes / 1e3:.2f} kB",
+        f"{student_bytes / teacher_bytes:.1%}",
+    ]
+    report = json.loads((Path(trainer.args.output_dir) / "distillation_report.json").read_text())
+    assert report["speedup"] > 0
+    assert sizes["Inference speed-up"][:2] == ["1.00x", f"{report['speedup']:.2f}x"]
+    metrics = table_with(readme, ["Metric", "Teacher", "Student", "% of teacher"])
+    student_acc = [e for e in trainer.state.log_history if "eval_accuracy" in e][-1]["eval_accuracy"]
+    teacher_acc = teacher_accuracy(trainer)
+    assert metrics["accuracy"] == [
+        f"{teacher_acc:.4f}",
+        f"{student_acc:.4f}",
+        f"{student_acc / teacher_acc:.1%}",
+    ]
+    losses = table_with(readme, ["Term", "Loss", "Weight", "Layers (student -> teacher)"])
+    assert losses["kd"][1:] == ["0.5", "output logits"] and "T = 2" in losses["kd"][0]
+    assert losses["hidden"] == ["hidden_mse", "0.5", "uniform map"]
+    assert losses["task"][1] == "0.5"
+    training = table_with(readme, ["Setting", "Value"])
+    assert training["Learning rate"] == ["0.005"] and training["Seed"] == ["0"]
+    assert training["Optimizer steps done"] == ["6"] and training["Precision"] == ["fp32"]
+
+
+def test_pushed_card_body(pushed):
+    _, hub, _ = pushed
+    readme = hub.files(REPO)["README.md"].decode()
+    assert f"[{TEACHER_ID}](https://huggingface.co/{TEACHER_ID})" in readme
+    assert "Initialisation**: random, a smaller configuration" in readme
+    assert f'AutoModelForSequenceClassification.from_pretrained("{REPO}")' in readme
+    assert "@inproceedings{romero2015fitnets" in readme and "@article{hinton2015distilling" in readme
+    assert f"Distilled with hf_distill {hf_distill.__version__}." in readme
+    assert "More information needed" not in readme and "None" not in readme
+
+
+def test_refreshing_the_card_from_the_folder_is_lossless(pushed, tmp_path):
+    trainer, hub, _ = pushed
+    out = Path(trainer.args.output_dir)
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy, ignore=shutil.ignore_patterns("checkpoint-*", "teacher", "runs"))
+    write_model_card(copy)
+    assert (copy / "README.md").read_text() == hub.files(REPO)["README.md"].decode()
+
+
+def test_card_from_files_alone(pushed, tmp_path):
+    """Without the report a card wrote, the folder's own files still give the card its facts."""
+    trainer, _, _ = pushed
+    out = Path(trainer.args.output_dir)
+    folder = tmp_path / "student"
+    shutil.copytree(out, folder, ignore=shutil.ignore_patterns("teacher", "runs", "README.md"))
+    (folder / "distillation_report.json").unlink()
+    write_model_card(folder, teacher=TEACHER_ID, license="mit")
+    readme = (folder / "README.md").read_text()
+    meta = front_matter(readme)
+    assert meta["base_model"] == TEACHER_ID and meta["license"] == "mit" and "feature-kd" in meta["tags"]
+    training = table_with(readme, ["Setting", "Value"])  # from training_args.bin and trainer_state.json
+    assert training["Learning rate"] == ["0.005"] and training["Optimizer steps done"] == ["6"]
+    sizes = table_with(readme, ["", "Teacher", "Student", "Student / teacher"])
+    # Parameter counts from the safetensors headers; the teacher's from its folder named in config.json.
+    assert sizes["Parameters"][:2] == [
+        f"{measure.count_parameters(trainer.teacher):,}",
+        f"{measure.count_parameters(trainer.model):,}",
+    ]
+    assert table_with(readme, ["Metric", "Student"])["accuracy"]  # no teacher metrics without the report
+    assert "Inference speed-up" not in readme  # not measured: absent, not made up
+
+
+def test_create_model_card_writes_the_distillation_card(pushed):
+    trainer, _, _ = pushed
+    readme = Path(trainer.args.output_dir) / "README.md"
+    pushed_card = readme.read_bytes()
+    readme.unlink()
+    try:
+        trainer.create_model_card(measure_speed=False, evaluate_teacher=False)
+        text = readme.read_text()
+    finally:
+        readme.write_bytes(pushed_card)
+    assert "## How it was distilled" in text and "hf-distill" in front_matter(text)["tags"]
+    assert "Inference speed-up" not in text and "More information needed" not in text
+
+
+def test_card_of_a_run_without_evaluation_set(pushed, monkeypatch):
+    """Speed is then measured on training batches, and no teacher evaluation is attempted."""
+    trainer, _, _ = pushed
+    readme = Path(trainer.args.output_dir) / "README.md"
+    pushed_card = readme.read_bytes()
+    monkeypatch.setattr(trainer, "eval_dataset", None)
+    try:
+        trainer.create_model_card(model_name="me/no-eval")
+        text = readme.read_text()
+    finally:
+        readme.write_bytes(pushed_card)
+    assert "batches of 8 training examples" in text
+    assert table_with(text, ["Metric", "Student"])["accuracy"]  # the logged evaluation, without a teacher
+
+
+def test_non_blocking_push_returns_a_future(pushed):
+    trainer, _, _ = pushed
+    with FakeHub() as hub, pytest.MonkeyPatch.context() as mp:
+        online(mp, hub.endpoint)
+        future = trainer.push_to_hub(commit_message="async", blocking=False, measure_speed=False)
+        url = future.result(timeout=30)
+        assert url == f"{hub.endpoint}/{REPO}/commit/{hub.repos[REPO]['commits'][-1]['oid']}"
+        assert hub.repos[REPO]["commits"][-1]["summary"] == "async"
+
+
+# ---------------------------------------------------------------------- push_student and its failures
+
+
+@pytest.fixture()
+def student_dir(pushed, tmp_path) -> Path:
+    folder = tmp_path / "student"
+    folder.mkdir()
+    for name in upload_files(pushed[0].args.output_dir):
+        shutil.copy(Path(pushed[0].args.output_dir) / name, folder / name)
+    shutil.copy(Path(pushed[0].args.output_dir) / "training_args.bin", folder)
+    return folder
+
+
+def test_push_student_private_branch_and_token(student_dir):
+    with FakeHub() as hub, pytest.MonkeyPatch.context() as mp:
+        online(mp, "http://127.0.0.1:9")  # the explicit endpoint wins over the configured one
+        url = push_student(
+            student_dir,
+            "fake-org/tiny",
+            private=True,
+            revision="v1",
+            token="hf_test",
+            commit_message="first",
+            endpoint=hub.endpoint,
+        )
+    repo = hub.repos["fake-org/tiny"]
+    assert repo["private"] is True
+    assert set(hub.files("fake-org/tiny", "v1")) == set(upload_files(student_dir))
+    assert "training_args.bin" not in hub.files("fake-org/tiny", "v1")
+    assert hub.files("fake-org/tiny", "main") == {}
+    assert url.endswith(repo["commits"][-1]["oid"]) and repo["commits"][-1]["summary"] == "first"
+    api_calls = [r for r in hub.requests if r[1] != "/api/agent-harnesses"]
+    assert api_calls and all(auth == "Bearer hf_test" for _, _, auth in api_calls)
+
+
+def test_server_error_on_commit_is_reported_and_folder_is_untouched(student_dir):
+    before = snapshot(student_dir)
+    with FakeHub(fail={"commit": 500}) as hub, pytest.MonkeyPatch.context() as mp:
+        online(mp, hub.endpoint, xet=False)
+        with pytest.raises(HubPushError) as caught:
+            push_student(student_dir, "fake-user/broken")
+    message = str(caught.value)
+    assert message.startswith(f"Could not push {student_dir} to fake-user/broken at {hub.endpoint}: ")
+    assert "500" in message and "simulated commit failure" in message
+    assert hub.files("fake-user/broken") == {}
+    assert snapshot(student_dir) == before
+
+
+def test_refused_connection_is_reported_and_folder_is_untouched(student_dir):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{s.getsockname()[1]}"
+    before = snapshot(student_dir)
+    start = time.perf_counter()
+    with pytest.MonkeyPatch.context() as mp:
+        online(mp, endpoint)
+        with pytest.raises(HubPushError, match=rf"to fake-user/nowhere at {endpoint}: ConnectError"):
+            push_student(student_dir, "fake-user/nowhere")
+    assert time.perf_counter() - start < 10
+    assert snapshot(student_dir) == before
+
+
+def test_offline_mode_is_reported(student_dir):
+    assert hub_constants.HF_HUB_OFFLINE  # conftest sets HF_HUB_OFFLINE=1
+    with pytest.raises(HubPushError, match=r"fake-user/x at .*offline mode is enabled"):
+        push_student(student_dir, "fake-user/x", endpoint="http://127.0.0.1:9")
+
+
+def test_a_folder_that_is_not_a_student_is_refused_before_any_request(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    with FakeHub() as hub, pytest.raises(HubPushError, match="no config.json"):
+        push_student(tmp_path, "fake-user/x", endpoint=hub.endpoint)
+    assert hub.requests == []
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(HubPushError, match="no safetensors weights"):
+        upload_files(tmp_path)
+
+
+def test_sharded_weights_are_published_by_their_index(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    for name in [*shards, "model-00003-of-00003.safetensors"]:  # the last one is a stale shard
+        (tmp_path / name).write_bytes(b"x")
+    weight_map = {"a": shards[0], "b": shards[1]}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert upload_files(tmp_path) == ["config.json", "model.safetensors.index.json", *shards]
+
+
+# ---------------------------------------------------------------------- the card on its own
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_each_preset_cites_its_paper(preset, tmp_path):
+    args = DistillationArguments(output_dir=str(tmp_path), distill_preset=preset, report_to=[])
+    summary = args.distillation_summary()
+    method = detect_method(summary)
+    expected = {
+        "distilbert": "sanh2019distilbert",
+        "tinybert_intermediate": "jiao2020tinybert",
+        "tinybert_prediction": "jiao2020tinybert",
+        "minilm": "wang2020minilm",
+        "minilmv2": "wang2021minilmv2",
+    }[preset]
+    report = DistillationReport(method=method, distillation=summary, model_name="x/y")
+    assert citations(report)[0] == expected
+    text = str(model_card(report))
+    assert f"@{'article' if expected.startswith('sanh') else 'inproceedings'}{{{expected}," in text
+    assert method in front_matter(text)["tags"]
+
+
+def test_logit_kd_and_pkd_citations():
+    assert citations(DistillationReport(method="logit-kd", distillation={"kd_weight": 0.5})) == [
+        "hinton2015distilling"
+    ]
+    pkd = {"kd_weight": 0.5, "distill_terms": [{"loss": "pkd_loss", "layers": "uniform", "weight": 1.0}]}
+    assert detect_method(pkd) == "bert-pkd"
+    assert citations(DistillationReport(method="bert-pkd", distillation=pkd)) == [
+        "sun2019patient",
+        "hinton2015distilling",
+    ]
+
+
+@pytest.mark.parametrize("key", sorted(BIBTEX))
+def test_bibtex_entries_are_well_formed(key):
+    entry = BIBTEX[key]
+    assert entry.startswith(("@article{" + key + ",", "@inproceedings{" + key + ","))
+    depth = 0
+    for char in entry:
+        depth += {"{": 1, "}": -1}.get(char, 0)
+        assert depth >= 0
+    assert depth == 0
+    fields = {line.split("=")[0].strip() for line in entry.splitlines()[1:-1] if "=" in line}
+    assert {"title", "author", "year"} <= fields
+
+
+def test_card_of_a_layer_copied_student_with_a_hub_teacher():
+    report = DistillationReport(
+        model_name="me/student",
+        teacher="org/teacher-base",
+        architecture="BertForTokenClassification",
+        pipeline_tag="token-classification",
+        student_init={"init": "from_teacher", "teacher_layers": [0, 2, 4], "teacher_num_layers": 6},
+        distillation={
+            "kd_loss": "kl",
+            "temperature": 4.0,
+            "kd_weight": 1.0,
+            "task_weight": 0.0,
+            "distill_terms": [{"loss": "cosine_loss", "layers": [[3, 6]], "weight": 1.0, "name": "cos"}],
+        },
+        stages=["general distillation on Wikipedia", "task distillation on CoNLL-2003"],
+        augmentation="none",
+    )
+    text = str(model_card(report))
+    meta = front_matter(text)
+    assert meta["base_model"] == "org/teacher-base" and meta["pipeline_tag"] == "token-classification"
+    assert "model-index" not in meta  # no metrics, no dataset: nothing to index
+    assert "teacher encoder layers [0, 2, 4] (0-based) of its 6" in text
+    losses = table_with(text, ["Term", "Loss", "Weight", "Layers (student -> teacher)"])
+    assert set(losses) == {"kd", "cos"} and losses["cos"] == ["cosine_loss", "1", "3 -> 6"]
+    assert "1. general distillation on Wikipedia" in text and "AutoModelForTokenClassification" in text
+
+
+def test_local_teacher_is_named_but_not_a_base_model(tmp_path):
+    report = DistillationReport(teacher=str(tmp_path / "my-teacher"))
+    (tmp_path / "my-teacher").mkdir()
+    text = str(model_card(report))
+    assert "base_model" not in front_matter(text) and "`my-teacher`" in text
+
+
+def test_empty_report_gives_a_card_without_placeholders():
+    text = str(model_card(DistillationReport()))
+    assert "## Teacher vs student" not in text and "## Training" not in text and "## Citation" not in text
+    assert "None" not in text and "More information" not in text
+    assert front_matter(text) == {"library_name": "transformers", "tags": ["distillation", "hf-distill"]}
+
+
+def test_results_json_in_the_demo_format_feeds_the_card(student_dir):
+    results = {
+        "produced_by": "hf_distill.demo",
+        "teacher_accuracy": 0.8727,
+        "student_accuracy": 0.8716,
+        "retained_percent": 99.87,
+        "teacher_parameters": 22713216,
+        "student_parameters": 17390000,
+        "speedup": 1.94,
+        "student_layers": [0, 2, 4],
+        "epochs": 3.0,
+        "learning_rate": 5e-5,
+        "bf16": True,
+        "seed": 42,
+        "teacher_reused_from_cache": False,
+    }
+    (student_dir / "results.json").write_text(json.dumps(results))
+    report = DistillationReport.from_folder(student_dir)
+    assert report.student_metrics["accuracy"] == 0.8716 and report.teacher_metrics == {"accuracy": 0.8727}
+    assert (report.teacher_params, report.student_params, report.speedup) == (22713216, 17390000, 1.94)
+    assert report.training["precision"] == "bf16 mixed precision" and report.training["seed"] == 42
+    text = str(model_card(report))
+    assert table_with(text, ["Metric", "Teacher", "Student", "% of teacher"])["accuracy"] == [
+        "0.8727",
+        "0.8716",
+        "99.9%",
+    ]
+
+
+def test_card_parses_back_with_huggingface_hub(student_dir):
+    card = ModelCard.load(student_dir / "README.md")
+    assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-classification"
+    assert card.data.base_model is None  # the last push named no teacher id, and a local path is not one
+    assert card.text.lstrip().startswith(f"# {REPO}\n")

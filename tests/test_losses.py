@@ -1,0 +1,526 @@
+"""hf_distill.losses against straightforward float64 loop references."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_distill.losses import (
+    FEATURE_LOSSES,
+    KD_LOSSES,
+    attention_score_mse,
+    cosine_loss,
+    hidden_mse,
+    kl_div,
+    logit_kd_loss,
+    logit_mse,
+    pkd_loss,
+    relation_kl,
+    soft_cross_entropy,
+)
+
+ATOL = RTOL = 1e-5
+LENGTHS = [5, 1, 3]  # padded batch: a full row, a single real token, a partial row
+B, T = len(LENGTHS), max(LENGTHS)
+
+
+def randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen) * scale
+
+
+def length_mask(lengths: list[int], length: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    return (torch.arange(length)[None, :] < torch.tensor(lengths)[:, None]).to(dtype)
+
+
+def close(actual: torch.Tensor, expected: float | torch.Tensor) -> None:
+    assert actual.dtype == torch.float32
+    assert actual.dim() == 0
+    expected = torch.as_tensor(expected, dtype=torch.float64)
+    torch.testing.assert_close(actual.double(), expected, atol=ATOL, rtol=RTOL)
+
+
+# ------------------------------------------------------------------------------------------------
+# float64 references: explicit formulas, one item at a time
+
+
+def _items(x: torch.Tensor, mask: torch.Tensor | None) -> list[torch.Tensor]:
+    """Rows of the last dim at the real positions, as float64."""
+    rows = x.double().reshape(-1, x.shape[-1])
+    if mask is None:
+        return list(rows)
+    keep = mask.reshape(-1) != 0
+    return [row for row, k in zip(rows, keep) if k]
+
+
+def _softmax(x: torch.Tensor) -> torch.Tensor:
+    e = torch.exp(x - x.max())
+    return e / e.sum()
+
+
+def _log_softmax(x: torch.Tensor) -> torch.Tensor:
+    shifted = x - x.max()
+    return shifted - math.log(torch.exp(shifted).sum().item())
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def ref_kl(s, t, temp, mask=None) -> float:
+    out = []
+    for srow, trow in zip(_items(s, mask), _items(t, mask)):
+        p, log_p, log_q = _softmax(trow / temp), _log_softmax(trow / temp), _log_softmax(srow / temp)
+        out.append(sum(p[c] * (log_p[c] - log_q[c]) for c in range(len(p))).item())
+    return temp**2 * _mean(out)
+
+
+def ref_soft_ce(s, t, temp, mask=None) -> float:
+    out = []
+    for srow, trow in zip(_items(s, mask), _items(t, mask)):
+        p, log_q = _softmax(trow / temp), _log_softmax(srow / temp)
+        out.append(-sum(p[c] * log_q[c] for c in range(len(p))).item())
+    return _mean(out)
+
+
+def ref_topk(s, values, indices, temp, kind, mask=None) -> float:
+    out = []
+    flat_idx = indices.reshape(-1, indices.shape[-1])
+    keep = [True] * flat_idx.shape[0] if mask is None else list(mask.reshape(-1) != 0)
+    srows = list(s.double().reshape(-1, s.shape[-1]))
+    vrows = list(values.double().reshape(-1, values.shape[-1]))
+    for srow, vrow, irow, k in zip(srows, vrows, flat_idx, keep):
+        if not k:
+            continue
+        p, log_p = _softmax(vrow / temp), _log_softmax(vrow / temp)
+        log_q_all = _log_softmax(srow / temp)
+        log_q = torch.stack([log_q_all[i] for i in irow.tolist()])
+        if kind == "kl":
+            out.append((p * (log_p - log_q)).sum().item())
+        else:
+            out.append(-(p * log_q).sum().item())
+    return (temp**2 if kind == "kl" else 1.0) * _mean(out)
+
+
+def ref_sq_mean(s, t, mask=None) -> float:
+    srows, trows = _items(s, mask), _items(t, mask)
+    total = sum(((a - b) ** 2).sum().item() for a, b in zip(srows, trows))
+    return total / (len(srows) * s.shape[-1]) if srows else 0.0
+
+
+def ref_cosine(s, t, mask=None) -> float:
+    out = []
+    for a, b in zip(_items(s, mask), _items(t, mask)):
+        out.append(1.0 - (a @ b).item() / (a.norm().item() * b.norm().item()))
+    return _mean(out)
+
+
+def ref_attention(s, t, mask=None) -> float:
+    s, t = s.double(), t.double()
+    bsz, heads, length, _ = s.shape
+    real = torch.ones(bsz, length, dtype=torch.bool) if mask is None else mask != 0
+    total, count = 0.0, 0
+    for b in range(bsz):
+        for h in range(heads):
+            for i in range(length):
+                for j in range(length):
+                    if real[b, i] and real[b, j]:
+                        total += (s[b, h, i, j] - t[b, h, i, j]).item() ** 2
+                        count += 1
+    return total / count if count else 0.0
+
+
+def ref_relation(sa, sb, ta, tb, heads, mask=None) -> float:
+    bsz, length = sa.shape[:2]
+    real = torch.ones(bsz, length, dtype=torch.bool) if mask is None else mask != 0
+    per_example = []
+    for b in range(bsz):
+        keys = [j for j in range(length) if real[b, j]]
+        if not keys:
+            continue
+        per_query_head = []
+        for h in range(heads):
+            dists = []
+            for a, bb in ((sa, sb), (ta, tb)):
+                dh = a.shape[-1] // heads
+                a_h = a[b, :, h * dh : (h + 1) * dh].double()
+                b_h = bb[b, :, h * dh : (h + 1) * dh].double()
+                dists.append(
+                    {i: _softmax(torch.stack([a_h[i] @ b_h[j] for j in keys]) / math.sqrt(dh)) for i in keys}
+                )
+            q_dist, p_dist = dists
+            for i in keys:
+                p, q = p_dist[i], q_dist[i]
+                per_query_head.append((p * (torch.log(p) - torch.log(q))).sum().item())
+        per_example.append(_mean(per_query_head))
+    return _mean(per_example)
+
+
+def ref_pkd(s, t) -> float:
+    out = []
+    for a, b in zip(s.double(), t.double()):
+        out.append(((a / a.norm() - b / b.norm()) ** 2).sum().item())
+    return _mean(out)
+
+
+# ------------------------------------------------------------------------------------------------
+# logit losses
+
+
+@pytest.mark.parametrize("temp", [1.0, 2.0, 4.0])
+@pytest.mark.parametrize("fn,ref", [(kl_div, ref_kl), (soft_cross_entropy, ref_soft_ce)])
+def test_softmax_losses_match_reference(fn, ref, temp):
+    # (B, C) rows
+    s, t = randn(4, 7, seed=0, scale=3), randn(4, 7, seed=1, scale=3)
+    close(fn(s, t, temp), ref(s, t, temp))
+    row_mask = torch.tensor([1, 0, 1, 1])
+    close(fn(s, t, temp, row_mask), ref(s, t, temp, row_mask))
+    # (B, T, C) token-level with and without a padded mask
+    s, t = randn(B, T, 6, seed=2, scale=3), randn(B, T, 6, seed=3, scale=3)
+    mask = length_mask(LENGTHS, T)
+    close(fn(s, t, temp), ref(s, t, temp))
+    close(fn(s, t, temp, mask), ref(s, t, temp, mask))
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int32, torch.long, torch.float32])
+def test_mask_dtypes_agree(mask_dtype):
+    s, t = randn(B, T, 6, seed=4), randn(B, T, 6, seed=5)
+    mask = length_mask(LENGTHS, T, mask_dtype)
+    close(kl_div(s, t, 2.0, mask), ref_kl(s, t, 2.0, mask))
+    close(hidden_mse(s, t, mask), ref_sq_mean(s, t, mask))
+
+
+def test_logit_mse_matches_reference():
+    s, t = randn(4, 7, seed=6), randn(4, 7, seed=7)
+    close(logit_mse(s, t), ref_sq_mean(s, t))
+    s, t = randn(B, T, 6, seed=8), randn(B, T, 6, seed=9)
+    mask = length_mask(LENGTHS, T)
+    close(logit_mse(s, t), ref_sq_mean(s, t))
+    close(logit_mse(s, t, mask), ref_sq_mean(s, t, mask))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_inputs_computed_in_float32(dtype):
+    mask = length_mask(LENGTHS, T)
+    s, t = randn(B, T, 6, seed=10, scale=4).to(dtype), randn(B, T, 6, seed=11, scale=4).to(dtype)
+    close(kl_div(s, t, 2.0, mask), ref_kl(s, t, 2.0, mask))
+    close(soft_cross_entropy(s, t, 2.0, mask), ref_soft_ce(s, t, 2.0, mask))
+    close(logit_mse(s, t, mask), ref_sq_mean(s, t, mask))
+    close(hidden_mse(s, t, mask), ref_sq_mean(s, t, mask))
+    close(cosine_loss(s, t, mask), ref_cosine(s, t, mask))
+    scores_s, scores_t = randn(B, 2, T, T, seed=12).to(dtype), randn(B, 2, T, T, seed=13).to(dtype)
+    close(attention_score_mse(scores_s, scores_t, mask), ref_attention(scores_s, scores_t, mask))
+    sa, sb = randn(B, T, 8, seed=14).to(dtype), randn(B, T, 8, seed=15).to(dtype)
+    ta, tb = randn(B, T, 16, seed=16).to(dtype), randn(B, T, 16, seed=17).to(dtype)
+    close(relation_kl(sa, sb, ta, tb, 2, mask), ref_relation(sa, sb, ta, tb, 2, mask))
+    close(pkd_loss(sa[:, 0], tb[:, 0, :8]), ref_pkd(sa[:, 0], tb[:, 0, :8]))
+
+
+def test_mixed_student_teacher_dtypes():
+    s, t = randn(3, 5, seed=18).to(torch.bfloat16), randn(3, 5, seed=19)
+    close(kl_div(s, t, 2.0), ref_kl(s, t, 2.0))
+
+
+# ------------------------------------------------------------------------------------------------
+# sparse (top-k) teacher
+
+
+@pytest.mark.parametrize("fn", [kl_div, soft_cross_entropy])
+def test_topk_with_all_classes_equals_dense(fn):
+    s, t = randn(B, T, 9, seed=20, scale=3), randn(B, T, 9, seed=21, scale=3)
+    mask = length_mask(LENGTHS, T)
+    values, indices = t.topk(9, dim=-1)
+    for m in (None, mask):
+        torch.testing.assert_close(fn(s, (values, indices), 3.0, m), fn(s, t, 3.0, m), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("kind,fn", [("kl", kl_div), ("soft_ce", soft_cross_entropy)])
+def test_topk_subset_matches_reference(kind, fn):
+    s, t = randn(B, T, 9, seed=22, scale=3), randn(B, T, 9, seed=23, scale=3)
+    mask = length_mask(LENGTHS, T)
+    values, indices = t.topk(3, dim=-1)
+    for m in (None, mask):
+        close(fn(s, (values, indices), 2.0, m), ref_topk(s, values, indices, 2.0, kind, m))
+    # also via the dispatcher, with bf16 values and int32 indices
+    v16 = values.to(torch.bfloat16)
+    close(logit_kd_loss(kind, s, (v16, indices.int()), 2.0, mask), ref_topk(s, v16, indices, 2.0, kind, mask))
+
+
+def test_topk_padding_may_hold_garbage_indices():
+    s, t = randn(2, 4, 9, seed=24), randn(2, 4, 9, seed=25)
+    mask = length_mask([4, 2], 4)
+    values, indices = t.topk(3, dim=-1)
+    bad_values, bad_indices = values.clone(), indices.clone()
+    bad_values[1, 2:] = float("nan")
+    bad_indices[1, 2:] = 10_000  # out of range, but padding
+    torch.testing.assert_close(
+        kl_div(s, (bad_values, bad_indices), 1.0, mask), kl_div(s, (values, indices), 1.0, mask)
+    )
+
+
+def test_topk_validation():
+    s, t = randn(2, 9, seed=26), randn(2, 9, seed=27)
+    values, indices = t.topk(3, dim=-1)
+    with pytest.raises(ValueError, match="integer"):
+        kl_div(s, (values, indices.float()))
+    with pytest.raises(ValueError, match="indices"):
+        kl_div(s, (values, indices[:, :2]))
+    with pytest.raises(ValueError, match="dense"):
+        logit_mse(s, (values, indices))
+
+
+# ------------------------------------------------------------------------------------------------
+# feature losses
+
+
+def test_hidden_mse_matches_reference_and_mse_loss():
+    s, t = randn(B, T, 8, seed=30), randn(B, T, 8, seed=31)
+    mask = length_mask(LENGTHS, T)
+    torch.testing.assert_close(hidden_mse(s, t), F.mse_loss(s, t), atol=1e-7, rtol=1e-6)
+    close(hidden_mse(s, t), ref_sq_mean(s, t))
+    close(hidden_mse(s, t, mask), ref_sq_mean(s, t, mask))
+
+
+def test_cosine_loss_matches_reference():
+    s, t = randn(B, T, 8, seed=32), randn(B, T, 8, seed=33)
+    mask = length_mask(LENGTHS, T)
+    close(cosine_loss(s, t), ref_cosine(s, t))
+    close(cosine_loss(s, t, mask), ref_cosine(s, t, mask))
+
+
+def test_attention_score_mse_matches_reference():
+    s, t = randn(B, 2, T, T, seed=34, scale=2), randn(B, 2, T, T, seed=35, scale=2)
+    mask = length_mask(LENGTHS, T)
+    close(attention_score_mse(s, t), ref_attention(s, t))
+    close(attention_score_mse(s, t, mask), ref_attention(s, t, mask))
+
+
+@pytest.mark.parametrize("garbage", [1e4, float("inf"), float("nan")])
+def test_attention_score_mse_invariant_to_extra_padding(garbage):
+    s, t = randn(B, 2, T, T, seed=36), randn(B, 2, T, T, seed=37)
+    mask = length_mask(LENGTHS, T)
+    extra = 3
+    big_s = torch.full((B, 2, T + extra, T + extra), garbage)
+    big_t = randn(B, 2, T + extra, T + extra, seed=38, scale=1e3)
+    big_s[:, :, :T, :T], big_t[:, :, :T, :T] = s, t
+    big_mask = length_mask(LENGTHS, T + extra)
+    big_s.requires_grad_(True)
+    loss = attention_score_mse(big_s, big_t, big_mask)
+    torch.testing.assert_close(loss, attention_score_mse(s, t, mask), atol=1e-7, rtol=1e-6)
+    loss.backward()
+    assert torch.isfinite(big_s.grad).all()
+
+
+def test_relation_kl_different_hidden_sizes():
+    # student D=32 with 4 heads (d_h=8), teacher D=64 with 4 heads (d_h=16)
+    sa, sb = randn(B, T, 32, seed=40), randn(B, T, 32, seed=41)
+    ta, tb = randn(B, T, 64, seed=42), randn(B, T, 64, seed=43)
+    mask = length_mask(LENGTHS, T)
+    close(relation_kl(sa, sb, ta, tb, 4), ref_relation(sa, sb, ta, tb, 4))
+    close(relation_kl(sa, sb, ta, tb, 4, mask), ref_relation(sa, sb, ta, tb, 4, mask))
+    # value relation (V, V) and a fully padded example in the batch
+    mask_with_empty = length_mask([5, 0, 2], T)
+    close(relation_kl(sa, sa, ta, ta, 4, mask_with_empty), ref_relation(sa, sa, ta, ta, 4, mask_with_empty))
+
+
+def test_relation_kl_zero_for_identical_relations():
+    a, b = randn(2, 4, 16, seed=44), randn(2, 4, 16, seed=45)
+    close(relation_kl(a, b, a, b, 4), 0.0)
+
+
+def test_pkd_loss_matches_reference():
+    s, t = randn(4, 16, seed=46, scale=3), randn(4, 16, seed=47)
+    close(pkd_loss(s, t), ref_pkd(s, t))
+    close(pkd_loss(s, s * 7.0), 0.0)  # scale invariant
+
+
+# ------------------------------------------------------------------------------------------------
+# gradients, masking edge cases, registries
+
+
+def _all_losses(s_grad: bool = True):
+    """(name, loss_fn(student_tensors...), student tensors, teacher tensors) with a padded mask."""
+    mask = length_mask(LENGTHS, T)
+    lin = torch.nn.Linear(6, 6)
+    with torch.no_grad():  # teacher outputs built the way a Trainer builds them
+        t_logits = lin(randn(B, T, 6, seed=50))
+        t_hidden = randn(B, T, 8, seed=51)
+        t_scores = randn(B, 2, T, T, seed=52)
+        t_rel = (randn(B, T, 16, seed=53), randn(B, T, 16, seed=54))
+        t_cls = randn(B, 8, seed=55)
+        t_topk = t_logits.topk(3, dim=-1)
+    return [
+        ("kl", lambda s: kl_div(s, t_logits, 2.0, mask), randn(B, T, 6, seed=56), t_logits),
+        ("kl_topk", lambda s: kl_div(s, tuple(t_topk), 2.0, mask), randn(B, T, 6, seed=57), t_topk[0]),
+        ("soft_ce", lambda s: soft_cross_entropy(s, t_logits, 2.0, mask), randn(B, T, 6, seed=58), t_logits),
+        ("mse", lambda s: logit_mse(s, t_logits, mask), randn(B, T, 6, seed=59), t_logits),
+        ("hidden_mse", lambda s: hidden_mse(s, t_hidden, mask), randn(B, T, 8, seed=60), t_hidden),
+        ("cosine", lambda s: cosine_loss(s, t_hidden, mask), randn(B, T, 8, seed=61), t_hidden),
+        ("attn", lambda s: attention_score_mse(s, t_scores, mask), randn(B, 2, T, T, seed=62), t_scores),
+        ("relation", lambda s: relation_kl(s, s, *t_rel, 2, mask), randn(B, T, 8, seed=63), t_rel[0]),
+        ("pkd", lambda s: pkd_loss(s, t_cls), randn(B, 8, seed=64), t_cls),
+    ]
+
+
+@pytest.mark.parametrize("case", _all_losses(), ids=lambda c: c[0])
+def test_gradient_reaches_student_only(case):
+    _, loss_fn, student, teacher = case
+    student = student.clone().requires_grad_(True)
+    loss = loss_fn(student)
+    assert loss.dtype == torch.float32 and loss.dim() == 0 and loss.requires_grad
+    loss.backward()
+    assert student.grad is not None and torch.isfinite(student.grad).all()
+    assert student.grad.abs().sum() > 0
+    assert not teacher.requires_grad and teacher.grad is None
+
+
+def test_fully_masked_gives_zero_not_nan():
+    s = randn(2, 4, 6, seed=70).requires_grad_(True)
+    t = randn(2, 4, 6, seed=71)
+    empty = torch.zeros(2, 4)
+    losses = [
+        kl_div(s, t, 2.0, empty),
+        kl_div(s, t.topk(2, dim=-1), 2.0, empty),
+        soft_cross_entropy(s, t, 2.0, empty),
+        logit_mse(s, t, empty),
+        hidden_mse(s, t, empty),
+        cosine_loss(s, t, empty),
+        attention_score_mse(s[:, None, :, :4], t[:, None, :, :4], empty),
+        relation_kl(s, s, t, t, 2, empty),
+    ]
+    for loss in losses:
+        assert loss.item() == 0.0
+        (grad,) = torch.autograd.grad(loss, s)
+        assert torch.isfinite(grad).all()
+
+
+def test_padding_content_does_not_matter():
+    s, t = randn(B, T, 6, seed=72), randn(B, T, 6, seed=73)
+    mask = length_mask(LENGTHS, T)
+    bad_s, bad_t = s.clone(), t.clone()
+    pad = mask == 0
+    bad_s[pad], bad_t[pad] = float("nan"), float("inf")
+    bad_s.requires_grad_(True)
+    for fn in (lambda a, b, m: kl_div(a, b, 2.0, m), logit_mse, hidden_mse, cosine_loss):
+        loss = fn(bad_s, bad_t, mask)
+        torch.testing.assert_close(loss, fn(s, t, mask))
+        (grad,) = torch.autograd.grad(loss, bad_s)
+        assert torch.isfinite(grad).all() and (grad[pad] == 0).all()
+
+
+def test_extreme_logits_float32():
+    s, t = randn(B, T, 6, seed=74, scale=1e4), randn(B, T, 6, seed=75, scale=1e4)
+    s.requires_grad_(True)
+    mask = length_mask(LENGTHS, T)
+    for loss in (kl_div(s, t, 1.0, mask), soft_cross_entropy(s, t, 1.0, mask), logit_mse(s, t, mask)):
+        assert torch.isfinite(loss)
+        (grad,) = torch.autograd.grad(loss, s)
+        assert torch.isfinite(grad).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("temp", [1.0, 2.0, 5.0, 10.0, 20.0])
+def test_mixed_precision_stability(dtype, temp):
+    def extreme(*shape: int, seed: int) -> torch.Tensor:
+        x = randn(*shape, seed=seed)
+        return (x / x.abs().max() * 60.0).to(dtype)
+
+    mask = length_mask(LENGTHS, T)
+    logits_t = extreme(B, T, 6, seed=80)
+    checks = [
+        (lambda s, k=k: logit_kd_loss(k, s, logits_t, temp, mask), extreme(B, T, 6, seed=81))
+        for k in KD_LOSSES
+    ]
+    checks.append((lambda s: kl_div(s, logits_t.topk(3, dim=-1), temp, mask), extreme(B, T, 6, seed=82)))
+    hidden_t = extreme(B, T, 8, seed=83)
+    checks += [
+        (lambda s: hidden_mse(s, hidden_t, mask), extreme(B, T, 8, seed=84)),
+        (lambda s: cosine_loss(s, hidden_t, mask), extreme(B, T, 8, seed=85)),
+        (lambda s: attention_score_mse(s, extreme(B, 2, T, T, seed=86), mask), extreme(B, 2, T, T, seed=87)),
+        (lambda s: relation_kl(s, s, hidden_t, hidden_t, 2, mask), extreme(B, T, 8, seed=88)),
+        (lambda s: pkd_loss(s, hidden_t[:, 0]), extreme(B, 8, seed=89)),
+    ]
+    for loss_fn, student in checks:
+        student.requires_grad_(True)
+        loss = loss_fn(student)
+        assert loss.dtype == torch.float32 and torch.isfinite(loss)
+        (grad,) = torch.autograd.grad(loss, student)
+        assert torch.isfinite(grad).all()
+
+
+def test_logit_kd_loss_dispatch():
+    s, t = randn(B, T, 6, seed=90), randn(B, T, 6, seed=91)
+    mask = length_mask(LENGTHS, T)
+    assert KD_LOSSES == {"kl": kl_div, "soft_ce": soft_cross_entropy, "mse": logit_mse}
+    torch.testing.assert_close(logit_kd_loss("kl", s, t, 3.0, mask), kl_div(s, t, 3.0, mask))
+    torch.testing.assert_close(logit_kd_loss("soft_ce", s, t, 3.0, mask), soft_cross_entropy(s, t, 3.0, mask))
+    # mse ignores the temperature
+    torch.testing.assert_close(logit_kd_loss("mse", s, t, 3.0, mask), logit_mse(s, t, mask))
+    torch.testing.assert_close(logit_kd_loss("mse", s, t, 1.0, mask), logit_kd_loss("mse", s, t, 7.0, mask))
+
+
+def test_feature_registry():
+    assert FEATURE_LOSSES == {
+        "hidden_mse": hidden_mse,
+        "cosine_loss": cosine_loss,
+        "attention_score_mse": attention_score_mse,
+        "relation_kl": relation_kl,
+        "pkd_loss": pkd_loss,
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# errors
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: kl_div(torch.zeros(2, 5), torch.zeros(2, 6)),
+        lambda: soft_cross_entropy(torch.zeros(2, 5), torch.zeros(2, 6)),
+        lambda: logit_mse(torch.zeros(2, 5), torch.zeros(2, 6)),
+        lambda: hidden_mse(torch.zeros(2, 5), torch.zeros(2, 6)),
+        lambda: cosine_loss(torch.zeros(2, 5), torch.zeros(2, 6)),
+        lambda: attention_score_mse(torch.zeros(2, 5), torch.zeros(2, 6)),
+        lambda: pkd_loss(torch.zeros(2, 5), torch.zeros(2, 6)),
+    ],
+)
+def test_shape_mismatch_names_shapes_and_projection(call):
+    with pytest.raises(ValueError, match=r"\(2, 5\).*\(2, 6\).*add a projection"):
+        call()
+
+
+def test_relation_kl_bad_num_heads():
+    s, t = torch.zeros(2, 3, 32), torch.zeros(2, 3, 48)
+    with pytest.raises(ValueError, match="num_heads=5 does not divide the student hidden size 32"):
+        relation_kl(s, s, t, t, 5)
+    with pytest.raises(ValueError, match="num_heads=32 does not divide the teacher hidden size 48"):
+        relation_kl(s, s, t, t, 32)
+    with pytest.raises(ValueError, match="num_heads"):
+        relation_kl(s, s, t, t, 0)
+    with pytest.raises(ValueError, match=r"same \(B, T\)"):
+        relation_kl(s, s, t[:, :2], t[:, :2], 4)
+
+
+@pytest.mark.parametrize("temp", [0.0, -1.0, float("nan"), float("inf")])
+@pytest.mark.parametrize("kind", ["kl", "soft_ce", "mse"])
+def test_bad_temperature(temp, kind):
+    s = torch.zeros(2, 5)
+    with pytest.raises(ValueError, match="temperature"):
+        logit_kd_loss(kind, s, s, temp)
+    if kind != "mse":
+        with pytest.raises(ValueError, match="temperature"):
+            KD_LOSSES[kind](s, s, temp)
+
+
+def test_unknown_kind_lists_known_kinds():
+    with pytest.raises(ValueError, match=r"unknown logit KD kind 'cos'.*kl.*mse.*soft_ce"):
+        logit_kd_loss("cos", torch.zeros(2, 5), torch.zeros(2, 5), 1.0)
+
+
+def test_bad_mask_shape():
+    with pytest.raises(ValueError, match="mask shape"):
+        kl_div(torch.zeros(2, 3, 5), torch.zeros(2, 3, 5), 1.0, torch.ones(2, 4))

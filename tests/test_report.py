@@ -1,0 +1,115 @@
+"""Plots of a run (`hf_distill.report`), drawn from real short DistillationTrainer runs."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+from hub_server import tiny_run
+
+from hf_distill import measure
+from hf_distill.hub import upload_files, write_model_card
+from hf_distill.report import (
+    ACCURACY_PLOT,
+    LOSS_PLOT,
+    find_trainer_state,
+    latest_eval_metrics,
+    loss_series,
+    make_report,
+    plot_loss_components,
+)
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) from the IHDR chunk, after checking the PNG signature."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two real runs in one sweep folder: logit KD + hidden MSE (6 steps), and logit KD alone (4 steps)."""
+    sweep = tmp_path_factory.mktemp("sweep")
+    trainers = [
+        tiny_run(sweep / "work_a", output_dir=str(sweep / "kd_hidden"), max_steps=6, logging_steps=1),
+        tiny_run(
+            sweep / "work_b",
+            output_dir=str(sweep / "kd_only"),
+            hidden_term=False,
+            max_steps=4,
+            logging_steps=1,
+        ),
+    ]
+    for trainer in trainers:
+        trainer.save_model()
+        accuracy = latest_eval_metrics(trainer.state.log_history)[0]["accuracy"]
+        results = {
+            "accuracy": accuracy,
+            "params": measure.count_parameters(trainer.model),
+            "teacher_accuracy": 0.5,
+            "teacher_parameters": measure.count_parameters(trainer.teacher),
+        }
+        Path(trainer.args.output_dir, "results.json").write_text(json.dumps(results))
+    return sweep, trainers
+
+
+def test_trainer_state_comes_from_the_latest_checkpoint(runs):
+    _, (trainer, _) = runs
+    out = Path(trainer.args.output_dir)
+    assert find_trainer_state(out) == out / "checkpoint-6" / "trainer_state.json"
+    trainer.save_state()  # a top-level state of the same step wins over the checkpoint's
+    assert find_trainer_state(out) == out / "trainer_state.json"
+
+
+def test_every_loss_component_is_a_series(runs):
+    _, (trainer, _) = runs
+    series = loss_series(trainer.state.log_history)
+    assert set(series) == {"loss", "loss_kd", "loss_task", "loss_hidden"}
+    logged = [e for e in trainer.state.log_history if "loss" in e]
+    for name, (steps, values) in series.items():
+        assert steps == [1, 2, 3, 4, 5, 6]
+        assert values == pytest.approx([e[name] for e in logged])
+
+
+def test_loss_plot_is_a_real_png(runs):
+    _, (trainer, _) = runs
+    out = Path(trainer.args.output_dir)
+    written = make_report(out)
+    assert written == {"loss_components": out / LOSS_PLOT}  # one run here: no accuracy-vs-size plot
+    width, height = png_size(out / LOSS_PLOT)
+    assert width >= 400 and height >= 300
+    assert (out / LOSS_PLOT).stat().st_size > 10_000
+
+
+def test_accuracy_vs_params_over_the_sweep(runs):
+    sweep, _ = runs
+    written = make_report(sweep)
+    assert written == {"accuracy_vs_params": sweep / ACCURACY_PLOT}  # no trainer_state.json at the top
+    width, height = png_size(sweep / ACCURACY_PLOT)
+    assert width >= 400 and height >= 300
+    assert (sweep / ACCURACY_PLOT).stat().st_size > 10_000
+
+
+def test_card_embeds_the_loss_plot_and_the_push_takes_it_along(runs):
+    _, (trainer, _) = runs
+    out = Path(trainer.args.output_dir)
+    make_report(out)
+    write_model_card(out)
+    readme = (out / "README.md").read_text()
+    assert f"![Loss components against training steps]({LOSS_PLOT})" in readme
+    assert LOSS_PLOT in upload_files(out)
+    (out / "README.md").write_text(readme.replace(LOSS_PLOT, "elsewhere.png"))
+    assert LOSS_PLOT not in upload_files(out)  # a plot the card does not show is not published
+
+
+def test_nothing_to_plot_is_an_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="Nothing to plot"):
+        make_report(tmp_path)
+    state = tmp_path / "trainer_state.json"
+    state.write_text(json.dumps({"global_step": 2, "log_history": [{"eval_loss": 0.5, "step": 2}]}))
+    with pytest.raises(ValueError, match="logs no loss"):
+        plot_loss_components(state, tmp_path / "x.png")
