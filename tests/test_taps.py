@@ -1,0 +1,95 @@
+"""Feature taps: what hooks capture under SDPA equals what eager attention computes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import bert, collate, distilbert, token_dataset
+
+from hf_distill import taps
+from hf_distill.taps import Family, FeatureTaps, TapRequest, attention_scores
+
+
+def _batch(n=5):
+    return collate([token_dataset(n, seed=2)[i] for i in range(n)])
+
+
+def _eager_copy(model):
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    return eager.eval()
+
+
+@pytest.mark.parametrize("make", [bert, distilbert], ids=["bert", "distilbert"])
+def test_probabilities_from_taps_equal_eager_attentions(make):
+    model = make(layers=3).eval()
+    assert model.config._attn_implementation == "sdpa"
+    layers = set(range(1, 4))
+    tap = FeatureTaps(model, TapRequest(q=layers, k=layers))
+    batch = _batch()
+    batch.pop("labels")
+    with torch.no_grad(), tap.capture() as feats:
+        model(**batch)
+        eager = _eager_copy(model)(**batch, output_attentions=True).attentions
+    heads = model.config.num_attention_heads
+    key_pad = (batch["attention_mask"] == 0)[:, None, None, :]
+    for i in layers:
+        scores = attention_scores(feats.q[i], feats.k[i], heads).masked_fill(key_pad, torch.finfo(torch.float32).min)
+        torch.testing.assert_close(scores.softmax(-1), eager[i - 1], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("make", [bert, distilbert], ids=["bert", "distilbert"])
+def test_hidden_taps_equal_output_hidden_states(make):
+    model = make(layers=3).eval()
+    tap = FeatureTaps(model, TapRequest(hidden={0, 1, 3}))
+    batch = _batch()
+    batch.pop("labels")
+    with torch.no_grad(), tap.capture() as feats:
+        reference = model(**batch, output_hidden_states=True).hidden_states
+    assert sorted(feats.hidden) == [0, 1, 3]  # only what was asked for
+    for i in (0, 1, 3):
+        assert torch.equal(feats.hidden[i], reference[i])
+
+
+def _hook_count(model) -> int:
+    return sum(len(m._forward_hooks) for m in model.modules())
+
+
+def test_hooks_exist_only_inside_capture_even_on_error():
+    model = bert(2)
+    tap = FeatureTaps(model, TapRequest(hidden={0, 1, 2}, q={1, 2}, k={2}, v={1}))
+    assert _hook_count(model) == 0
+    with tap.capture():
+        assert _hook_count(model) == 3 + 2 + 1 + 1
+    assert _hook_count(model) == 0
+    with pytest.raises(RuntimeError), tap.capture():
+        raise RuntimeError("forward failed")
+    assert _hook_count(model) == 0
+
+
+def test_unregistered_family_falls_back_to_hidden_states_for_hidden_only(monkeypatch):
+    monkeypatch.delitem(taps.FAMILIES, "bert")
+    model = bert(2).eval()
+    tap = FeatureTaps(model, TapRequest(hidden={0, 2}))
+    assert tap.forward_kwargs() == {"output_hidden_states": True}
+    batch = _batch()
+    batch.pop("labels")
+    with torch.no_grad(), tap.capture() as feats:
+        out = model(**batch, **tap.forward_kwargs())
+    tap.collect(feats, out)
+    assert torch.equal(feats.hidden[2], out.hidden_states[2])
+    with pytest.raises(ValueError, match="not in the hf_distill.taps registry.*register_family"):
+        FeatureTaps(model, TapRequest(q={1}), role="teacher")
+
+
+def test_register_family_teaches_the_taps_a_new_architecture(monkeypatch):
+    monkeypatch.delitem(taps.FAMILIES, "bert")
+    taps.register_family(
+        "bert",
+        Family(layers="encoder.layer", embeddings=("embeddings",), query="attention.self.query",
+               key="attention.self.key", value="attention.self.value"),
+    )
+    tap = FeatureTaps(bert(2), TapRequest(v={2}))
+    assert not tap.use_hidden_states_output
