@@ -3,7 +3,7 @@
 Swap `Trainer` for `DistillationTrainer` and `TrainingArguments` for `DistillationArguments`.
 """
 
-from . import layer_map, losses, presets, students, taps
+from . import families, layer_map, losses, presets, students, taps
 from .arguments import DistillationArguments
 from .collators import TeacherOutputsCollator
 from .terms import DistillTerm
@@ -16,6 +16,7 @@ __all__ = [
     "DistillationArguments",
     "DistillationTrainer",
     "TeacherOutputsCollator",
+    "families",
     "layer_map",
     "losses",
     "presets",

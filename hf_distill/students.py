@@ -11,22 +11,12 @@ Two ways to make a student:
 Both record their provenance in ``student.config.distillation`` so that it survives ``save_pretrained`` and a
 model card can cite the teacher later.
 
-Model families are looked up by ``config.model_type`` in :data:`STUDENT_FAMILIES`. BERT, RoBERTa, XLM-RoBERTa,
-CamemBERT, ELECTRA and DistilBERT are registered. Another encoder family needs one call, naming where its
-``nn.ModuleList`` of encoder layers lives relative to ``model.base_model`` and, if they differ from BERT's,
-the config fields that hold the sizes::
+Model families come from the shared registry in :mod:`hf_distill.families` (BERT, RoBERTa, XLM-RoBERTa,
+CamemBERT, ELECTRA and DistilBERT are registered); ``register_family`` is re-exported here for convenience::
 
     from hf_distill.students import register_family
 
-    register_family("data2vec-text", layers_path="encoder.layer")
-    register_family(
-        "my-encoder",
-        layers_path="blocks",
-        num_layers_field="n_layer",
-        hidden_size_field="d_model",
-        num_heads_field="n_head",
-        intermediate_size_field="d_ff",
-    )
+    register_family("data2vec-text", layers="encoder.layer")
 """
 
 from __future__ import annotations
@@ -34,109 +24,26 @@ from __future__ import annotations
 import copy
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from transformers import AutoModel, PreTrainedConfig, PreTrainedModel
 
-__all__ = [
-    "STUDENT_FAMILIES",
-    "StudentFamily",
-    "encoder_layers",
-    "from_teacher",
-    "get_family",
-    "register_family",
-    "shrink",
-]
+from . import families
+from .families import Family, register_family
 
-# Config lists with one entry per layer (transformers 5 convention). They must shrink with the layer stack,
-# otherwise the config fails validation or the model indexes past the end.
-_DEFAULT_PER_LAYER_FIELDS = ("layer_types", "mlp_layer_types")
+__all__ = ["encoder_layers", "from_teacher", "get_family", "register_family", "shrink"]
 
-
-@dataclass(frozen=True)
-class StudentFamily:
-    """Where a family keeps its encoder layers and what its config calls the sizes.
-
-    ``layers_path`` is a dotted path from ``model.base_model`` to the ``nn.ModuleList`` of encoder layers, so
-    one entry serves the base model and every task head. ``follows_hidden_size`` lists config fields that
-    :func:`shrink` sets to the new hidden size when the teacher had them equal to its hidden size (ELECTRA's
-    ``embedding_size``); when they differ (a factorised embedding) they are kept.
-    """
-
-    layers_path: str
-    num_layers_field: str = "num_hidden_layers"
-    hidden_size_field: str = "hidden_size"
-    num_heads_field: str = "num_attention_heads"
-    intermediate_size_field: str = "intermediate_size"
-    per_layer_fields: tuple[str, ...] = _DEFAULT_PER_LAYER_FIELDS
-    follows_hidden_size: tuple[str, ...] = ()
-
-
-#: ``config.model_type`` -> :class:`StudentFamily`. Extend it with :func:`register_family`.
-STUDENT_FAMILIES: dict[str, StudentFamily] = {}
-
-
-def register_family(
-    model_type: str,
-    layers_path: str,
-    *,
-    num_layers_field: str = "num_hidden_layers",
-    hidden_size_field: str = "hidden_size",
-    num_heads_field: str = "num_attention_heads",
-    intermediate_size_field: str = "intermediate_size",
-    per_layer_fields: Sequence[str] = _DEFAULT_PER_LAYER_FIELDS,
-    follows_hidden_size: Sequence[str] = (),
-    overwrite: bool = False,
-) -> StudentFamily:
-    """Teach :func:`from_teacher` and :func:`shrink` a new ``model_type``.
-
-    Re-registering an identical entry is a no-op (so notebook cells can be re-run); changing an existing one
-    needs ``overwrite=True`` so a typo cannot silently break a built-in family.
-    """
-    family = StudentFamily(
-        layers_path=layers_path,
-        num_layers_field=num_layers_field,
-        hidden_size_field=hidden_size_field,
-        num_heads_field=num_heads_field,
-        intermediate_size_field=intermediate_size_field,
-        per_layer_fields=tuple(per_layer_fields),
-        follows_hidden_size=tuple(follows_hidden_size),
-    )
-    existing = STUDENT_FAMILIES.get(model_type)
-    if existing is not None and existing != family and not overwrite:
-        raise ValueError(
-            f"model_type {model_type!r} is already registered as {existing}; "
-            "pass overwrite=True to register_family to replace it."
-        )
-    STUDENT_FAMILIES[model_type] = family
-    return family
-
-
-for _model_type in ("bert", "roberta", "xlm-roberta", "camembert"):
-    register_family(_model_type, "encoder.layer")
-register_family("electra", "encoder.layer", follows_hidden_size=("embedding_size",))
-register_family(
-    "distilbert",
-    "transformer.layer",
-    num_layers_field="n_layers",
-    hidden_size_field="dim",
-    num_heads_field="n_heads",
-    intermediate_size_field="hidden_dim",
-)
-
-
-def get_family(config: PreTrainedConfig) -> StudentFamily:
+def get_family(config: PreTrainedConfig) -> Family:
     """Registry lookup with an error that says how to register the missing family."""
     model_type = getattr(config, "model_type", None)
-    family = STUDENT_FAMILIES.get(model_type)
+    family = families.get_family(model_type)
     if family is None:
         raise ValueError(
-            f"No student family is registered for model_type {model_type!r} "
-            f"(registered: {sorted(STUDENT_FAMILIES)}). Register it with "
-            f"hf_distill.students.register_family({model_type!r}, layers_path=...), where layers_path is the "
+            f"No model family is registered for model_type {model_type!r} "
+            f"(registered: {sorted(families.FAMILIES)}). Register it with "
+            f"hf_distill.families.register_family({model_type!r}, layers=...), where layers is the "
             "dotted path of the encoder-layer nn.ModuleList relative to model.base_model "
             "(e.g. 'encoder.layer' for BERT-like models)."
         )
@@ -147,16 +54,16 @@ def encoder_layers(model: PreTrainedModel) -> nn.ModuleList:
     """The model's encoder-layer list, wherever its family keeps it (also useful for layer-wise KD hooks)."""
     family = get_family(model.config)
     try:
-        layers = model.base_model.get_submodule(family.layers_path)
+        layers = model.base_model.get_submodule(family.layers)
     except AttributeError as err:
         raise ValueError(
-            f"layers_path {family.layers_path!r} registered for model_type {model.config.model_type!r} does "
+            f"layers {family.layers!r} registered for model_type {model.config.model_type!r} does "
             f"not exist on {type(model.base_model).__name__}; fix it with "
             "register_family(..., overwrite=True)."
         ) from err
     if not isinstance(layers, nn.ModuleList):
         raise ValueError(
-            f"layers_path {family.layers_path!r} for model_type {model.config.model_type!r} points to a "
+            f"layers {family.layers!r} for model_type {model.config.model_type!r} points to a "
             f"{type(layers).__name__}, not an nn.ModuleList; fix it with "
             "register_family(..., overwrite=True)."
         )

@@ -7,11 +7,8 @@ alike and never relies on `output_attentions` (empty under SDPA, post-softmax an
 eager). Hooks exist only inside `FeatureTaps.capture()`: nothing stays attached to a model between
 steps, so nothing can leak into a saved student.
 
-Registering another family takes one call; paths are relative to `model.base_model`:
-
-    from hf_distill.taps import Family, register_family
-    register_family("my_bert", Family(layers="encoder.blocks", embeddings=("embed",),
-                                      query="attn.q", key="attn.k", value="attn.v"))
+Where each family keeps its modules comes from the registry in `hf_distill.families`; registering
+another family takes one `register_family` call there.
 """
 
 from __future__ import annotations
@@ -23,61 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-
-@dataclass(frozen=True)
-class Family:
-    """Where an architecture keeps its blocks, embedding output and Q/K/V projections.
-
-    `layers` is the dotted path of the `nn.ModuleList` of blocks from `model.base_model`; `embeddings`
-    lists candidate paths whose output is `hidden_states[0]` (the first that exists wins: ELECTRA
-    projects its embeddings when they are narrower than the encoder); `query`/`key`/`value` are dotted
-    paths inside one block whose outputs are the (B, T, hidden) projections.
-    """
-
-    layers: str
-    embeddings: tuple[str, ...]
-    query: str
-    key: str
-    value: str
-
-
-_BERT_LIKE = Family(
-    layers="encoder.layer",
-    embeddings=("embeddings",),
-    query="attention.self.query",
-    key="attention.self.key",
-    value="attention.self.value",
-)
-FAMILIES: dict[str, Family] = {
-    "bert": _BERT_LIKE,
-    "roberta": _BERT_LIKE,
-    "xlm-roberta": _BERT_LIKE,
-    "camembert": _BERT_LIKE,
-    "electra": Family(
-        layers="encoder.layer",
-        embeddings=("embeddings_project", "embeddings"),
-        query="attention.self.query",
-        key="attention.self.key",
-        value="attention.self.value",
-    ),
-    "distilbert": Family(
-        layers="transformer.layer",
-        embeddings=("embeddings",),
-        query="attention.q_lin",
-        key="attention.k_lin",
-        value="attention.v_lin",
-    ),
-}
-
-REGISTER_HINT = (
-    "Register the family with hf_distill.taps.register_family(model_type, Family(layers=..., "
-    "embeddings=(...,), query=..., key=..., value=...)); see the hf_distill.taps docstring."
-)
-
-
-def register_family(model_type: str, family: Family) -> None:
-    """Teach the taps where a new architecture keeps its blocks and Q/K/V projections."""
-    FAMILIES[model_type] = family
+from .families import REGISTER_HINT, Family, get_family
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -111,7 +54,7 @@ def model_info(model: nn.Module) -> ModelInfo:
     inner = unwrap(model)
     config = getattr(inner, "config", None)
     model_type = getattr(config, "model_type", None)
-    family = FAMILIES.get(model_type) if model_type else None
+    family = get_family(model_type)
     num_layers = getattr(config, "num_hidden_layers", None)
     if family is not None:
         blocks = _get(getattr(inner, "base_model", inner), family.layers)
@@ -165,7 +108,7 @@ class FeatureTaps:
             if request.q or request.k or request.v:
                 raise ValueError(
                     f"The {role} ({type(unwrap(model)).__name__}, model_type={self.info.model_type!r}) is not "
-                    "in the hf_distill.taps registry, so its attention scores and Q/K/V cannot be captured. "
+                    "in the hf_distill.families registry, so its attention scores and Q/K/V cannot be captured. "
                     + REGISTER_HINT
                 )
             self.use_hidden_states_output = True

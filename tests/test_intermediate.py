@@ -179,7 +179,7 @@ def test_saved_student_has_no_projection_or_hook_state(tmp_path):
     ("student_kw", "terms", "extra", "message"),
     [
         ({"heads": 2}, ["loss=attention_score_mse"], {}, "student has 2 heads and the teacher 4"),
-        ({"hidden": 16}, ["loss=hidden_mse"], {"projection": "none"}, "hidden sizes differ \\(student 16, teacher 32\\)"),
+        ({"hidden": 16}, ["loss=hidden_mse"], {"projection": "none"}, r"sizes differ \(student 16, teacher 32\)"),
         ({"hidden": 24, "heads": 4}, ["loss=relation_kl,relation_heads=5"], {}, "relation_heads=5 does not divide"),
         ({"heads": 2}, ["loss=relation_kl"], {}, "Set relation_heads"),
         ({}, ["loss=hidden_mse,layers=3:4"], {}, "student layer 3 is out of range: the student has 2 layers"),
@@ -196,9 +196,9 @@ def test_bad_term_configurations_fail_before_training(tmp_path, student_kw, term
 
 
 def test_unregistered_family_asked_for_attention_says_how_to_register(tmp_path, monkeypatch):
-    from hf_distill import taps
+    from hf_distill import families
 
-    monkeypatch.delitem(taps.FAMILIES, "bert")
+    monkeypatch.delitem(families.FAMILIES, "bert")
     with pytest.raises(ValueError, match="register_family"):
         DistillationTrainer(model=bert(2), teacher_model=make_teacher(),
                             args=args(tmp_path, distill_terms=["loss=attention_score_mse"]), data_collator=collate)

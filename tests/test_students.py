@@ -21,7 +21,7 @@ from transformers import (
     XLMRobertaConfig,
 )
 
-from hf_distill import students
+from hf_distill import families
 from hf_distill.students import from_teacher, register_family, shrink
 
 VOCAB = 100
@@ -273,7 +273,7 @@ def test_from_teacher_rejects_non_int_layers(layers):
 @pytest.fixture
 def scratch_registry(monkeypatch):
     """Registrations made by a test disappear afterwards."""
-    monkeypatch.setattr(students, "STUDENT_FAMILIES", dict(students.STUDENT_FAMILIES))
+    monkeypatch.setattr(families, "FAMILIES", dict(families.FAMILIES))
 
 
 def test_register_family_adds_a_family(scratch_registry):

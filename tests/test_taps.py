@@ -8,8 +8,8 @@ import pytest
 import torch
 from helpers import bert, collate, distilbert, token_dataset
 
-from hf_distill import taps
-from hf_distill.taps import Family, FeatureTaps, TapRequest, attention_scores
+from hf_distill import families
+from hf_distill.taps import FeatureTaps, TapRequest, attention_scores
 
 
 def _batch(n=5):
@@ -70,7 +70,7 @@ def test_hooks_exist_only_inside_capture_even_on_error():
 
 
 def test_unregistered_family_falls_back_to_hidden_states_for_hidden_only(monkeypatch):
-    monkeypatch.delitem(taps.FAMILIES, "bert")
+    monkeypatch.delitem(families.FAMILIES, "bert")
     model = bert(2).eval()
     tap = FeatureTaps(model, TapRequest(hidden={0, 2}))
     assert tap.forward_kwargs() == {"output_hidden_states": True}
@@ -80,16 +80,13 @@ def test_unregistered_family_falls_back_to_hidden_states_for_hidden_only(monkeyp
         out = model(**batch, **tap.forward_kwargs())
     tap.collect(feats, out)
     assert torch.equal(feats.hidden[2], out.hidden_states[2])
-    with pytest.raises(ValueError, match="not in the hf_distill.taps registry.*register_family"):
+    with pytest.raises(ValueError, match="not in the hf_distill.families registry.*register_family"):
         FeatureTaps(model, TapRequest(q={1}), role="teacher")
 
 
 def test_register_family_teaches_the_taps_a_new_architecture(monkeypatch):
-    monkeypatch.delitem(taps.FAMILIES, "bert")
-    taps.register_family(
-        "bert",
-        Family(layers="encoder.layer", embeddings=("embeddings",), query="attention.self.query",
-               key="attention.self.key", value="attention.self.value"),
-    )
+    monkeypatch.delitem(families.FAMILIES, "bert")
+    families.register_family("bert", layers="encoder.layer", embeddings=("embeddings",),
+                             query="attention.self.query", key="attention.self.key", value="attention.self.value")
     tap = FeatureTaps(bert(2), TapRequest(v={2}))
     assert not tap.use_hidden_states_output
