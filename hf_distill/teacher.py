@@ -1,7 +1,6 @@
 """The teacher: loading it, freezing it, and checking that it fits the student.
 
-The teacher is never trained and never wrapped for gradients (not by DDP): it is a plain attribute of
-the trainer, frozen, in eval mode, on the student's device. A teacher that does not fit the student
+Placement (replica or shard) is `hf_distill.placement`'s job. A teacher that does not fit the student
 (vocabulary, label set) fails here, before training, with the fix in the message.
 """
 
@@ -33,13 +32,6 @@ def load_teacher(name_or_path: str, like: nn.Module | None = None, **kwargs) -> 
             auto = cls
             break
     return auto.from_pretrained(name_or_path, **kwargs)
-
-
-def prepare_teacher(teacher: nn.Module, device) -> nn.Module:
-    """Freeze the teacher and put it in eval mode on the student's device."""
-    teacher.requires_grad_(False)
-    teacher.eval()
-    return teacher.to(device)
 
 
 def _default_id2label(id2label: dict) -> bool:

@@ -1,0 +1,89 @@
+"""Teacher placement: the mode chosen from the accelerator state, and real FSDP2 sharding on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from accelerate.utils import DistributedType
+from helpers import teacher
+
+from hf_distill.placement import (
+    FSDP_SHARDED,
+    REPLICA,
+    ZERO3_SHARDED,
+    local_parameter_bytes,
+    place_teacher,
+    teacher_mode,
+    zero3_inference_config,
+)
+
+
+def _accelerator(kind, stage=None, device="cpu"):
+    plugin = SimpleNamespace(deepspeed_config={"zero_optimization": {"stage": stage}}) if stage is not None else None
+    return SimpleNamespace(distributed_type=kind, state=SimpleNamespace(deepspeed_plugin=plugin), device=device)
+
+
+@pytest.mark.parametrize(
+    ("kind", "stage", "mode"),
+    [
+        (DistributedType.NO, None, REPLICA),
+        (DistributedType.MULTI_CPU, None, REPLICA),
+        (DistributedType.MULTI_GPU, None, REPLICA),
+        (DistributedType.FSDP, None, FSDP_SHARDED),
+        (DistributedType.DEEPSPEED, 3, ZERO3_SHARDED),
+        (DistributedType.DEEPSPEED, 2, REPLICA),
+        (DistributedType.DEEPSPEED, 1, REPLICA),
+    ],
+)
+def test_mode_follows_the_accelerator(kind, stage, mode):
+    assert teacher_mode(_accelerator(kind, stage)) == mode
+
+
+def test_replica_is_frozen_eval_on_device():
+    t = teacher().train()
+    placed = place_teacher(t, _accelerator(DistributedType.MULTI_CPU))
+    assert placed is t and not t.training
+    assert not any(p.requires_grad for p in t.parameters())
+
+
+def test_zero3_inference_config_drops_training_parts():
+    train = {
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "overlap_comm": True},
+        "optimizer": {"type": "AdamW"}, "scheduler": {"type": "WarmupLR"}, "gradient_clipping": 1.0,
+        "bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+    }
+    config = zero3_inference_config(train)
+    assert config["zero_optimization"] == {"stage": 3, "overlap_comm": True}
+    assert config["bf16"] == {"enabled": True}
+    assert "optimizer" not in config and "scheduler" not in config and "gradient_clipping" not in config
+    assert config["train_micro_batch_size_per_gpu"] == 1 and "gradient_accumulation_steps" not in config
+    assert train["zero_optimization"]["stage"] == 2  # the student's config is untouched
+
+
+@pytest.mark.distributed
+def test_fsdp2_sharded_teacher_matches_replica_on_two_cpu_processes(tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    out = tmp_path / "result.json"
+    script = Path(__file__).with_name("fsdp_teacher_run.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
+           str(script), str(out)]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = json.loads(out.read_text())
+    assert [r["world_size"] for r in ranks] == [2, 2]
+    for r in ranks:
+        assert r["max_abs_diff"] <= 1e-6
+        assert r["features"] == 8
+        # Each rank holds about half of the teacher (shards of odd-sized tensors round up).
+        assert r["sharded_bytes"] <= 0.55 * r["replica_bytes"]
+    assert local_parameter_bytes(teacher()) == ranks[0]["replica_bytes"]
