@@ -6,6 +6,10 @@ Placement (replica or shard) is `hf_distill.placement`'s job. A teacher that doe
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
+
 import transformers
 from torch import nn
 
@@ -23,15 +27,54 @@ _AUTO_CLASSES = (
 
 
 def load_teacher(name_or_path: str, like: nn.Module | None = None, **kwargs) -> nn.Module:
-    """Load a teacher with the auto class whose head matches the student's (`like`)."""
-    auto = transformers.AutoModel
+    """Load a teacher with the auto class whose head matches the student's (`like`).
+
+    A folder holding a PEFT adapter (`adapter_config.json`) loads as base + adapter through peft's matching
+    `AutoPeftModelFor...` class, unmerged; `merge_adapters` merges it for a faster teacher forward."""
+    auto_name = "AutoModel"
     student = unwrap(like) if like is not None else None
     for name in _AUTO_CLASSES:
-        cls = getattr(transformers, name)
-        if student is not None and type(student) in cls._model_mapping.values():
-            auto = cls
+        if student is not None and type(student) in getattr(transformers, name)._model_mapping.values():
+            auto_name = name
             break
-    return auto.from_pretrained(name_or_path, **kwargs)
+    if os.path.isfile(os.path.join(name_or_path, "adapter_config.json")):
+        import peft
+
+        peft_cls = getattr(peft, auto_name.replace("AutoModel", "AutoPeftModel"), peft.AutoPeftModel)
+        return peft_cls.from_pretrained(name_or_path, **kwargs)
+    return getattr(transformers, auto_name).from_pretrained(name_or_path, **kwargs)
+
+
+def merge_adapters(teacher: nn.Module) -> nn.Module:
+    """Fold a PEFT teacher's adapters into its weights: same outputs, one matmul per layer instead of two."""
+    return teacher.merge_and_unload() if hasattr(teacher, "merge_and_unload") else teacher
+
+
+def shares_parameters(a: nn.Module, b: nn.Module) -> bool:
+    """True when two models hold the same parameter tensors: self-distillation on one PEFT base."""
+    ids = {id(p) for p in a.parameters()}
+    return any(id(p) in ids for p in b.parameters())
+
+
+@contextlib.contextmanager
+def shared_base_teacher(model: nn.Module) -> Iterator[nn.Module]:
+    """Run a shared-base teacher: adapters off and every module in eval mode for the forward only.
+
+    Calling `.eval()` on a model the student shares would switch the student's dropout off for the rest of
+    training (trl PR #5862); instead each module's mode is restored on exit, and so are the adapters."""
+    inner = model
+    while hasattr(inner, "module") and isinstance(inner.module, nn.Module):
+        inner = inner.module
+    modes = [(m, m.training) for m in inner.modules()]
+    disable = inner.disable_adapter() if hasattr(inner, "disable_adapter") else contextlib.nullcontext()
+    try:
+        for m, _ in modes:
+            m.training = False
+        with disable:
+            yield inner
+    finally:
+        for m, training in modes:
+            m.training = training
 
 
 def _default_id2label(id2label: dict) -> bool:
