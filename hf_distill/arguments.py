@@ -17,6 +17,7 @@ from .terms import DistillTerm, parse_terms
 KD_LOSS_KINDS = ("kl", "soft_ce", "mse")
 PROJECTION_KINDS = ("shared", "per_layer", "none")
 KD_TOKEN_MASKS = ("attention", "labels")
+MULTI_TEACHER_MODES = ("probs", "losses")
 
 
 @dataclass
@@ -95,6 +96,17 @@ class DistillationArguments(TrainingArguments):
         default=None,
         metadata={"help": "Learning rate of the projections. Defaults to `learning_rate`."},
     )
+    teacher_weights: list[float] | None = field(
+        default=None,
+        metadata={"help": "With several teachers: one weight per teacher (normalised to sum to 1). Default: equal."},
+    )
+    multi_teacher: str = field(
+        default="probs",
+        metadata={
+            "help": "With several teachers: `probs` distils the weighted average of their softened distributions; "
+            "`losses` sums one logit-distillation loss per teacher, weighted."
+        },
+    )
     eval_with_teacher: bool = field(
         default=False,
         metadata={
@@ -132,6 +144,13 @@ class DistillationArguments(TrainingArguments):
                 f"DistillationArguments.kd_token_mask={self.kd_token_mask!r} is unknown. "
                 f"Known: {', '.join(KD_TOKEN_MASKS)}."
             )
+        if self.multi_teacher not in MULTI_TEACHER_MODES:
+            raise ValueError(
+                f"DistillationArguments.multi_teacher={self.multi_teacher!r} is unknown. "
+                f"Known: {', '.join(MULTI_TEACHER_MODES)}."
+            )
+        if self.teacher_weights is not None and any(w < 0 for w in self.teacher_weights):
+            raise ValueError(f"DistillationArguments.teacher_weights must be >= 0, got {self.teacher_weights}.")
         for name in ("kd_weight", "task_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(
@@ -165,4 +184,6 @@ class DistillationArguments(TrainingArguments):
             "distill_preset": self.distill_preset,
             "distill_terms": self.distill_terms or [],
             "projection": self.projection,
+            "teacher_weights": self.teacher_weights,
+            "multi_teacher": self.multi_teacher,
         }

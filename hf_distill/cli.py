@@ -151,7 +151,7 @@ def _run_script(path: Path) -> int:
 
 
 def cmd_card(args: argparse.Namespace) -> int:
-    from .hub import write_model_card
+    from .card import write_model_card
 
     fields = {
         "teacher": args.teacher,
@@ -168,7 +168,8 @@ def cmd_card(args: argparse.Namespace) -> int:
 
 
 def cmd_push(args: argparse.Namespace) -> int:
-    from .hub import CARD_FILE, DEFAULT_COMMIT_MESSAGE, push_student, upload_files, write_model_card
+    from .card import CARD_FILE, write_model_card
+    from .hub import DEFAULT_COMMIT_MESSAGE, push_student, upload_files
 
     folder = Path(args.student_dir)
     upload_files(folder)  # refuse a folder that is not a student before writing anything into it
@@ -188,7 +189,7 @@ def cmd_push(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from .report import make_report
+    from .plots import make_report
 
     for path in make_report(args.output_dir).values():
         print(f"Wrote {path}")

@@ -1,28 +1,22 @@
-"""Model cards and Hub publishing for distilled students.
+"""Publishing distilled students to the Hugging Face Hub.
 
-`model_card(report)` turns a `DistillationReport` into a Hub model card: YAML metadata (base model = the
-teacher, tags, pipeline tag, datasets, license, model-index) and a body saying how the student was made and
-what it keeps of the teacher. `push_student(folder, repo_id)` publishes a saved student folder and nothing
-else: an explicit list of files (config, weights, tokenizer, card) is uploaded, so a teacher, projections,
-optimizer state, checkpoints, `training_args.bin` or logs lying in the same folder never leave the machine.
-
-The card sets no `base_model_relation`: the values the Hub documents are adapter, merge, quantized and
-finetune, huggingface_hub 2.4 defines none for distillation, and none of the four describes a student
-correctly; without the field the Hub infers the relation itself.
+`push_student(folder, repo_id)` publishes a saved student folder and nothing else: an explicit list of files
+(config, weights, tokenizer, card) is uploaded, so a teacher, projections, optimizer state, checkpoints,
+`training_args.bin` or logs lying in the same folder never leave the machine. `push_trainer` is
+`DistillationTrainer.push_to_hub`. The card itself is written by `hf_distill.card`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from .report import LOSS_PLOT, REPORT_FILE, DistillationReport, _stored_parameters, weight_bytes
+from .card import CARD_FILE
+from .report import LOSS_PLOT
 
-CARD_FILE = "README.md"
 INDEX_FILE = "model.safetensors.index.json"
 MODEL_FILES = (
     "config.json",
@@ -52,484 +46,6 @@ DEFAULT_COMMIT_MESSAGE = "Upload distilled student (hf_distill)"
 
 class HubPushError(RuntimeError):
     """A push that did not happen; the message names the folder, the repo, the endpoint and the cause."""
-
-
-# ---------------------------------------------------------------------- the card
-
-METHODS = {  # tag -> (what the card calls it, BibTeX keys)
-    "logit-kd": ("logit distillation (Hinton et al., 2015)", ["hinton2015distilling"]),
-    "distilbert": ("DistilBERT distillation (Sanh et al., 2019)", ["sanh2019distilbert"]),
-    "tinybert": ("TinyBERT transformer distillation (Jiao et al., 2020)", ["jiao2020tinybert"]),
-    "minilm": ("MiniLM deep self-attention distillation (Wang et al., 2020)", ["wang2020minilm"]),
-    "minilmv2": (
-        "MiniLMv2 multi-head self-attention relation distillation (Wang et al., 2021)",
-        ["wang2021minilmv2"],
-    ),
-    "bert-pkd": ("BERT-PKD patient knowledge distillation (Sun et al., 2019)", ["sun2019patient"]),
-    "feature-kd": (
-        "intermediate-feature distillation with FitNets-style hints (Romero et al., 2015)",
-        ["romero2015fitnets"],
-    ),
-}
-
-BIBTEX = {
-    "hinton2015distilling": """@article{hinton2015distilling,
-  title   = {Distilling the Knowledge in a Neural Network},
-  author  = {Hinton, Geoffrey and Vinyals, Oriol and Dean, Jeff},
-  journal = {arXiv preprint arXiv:1503.02531},
-  year    = {2015}
-}""",
-    "sanh2019distilbert": """@article{sanh2019distilbert,
-  title   = {{DistilBERT}, a distilled version of {BERT}: smaller, faster, cheaper and lighter},
-  author  = {Sanh, Victor and Debut, Lysandre and Chaumond, Julien and Wolf, Thomas},
-  journal = {arXiv preprint arXiv:1910.01108},
-  year    = {2019}
-}""",
-    "jiao2020tinybert": """@inproceedings{jiao2020tinybert,
-  title     = {{TinyBERT}: Distilling {BERT} for Natural Language Understanding},
-  author    = {Jiao, Xiaoqi and Yin, Yichun and Shang, Lifeng and Jiang, Xin and Chen, Xiao and Li, Linlin
-               and Wang, Fang and Liu, Qun},
-  booktitle = {Findings of the Association for Computational Linguistics: EMNLP 2020},
-  pages     = {4163--4174},
-  year      = {2020},
-  doi       = {10.18653/v1/2020.findings-emnlp.372}
-}""",
-    "wang2020minilm": """@inproceedings{wang2020minilm,
-  title     = {{MiniLM}: Deep Self-Attention Distillation for Task-Agnostic Compression of Pre-Trained
-               Transformers},
-  author    = {Wang, Wenhui and Wei, Furu and Dong, Li and Bao, Hangbo and Yang, Nan and Zhou, Ming},
-  booktitle = {Advances in Neural Information Processing Systems},
-  volume    = {33},
-  pages     = {5776--5788},
-  year      = {2020}
-}""",
-    "wang2021minilmv2": """@inproceedings{wang2021minilmv2,
-  title     = {{MiniLMv2}: Multi-Head Self-Attention Relation Distillation for Compressing Pretrained
-               Transformers},
-  author    = {Wang, Wenhui and Bao, Hangbo and Huang, Shaohan and Dong, Li and Wei, Furu},
-  booktitle = {Findings of the Association for Computational Linguistics: ACL-IJCNLP 2021},
-  pages     = {2140--2151},
-  year      = {2021},
-  doi       = {10.18653/v1/2021.findings-acl.188}
-}""",
-    "sun2019patient": """@inproceedings{sun2019patient,
-  title     = {Patient Knowledge Distillation for {BERT} Model Compression},
-  author    = {Sun, Siqi and Cheng, Yu and Gan, Zhe and Liu, Jingjing},
-  booktitle = {Proceedings of the 2019 Conference on Empirical Methods in Natural Language Processing and the
-               9th International Joint Conference on Natural Language Processing (EMNLP-IJCNLP)},
-  pages     = {4323--4332},
-  year      = {2019},
-  doi       = {10.18653/v1/D19-1441}
-}""",
-    "romero2015fitnets": """@inproceedings{romero2015fitnets,
-  title     = {{FitNets}: Hints for Thin Deep Nets},
-  author    = {Romero, Adriana and Ballas, Nicolas and Kahou, Samira Ebrahimi and Chassang, Antoine
-               and Gatta, Carlo and Bengio, Yoshua},
-  booktitle = {International Conference on Learning Representations (ICLR)},
-  year      = {2015}
-}""",
-}
-
-_AUTO_CLASSES = {
-    "text-classification": "AutoModelForSequenceClassification",
-    "token-classification": "AutoModelForTokenClassification",
-    "question-answering": "AutoModelForQuestionAnswering",
-    "fill-mask": "AutoModelForMaskedLM",
-    "multiple-choice": "AutoModelForMultipleChoice",
-    "text-generation": "AutoModelForCausalLM",
-}
-_KD_LOSSES = {"kl": "KL divergence x T^2", "soft_ce": "soft cross-entropy", "mse": "MSE of logits"}
-_TRAINING_ROWS = (
-    ("learning_rate", "Learning rate"),
-    ("epochs", "Epochs"),
-    ("max_steps", "Max steps"),
-    ("steps", "Optimizer steps done"),
-    ("per_device_train_batch_size", "Batch size per device"),
-    ("gradient_accumulation_steps", "Gradient accumulation steps"),
-    ("effective_batch_size", "Effective batch size"),
-    ("precision", "Precision"),
-    ("optimizer", "Optimizer"),
-    ("lr_scheduler", "LR schedule"),
-    ("warmup_steps", "Warm-up steps"),
-    ("weight_decay", "Weight decay"),
-    ("seed", "Seed"),
-)
-
-
-def citations(report: DistillationReport) -> list[str]:
-    """BibTeX keys of the papers the run follows: the method's, plus Hinton et al. for any logit KD."""
-    keys = list(METHODS.get(report.method or "", ("", []))[1])
-    if (report.distillation.get("kd_weight") or 0) > 0 and "hinton2015distilling" not in keys:
-        keys.append("hinton2015distilling")
-    return keys
-
-
-def model_card(report: DistillationReport) -> Any:
-    """The `huggingface_hub.ModelCard` of a student: metadata and a body made only of known facts."""
-    from huggingface_hub import EvalResult, ModelCard, ModelCardData
-
-    from . import __version__
-
-    eval_results = []
-    if report.pipeline_tag and report.datasets and report.student_metrics:
-        eval_results = [
-            EvalResult(
-                task_type=report.pipeline_tag,
-                dataset_type=report.datasets[0],
-                dataset_name=report.dataset_name or report.datasets[0],
-                dataset_config=report.dataset_config,
-                dataset_split=report.dataset_split,
-                metric_type=name,
-                metric_value=round(value, 6),
-            )
-            for name, value in report.student_metrics.items()
-        ]
-    tags = ["distillation", "hf-distill", *([report.method] if report.method else []), *report.tags]
-    data = ModelCardData(
-        base_model=report.teacher_hub_id,
-        library_name="transformers",
-        pipeline_tag=report.pipeline_tag,
-        tags=list(dict.fromkeys(tags)),
-        datasets=report.datasets or None,
-        license=report.license,
-        language=report.language or None,
-        model_name=(report.model_name or "student") if eval_results else None,
-        eval_results=eval_results or None,
-    )
-    sections = [
-        _title(report),
-        _made(report),
-        _comparison(report),
-        _training(report),
-        _usage(report),
-        _citation(report),
-        f"Distilled with hf_distill {__version__}.",
-    ]
-    body = "\n\n".join(s for s in sections if s)
-    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}\n")
-
-
-def write_model_card(
-    folder: str | os.PathLike, report: DistillationReport | None = None, **fields: Any
-) -> Path:
-    """Write `README.md` (and `distillation_report.json`, to refresh it later) into a student folder.
-
-    Without `report` the facts are read from the folder (`DistillationReport.from_folder`); `fields`
-    override them. Size, stored parameters and the loss plot are filled from the folder when missing.
-    """
-    folder = Path(folder)
-    if report is None:
-        report = DistillationReport.from_folder(folder, **fields)
-    elif fields:
-        report = report.updated(**fields)
-    fill: dict[str, Any] = {}
-    if report.student_size_bytes is None:
-        fill["student_size_bytes"] = weight_bytes(folder)
-    if report.student_params is None:
-        fill["student_params"] = _stored_parameters(folder)
-    if report.loss_plot is None and (folder / LOSS_PLOT).is_file():
-        fill["loss_plot"] = LOSS_PLOT
-    report = report.updated(**fill)
-    if report.loss_plot and not (folder / report.loss_plot).is_file():
-        report = DistillationReport.from_dict({**report.to_dict(), "loss_plot": None})
-    path = folder / CARD_FILE
-    model_card(report).save(path)
-    (folder / REPORT_FILE).write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
-    return path
-
-
-def _title(r: DistillationReport) -> str:
-    name = r.model_name or "Distilled student"
-    what = f"a {r.student_shape['layers']}-layer " if r.student_shape.get("layers") else "a "
-    what += f"`{r.architecture}`" if r.architecture else "student model"
-    sentence = f"This model is {what} distilled"
-    if r.teacher:
-        sentence += f" from {_teacher_link(r)}"
-    if r.method in METHODS:
-        sentence += f" with {METHODS[r.method][0]}"
-    if r.datasets or r.dataset_name:
-        sentence += f" on {r.dataset_name or ', '.join(r.datasets)}"
-    return f"# {name}\n\n{sentence}."
-
-
-def _teacher_link(r: DistillationReport) -> str:
-    if r.teacher_hub_id:
-        return f"[{r.teacher_hub_id}](https://huggingface.co/{r.teacher_hub_id})"
-    return f"`{Path(r.teacher).name or r.teacher}`" if r.teacher else ""
-
-
-def _layer_map(layers: Any) -> str:
-    if isinstance(layers, str):
-        return {"uniform": "uniform map", "last": "last layer to last layer"}.get(layers, layers)
-    return ", ".join(f"{s} -> {t}" for s, t in layers)
-
-
-def _made(r: DistillationReport) -> str:
-    lines = []
-    if r.method:
-        name = METHODS.get(r.method, (r.method, []))[0]
-        lines.append(f"- **Method**: {name[0].upper()}{name[1:]}")
-    if r.teacher:
-        lines.append(f"- **Teacher**: {_teacher_link(r)}")
-    if r.student_shape:
-        labels = {"layers": "{} layers", "hidden": "hidden size {}", "heads": "{} attention heads"}
-        parts = [labels[k].format(v) for k, v in r.student_shape.items() if k in labels]
-        lines.append(f"- **Student**: {r.architecture or 'model'}, {', '.join(parts)}")
-    init = r.student_init
-    if init.get("init") == "from_teacher" and init.get("teacher_layers") is not None:
-        of = f" of its {init['teacher_num_layers']}" if init.get("teacher_num_layers") else ""
-        lines.append(
-            f"- **Initialisation**: teacher encoder layers {init['teacher_layers']} (0-based){of}, copied "
-            "with the embeddings, pooler and head (DistilBERT-style)"
-        )
-    elif init.get("init") == "shrink":
-        lines.append(
-            "- **Initialisation**: random, a smaller configuration of the teacher's architecture "
-            "(TinyBERT-style)"
-        )
-    d = r.distillation
-    rows = []
-    if (d.get("task_weight") or 0) > 0:
-        rows.append(("task", "the student's own loss on the labels", d["task_weight"], ""))
-    if (d.get("kd_weight") or 0) > 0:
-        kind = _KD_LOSSES.get(d.get("kd_loss"), d.get("kd_loss"))
-        temp = f", T = {d['temperature']:g}" if d.get("kd_loss") != "mse" and d.get("temperature") else ""
-        rows.append(
-            ("kd", f"{kind} between student and teacher logits{temp}", d["kd_weight"], "output logits")
-        )
-    for term in d.get("distill_terms") or []:
-        if (term.get("weight") or 0) <= 0:
-            continue
-        detail = term["loss"]
-        if term.get("relations"):
-            heads = f", {term['relation_heads']} relation heads" if term.get("relation_heads") else ""
-            detail += f" ({'/'.join(x.upper() for x in term['relations'])}{heads})"
-        rows.append(
-            (term.get("name") or term["loss"], detail, term["weight"], _layer_map(term.get("layers")))
-        )
-    if rows:
-        lines.append("- **Loss**: the weighted sum of the terms below (layer 0 is the embedding output)\n")
-        lines.append("| Term | Loss | Weight | Layers (student -> teacher) |\n| --- | --- | ---: | --- |")
-        lines.extend(f"| {n} | {loss} | {w:g} | {layers} |" for n, loss, w, layers in rows)
-        lines.append("")
-    if d.get("temperature") and (d.get("kd_weight") or 0) > 0 and d.get("kd_loss") != "mse":
-        lines.append(f"- **Temperature**: {d['temperature']:g}")
-    if d.get("distill_terms") and d.get("projection"):
-        lines.append(f"- **Projections** (student -> teacher width, not published): {d['projection']}")
-    if r.stages:
-        lines.append("- **Stages**:\n" + "\n".join(f"  {i}. {s}" for i, s in enumerate(r.stages, 1)))
-    data = ", ".join(f"[{x}](https://huggingface.co/datasets/{x})" for x in r.datasets)
-    if data or r.dataset_name:
-        extra = ", ".join(x for x in (r.dataset_config, r.dataset_split) if x)
-        lines.append(f"- **Data**: {data or r.dataset_name}{f' ({extra})' if extra else ''}")
-    if r.augmentation:
-        lines.append(f"- **Augmentation**: {r.augmentation}")
-    return "## How it was distilled\n\n" + "\n".join(lines) if lines else ""
-
-
-def _format_bytes(n: int) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
-
-
-def _pct(x: float) -> str:
-    return f"{x:.1%}"
-
-
-def _ratio(student: float | None, teacher: float | None, fmt: Callable[[float], str]) -> str:
-    return fmt(student / teacher) if student is not None and teacher else ""
-
-
-def _comparison(r: DistillationReport) -> str:
-    rows = []
-
-    def row(label: str, teacher: Any, student: Any, fmt: Callable[[Any], str], ratio: str = "") -> None:
-        if student is not None or teacher is not None:
-            rows.append(
-                f"| {label} | {fmt(teacher) if teacher is not None else ''} | "
-                f"{fmt(student) if student is not None else ''} | {ratio} |"
-            )
-
-    row(
-        "Parameters",
-        r.teacher_params,
-        r.student_params,
-        "{:,}".format,
-        _ratio(r.student_params, r.teacher_params, _pct),
-    )
-    row("Layers", r.teacher_shape.get("layers"), r.student_shape.get("layers"), str)
-    row("Hidden size", r.teacher_shape.get("hidden"), r.student_shape.get("hidden"), str)
-    row(
-        "Size on disk (weights)",
-        r.teacher_size_bytes,
-        r.student_size_bytes,
-        _format_bytes,
-        _ratio(r.student_size_bytes, r.teacher_size_bytes, _pct),
-    )
-    if r.speedup is not None:
-        rows.append(f"| Inference speed-up | 1.00x | {r.speedup:.2f}x | |")
-    parts = []
-    if rows:
-        table = "| | Teacher | Student | Student / teacher |\n| --- | ---: | ---: | ---: |\n" + "\n".join(
-            rows
-        )
-        parts.append(table + (f"\n\nSpeed-up measured as {r.speedup_setup}." if r.speedup_setup else ""))
-    if r.student_metrics:
-        with_teacher = any(k in r.teacher_metrics for k in r.student_metrics)
-        head = (
-            "| Metric | Teacher | Student | % of teacher |\n| --- | ---: | ---: | ---: |"
-            if with_teacher
-            else "| Metric | Student |\n| --- | ---: |"
-        )
-        lines = []
-        for name, value in r.student_metrics.items():
-            if with_teacher:
-                t = r.teacher_metrics.get(name)
-                lines.append(
-                    f"| {name} | {'' if t is None else f'{t:.4f}'} | {value:.4f} | {_ratio(value, t, _pct)} |"
-                )
-            else:
-                lines.append(f"| {name} | {value:.4f} |")
-        where = " on " + (r.dataset_name or ", ".join(r.datasets)) if (r.dataset_name or r.datasets) else ""
-        split = f" ({r.dataset_split})" if r.dataset_split else ""
-        step = f", student evaluated at step {r.eval_step}" if r.eval_step else ""
-        parts.append(f"Evaluation{where}{split}{step}:\n\n{head}\n" + "\n".join(lines))
-    return "## Teacher vs student\n\n" + "\n\n".join(parts) if parts else ""
-
-
-def _training(r: DistillationReport) -> str:
-    rows = [
-        f"| {label} | {r.training[key]} |" for key, label in _TRAINING_ROWS if r.training.get(key) is not None
-    ]
-    parts = []
-    if rows:
-        parts.append("| Setting | Value |\n| --- | --- |\n" + "\n".join(rows))
-    if r.loss_plot:
-        parts.append(f"![Loss components against training steps]({r.loss_plot})")
-    return "## Training\n\n" + "\n\n".join(parts) if parts else ""
-
-
-def _usage(r: DistillationReport) -> str:
-    repo = r.model_name or "path/to/student"
-    auto = _AUTO_CLASSES.get(r.pipeline_tag or "", "AutoModel")
-    code = (
-        f'from transformers import {auto}, AutoTokenizer\n\nmodel = {auto}.from_pretrained("{repo}")\n'
-        f'tokenizer = AutoTokenizer.from_pretrained("{repo}")'
-    )
-    if r.pipeline_tag in _AUTO_CLASSES or r.pipeline_tag == "feature-extraction":
-        code += "\n\n# or\nfrom transformers import pipeline\n\n"
-        code += f'pipe = pipeline("{r.pipeline_tag}", model="{repo}")'
-    return f"## How to use\n\n```python\n{code}\n```"
-
-
-def _citation(r: DistillationReport) -> str:
-    keys = citations(r)
-    if not keys:
-        return ""
-    return "## Citation\n\n```bibtex\n" + "\n\n".join(BIBTEX[k] for k in keys) + "\n```"
-
-
-# ---------------------------------------------------------------------- trainer flows
-
-
-def _first(value: Any) -> Any:
-    return value[0] if isinstance(value, (list, tuple)) and value else value
-
-
-def _as_list(value: Any) -> list[str]:
-    return [value] if isinstance(value, str) else list(value or [])
-
-
-def write_trainer_card(
-    trainer: Any,
-    *,
-    language: str | list[str] | None = None,
-    license: str | None = None,
-    tags: str | list[str] | None = None,
-    model_name: str | None = None,
-    finetuned_from: str | None = None,
-    tasks: str | list[str] | None = None,
-    dataset_tags: str | list[str] | None = None,
-    dataset: str | list[str] | None = None,
-    dataset_args: str | list[str] | None = None,
-    **fields: Any,
-) -> Path:
-    """`Trainer.create_model_card`'s arguments mapped onto a `DistillationReport`, card written to output_dir.
-
-    `finetuned_from` names the teacher, `dataset_tags` the Hub dataset ids (`dataset` is used when they are
-    missing), `dataset` its display name, `dataset_args` its configuration; any `DistillationReport` field
-    (e.g. `stages`, `augmentation`, `teacher_metrics`) and `from_trainer`'s options may be given too.
-    """
-    # A display name such as "GLUE SST-2" is no Hub id: only id-like `dataset` values replace dataset_tags.
-    dataset_ids = _as_list(dataset_tags) or [d for d in _as_list(dataset) if " " not in d]
-    mapped = {
-        "language": _as_list(language),
-        "license": license,
-        "tags": _as_list(tags),
-        "model_name": model_name,
-        "teacher": finetuned_from,
-        "pipeline_tag": _first(tasks),
-        "datasets": dataset_ids,
-        "dataset_name": _first(dataset),
-        "dataset_config": _first(dataset_args),
-    }
-    options = {
-        k: fields.pop(k) for k in ("measure_speed", "evaluate_teacher", "speed_batches") if k in fields
-    }
-    report = DistillationReport.from_trainer(
-        trainer, **options, **{k: v for k, v in mapped.items() if v}, **fields
-    )
-    return write_model_card(trainer.args.output_dir, report)
-
-
-def push_trainer(
-    trainer: Any,
-    commit_message: str | None = "End of training",
-    blocking: bool = True,
-    token: str | None = None,
-    revision: str | None = None,
-    private: bool | None = None,
-    **card_kwargs: Any,
-) -> Any:
-    """`DistillationTrainer.push_to_hub`: save the student, write its card, publish student files only."""
-    from transformers.utils import PushInProgress
-
-    args = trainer.args
-    trainer.callback_handler.on_push_begin(args, trainer.state, trainer.control)
-    repo_id = (
-        getattr(trainer, "hub_model_id", None) or args.hub_model_id or Path(args.output_dir).absolute().name
-    )
-    token = token if token is not None else args.hub_token
-    private = private if private is not None else args.hub_private_repo
-    revision = revision if revision is not None else args.hub_revision
-    trainer.save_model(_internal_call=True)
-    if not trainer.is_world_process_zero():
-        return None
-    # The repo exists before the card is written, so that the card names it with its namespace.
-    repo_id = ensure_repo(repo_id, private=private, token=token, folder=args.output_dir)
-    trainer.hub_model_id = repo_id
-    card_kwargs.setdefault("model_name", repo_id)
-    trainer.create_model_card(**card_kwargs)
-    trainer._finish_current_push()
-    message = commit_message or DEFAULT_COMMIT_MESSAGE
-
-    def push() -> str:
-        return push_student(
-            args.output_dir, repo_id, private=private, revision=revision, token=token, commit_message=message
-        )
-
-    if blocking:
-        return push()
-    executor = ThreadPoolExecutor(max_workers=1)
-    future: Future = executor.submit(push)
-    executor.shutdown(wait=False)
-    trainer.push_in_progress = PushInProgress([future])
-    return future
-
-
-# ---------------------------------------------------------------------- pushing
 
 
 def upload_files(folder: str | os.PathLike) -> list[str]:
@@ -614,9 +130,9 @@ def push_student(
     cannot be reached, refuses, or the folder is not a saved model.
     """
     files = upload_files(folder)
+    repo_id = ensure_repo(repo_id, private=private, token=token, endpoint=endpoint, folder=folder)
     api, endpoint = _api(endpoint, token)
     try:
-        repo_id = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model").repo_id
         if revision and revision != "main" and not revision.startswith("refs/"):
             api.create_branch(repo_id, branch=revision, exist_ok=True)
         info = api.upload_folder(
@@ -629,3 +145,51 @@ def push_student(
     except Exception as error:  # any failure (network, HTTP, validation) becomes one clear message
         raise HubPushError(f"Could not push {folder} to {repo_id} at {endpoint}: {_cause(error)}") from error
     return info
+
+
+# ---------------------------------------------------------------------- from a trainer
+
+
+def push_trainer(
+    trainer: Any,
+    commit_message: str | None = "End of training",
+    blocking: bool = True,
+    token: str | None = None,
+    revision: str | None = None,
+    private: bool | None = None,
+    **card_kwargs: Any,
+) -> Any:
+    """`DistillationTrainer.push_to_hub`: save the student, write its card, publish student files only."""
+    from transformers.utils import PushInProgress
+
+    args = trainer.args
+    trainer.callback_handler.on_push_begin(args, trainer.state, trainer.control)
+    repo_id = (
+        getattr(trainer, "hub_model_id", None) or args.hub_model_id or Path(args.output_dir).absolute().name
+    )
+    token = token if token is not None else args.hub_token
+    private = private if private is not None else args.hub_private_repo
+    revision = revision if revision is not None else args.hub_revision
+    trainer.save_model(_internal_call=True)
+    if not trainer.is_world_process_zero():
+        return None
+    # The repo exists before the card is written, so that the card names it with its namespace.
+    repo_id = ensure_repo(repo_id, private=private, token=token, folder=args.output_dir)
+    trainer.hub_model_id = repo_id
+    card_kwargs.setdefault("model_name", repo_id)
+    trainer.create_model_card(**card_kwargs)
+    trainer._finish_current_push()
+    message = commit_message or DEFAULT_COMMIT_MESSAGE
+
+    def push() -> str:
+        return push_student(
+            args.output_dir, repo_id, private=private, revision=revision, token=token, commit_message=message
+        )
+
+    if blocking:
+        return push()
+    executor = ThreadPoolExecutor(max_workers=1)
+    future: Future = executor.submit(push)
+    executor.shutdown(wait=False)
+    trainer.push_in_progress = PushInProgress([future])
+    return future

@@ -4,6 +4,11 @@
 pairs, the exact set of features each model must expose (so nothing else is captured), the projections
 needed when widths differ, and, per step, one loss value per logged component. Every shape problem is
 raised here, when the trainer is built, not at the first step.
+
+Term weights are read again at every step (`set_weights`, called by the trainer with `args.distill_terms`),
+so callbacks can schedule them or switch stages; a term of weight 0 costs nothing: its features are not
+captured on either model and its loss is not computed. The terms themselves (losses, layers) are fixed
+when the trainer is built, because the projections and the optimizer depend on them.
 """
 
 from __future__ import annotations
@@ -12,21 +17,26 @@ import torch
 from torch import nn
 
 from . import layer_map, losses
+from .collators import TEACHER_PREFIX
 from .projections import Projections
 from .taps import Features, FeatureTaps, ModelInfo, TapRequest, attention_scores, model_info
-from .terms import DistillTerm
+from .terms import DistillTerm, parse_terms
 
 
 class IntermediateDistiller:
     """Validated terms with their layer pairs, the taps of both models and the projections."""
 
-    def __init__(self, terms: list[DistillTerm], student: nn.Module, teacher: nn.Module, projection: str) -> None:
-        s, t = model_info(student), model_info(teacher)
+    def __init__(
+        self, terms: list[DistillTerm], student: nn.Module, teacher: nn.Module | ModelInfo, projection: str
+    ) -> None:
+        # A ModelInfo instead of a teacher: its features come from a cache (hf_distill.cache), never a forward.
+        s, t = model_info(student), teacher if isinstance(teacher, ModelInfo) else model_info(teacher)
         self.student_info, self.teacher_info = s, t
         self.bound: list[tuple[DistillTerm, list[tuple[int, int]], int | None]] = []
-        s_req, t_req = TapRequest(), TapRequest()
+        self._requests: dict[str, tuple[TapRequest, TapRequest]] = {}
         projected_layers: list[int] = []
         for term in terms:
+            s_req, t_req = TapRequest(), TapRequest()  # this term's features
             what = f"distill_terms[{term.name}] ({term.loss})"
             for info, role in ((s, "student"), (t, "teacher")):
                 if info.num_layers is None or info.hidden_size is None:
@@ -69,17 +79,80 @@ class IntermediateDistiller:
                             getattr(s_req, kind).add(ls)
                             getattr(t_req, kind).add(lt)
             self.bound.append((term, pairs, heads))
-        self.student_taps = FeatureTaps(student, s_req, "student")
-        self.teacher_taps = FeatureTaps(teacher, t_req, "teacher")
+            self._requests[term.name] = (s_req, t_req)
+        self._student, self._teacher = student, (None if isinstance(teacher, ModelInfo) else teacher)
+        self._taps: dict[tuple[str, ...], tuple[FeatureTaps, FeatureTaps | None, TapRequest]] = {}
+        self._weights = {term.name: term.weight for term, _, _ in self.bound}
+        # Every term's teacher features, whatever the current weights (what a cache must provide).
+        t_req = _union(r[1] for r in self._requests.values())
+        self.teacher_request = t_req
+        self._select(tuple(self._weights))  # build (and validate) the taps of all terms now
+        if isinstance(teacher, ModelInfo) and (t_req.q or t_req.k or t_req.v):
+            raise ValueError(
+                "Attention and relation terms need the teacher's Q/K/V, which hf_distill.cache does not store: "
+                "pass teacher_model, or keep only hidden_mse/cosine_loss/pkd_loss terms."
+            )
         self.projections: Projections | None = None
         if projected_layers:
             self.projections = Projections(s.hidden_size, t.hidden_size, projection, projected_layers)
+
+    # ------------------------------------------------------------------ run-time weights
+
+    def set_weights(self, specs: list | None) -> None:
+        """Take the current term weights from `specs` (`args.distill_terms`). Only weights may change
+        during training: adding, removing or redefining a term raises."""
+        current = {t.name: t for t in parse_terms(specs or [])}
+        bound = {term.name: term for term, _, _ in self.bound}
+        changed = sorted(n for n in bound.keys() | current.keys()
+                         if n not in current or n not in bound or _definition(current[n]) != _definition(bound[n]))
+        if changed:
+            raise ValueError(
+                f"distill_terms changed during training ({', '.join(changed)}): only weights can change once the "
+                "trainer is built. Declare every term the run will use up front (weight 0 until it is needed)."
+            )
+        self._weights = {n: current[n].weight for n in bound}
+
+    @property
+    def active(self) -> tuple[str, ...]:
+        """Names of the terms whose current weight is > 0."""
+        return tuple(n for n, w in self._weights.items() if w > 0)
+
+    def _select(self, names: tuple[str, ...]) -> tuple[FeatureTaps, FeatureTaps | None, TapRequest]:
+        if names not in self._taps:
+            s_req = _union(self._requests[n][0] for n in names)
+            t_req = _union(self._requests[n][1] for n in names)
+            teacher = FeatureTaps(self._teacher, t_req, "teacher") if self._teacher is not None else None
+            self._taps[names] = (FeatureTaps(self._student, s_req, "student"), teacher, t_req)
+        return self._taps[names]
+
+    @property
+    def student_taps(self) -> FeatureTaps:
+        """Hooks for the student features of the active terms only."""
+        return self._select(self.active)[0]
+
+    @property
+    def teacher_taps(self) -> FeatureTaps | None:
+        """Hooks for the teacher features of the active terms only (None when features come from a cache)."""
+        return self._select(self.active)[1]
+
+    def cached_features(self, cached: dict[str, torch.Tensor]) -> Features | None:
+        """The teacher features from cached `teacher_hidden_<i>` batch columns, or None when any needed
+        feature is missing (Q/K/V are never cached), in which case the teacher must run."""
+        req = self._select(self.active)[2]
+        if req.q or req.k or req.v:
+            return None
+        names = {i: f"{TEACHER_PREFIX}hidden_{i}" for i in req.hidden}
+        if not all(n in cached for n in names.values()):
+            return None
+        return Features(hidden={i: cached[n] for i, n in names.items()})
 
     def component_names(self) -> list[str]:
         return [n for term, _, _ in self.bound for n in term.component_names()]
 
     def weights(self) -> dict[str, float]:
-        return {n: term.weight for term, _, _ in self.bound for n in term.component_names()}
+        """Current weight of each component of the active terms."""
+        active = self.active
+        return {n: self._weights[t.name] for t, _, _ in self.bound if t.name in active for n in t.component_names()}
 
     def _project(self, x: torch.Tensor, layer: int) -> torch.Tensor:
         if self.projections is None:
@@ -88,10 +161,14 @@ class IntermediateDistiller:
         return self.projections(x.float(), layer)
 
     def losses(self, s: Features, t: Features, mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        """One value per component, each summed over the term's layer pairs (as TinyBERT sums layers)."""
+        """One value per component of the active terms, each summed over the term's layer pairs (as
+        TinyBERT sums layers)."""
         out: dict[str, torch.Tensor] = {}
         sh, th = self.student_info.num_heads, self.teacher_info.num_heads
+        active = self.active
         for term, pairs, heads in self.bound:
+            if term.name not in active:
+                continue
             if term.loss in ("hidden_mse", "cosine_loss"):
                 fn = losses.FEATURE_LOSSES[term.loss]
                 out[term.name] = sum(fn(self._project(s.hidden[a], a), t.hidden[b], mask) for a, b in pairs)
@@ -116,6 +193,20 @@ class IntermediateDistiller:
                         for a, b in pairs
                     )
         return out
+
+
+def _union(requests) -> TapRequest:
+    out = TapRequest()
+    for r in requests:
+        for kind in ("hidden", "q", "k", "v"):
+            getattr(out, kind).update(getattr(r, kind))
+    return out
+
+
+def _definition(term: DistillTerm) -> dict:
+    d = term.to_dict()
+    d.pop("weight")
+    return d
 
 
 def _need_heads(s: ModelInfo, t: ModelInfo, what: str) -> None:

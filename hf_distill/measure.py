@@ -8,7 +8,9 @@ slows both alike and cancels in the ratio.
 from __future__ import annotations
 
 import inspect
+import math
 import os
+import re
 import statistics
 import time
 from pathlib import Path
@@ -16,7 +18,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin")
+from .taps import unwrap
+
+# What `from_pretrained` loads and the Hub stores: not `training_args.bin`, optimizer or scheduler state.
+WEIGHT_FILES = re.compile(r"(model|pytorch_model|adapter_model)(-\d+-of-\d+)?\.(safetensors|bin)")
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -25,7 +30,8 @@ def count_parameters(model: nn.Module) -> int:
 
 
 def _forward_names(model: nn.Module) -> set[str]:
-    return set(inspect.signature(model.forward).parameters)
+    """The inputs the forward names: of the model inside a DDP or PEFT wrapper, whose own takes **kwargs."""
+    return set(inspect.signature(unwrap(model).forward).parameters)
 
 
 def _one_pass(model: nn.Module, batches: list[dict], names: set[str]) -> float:
@@ -65,5 +71,22 @@ def speedup(teacher: nn.Module, student: nn.Module, batches: list[dict], repeats
 
 
 def size_on_disk(folder: str | os.PathLike) -> int:
-    """Bytes of the weight files (`*.safetensors`, `*.bin`) directly in `folder`."""
-    return sum(p.stat().st_size for p in Path(folder).iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
+    """Bytes of a saved model's weight files directly in `folder` (`model.safetensors`, its shards,
+    `pytorch_model.bin`, `adapter_model.*`); `training_args.bin` or optimizer files next to them do not count."""
+    return sum(p.stat().st_size for p in Path(folder).iterdir() if p.is_file() and WEIGHT_FILES.fullmatch(p.name))
+
+
+def stored_parameters(folder: str | os.PathLike) -> int | None:
+    """Parameters stored in the folder's `model*.safetensors` files, read from their headers (no model load);
+    None when it holds none."""
+    files = sorted(Path(folder).glob("model*.safetensors"))
+    if not files:
+        return None
+    from safetensors import safe_open
+
+    total = 0
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                total += math.prod(f.get_slice(key).get_shape())
+    return total

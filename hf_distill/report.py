@@ -4,10 +4,7 @@
 training settings). It is filled from a live `DistillationTrainer` (`from_trainer`), from a saved student
 folder (`from_folder`: `config.json`, `trainer_state.json`, `training_args.bin`, `results.json`), or by
 hand in a recipe. A field that could not be measured stays empty and the card leaves it out: the card
-never shows a placeholder.
-
-`make_report(output_dir)` draws the loss components against steps (`loss_components.png`) and, when the
-folder holds several runs, accuracy against parameter count (`accuracy_vs_params.png`).
+never shows a placeholder. The card is rendered by `hf_distill.card`, the plots by `hf_distill.plots`.
 """
 
 from __future__ import annotations
@@ -22,10 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import measure
+
 REPORT_FILE = "distillation_report.json"
 RESULTS_FILE = "results.json"
 LOSS_PLOT = "loss_components.png"
-ACCURACY_PLOT = "accuracy_vs_params.png"
 
 # Student head -> Hub pipeline tag; the first matching suffix of the architecture name wins.
 _HEAD_TASKS = (
@@ -46,7 +44,6 @@ _NOT_METRICS = {
     "loss",
     "jit_compilation_time",
 }
-_WEIGHTS = re.compile(r"(model|pytorch_model|adapter_model)(-\d+-of-\d+)?\.(safetensors|bin)")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -83,6 +80,7 @@ class DistillationReport:
     eval_step: int | None = None  # training step at which student_metrics were measured
     training: dict[str, Any] = field(default_factory=dict)
     loss_plot: str | None = None  # file name, relative to the student folder
+    adapter: dict[str, Any] = field(default_factory=dict)  # a PEFT student: type, rank, targets, base model
 
     # ------------------------------------------------------------------ (de)serialisation
 
@@ -123,12 +121,12 @@ class DistillationReport:
         is no evaluation set). The teacher is evaluated with the trainer's `compute_metrics` on the
         evaluation set, so that the card can say how much of the teacher's quality the student keeps.
         """
-        from . import measure
         from .taps import unwrap
 
         _check_fields(fields)
         student = unwrap(trainer.model)
         teacher = getattr(trainer, "teacher", None)
+        peft_config = getattr(getattr(trainer.model, "peft_config", None), "get", lambda _: None)("default")
         args = trainer.args
         found: dict[str, Any] = _from_config(
             getattr(student, "config", None), student_class=type(student).__name__
@@ -136,6 +134,8 @@ class DistillationReport:
         found["model_name"] = (
             getattr(trainer, "hub_model_id", None) or args.hub_model_id or Path(args.output_dir).name
         )
+        if peft_config is not None:
+            found["adapter"] = adapter_summary(peft_config.to_dict())
         if teacher is not None:
             t_config = getattr(teacher, "config", None)
             found["teacher_shape"] = _shape(t_config)
@@ -144,7 +144,7 @@ class DistillationReport:
             if t_path:
                 found["teacher"] = t_path
             if t_path and os.path.isdir(t_path):
-                found["teacher_size_bytes"] = weight_bytes(t_path)
+                found["teacher_size_bytes"] = measure.size_on_disk(t_path) or None
         found["student_params"] = measure.count_parameters(student)
         if hasattr(args, "distillation_summary"):
             found["distillation"] = args.distillation_summary()
@@ -189,6 +189,9 @@ class DistillationReport:
         if config:
             arch = (config.get("architectures") or [None])[0]
             found.update(_from_config(config, student_class=arch))
+        adapter_config = _read_json(folder / "adapter_config.json")
+        if adapter_config:
+            found["adapter"] = adapter_summary(adapter_config)
         state_path = find_trainer_state(folder)
         if state_path is not None:
             state = _read_json(state_path)
@@ -199,15 +202,15 @@ class DistillationReport:
             found["training"] = {**found.get("training", {}), **_training_from_args(targs, None)}
             if hasattr(targs, "distillation_summary"):
                 found["distillation"] = targs.distillation_summary()
-        found["student_params"] = _stored_parameters(folder)
-        found["student_size_bytes"] = weight_bytes(folder)
+        found["student_params"] = measure.stored_parameters(folder)
+        found["student_size_bytes"] = measure.size_on_disk(folder) or None
         # The teacher's folder, when config.json (or the caller) names a local one: its facts are real too.
         local = [Path(str(t)) for t in (found.get("teacher"), fields.get("teacher")) if t]
         teacher_dir = next((t for t in local if (t / "config.json").is_file()), None)
         if teacher_dir is not None:
             found["teacher_shape"] = _shape(_read_json(teacher_dir / "config.json"))
-            found["teacher_params"] = _stored_parameters(teacher_dir)
-            found["teacher_size_bytes"] = weight_bytes(teacher_dir)
+            found["teacher_params"] = measure.stored_parameters(teacher_dir)
+            found["teacher_size_bytes"] = measure.size_on_disk(teacher_dir) or None
         if (folder / LOSS_PLOT).is_file():
             found["loss_plot"] = LOSS_PLOT
         merged: dict[str, Any] = {}
@@ -219,7 +222,7 @@ class DistillationReport:
         return cls.from_dict(_merge(merged, fields))
 
 
-# ---------------------------------------------------------------------- helpers used by the card
+# ---------------------------------------------------------------------- detection helpers
 
 
 def hub_id(name: str | None) -> str | None:
@@ -273,13 +276,6 @@ def latest_eval_metrics(log_history: list[dict[str, Any]]) -> tuple[dict[str, fl
     return {}, None
 
 
-def weight_bytes(folder: str | os.PathLike) -> int | None:
-    """Bytes of a saved model's weight files (what `from_pretrained` loads and the Hub stores). Unlike
-    `measure.size_on_disk`, `training_args.bin` or optimizer files next to the weights do not count."""
-    files = [p for p in Path(folder).iterdir() if p.is_file() and _WEIGHTS.fullmatch(p.name)]
-    return sum(p.stat().st_size for p in files) or None
-
-
 def find_trainer_state(folder: str | os.PathLike) -> Path | None:
     """`trainer_state.json` of the folder or of its checkpoints, whichever went furthest."""
     folder = Path(folder)
@@ -288,146 +284,19 @@ def find_trainer_state(folder: str | os.PathLike) -> Path | None:
     return max(found, key=lambda item: (item[0], item[1] == candidates[0]))[1] if found else None
 
 
-# ---------------------------------------------------------------------- plots
-
-
-def make_report(output_dir: str | os.PathLike) -> dict[str, Path]:
-    """Write the run's plots into `output_dir`; returns {plot name: path}."""
-    output_dir = Path(output_dir)
-    if not output_dir.is_dir():
-        raise FileNotFoundError(f"{output_dir} is not a folder.")
-    written: dict[str, Path] = {}
-    state = find_trainer_state(output_dir)
-    if state is not None:
-        written["loss_components"] = plot_loss_components(state, output_dir / LOSS_PLOT)
-    runs = collect_runs(output_dir)
-    if len(runs) >= 2:
-        written["accuracy_vs_params"] = plot_accuracy_vs_params(runs, output_dir / ACCURACY_PLOT)
-    if not written:
-        raise FileNotFoundError(
-            f"Nothing to plot in {output_dir}: no trainer_state.json (in it or a checkpoint-* folder) and "
-            f"fewer than two run folders with a {RESULTS_FILE} holding `accuracy` and `params`."
-        )
-    return written
-
-
-def loss_series(log_history: list[dict[str, Any]]) -> dict[str, tuple[list[int], list[float]]]:
-    """{logged loss name: (steps, values)} for every key starting with `loss` (train logs only)."""
-    series: dict[str, tuple[list[int], list[float]]] = {}
-    for entry in log_history:
-        if "step" not in entry:
-            continue
-        for key, value in entry.items():
-            if key.startswith("loss") and _number(value):
-                steps, values = series.setdefault(key, ([], []))
-                steps.append(entry["step"])
-                values.append(float(value))
-    return series
-
-
-def plot_loss_components(trainer_state: str | os.PathLike, out: str | os.PathLike) -> Path:
-    """Every logged loss (`loss`, `loss_kd`, `loss_hidden`, ...) against the training step."""
-    series = loss_series(_read_json(Path(trainer_state)).get("log_history", []))
-    if not series:
-        raise ValueError(f"{trainer_state} logs no loss: train with logging_steps > 0 to get a loss curve.")
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
-    for key in sorted(series, key=lambda k: (k != "loss", k)):
-        steps, values = series[key]
-        ax.plot(
-            steps,
-            values,
-            marker="o" if len(steps) < 30 else None,
-            linewidth=2 if key == "loss" else 1.2,
-            label=key,
-        )
-    ax.set_xlabel("training step")
-    ax.set_ylabel("loss (unweighted components, weighted total)")
-    folder = Path(trainer_state).resolve().parent
-    run = folder.parent.name if folder.name.startswith("checkpoint-") else folder.name
-    ax.set_title(f"Loss components: {run}")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    return _save(fig, plt, out)
-
-
-def collect_runs(output_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    """Runs below `output_dir` (one level) whose results.json has an accuracy and a parameter count."""
-    runs = []
-    for path in sorted(Path(output_dir).glob(f"*/{RESULTS_FILE}")):
-        data = _read_json(path)
-        accuracy = data.get("accuracy", data.get("student_accuracy"))
-        params = data.get("params", data.get("student_parameters"))
-        if _number(accuracy) and _number(params):
-            runs.append(
-                {
-                    "name": path.parent.name,
-                    "accuracy": float(accuracy),
-                    "params": int(params),
-                    "teacher_accuracy": data.get("teacher_accuracy"),
-                    "teacher_params": data.get("teacher_params", data.get("teacher_parameters")),
-                }
-            )
-    return runs
-
-
-def plot_accuracy_vs_params(runs: list[dict[str, Any]], out: str | os.PathLike) -> Path:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
-    ax.scatter(
-        [r["params"] / 1e6 for r in runs], [r["accuracy"] for r in runs], s=50, label="students", zorder=3
-    )
-    for r in runs:
-        ax.annotate(
-            r["name"],
-            (r["params"] / 1e6, r["accuracy"]),
-            textcoords="offset points",
-            xytext=(5, 5),
-            fontsize=8,
-        )
-    teachers = {
-        (r["teacher_params"], r["teacher_accuracy"])
-        for r in runs
-        if _number(r["teacher_params"]) and _number(r["teacher_accuracy"])
-    }
-    if teachers:
-        ax.scatter(
-            [p / 1e6 for p, _ in teachers],
-            [a for _, a in teachers],
-            marker="*",
-            s=200,
-            color="tab:red",
-            label="teacher",
-            zorder=3,
-        )
-    ax.set_xscale("log")
-    ax.set_xlabel("parameters (millions, log scale)")
-    ax.set_ylabel("accuracy")
-    ax.set_title("Accuracy against size")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    return _save(fig, plt, out)
-
-
-def _pyplot():
-    try:
-        import matplotlib
-    except ImportError:
-        raise ImportError("Plots need matplotlib: pip install 'hf-distill[plots]'.") from None
-    matplotlib.use("Agg")  # no display on training machines
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, plt, out: str | os.PathLike) -> Path:
-    fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
-    return Path(out)
-
-
 # ---------------------------------------------------------------------- collection internals
+
+
+def adapter_summary(config: dict[str, Any]) -> dict[str, Any]:
+    """What a card says about a PEFT student (the repository then holds adapters, not a full model)."""
+    targets = config.get("target_modules")
+    return {
+        "peft_type": config.get("peft_type"),
+        "r": config.get("r"),
+        "lora_alpha": config.get("lora_alpha"),
+        "target_modules": sorted(targets) if isinstance(targets, list | set | tuple) else targets,
+        "base_model": config.get("base_model_name_or_path"),
+    }
 
 
 def _check_fields(fields: dict[str, Any]) -> None:
@@ -570,46 +439,28 @@ def _load_training_args(path: Path) -> Any:
         return None
 
 
-def _stored_parameters(folder: Path) -> int | None:
-    """Parameters stored in the folder's safetensors weights, read from their headers (no model load)."""
-    files = sorted(folder.glob("model*.safetensors"))
-    if not files:
-        return None
-    from safetensors import safe_open
-
-    total = 0
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                n = 1
-                for dim in f.get_slice(key).get_shape():
-                    n *= dim
-                total += n
-    return total
-
-
 def _from_results(data: dict[str, Any]) -> dict[str, Any]:
     """Map a results.json (recipe, demo) onto report fields; see `DistillationReport.from_folder`."""
     if not data:
         return {}
     out: dict[str, Any] = {}
-    simple = {
-        "teacher": "teacher",
-        "method": "method",
-        "license": "license",
-        "augmentation": "augmentation",
-        "dataset_name": "dataset_name",
-        "dataset_config": "dataset_config",
-        "dataset_split": "dataset_split",
-        "speedup": "speedup",
-        "speedup_setup": "speedup_setup",
-        "stages": "stages",
-        "student_size_bytes": "student_size_bytes",
-        "teacher_size_bytes": "teacher_size_bytes",
-    }
-    for key, name in simple.items():
+    copied = (  # results.json keys that are report fields of the same name
+        "teacher",
+        "method",
+        "license",
+        "augmentation",
+        "dataset_name",
+        "dataset_config",
+        "dataset_split",
+        "speedup",
+        "speedup_setup",
+        "stages",
+        "student_size_bytes",
+        "teacher_size_bytes",
+    )
+    for key in copied:
         if isinstance(data.get(key), (str, int, float, list)) and not isinstance(data.get(key), bool):
-            out[name] = data[key]
+            out[key] = data[key]
     datasets = data.get("datasets", data.get("dataset"))
     if datasets:
         out["datasets"] = [datasets] if isinstance(datasets, str) else list(datasets)

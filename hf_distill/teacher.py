@@ -30,7 +30,8 @@ def load_teacher(name_or_path: str, like: nn.Module | None = None, **kwargs) -> 
     """Load a teacher with the auto class whose head matches the student's (`like`).
 
     A folder holding a PEFT adapter (`adapter_config.json`) loads as base + adapter through peft's matching
-    `AutoPeftModelFor...` class, unmerged; `merge_adapters` merges it for a faster teacher forward."""
+    `AutoPeftModelFor...` class, unmerged (`merge_and_unload()` it first
+    for a faster teacher forward)."""
     auto_name = "AutoModel"
     student = unwrap(like) if like is not None else None
     for name in _AUTO_CLASSES:
@@ -43,11 +44,6 @@ def load_teacher(name_or_path: str, like: nn.Module | None = None, **kwargs) -> 
         peft_cls = getattr(peft, auto_name.replace("AutoModel", "AutoPeftModel"), peft.AutoPeftModel)
         return peft_cls.from_pretrained(name_or_path, **kwargs)
     return getattr(transformers, auto_name).from_pretrained(name_or_path, **kwargs)
-
-
-def merge_adapters(teacher: nn.Module) -> nn.Module:
-    """Fold a PEFT teacher's adapters into its weights: same outputs, one matmul per layer instead of two."""
-    return teacher.merge_and_unload() if hasattr(teacher, "merge_and_unload") else teacher
 
 
 def shares_parameters(a: nn.Module, b: nn.Module) -> bool:

@@ -8,6 +8,7 @@ gradient accumulation, DDP, mixed precision, callbacks, checkpointing and `push_
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 from typing import Any
@@ -20,10 +21,12 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from . import losses
 from .arguments import DistillationArguments
+from .cache import LOGITS_COLUMN, TOPK_INDICES_COLUMN, TOPK_VALUES_COLUMN, cached_hidden_layers, cached_teacher_info
 from .collators import TEACHER_PREFIX, TeacherOutputsCollator
 from .intermediate import IntermediateDistiller
+from .placement import place_teacher
 from .taps import unwrap
-from .teacher import load_teacher, prepare_teacher, validate_pair
+from .teacher import load_teacher, shared_base_teacher, shares_parameters, validate_pair
 from .tracking import ComponentTracker
 
 PROJECTIONS_FILE = "distill_projections.pt"
@@ -35,9 +38,11 @@ class DistillationTrainer(Trainer):
     Args:
         model: the student (any `nn.Module` whose forward returns logits, or a transformers model).
         args: a `DistillationArguments`.
-        teacher_model: the teacher, or a local path / Hub id to load with the student's auto class.
-            May be `None` when every training row carries precomputed `teacher_logits` and no
-            intermediate term is configured.
+        teacher_model: the teacher, or a local path / Hub id to load with the student's auto class, or a
+            list of them (multi-teacher logit distillation, see `teacher_weights` and `multi_teacher`;
+            intermediate terms use the first). It may be the student itself when the student is a PEFT
+            model: the teacher is then the shared base with adapters off (self-distillation). May be `None`
+            when every training row carries cached teacher outputs (hf_distill.cache).
         All other arguments are `Trainer`'s.
     """
 
@@ -49,7 +54,7 @@ class DistillationTrainer(Trainer):
         model: PreTrainedModel | nn.Module | None = None,
         args: DistillationArguments | None = None,
         *trainer_args: Any,
-        teacher_model: nn.Module | str | None = None,
+        teacher_model: nn.Module | str | list[nn.Module | str] | None = None,
         **trainer_kwargs: Any,
     ) -> None:
         if args is None:
@@ -64,24 +69,42 @@ class DistillationTrainer(Trainer):
         # by the number of processes; our loss is a plain per-batch mean (see ENVIRONMENT.md pitfall 1).
         self.model_accepts_loss_kwargs = False
 
-        if isinstance(teacher_model, str | os.PathLike):
-            teacher_model = load_teacher(str(teacher_model), like=self.model)
-        self.teacher = prepare_teacher(teacher_model, self.args.device) if teacher_model is not None else None
-
+        teachers = teacher_model if isinstance(teacher_model, list | tuple) else [teacher_model]
+        teachers = [load_teacher(str(t), like=self.model) if isinstance(t, str | os.PathLike) else t for t in teachers]
+        teachers = [t for t in teachers if t is not None]
+        self.teacher_weights = _teacher_weights(self.args.teacher_weights, len(teachers))
+        # Self-distillation on one PEFT base: the "teacher" is the student with its adapters off. It must not
+        # be frozen or put in eval mode for good (that would freeze or un-dropout the student too).
+        self.shared_base = bool(teachers) and shares_parameters(teachers[0], self.model)
+        if any(shares_parameters(t, self.model) for t in teachers[1:]):
+            raise ValueError("Only the first teacher may share its parameters with the student (self-distillation).")
+        # Frozen, eval mode, and replicated or sharded as the accelerator's mode requires (hf_distill.placement).
+        self.teachers = [
+            t if (i == 0 and self.shared_base) else place_teacher(t, self.accelerator) for i, t in enumerate(teachers)
+        ]
+        self.teacher = self.teachers[0] if self.teachers else None
         terms = self.args.terms
         self.intermediate: IntermediateDistiller | None = None
         if terms:
-            if self.teacher is None:
+            # Without a teacher, its shape (layers, width) comes from the hidden states cached in the dataset.
+            source = self.teacher if self.teacher is not None else cached_teacher_info(self.train_dataset)
+            if source is None:
                 raise ValueError(
                     "distill_terms need teacher features, so teacher_model must be given "
-                    "(cached teacher logits alone only serve kd_weight)."
+                    "(or a train dataset with cached teacher hidden states from hf_distill.cache)."
                 )
-            self.intermediate = IntermediateDistiller(terms, self.model, self.teacher, self.args.projection)
+            self.intermediate = IntermediateDistiller(terms, self.model, source, self.args.projection)
             if self.intermediate.projections is not None:
                 self.intermediate.projections.to(self.args.device)
                 self.add_callback(_ProjectionGradients(self.intermediate.projections, self.accelerator))
-        if self.teacher is not None:
-            validate_pair(self.model, self.teacher, self.args)
+        for teacher in self.teachers:
+            validate_pair(self.model, teacher, self.args)
+        if len(self.teachers) > 1 and self.args.kd_weight > 0 and self.args.kd_loss == "mse":
+            if self.args.multi_teacher == "probs":
+                raise ValueError(
+                    "multi_teacher='probs' averages probability distributions, which kd_loss='mse' does not use. "
+                    "Use multi_teacher='losses' (a weighted sum of one MSE per teacher) or kd_loss='kl'/'soft_ce'."
+                )
 
         self._student_params = _forward_params(self.model)
         self._teacher_params = _forward_params(self.teacher) if self.teacher is not None else set()
@@ -120,10 +143,20 @@ class DistillationTrainer(Trainer):
                     "labels. Recompute the cached logits with a teacher of the same label set, or drop the column."
                 )
         elif self.teacher is None and self.args.kd_weight > 0 and dataset is not None:
-            raise ValueError(
-                "kd_weight > 0 needs teacher logits: pass teacher_model, or add a `teacher_logits` column "
-                "to the train dataset (see hf_distill.cache)."
-            )
+            topk = TOPK_VALUES_COLUMN in names and TOPK_INDICES_COLUMN in names
+            if not topk or self.args.kd_loss == "mse":
+                raise ValueError(
+                    "kd_weight > 0 needs teacher logits: pass teacher_model, or add a `teacher_logits` column "
+                    "to the train dataset (see hf_distill.cache; cached top-k logits serve kd_loss kl/soft_ce)."
+                )
+        if self.teacher is None and self.intermediate is not None and dataset is not None:
+            missing = sorted(self.intermediate.teacher_request.hidden - cached_hidden_layers(names))
+            if missing:
+                raise ValueError(
+                    f"distill_terms need teacher hidden states {missing}, which the train dataset does not carry "
+                    "(teacher_hidden_<i> columns): pass teacher_model, or cache them with "
+                    f"hf_distill.cache.cache_teacher_outputs(..., hidden_layers={missing})."
+                )
 
     # ------------------------------------------------------------------ loss
 
@@ -138,6 +171,10 @@ class DistillationTrainer(Trainer):
         labels = inputs.get("labels")
         distill = model.training or self.args.eval_with_teacher
         mask = inputs.get("attention_mask")
+        if self.intermediate is not None:
+            # Term weights are re-read every step, like kd_weight and temperature, so callbacks
+            # (hf_distill.callbacks) can change them; a term of weight 0 is neither captured nor computed.
+            self.intermediate.set_weights(self.args.distill_terms)
 
         # The task loss is the student's own: in training when task_weight > 0, in evaluation always.
         want_task = labels is not None and (not distill or self.args.task_weight > 0)
@@ -161,9 +198,8 @@ class DistillationTrainer(Trainer):
             t_logits, t_feats = self._teacher_outputs(inputs, cached)
             if self.args.kd_weight > 0:
                 kd_mask = self._kd_mask(s_logits, mask, labels)
-                components["kd"] = losses.logit_kd_loss(
-                    self.args.kd_loss, s_logits, t_logits, self.args.temperature, mask=kd_mask
-                )
+                extra = [self._extra_teacher_logits(i, inputs, cached) for i in range(1, len(self.teachers))]
+                components["kd"] = self._kd_loss(s_logits, [t_logits, *extra], kd_mask)
                 weights["kd"] = self.args.kd_weight
             if self.intermediate is not None:
                 components.update(self.intermediate.losses(s_feats, t_feats, mask))
@@ -183,26 +219,64 @@ class DistillationTrainer(Trainer):
 
     def _teacher_outputs(self, inputs: dict[str, Any], cached: dict[str, torch.Tensor]):
         """Teacher logits and features: from the batch's cached columns when possible, else a forward."""
-        need_features = self.intermediate is not None
-        t_logits = cached.get(f"{TEACHER_PREFIX}logits")
-        if t_logits is not None and not need_features:
-            return t_logits, None
+        t_logits = cached.get(LOGITS_COLUMN)
+        if t_logits is None and self.args.kd_loss != "mse" and TOPK_VALUES_COLUMN in cached:
+            t_logits = (cached[TOPK_VALUES_COLUMN], cached[TOPK_INDICES_COLUMN])  # sparse: kl/soft_ce take it
+        t_feats = self.intermediate.cached_features(cached) if self.intermediate is not None else None
+        need_logits = self.args.kd_weight > 0 and t_logits is None
+        need_features = self.intermediate is not None and t_feats is None
+        if not (need_logits or need_features):  # everything cached (or nothing needed): no teacher forward
+            return t_logits, t_feats
         if self.teacher is None:
-            raise ValueError("This batch has no teacher_logits and no teacher_model was given.")
-        t_kwargs = {k: v for k, v in inputs.items() if k != "labels" and k in self._teacher_params}
+            raise ValueError(
+                "This batch lacks cached teacher outputs the losses need (teacher_logits or top-k columns, "
+                "teacher_hidden_<i>) and no teacher_model was given."
+            )
         taps = self.intermediate.teacher_taps if need_features else None
+        t_out, t_feats = self._run_teacher(self.teacher, inputs, taps)
+        return (t_logits if t_logits is not None else _logits(t_out)), t_feats
+
+    def _run_teacher(self, teacher: nn.Module, inputs: dict[str, Any], taps=None):
+        t_kwargs = {k: v for k, v in inputs.items() if k != "labels" and k in self._teacher_params}
+        shared = self.shared_base and teacher is self.teacher
         # Same autocast as the student (accelerate only wraps the model it prepared), no autograd: plain
         # no_grad, not inference_mode, so the losses may save teacher tensors for backward.
-        with torch.no_grad(), self.accelerator.autocast():
-            if taps is not None:
-                t_kwargs.update(taps.forward_kwargs())
-                with taps.capture() as t_feats:
-                    t_out = self.teacher(**t_kwargs)
-                taps.collect(t_feats, t_out)
-            else:
-                t_feats = None
-                t_out = self.teacher(**t_kwargs)
-        return (t_logits if t_logits is not None else _logits(t_out)), t_feats
+        with torch.no_grad(), self.accelerator.autocast(), contextlib.ExitStack() as stack:
+            if shared:
+                teacher = stack.enter_context(shared_base_teacher(teacher))
+            if taps is None:
+                return teacher(**t_kwargs), None
+            t_kwargs.update(taps.forward_kwargs())
+            with taps.capture() as t_feats:
+                t_out = teacher(**t_kwargs)
+            taps.collect(t_feats, t_out)
+            return t_out, t_feats
+
+    def _extra_teacher_logits(self, i: int, inputs: dict[str, Any], cached: dict[str, torch.Tensor]):
+        """Logits of teacher i >= 1: its cached column `teacher_logits_<i>` if present, else a forward."""
+        if f"{LOGITS_COLUMN}_{i}" in cached:
+            return cached[f"{LOGITS_COLUMN}_{i}"]
+        return _logits(self._run_teacher(self.teachers[i], inputs)[0])
+
+    def _kd_loss(self, s_logits: torch.Tensor, t_logits: list, mask) -> torch.Tensor:
+        """Logit distillation from one or several teachers.
+
+        Several teachers are combined as `multi_teacher` says: `probs` distils the weighted average of their
+        softened distributions (one KD term against a mixture, as TextBrewer's multi-teacher averages);
+        `losses` sums one KD term per teacher, weighted."""
+        args, T = self.args, self.args.temperature
+        if len(t_logits) == 1:
+            return losses.logit_kd_loss(args.kd_loss, s_logits, t_logits[0], T, mask=mask)
+        if args.multi_teacher == "losses":
+            return sum(
+                w * losses.logit_kd_loss(args.kd_loss, s_logits, t, T, mask=mask)
+                for w, t in zip(self.teacher_weights, t_logits, strict=True)
+            )
+        if any(isinstance(t, tuple) for t in t_logits):
+            raise ValueError("multi_teacher='probs' needs dense teacher logits; cached top-k logits cannot be mixed.")
+        mixture = sum(w * (t.float() / T).softmax(-1) for w, t in zip(self.teacher_weights, t_logits, strict=True))
+        # T * log(p) has softmax(. / T) == p, so the mixture goes through the usual loss unchanged.
+        return losses.logit_kd_loss(args.kd_loss, s_logits, T * mixture.clamp_min(1e-30).log(), T, mask=mask)
 
     def _kd_mask(self, s_logits: torch.Tensor, mask, labels):
         if s_logits.dim() != 3:
@@ -217,6 +291,12 @@ class DistillationTrainer(Trainer):
         if "loss" in logs and self.tracker:
             for name, value in self.tracker.pop_means(self.accelerator).items():
                 logs[f"loss_{name}"] = value
+        if "loss" in logs:
+            # Callbacks cannot add to the history themselves (on_log gets a copy): schedules and stages
+            # (hf_distill.callbacks) report the values they set through `distill_log_values()`.
+            for callback in self.callback_handler.callbacks:
+                if callable(getattr(callback, "distill_log_values", None)):
+                    logs.update(callback.distill_log_values())
         super().log(logs, start_time)
 
     # ------------------------------------------------------------------ optimizer and checkpoints
@@ -254,7 +334,7 @@ class DistillationTrainer(Trainer):
                 )
             proj.load_state_dict(torch.load(path, map_location=self.args.device, weights_only=True))
 
-    # ------------------------------------------------------------------ publishing (hf_distill.hub)
+    # ------------------------------------------------------------------ publishing (hf_distill.card, hf_distill.hub)
 
     def create_model_card(
         self,
@@ -274,7 +354,7 @@ class DistillationTrainer(Trainer):
         `DistillationReport` fields (e.g. `stages`, `augmentation`) or `measure_speed`/`evaluate_teacher`."""
         if not self.is_world_process_zero():
             return
-        from .hub import write_trainer_card
+        from .card import write_trainer_card
 
         write_trainer_card(self, language=language, license=license, tags=tags, model_name=model_name,
                            finetuned_from=finetuned_from, tasks=tasks, dataset_tags=dataset_tags,
@@ -319,6 +399,18 @@ class _ProjectionGradients(TrainerCallback):
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _teacher_weights(weights: list[float] | None, n: int) -> list[float]:
+    """Normalised teacher weights (equal by default)."""
+    if weights is None:
+        return [1.0 / n] * n if n else []
+    if len(weights) != n:
+        raise ValueError(f"teacher_weights has {len(weights)} values for {n} teachers; give one weight per teacher.")
+    total = sum(weights)
+    if total <= 0:
+        raise ValueError(f"teacher_weights must sum to a positive number, got {weights}.")
+    return [w / total for w in weights]
 
 
 def _forward_params(model: nn.Module | None) -> set[str]:

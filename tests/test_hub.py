@@ -23,15 +23,8 @@ from safetensors.torch import load as load_safetensors
 
 import hf_distill
 from hf_distill import DistillationArguments, measure
-from hf_distill.hub import (
-    BIBTEX,
-    HubPushError,
-    citations,
-    model_card,
-    push_student,
-    upload_files,
-    write_model_card,
-)
+from hf_distill.card import BIBTEX, citations, model_card, write_model_card
+from hf_distill.hub import HubPushError, push_student, upload_files
 from hf_distill.presets import PRESETS
 from hf_distill.report import DistillationReport, detect_method
 

@@ -10,16 +10,10 @@ import pytest
 from hub_server import tiny_run
 
 from hf_distill import measure
-from hf_distill.hub import upload_files, write_model_card
-from hf_distill.report import (
-    ACCURACY_PLOT,
-    LOSS_PLOT,
-    find_trainer_state,
-    latest_eval_metrics,
-    loss_series,
-    make_report,
-    plot_loss_components,
-)
+from hf_distill.card import write_model_card
+from hf_distill.hub import upload_files
+from hf_distill.plots import ACCURACY_PLOT, LOSS_PLOT, loss_series, make_report, plot_loss_components
+from hf_distill.report import find_trainer_state, latest_eval_metrics
 
 
 def png_size(path: Path) -> tuple[int, int]:

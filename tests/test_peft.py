@@ -1,0 +1,128 @@
+"""PEFT: LoRA students, LoRA teachers, and self-distillation on one shared base."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import args, bert, collate, flat_params, token_dataset
+from helpers import teacher as make_teacher
+from transformers import BertForSequenceClassification
+
+peft = pytest.importorskip("peft")
+from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
+
+from hf_distill import DistillationTrainer  # noqa: E402
+from hf_distill.card import write_model_card  # noqa: E402
+from hf_distill.report import DistillationReport  # noqa: E402
+
+
+def _lora(model, seed=0, dropout=0.0, randomize=False):
+    torch.manual_seed(seed)
+    wrapped = get_peft_model(model, LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, lora_dropout=dropout,
+                                               target_modules=["query", "value"]))
+    if randomize:  # LoRA's B starts at zero; a teacher adapter that changes nothing would test nothing
+        with torch.no_grad():
+            for name, p in wrapped.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(std=0.5)
+    return wrapped
+
+
+def _batch(n=6):
+    b = collate([token_dataset(n, seed=5)[i] for i in range(n)])
+    b.pop("labels")
+    return b
+
+
+def test_lora_student_trains_and_saves_adapters_only(tmp_path):
+    student = _lora(bert(2))
+    base_before = {n: p.clone() for n, p in student.named_parameters() if "lora" not in n and "classifier" not in n}
+    a = args(tmp_path, max_steps=6, learning_rate=1e-2, distill_terms=["loss=hidden_mse", "loss=attention_score_mse"])
+    trainer = DistillationTrainer(model=student, teacher_model=make_teacher(), args=a, train_dataset=token_dataset(32),
+                                  data_collator=collate)
+    trainer.train()
+    for name, p in student.named_parameters():
+        if name in base_before:
+            assert torch.equal(p, base_before[name]), f"frozen base weight {name} changed"
+    assert any(not torch.equal(p, torch.zeros_like(p)) for n, p in student.named_parameters() if "lora_B" in n)
+    out = tmp_path / "adapters"
+    trainer.save_model(str(out))
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in out.iterdir()}
+    assert not (out / "model.safetensors").exists()
+    reloaded = PeftModel.from_pretrained(bert(2), out).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(**_batch()).logits, student.eval()(**_batch()).logits, atol=1e-6, rtol=0)
+    card = write_model_card(out, DistillationReport.from_trainer(trainer, measure_speed=False, evaluate_teacher=False))
+    text = card.read_text()
+    assert "LORA adapters, rank 4 on query, value" in text and "AutoPeftModelForSequenceClassification" in text
+
+
+@pytest.mark.parametrize("merged", [False, True], ids=["adapter", "merged"])
+def test_lora_teacher_merged_or_not(tmp_path, merged):
+    lora_teacher = _lora(make_teacher(), seed=1, randomize=True).eval()
+    with torch.no_grad():
+        reference = lora_teacher(**_batch()).logits
+    teacher = lora_teacher.merge_and_unload() if merged else lora_teacher
+    a = args(tmp_path, max_steps=3, distill_terms=["loss=hidden_mse,layers=uniform"])
+    trainer = DistillationTrainer(model=bert(2), teacher_model=teacher, args=a, train_dataset=token_dataset(32),
+                                  data_collator=collate)
+    with torch.no_grad():
+        got = trainer._run_teacher(trainer.teacher, _batch())[0].logits
+    torch.testing.assert_close(got, reference, atol=1e-5, rtol=0)
+    assert not any(p.requires_grad for p in trainer.teacher.parameters())
+    trainer.train()
+    assert all(r["loss"] == r["loss"] for r in trainer.state.log_history if "loss" in r)
+
+
+def test_lora_teacher_loads_from_an_adapter_folder(tmp_path):
+    make_teacher().save_pretrained(tmp_path / "base")  # the same weights the adapter is put on below
+    lora_teacher = _lora(make_teacher(), seed=1, randomize=True).eval()
+    lora_teacher.peft_config["default"].base_model_name_or_path = str(tmp_path / "base")
+    lora_teacher.save_pretrained(tmp_path / "adapter")
+    trainer = DistillationTrainer(model=bert(2), teacher_model=str(tmp_path / "adapter"), args=args(tmp_path),
+                                  data_collator=collate)
+    assert isinstance(trainer.teacher, PeftModel)
+    with torch.no_grad():
+        torch.testing.assert_close(trainer.teacher(**_batch()).logits, lora_teacher(**_batch()).logits, atol=1e-6,
+                                   rtol=0)
+
+
+def test_shared_base_self_distillation_keeps_student_dropout_on(tmp_path):
+    base = bert(2, hidden_dropout_prob=0.3)
+    student = _lora(base, dropout=0.2)
+    dropout = student.get_base_model().bert.encoder.layer[0].output.dropout
+    seen = []  # (grad enabled, dropout training) at every call: the student runs with grad, the teacher without
+    dropout.register_forward_pre_hook(lambda m, i: seen.append((torch.is_grad_enabled(), m.training)))
+    base_weights = {n: p.clone() for n, p in student.named_parameters() if "lora" not in n and "classifier" not in n}
+    a = args(tmp_path, max_steps=4, learning_rate=1e-2, kd_weight=1.0, task_weight=0.0,
+             distill_terms=["loss=hidden_mse,layers=uniform"])
+    trainer = DistillationTrainer(model=student, teacher_model=student, args=a, train_dataset=token_dataset(32),
+                                  data_collator=collate)
+    assert trainer.shared_base and trainer.teacher is student
+    assert any(p.requires_grad for p in student.parameters())  # the student was not frozen as a teacher
+    trainer.train()
+    assert {(True, True), (False, False)} == set(seen)  # student in train mode, teacher in eval, every step
+    assert student.training and dropout.training
+    for name, p in student.named_parameters():
+        if name in base_weights:
+            assert torch.equal(p, base_weights[name])
+    # The teacher is the base with adapters off, in eval mode.
+    batch = _batch()
+    with torch.no_grad():
+        got = trainer._run_teacher(trainer.teacher, batch)[0].logits
+        with student.disable_adapter():
+            want = student.eval()(**batch).logits
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    student.train()
+    trainer.save_model(str(tmp_path / "adapters"))
+    reloaded = PeftModel.from_pretrained(BertForSequenceClassification(base.config), tmp_path / "adapters")
+    assert {n for n, _ in reloaded.named_parameters() if "lora" in n}
+
+
+def test_only_adapters_and_head_are_trainable(tmp_path):
+    student = _lora(bert(2))
+    trainer = DistillationTrainer(model=student, teacher_model=make_teacher(), args=args(tmp_path),
+                                  data_collator=collate)
+    trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora" in n or "classifier" in n for n in trainable)
+    assert flat_params(trainer.teacher).numel() > 0
