@@ -1,4 +1,4 @@
-"""Real 2-process DDP runs (torchrun, gloo on CPU) against the single-process run with the same global batch."""
+"""Real 2-process DDP runs (torchrun and accelerate launch, gloo on CPU) against one process with the same batch."""
 
 from __future__ import annotations
 
@@ -17,34 +17,30 @@ pytestmark = pytest.mark.distributed
 SCRIPT = Path(distributed_run.__file__)
 
 
-def _torchrun(out: Path, *extra: str) -> dict:
+def _launch(launcher: str, out: Path, *extra: str) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    with socket.socket() as sock:  # torchrun has no "any free port" option for a standalone master
+    with socket.socket() as sock:  # neither launcher has an "any free port" option
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        port,
-        str(SCRIPT),
-        str(out),
-        "--per_device_batch",
-        "4",
-        *extra,
-    ]
+    if launcher == "torchrun":
+        prefix = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port]
+    else:  # `--cpu` would start one process (ENVIRONMENT.md); these flags start 2 and use_cpu=True keeps gloo
+        prefix = ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+                  "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", port]
+    cmd = [sys.executable, *prefix, str(SCRIPT), str(out), "--per_device_batch", "4", *extra]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads((out / "result.json").read_text())
 
 
-@pytest.mark.parametrize("intermediate", [False, True], ids=["logit", "logit+intermediate"])
-def test_two_processes_match_one(tmp_path, intermediate):
+@pytest.mark.parametrize(
+    ("launcher", "intermediate"),
+    [("torchrun", False), ("torchrun", True), ("accelerate", True)],
+    ids=["torchrun-logit", "torchrun-logit+intermediate", "accelerate-logit+intermediate"],
+)
+def test_two_processes_match_one(tmp_path, launcher, intermediate):
     extra = ("--intermediate",) if intermediate else ()
-    ddp = _torchrun(tmp_path / "ddp", *extra)
+    ddp = _launch(launcher, tmp_path / "ddp", *extra)
     single = distributed_run.run(tmp_path / "single", per_device_batch=8, intermediate=intermediate)
     assert ddp["world_size"] == 2 and single["world_size"] == 1
     assert ddp["wrapped_type"] == "DistributedDataParallel"
