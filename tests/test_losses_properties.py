@@ -148,7 +148,8 @@ def test_finite_and_nonnegative_with_finite_grads(case, use_mask):
         loss = evaluate(spec, case, s, t, case.mask() if use_mask else None)
         assert loss.dtype == torch.float32 and loss.dim() == 0, spec.name
         assert torch.isfinite(loss), spec.name
-        assert loss.item() >= -SLACK, (spec.name, loss.item())
+        # kl_div carries a T**2 factor, which scales float32 rounding around 0 with it.
+        assert loss.item() >= -SLACK * max(1.0, case.temperature**2), (spec.name, loss.item())
         (grad,) = torch.autograd.grad(loss, s)
         assert torch.isfinite(grad).all(), spec.name
 
