@@ -85,7 +85,7 @@ def test_inference_seconds_of_a_bert():
 
 def test_speedup_is_positive_and_finite():
     teacher, student = bert(layers=4), bert(layers=1)
-    ratio = measure.speedup(teacher, student, batches(), repeats=3)
+    ratio = measure.speedup(teacher, student, batches(n=2), repeats=2)
     assert ratio > 0 and math.isfinite(ratio)
     assert teacher.training and student.training  # fresh models train; the modes are put back
 
@@ -111,3 +111,13 @@ def test_size_on_disk_counts_weight_files_only(tmp_path):
     assert (tmp_path / "model.safetensors").exists()
     assert measure.size_on_disk(tmp_path) == expected
     assert measure.size_on_disk(str(tmp_path)) == expected
+
+
+def test_stored_parameters_reads_the_safetensors_headers(tmp_path):
+    model = bert(layers=2)
+    model.save_pretrained(tmp_path / "one")
+    model.save_pretrained(tmp_path / "shards", max_shard_size="20KB")
+    assert len(list((tmp_path / "shards").glob("model-*.safetensors"))) > 1
+    for folder in ("one", "shards"):
+        assert measure.stored_parameters(tmp_path / folder) == measure.count_parameters(model)
+    assert measure.stored_parameters(tmp_path) is None  # no weights in the folder itself

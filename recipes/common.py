@@ -1,0 +1,478 @@
+"""What the three recipes share: argument parsing with `--config file.yaml`, data loading, metrics, results.
+
+Kept deliberately plain (no registry, no framework): each recipe reads top to bottom and calls these
+helpers for the parts that are not about distillation. Data are local files (chosen by extension) or a
+Hub dataset name; metrics are computed here because `evaluate.load("accuracy")` needs the Hub.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import os
+import random
+import shlex
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------------------------------------- arguments
+
+
+@dataclass
+class ModelArguments:
+    """The teacher, and how the student is made (copied teacher layers, a smaller random copy, or a folder)."""
+
+    teacher: str | None = field(
+        default=None,
+        metadata={"help": "Teacher folder or Hub id. Task distillation: a fine-tuned classifier; general "
+                  "distillation: the pre-trained encoder."},
+    )
+    general_teacher: str | None = field(
+        default=None,
+        metadata={"help": "Teacher of general distillation: the pre-trained (not fine-tuned) encoder, as in all "
+                  "three papers. Defaults to `teacher`."},
+    )
+    student: str | None = field(
+        default=None,
+        metadata={"help": "Start from this saved model folder (e.g. a general-distillation output). With "
+                  "student_layers, copy those layers of it instead of the teacher's."},
+    )
+    student_layers: list[int] | None = field(
+        default=None,
+        metadata={"help": "Build the student by copying these layers (0-based) of the teacher, or of `student` "
+                  "when given (DistilBERT-style initialisation)."},
+    )
+    student_num_layers: int | None = field(default=None, metadata={"help": "Random student: number of layers."})
+    student_hidden_size: int | None = field(default=None, metadata={"help": "Random student: hidden size."})
+    student_num_heads: int | None = field(default=None, metadata={"help": "Random student: attention heads."})
+    student_intermediate_size: int | None = field(default=None, metadata={"help": "Random student: FFN size."})
+
+
+@dataclass
+class DataArguments:
+    """Task data (a labelled table) and the corpus of general distillation (plain text)."""
+
+    dataset_name: str | None = field(
+        default=None, metadata={"help": "Hub dataset name for the task (datasets.load_dataset(name, config))."}
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset configuration, e.g. sst2."})
+    train_split: str = field(default="train", metadata={"help": "Split name of the Hub dataset for training."})
+    validation_split: str = field(default="validation", metadata={"help": "Split name for evaluation."})
+    train_file: str | None = field(
+        default=None, metadata={"help": "Local task training file: .tsv, .csv, .json/.jsonl (read by extension)."}
+    )
+    validation_file: str | None = field(default=None, metadata={"help": "Local task validation file."})
+    text_column: str = field(default="sentence", metadata={"help": "Column of the (first) text."})
+    text_pair_column: str | None = field(
+        default=None, metadata={"help": "Column of the second text of a sentence-pair task (e.g. sentence2)."}
+    )
+    label_column: str = field(default="label", metadata={"help": "Column of the integer class label."})
+    max_length: int = field(default=64, metadata={"help": "Truncate task inputs to this many tokens."})
+    max_train_rows: int | None = field(default=None, metadata={"help": "Keep this many training rows."})
+    train_subset_seed: int | None = field(
+        default=None,
+        metadata={"help": "With max_train_rows: shuffle the row indices with random.Random(seed) before keeping "
+                  "the first rows (BENCHMARKS.md's SST-2 subset uses 42). Without it: the first rows."},
+    )
+    max_eval_rows: int | None = field(default=None, metadata={"help": "Evaluate on the first N rows only."})
+    corpus_files: list[str] | None = field(
+        default=None,
+        metadata={"help": "Plain-text files for general (task-agnostic) distillation, e.g. "
+                  "../shared/data/wikitext2/wiki.valid.raw. Without them, general distillation is skipped."},
+    )
+    corpus_block_size: int = field(
+        default=128, metadata={"help": "General distillation: tokens per block ([CLS] ... [SEP] included)."}
+    )
+    max_corpus_blocks: int | None = field(default=None, metadata={"help": "Keep the first N corpus blocks."})
+
+
+# ----------------------------------------------------------------------------------- parsing with YAML
+
+
+class ConfigError(ValueError):
+    """A malformed config or argument: reported as one `error:` line, exit code 2."""
+
+
+def _check_value(name: str, value: Any, annotation: Any) -> Any:
+    """`value` if it fits the field's type (ints are accepted for floats), else a ConfigError naming the key."""
+    if annotation is Any or annotation is None:
+        return value
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _check_value(name, value, option)
+            except ConfigError as err:
+                errors.append(err)
+        raise errors[0] if errors else ConfigError(f"config key {name!r}: got {value!r}")
+    if origin is typing.Literal:
+        if value not in typing.get_args(annotation):
+            raise ConfigError(f"config key {name!r} must be one of {typing.get_args(annotation)}, got {value!r}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, list):
+            raise ConfigError(f"config key {name!r} expects a list, got {type(value).__name__} {value!r}")
+        (inner,) = typing.get_args(annotation)[:1] or (Any,)
+        return [_check_value(name, v, inner) for v in value]
+    if origin is dict or annotation is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key {name!r} expects a mapping, got {type(value).__name__} {value!r}")
+        return value
+    if isinstance(annotation, type) and issubclass(annotation, __import__("enum").Enum):
+        try:
+            return annotation(value).value
+        except ValueError:
+            known = ", ".join(str(m.value) for m in annotation)
+            raise ConfigError(f"config key {name!r} must be one of {known}, got {value!r}") from None
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"config key {name!r} expects true/false, got {type(value).__name__} {value!r}")
+        return value
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"config key {name!r} expects an int, got {type(value).__name__} {value!r}")
+        return value
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"config key {name!r} expects a number, got {type(value).__name__} {value!r}")
+        return float(value)
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"config key {name!r} expects a string, got {type(value).__name__} {value!r}")
+        return value
+    return value  # types we do not check (rare TrainingArguments fields) go to the dataclass as they are
+
+
+def load_config(path: str, dataclass_types: list[type]) -> dict[str, Any]:
+    """Flat YAML mapping -> field defaults, with every key and type checked before anything runs.
+
+    The recipes' list-of-terms field (`distill_terms`) may hold mappings, as in DistillationArguments."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            values = yaml.safe_load(f) or {}
+    except OSError as err:
+        raise ConfigError(f"cannot read config {path}: {err.strerror}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config {path} is not valid YAML: {str(err).splitlines()[0]}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"config {path} must be a mapping of field: value, got {type(values).__name__}")
+    fields = {}
+    for dtype in dataclass_types:
+        hints = typing.get_type_hints(dtype)
+        for f in dataclasses.fields(dtype):
+            if f.init:
+                fields[f.name] = hints.get(f.name, Any)
+    checked = {}
+    for key, value in values.items():
+        if key not in fields:
+            close = [k for k in fields if k.startswith(str(key)[:4])][:3]
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise ConfigError(f"unknown config key {key!r} in {path}{hint}; see --help for the fields")
+        annotation = fields[key]
+        if key == "distill_terms":
+            annotation = list[Any]
+        checked[key] = _check_value(key, value, annotation)
+    return checked
+
+
+def parse_args(dataclass_types: list[type], description: str, argv: list[str] | None = None) -> tuple:
+    """`HfArgumentParser` over `dataclass_types` plus `--config file.yaml`: the YAML gives the defaults and
+    any field may be overridden on the command line. Errors (unknown key, wrong type, invalid value) end
+    the program with one `error:` line and exit code 2, not a traceback."""
+    from transformers import HfArgumentParser
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = HfArgumentParser(dataclass_types, description=description,
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--config", default=None, help="YAML file of field: value defaults (flags override them).")
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    known, _ = pre.parse_known_args(argv)
+    try:
+        defaults = load_config(known.config, dataclass_types) if known.config else {}
+        if "use_cpu" not in defaults and not _has_accelerator():
+            # transformers refuses bf16=True on a machine without a GPU unless use_cpu is set.
+            defaults["use_cpu"] = True
+        parser.set_defaults(**defaults)
+        outputs = parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False)
+    except (ConfigError, ValueError, TypeError) as err:
+        fail(str(err))
+    objs = outputs[: len(dataclass_types)]
+    return (*objs, known.config)
+
+
+def _has_accelerator() -> bool:
+    import torch
+
+    return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available()) or \
+        torch.backends.mps.is_available()
+
+
+def fail(message: str, code: int = 2) -> typing.NoReturn:
+    lines = [line for line in str(message).splitlines() if line.strip()]
+    print(f"error: {lines[0] if lines else message}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+def command_line() -> str:
+    """The command that is running, as one could paste it again."""
+    return " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv])
+
+
+# --------------------------------------------------------------------------------------------- task data
+
+
+def _read_file(path: str):
+    """One local file as a `datasets.Dataset`, by extension. TSVs are GLUE-style: quoting off (see
+    ../shared/data/README.md: a default CSV reader silently eats bare quotes)."""
+    import datasets
+
+    ext = Path(path).suffix.lower()
+    if not Path(path).is_file():
+        fail(f"data file {path} does not exist")
+    if ext in (".tsv", ".csv"):
+        return datasets.load_dataset("csv", data_files=path, split="train", delimiter="\t" if ext == ".tsv" else ",",
+                                     quoting=csv.QUOTE_NONE if ext == ".tsv" else csv.QUOTE_MINIMAL,
+                                     keep_default_na=False)
+    if ext in (".json", ".jsonl"):
+        return datasets.load_dataset("json", data_files=path, split="train")
+    if ext in (".txt", ".raw", ".text"):
+        return datasets.load_dataset("text", data_files=path, split="train")
+    fail(f"data file {path}: unknown extension {ext!r} (use .tsv, .csv, .json, .jsonl, .txt or .raw)")
+
+
+def load_task(data: DataArguments):
+    """(train, validation) datasets of the task, from local files or the Hub, with the training subset."""
+    import datasets
+
+    if data.train_file:
+        train = _read_file(data.train_file)
+        valid = _read_file(data.validation_file) if data.validation_file else None
+    elif data.dataset_name:
+        train = datasets.load_dataset(data.dataset_name, data.dataset_config, split=data.train_split)
+        valid = datasets.load_dataset(data.dataset_name, data.dataset_config, split=data.validation_split)
+    else:
+        return None, None
+    for ds, what in ((train, "train"), (valid, "validation")):
+        if ds is None:
+            continue
+        needed = [data.text_column, data.label_column] + ([data.text_pair_column] if data.text_pair_column else [])
+        missing = [c for c in needed if c not in ds.column_names]
+        if missing:
+            fail(f"{what} data has no column(s) {missing}; it has {ds.column_names} (set text_column, "
+                 "text_pair_column, label_column)")
+    if data.max_train_rows is not None and data.max_train_rows < len(train):
+        indices = list(range(len(train)))
+        if data.train_subset_seed is not None:
+            random.Random(data.train_subset_seed).shuffle(indices)
+        train = train.select(indices[: data.max_train_rows])
+    if valid is not None and data.max_eval_rows is not None:
+        valid = valid.select(range(min(data.max_eval_rows, len(valid))))
+    return train, valid
+
+
+def num_labels(train, data: DataArguments) -> int:
+    feature = train.features[data.label_column]
+    if hasattr(feature, "num_classes"):
+        return feature.num_classes
+    return int(max(train[data.label_column])) + 1
+
+
+def tokenize_task(ds, tokenizer, data: DataArguments):
+    """Tokenised rows (no padding: the collator pads each batch to its longest row) with `labels`."""
+    if ds is None:
+        return None
+
+    def encode(batch):
+        pair = batch[data.text_pair_column] if data.text_pair_column else None
+        out = tokenizer(batch[data.text_column], pair, truncation=True, max_length=data.max_length)
+        out["labels"] = [int(y) for y in batch[data.label_column]]
+        return out
+
+    return ds.map(encode, batched=True, remove_columns=ds.column_names, desc="tokenising")
+
+
+def load_corpus(data: DataArguments, tokenizer):
+    """General-distillation blocks: the corpus lines tokenised, concatenated and cut into blocks of
+    `corpus_block_size` tokens, each `[CLS] ... [SEP]` (as BERT pre-training data, single segment)."""
+    import datasets
+
+    if not data.corpus_files:
+        return None
+    texts = []
+    for path in data.corpus_files:
+        if not Path(path).is_file():
+            fail(f"corpus file {path} does not exist")
+        with open(path, encoding="utf-8") as f:
+            texts += [line.strip() for line in f if line.strip()]
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    flat = [t for row in ids for t in row]
+    body = data.corpus_block_size - 2
+    blocks = [[tokenizer.cls_token_id, *flat[i : i + body], tokenizer.sep_token_id]
+              for i in range(0, len(flat) - body + 1, body)]
+    if data.max_corpus_blocks is not None:
+        blocks = blocks[: data.max_corpus_blocks]
+    n = data.corpus_block_size
+    return datasets.Dataset.from_dict({"input_ids": blocks, "attention_mask": [[1] * n] * len(blocks),
+                                       "token_type_ids": [[0] * n] * len(blocks)})
+
+
+# ----------------------------------------------------------------------------------------------- metrics
+
+
+def compute_metrics(eval_pred) -> dict[str, float]:
+    """Accuracy and F1 (binary for 2 classes, macro otherwise), offline."""
+    logits, labels = eval_pred.predictions, eval_pred.label_ids
+    if isinstance(logits, tuple):
+        logits = logits[0]
+    preds = np.asarray(logits).argmax(-1)
+    labels = np.asarray(labels)
+    classes = sorted(set(labels.tolist()) | set(preds.tolist()))
+    f1s = []
+    for c in classes if len(classes) > 2 else [1]:
+        tp = int(((preds == c) & (labels == c)).sum())
+        fp = int(((preds == c) & (labels != c)).sum())
+        fn = int(((preds != c) & (labels == c)).sum())
+        f1s.append(2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 0.0)
+    return {"accuracy": float((preds == labels).mean()), "f1": float(np.mean(f1s))}
+
+
+def evaluate_model(model, dataset, collator, batch_size: int = 64, bf16: bool = False) -> dict[str, float]:
+    """Metrics of any classifier on a tokenised dataset (used for the teacher, which no Trainer holds)."""
+    import torch
+    from transformers import EvalPrediction
+
+    model.eval()
+    logits, labels = [], []
+    names = set(__import__("inspect").signature(model.forward).parameters)
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=bf16 and model.device.type == "cpu"):
+        for i in range(0, len(dataset), batch_size):
+            batch = collator([dataset[j] for j in range(i, min(i + batch_size, len(dataset)))])
+            inputs = {k: v.to(model.device) for k, v in batch.items() if k in names and k != "labels"}
+            logits.append(model(**inputs).logits.float().cpu().numpy())
+            labels.append(batch["labels"].numpy())
+    return compute_metrics(EvalPrediction(np.concatenate(logits), np.concatenate(labels)))
+
+
+# ----------------------------------------------------------------------------------------------- results
+
+
+def write_results(output_dir: str, results: dict[str, Any]) -> Path:
+    """`results.json` next to the saved student."""
+    path = Path(output_dir) / "results.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    print(json.dumps({k: v for k, v in results.items() if not isinstance(v, dict | list)}, indent=2))
+    return path
+
+
+def bf16_available() -> bool:
+    """bf16 autocast pays off on CPUs with native bf16 arithmetic (AVX-512 BF16 / AMX), else it is emulated."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    check = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    return bool(check and check())
+
+
+def set_offline_defaults() -> None:
+    """Nothing here needs the network; failing fast beats a 23 s retry loop on every Hub call."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+# ------------------------------------------------------------------------------------------------ models
+
+
+def build_student(margs: ModelArguments, teacher, auto_class, seed: int, **load_kwargs):
+    """The student, from (in this order of precedence): `student` + `student_layers` (copy those layers of
+    that model), `student` alone (load it), `student_layers` (copy the teacher's layers, DistilBERT),
+    `student_num_layers`... (random smaller copy of the teacher's family, TinyBERT)."""
+    from hf_distill import students
+
+    if margs.student and margs.student_layers:
+        source = auto_class.from_pretrained(margs.student, **load_kwargs)
+        return students.from_teacher(source, margs.student_layers)
+    if margs.student:
+        return auto_class.from_pretrained(margs.student, **load_kwargs)
+    if margs.student_layers:
+        return students.from_teacher(teacher, margs.student_layers)
+    sizes = (margs.student_num_layers, margs.student_hidden_size, margs.student_num_heads,
+             margs.student_intermediate_size)
+    if any(s is None for s in sizes):
+        fail("the student is undefined: set student (a folder), student_layers (copy teacher layers) or all of "
+             "student_num_layers, student_hidden_size, student_num_heads, student_intermediate_size")
+    return students.shrink(teacher, *sizes, seed=seed)
+
+
+def load_model(auto_class, path: str, what: str, **kwargs):
+    """`from_pretrained` with a one-line error for a missing folder (the usual mistake in a config)."""
+    try:
+        return auto_class.from_pretrained(path, **kwargs)
+    except OSError as err:
+        fail(f"cannot load the {what} from {path!r}: {str(err).splitlines()[0]}")
+
+
+def fit_mlm_head(mlm, missing: list[str], corpus, tokenizer, steps: int, seed: int, bf16: bool,
+                 batch_size: int = 32, lr: float = 1e-3) -> float:
+    """Train the parameters `from_pretrained` reported missing (an MLM head on an encoder shipped without one)
+    on masked corpus blocks, everything else frozen; returns the final masked-token accuracy.
+
+    Why: TinyBERT's augmentation asks a masked LM for word candidates; a random head gives random words.
+    Fitting only the head (a probe of the frozen encoder) is cheap and keeps the encoder the teacher's."""
+    import torch
+
+    from hf_distill.collators import MLMDistillationCollator
+
+    names = set(missing)
+    trainable = [p for n, p in mlm.named_parameters() if n in names]
+    for n, p in mlm.named_parameters():
+        p.requires_grad_(n in names)
+    if not trainable:
+        return float("nan")
+    head = getattr(mlm, "cls", None) or getattr(mlm, "lm_head", None)
+    if head is None:
+        fail(f"cannot find the MLM head of {type(mlm).__name__} (expected .cls or .lm_head)")
+    collate = MLMDistillationCollator(tokenizer, mlm_probability=0.15, seed=seed)
+    opt = torch.optim.AdamW(trainable, lr=lr)
+    g = torch.Generator().manual_seed(seed)
+    mlm.train()
+    acc = float("nan")
+    for step in range(steps):
+        rows = torch.randint(len(corpus), (batch_size,), generator=g).tolist()
+        batch = collate([corpus[i] for i in rows])
+        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            with torch.no_grad():
+                hidden = mlm.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])[0]
+            targets = batch["labels"] != -100
+            logits = head(hidden[targets]).float()
+        loss = torch.nn.functional.cross_entropy(logits, batch["labels"][targets])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if step % 50 == 0 or step == steps - 1:
+            acc = (logits.argmax(-1) == batch["labels"][targets]).float().mean().item()
+            print(f"MLM head step {step}: loss {loss.item():.3f}, masked-token accuracy {acc:.1%}", flush=True)
+    mlm.eval()
+    for p in mlm.parameters():
+        p.requires_grad_(False)
+    return acc

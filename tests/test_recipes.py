@@ -1,0 +1,202 @@
+"""The recipes run end to end on tiny models, list their options, and reject malformed configs in one line.
+
+Each recipe runs as a subprocess (as a user runs it) on a tiny BERT teacher with a WordPiece tokenizer
+built from a small vocabulary, a few dozen rows of SST-2-like and sentence-pair TSVs, and a short
+text corpus, all written into tmp_path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPES = ROOT / "recipes"
+WORDS = ("the a movie film is was good bad great awful fun dull plot acting story it not very and but "
+         "love hate boring funny sad best worst of to in this that with".split())
+SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+def _tiny_bert(folder: Path, tokenizer, layers: int, hidden: int, heads: int, seed: int, mlm: bool = False) -> None:
+    from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification
+
+    torch.manual_seed(seed)
+    cfg = BertConfig(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers,
+                     num_attention_heads=heads, intermediate_size=2 * hidden, max_position_embeddings=64,
+                     num_labels=2)
+    model = (BertForMaskedLM if mlm else BertForSequenceClassification)(cfg)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> dict[str, Path]:
+    """Tiny teacher (4 layers, hidden 32, 4 heads), data files and a corpus."""
+    from transformers import BertTokenizer
+
+    tmp = tmp_path_factory.mktemp("recipes")
+    (tmp / "vocab").mkdir()
+    (tmp / "vocab" / "vocab.txt").write_text("\n".join(SPECIAL + WORDS) + "\n")
+    # transformers 5: BertTokenizerFast(vocab_file=...) ignores the file; from_pretrained on the folder reads it.
+    tok = BertTokenizer.from_pretrained(str(tmp / "vocab"))
+    assert len(tok) == len(SPECIAL) + len(WORDS)
+    _tiny_bert(tmp / "teacher", tok, layers=4, hidden=32, heads=4, seed=0)
+    _tiny_bert(tmp / "mlm_teacher", tok, layers=4, hidden=32, heads=4, seed=0, mlm=True)
+    g = torch.Generator().manual_seed(0)
+
+    def sentence() -> str:
+        n = int(torch.randint(3, 10, (1,), generator=g))
+        return " ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (n,), generator=g)) + " "
+
+    for name, rows in (("train", 48), ("validation", 16)):
+        lines = ["sentence\tlabel"] + [f"{sentence()}\t{i % 2}" for i in range(rows)]
+        (tmp / f"sst_{name}.tsv").write_text("\n".join(lines) + "\n")
+        pair = ["sentence1\tsentence2\tlabel"] + [f"{sentence()}\t{sentence()}\t{i % 2}" for i in range(rows)]
+        (tmp / f"pair_{name}.tsv").write_text("\n".join(pair) + "\n")
+    corpus = tmp / "corpus.raw"
+    corpus.write_text("\n".join(" = Title = " if i % 10 == 0 else sentence() * 3 for i in range(60)) + "\n")
+    return {"tmp": tmp, "teacher": tmp / "teacher", "mlm_teacher": tmp / "mlm_teacher", "corpus": corpus}
+
+
+def run(recipe: str, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, str(RECIPES / f"{recipe}.py"), *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def common_flags(env, out: Path, task: str = "sst") -> list[str]:
+    flags = ["--teacher", env["teacher"], "--output_dir", out, "--train_file", env["tmp"] / f"{task}_train.tsv",
+             "--validation_file", env["tmp"] / f"{task}_validation.tsv", "--per_device_train_batch_size", "8",
+             "--num_train_epochs", "1", "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true",
+             "--bf16", "false", "--logging_steps", "1", "--cache_dir", env["tmp"] / "cache"]
+    if task == "pair":
+        flags += ["--text_column", "sentence1", "--text_pair_column", "sentence2"]
+    return flags
+
+
+def check_results(out: Path) -> dict:
+    results = json.loads((out / "results.json").read_text())
+    assert 0.0 <= results["accuracy"] <= 1.0
+    assert results["params"] > 0 and results["wall_s"] > 0 and "recipes/" in results["command"]
+    assert "teacher_accuracy" in results
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    return results
+
+
+def test_distilbert_task(env, tmp_path):
+    out = tmp_path / "out"
+    proc = run("distilbert", "--config", RECIPES / "configs" / "distilbert_sst2.yaml", *common_flags(env, out),
+               "--student", env["teacher"], "--student_layers", "0", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = check_results(out)
+    assert results["params"] < results["teacher_params"]
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
+
+
+def test_minilm_general_then_task(env, tmp_path):
+    out = tmp_path / "out"
+    proc = run("minilm", "--config", RECIPES / "configs" / "minilm_sst2.yaml", *common_flags(env, out),
+               "--general_teacher", env["teacher"], "--student_layers", "0", "2", "--relation_heads", "8",
+               "--corpus_files", env["corpus"], "--corpus_block_size", "24", "--general_epochs", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = check_results(out)
+    assert results["general_epochs"] == 1 and (out / "general" / "config.json").is_file()
+    assert "loss_relation_qq" in proc.stdout + proc.stderr
+
+
+def test_tinybert_general_augment_two_stages_on_pairs(env, tmp_path):
+    """One command: general distillation, MLM-head fit + augmentation of a pair task, two task stages."""
+    out = tmp_path / "out"
+    proc = run("tinybert", "--config", RECIPES / "configs" / "tinybert_pair.yaml", *common_flags(env, out, "pair"),
+               "--general_teacher", env["teacher"], "--student", "", "--student_num_layers", "2",
+               "--student_hidden_size", "16", "--student_num_heads", "4", "--student_intermediate_size", "32",
+               "--hidden_layer_map", "0:0;1:2;2:4", "--attention_layer_map", "1:2;2:4",
+               "--corpus_files", env["corpus"], "--corpus_block_size", "24", "--general_epochs", "1",
+               "--augment_mlm", env["teacher"], "--mlm_head_steps", "3", "--augment_n", "1", "--augment_rows", "8",
+               "--intermediate_epochs", "1", "--num_train_epochs", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = check_results(out)
+    assert results["augmented_rows"] > 48 and len(results["stages"]) == 2
+    assert "MLM head step" in proc.stdout
+    logs = proc.stdout + proc.stderr
+    assert "loss_hidden" in logs and "loss_attention" in logs and "loss_kd" in logs
+    assert json.loads((out / "config.json").read_text())["hidden_size"] == 16
+
+
+@pytest.mark.parametrize("has_head", [True, False])
+def test_distilbert_general_mlm(env, tmp_path, has_head):
+    """General distillation: KL + MLM + cosine with an MLM teacher; without a trained MLM head, KL is dropped."""
+    out = tmp_path / "out"
+    proc = run("distilbert", "--config", RECIPES / "configs" / "distilbert_general.yaml", "--teacher",
+               env["mlm_teacher" if has_head else "teacher"], "--student_layers", "0", "2", "--output_dir", out,
+               "--corpus_files", env["corpus"], "--corpus_block_size", "24", "--general_epochs", "1",
+               "--per_device_train_batch_size", "4", "--logging_steps", "1", "--bf16", "false", "--report_to", "none")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    logs = proc.stdout + proc.stderr
+    assert "loss_task" in logs and "loss_cosine" in logs
+    assert ("loss_kd" in logs) == has_head and ("KL term is dropped" in logs) != has_head
+    assert (out / "general" / "config.json").is_file() and (out / "results.json").is_file()
+
+
+def _recipe_main(recipe: str, argv: list, monkeypatch):
+    """Run a recipe's main() in this process (parsing only: these calls exit before anything loads)."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(RECIPES))
+    module = importlib.import_module(recipe)
+    monkeypatch.setattr(sys, "argv", [f"recipes/{recipe}.py", *map(str, argv)])
+    with pytest.raises(SystemExit) as exit_info:
+        module.main()
+    return exit_info.value.code
+
+
+@pytest.mark.parametrize("recipe", ["distilbert", "tinybert", "minilm"])
+def test_help_lists_every_option(recipe, monkeypatch, capsys):
+    assert _recipe_main(recipe, ["--help"], monkeypatch) == 0
+    out = capsys.readouterr().out
+    for flag in ("--config", "--teacher", "--student_layers", "--train_file", "--text_pair_column", "--max_length",
+                 "--corpus_files", "--temperature", "--kd_weight", "--distill_terms", "--learning_rate", "--bf16"):
+        assert flag in out, flag
+    specific = {"distilbert": "--mlm_smoothing", "tinybert": "--augment_n", "minilm": "--relation_heads"}[recipe]
+    assert specific in out
+
+
+def test_help_through_the_cli():
+    proc = subprocess.run([sys.executable, "-m", "hf_distill.cli", "run", "tinybert", "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0 and "--augment_n" in proc.stdout and "--intermediate_epochs" in proc.stdout
+
+
+@pytest.mark.parametrize("line, key", [("learning_rte: 0.1", "learning_rte"), ("kd_weight: lots", "kd_weight"),
+                                       ("student_layers: 3", "student_layers"), ("augment_n: 2.5", "augment_n")])
+def test_malformed_config_is_one_line(tmp_path, monkeypatch, capsys, line, key):
+    config = tmp_path / "bad.yaml"
+    config.write_text(f"teacher: nowhere\n{line}\n")
+    assert _recipe_main("tinybert", ["--config", config], monkeypatch) == 2
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and key in lines[0], err
+
+
+def test_malformed_config_in_a_subprocess(tmp_path):
+    """As a user sees it: exit code 2, one line on stderr, no traceback."""
+    config = tmp_path / "bad.yaml"
+    config.write_text("teacher: nowhere\ntemprature: 2\n")
+    proc = run("minilm", "--config", config)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "temprature" in lines[0], proc.stderr
+
+
+def test_invalid_value_is_one_line(tmp_path, monkeypatch, capsys):
+    config = tmp_path / "bad.yaml"
+    config.write_text("teacher: nowhere\ntemperature: -1\n")
+    assert _recipe_main("distilbert", ["--config", config], monkeypatch) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "temperature" in err and len(err.splitlines()) == 1
