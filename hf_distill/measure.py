@@ -60,8 +60,8 @@ def _timed_passes(models: list[nn.Module], batches: list[dict], repeats: int) ->
 
 
 def inference_seconds(model: nn.Module, batches: list[dict], repeats: int = 5) -> float:
-    """Median wall seconds of one no-grad, eval-mode pass over `batches`; only inputs `forward` names
-    are passed (a tokenizer's extra columns, or `labels`, would change the work measured)."""
+    """Median wall seconds of one no-grad, eval-mode pass over `batches`. Only the inputs `forward` names
+    are passed, so extra columns do no harm; leave `labels` out to time inference without a loss."""
     return statistics.median(t[0] for t in _timed_passes([model], batches, repeats))
 
 
