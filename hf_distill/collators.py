@@ -208,6 +208,9 @@ class MLMDistillationCollator:
         labels = torch.full_like(ids, -100)
         labels[selected] = ids[selected]
         originals = ids[selected]
+        if originals.numel() == 0:  # nothing maskable in this batch (only special tokens): labels stay -100
+            batch["labels"] = labels
+            return batch
         action = torch.multinomial(self.pred_probs, originals.numel(), replacement=True, generator=g)
         random_ids = torch.randint(self.vocab_size, originals.shape, generator=g)
         new = torch.where(action == 0, torch.full_like(originals, self.tokenizer.mask_token_id), originals)

@@ -178,3 +178,10 @@ def test_kd_loss_over_masked_positions_with_the_trainer(tmp_path, tokenizer, kd_
     assert got["kd"] == pytest.approx(losses.kl_div(s, t, 2.0, mask=mask).item(), rel=1e-5)
     mlm = torch.nn.functional.cross_entropy(s.reshape(-1, VOCAB), batch["labels"].reshape(-1), ignore_index=-100)
     assert got["task"] == pytest.approx(mlm.item(), rel=1e-5)  # the student's own MLM loss on the masked tokens
+
+
+def test_batch_of_special_tokens_only_is_left_unmasked(tokenizer):
+    rows = [{"input_ids": [tokenizer.cls_token_id, tokenizer.sep_token_id]} for _ in range(3)]
+    batch = MLMDistillationCollator(tokenizer, seed=0)(rows)
+    assert (batch["labels"] == -100).all()
+    assert batch["input_ids"].tolist() == [[tokenizer.cls_token_id, tokenizer.sep_token_id]] * 3
