@@ -62,6 +62,7 @@ class Settings:
     tb_lengths: tuple[int, ...] = (64,)
     mem_steps: int = 4
     mem_length: int = 128
+    threads: int = 2
 
 
 QUICK = Settings(lengths=(64,), rounds=2, steps=2, warmup=1, acc_steps=8, valid_rows=64, tb_rounds=1, tb_steps=4,
@@ -589,7 +590,7 @@ def section_textbrewer(s: Settings, paths, tok_path: str) -> tuple[float, dict]:
     per_length = {}
     for length in s.tb_lengths:
         config = {"teacher": str(paths[0]), "student": str(paths[1]), "tokenizer": tok_path, "length": length,
-                  "steps": s.tb_steps}
+                  "steps": s.tb_steps, "threads": s.threads}
         sides = {"ours": (sys.executable, "ours", config), "textbrewer": (python, "textbrewer", config),
                  "textbrewer_fused": (python, "textbrewer", {**config, "fused": True})}
         rounds: dict[str, list[list[Sample]]] = {k: [] for k in sides}
@@ -623,7 +624,7 @@ def section_memory(s: Settings, paths, tok_path: str) -> tuple[float, dict]:
     teacher = load(paths[0])
     teacher_bytes = sum(t.numel() * t.element_size() for t in teacher.state_dict().values())
     config = {"teacher": str(paths[0]), "student": str(paths[1]), "tokenizer": tok_path, "length": s.mem_length,
-              "steps": s.mem_steps}
+              "steps": s.mem_steps, "threads": s.threads}
     distill = run_worker(sys.executable, "memory", {**config, "mode": "distill"})
     alone = run_worker(sys.executable, "memory", {**config, "mode": "student"})
     budget = alone["peak_rss_bytes"] + teacher_bytes
@@ -715,12 +716,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="a few steps of everything (results in benchmarks/.cache)")
     p.add_argument("--only", nargs="*", choices=list(TARGETS), help="run only these comparisons")
     p.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
+    p.add_argument("--threads", type=int, default=2,
+                   help="torch threads in every process (2 = the machine's cores; 1 is steadier when others load it)")
     p.add_argument("--worker", nargs=3, metavar=("NAME", "CONFIG", "OUT"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if a.worker:
         name, config, out = a.worker
+        import torch
+
+        torch.set_num_threads(json.loads(Path(config).read_text()).get("threads", 2))
         Path(out).write_text(json.dumps(WORKERS[name](json.loads(Path(config).read_text()))))
         return 0
 
@@ -730,6 +736,8 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.set_verbosity_error()
     s = QUICK if a.quick else Settings()
+    s.threads = a.threads
+    torch.set_num_threads(a.threads)
     out_dir = a.out or (CACHE / "quick" if a.quick else RESULTS)
     wanted = a.only or list(TARGETS)
     start, started = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M:%S %Z")

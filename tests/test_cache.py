@@ -186,7 +186,8 @@ def test_rows_and_cached_outputs_stay_aligned_shuffled_padded_multi_epoch(tmp_pa
     reference = copy.deepcopy(teacher).eval()  # copied before the hook: its forwards are not the trainer's
     calls = _count_forwards(teacher)
     trainer = CheckingTrainer(
-        model=student, teacher_model=teacher, args=args(tmp_path, num_train_epochs=3, max_steps=-1, **extra),
+        model=student, teacher_model=teacher,
+        args=args(tmp_path, num_train_epochs=3, max_steps=-1, optim="sgd", **extra),
         train_dataset=data, data_collator=collate,
     )
     trainer.reference = reference
