@@ -48,7 +48,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .collators import TEACHER_PREFIX
-from .taps import FeatureTaps, ModelInfo, TapRequest, model_info, unwrap
+from .taps import FeatureTaps, ModelInfo, TapRequest, forward, model_info, unwrap
 
 __all__ = [
     "HIDDEN_PREFIX",
@@ -329,13 +329,7 @@ def _compute(teacher, dataset, folder, batch_size, collator, logits, top_k, laye
             batch = collator(rows)
             kwargs = {k: v.to(device) for k, v in batch.items() if k in accepted and isinstance(v, torch.Tensor)}
             with torch.no_grad():
-                if taps is not None:
-                    kwargs.update(taps.forward_kwargs())
-                    with taps.capture() as feats:
-                        out = teacher(**kwargs)
-                    taps.collect(feats, out)
-                else:
-                    out = teacher(**kwargs)
+                out, feats = forward(teacher, kwargs, taps)
             mask = batch.get("attention_mask")
             real = mask.bool().cpu() if isinstance(mask, torch.Tensor) else None
             columns: dict[str, pa.Array] = {}

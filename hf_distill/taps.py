@@ -145,6 +145,13 @@ class FeatureTaps:
             for h in handles:
                 h.remove()
 
+    def run(self, model: nn.Module, kwargs: dict) -> tuple[object, Features]:
+        """One forward pass with the hooks attached: the model's outputs and the captured features."""
+        with self.capture() as feats:
+            out = model(**kwargs, **self.forward_kwargs())
+        self.collect(feats, out)
+        return out, feats
+
     def forward_kwargs(self) -> dict:
         """Extra forward arguments the capture needs (only for the `output_hidden_states` fallback)."""
         return {"output_hidden_states": True} if self.use_hidden_states_output else {}
@@ -156,6 +163,11 @@ class FeatureTaps:
         hidden_states = outputs["hidden_states"] if isinstance(outputs, dict) else outputs.hidden_states
         for i in self.request.hidden:
             feats.hidden[i] = hidden_states[i]
+
+
+def forward(model: nn.Module, kwargs: dict, taps: FeatureTaps | None = None) -> tuple[object, Features | None]:
+    """A forward pass that also captures features when `taps` is given (else the features are None)."""
+    return (model(**kwargs), None) if taps is None else taps.run(model, kwargs)
 
 
 def attention_scores(q: torch.Tensor, k: torch.Tensor, num_heads: int) -> torch.Tensor:

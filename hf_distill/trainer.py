@@ -25,7 +25,7 @@ from .cache import LOGITS_COLUMN, TOPK_INDICES_COLUMN, TOPK_VALUES_COLUMN, cache
 from .collators import TEACHER_PREFIX, TeacherOutputsCollator
 from .intermediate import IntermediateDistiller
 from .placement import place_teacher
-from .taps import unwrap
+from .taps import forward, unwrap
 from .teacher import load_teacher, shared_base_teacher, shares_parameters, validate_pair
 from .tracking import ComponentTracker
 
@@ -180,13 +180,7 @@ class DistillationTrainer(Trainer):
         want_task = labels is not None and (not distill or self.args.task_weight > 0)
         s_kwargs = {k: v for k, v in inputs.items() if self._student_accepts(k) and (k != "labels" or want_task)}
         taps = self.intermediate.student_taps if (distill and self.intermediate) else None
-        if taps is not None:
-            s_kwargs.update(taps.forward_kwargs())
-            with taps.capture() as s_feats:
-                s_out = model(**s_kwargs)
-            taps.collect(s_feats, s_out)
-        else:
-            s_out = model(**s_kwargs)
+        s_out, s_feats = forward(model, s_kwargs, taps)
         s_logits = _logits(s_out)
 
         components: dict[str, torch.Tensor] = {}
@@ -244,13 +238,7 @@ class DistillationTrainer(Trainer):
         with torch.no_grad(), self.accelerator.autocast(), contextlib.ExitStack() as stack:
             if shared:
                 teacher = stack.enter_context(shared_base_teacher(teacher))
-            if taps is None:
-                return teacher(**t_kwargs), None
-            t_kwargs.update(taps.forward_kwargs())
-            with taps.capture() as t_feats:
-                t_out = teacher(**t_kwargs)
-            taps.collect(t_feats, t_out)
-            return t_out, t_feats
+            return forward(teacher, t_kwargs, taps)
 
     def _extra_teacher_logits(self, i: int, inputs: dict[str, Any], cached: dict[str, torch.Tensor]):
         """Logits of teacher i >= 1: its cached column `teacher_logits_<i>` if present, else a forward."""
