@@ -51,6 +51,8 @@ def main(out: Path) -> None:
     dist.all_gather_object(gathered, results)
     if dist.get_rank() == 0:
         out.write_text(json.dumps(gathered))
+    # Both ranks leave together: a gloo rank tearing down while the other is still in a collective aborts.
+    dist.barrier()
     dist.destroy_process_group()
 
 
