@@ -53,7 +53,7 @@ TARGETS = {  # ratio <= target
 class Settings:
     lengths: tuple[int, ...] = (64, 128)
     rounds: int = 6  # interleaved rounds per comparison
-    steps: int = 3  # steps per round; the first of each round is dropped
+    steps: int = 5  # steps per round; the first of each round is dropped
     warmup: int = 1  # steps per side before the first round, discarded
     acc_steps: int = 200  # distillation steps for the bf16/fp32 accuracy check
     valid_rows: int | None = None  # None: all 872
@@ -333,11 +333,12 @@ def section_trainer_vs_loop(kind: str, s: Settings, tok, paths, tmp: str) -> tup
 
 
 def section_cached_vs_online(s: Settings, tok, paths, tmp: str) -> tuple[float, dict]:
-    """Logit KD with teacher logits from hf_distill.cache (teacher_model=None) vs a teacher forward each step."""
+    """Logit KD with teacher logits from hf_distill.cache (teacher_model=None) vs a teacher forward each step, in
+    fp32 (the headline) and with bf16=True (reported alongside: the precision the recipes run in here)."""
     from hf_distill.cache import cache_teacher_outputs
 
     rows_needed = BATCH * max(s.steps, s.warmup, 4)
-    per_length = {}
+    per_length, per_length_bf16 = {}, {}
     kw = dict(kd_loss="kl", temperature=2.0, kd_weight=0.5, task_weight=0.5)
     for length in s.lengths:
         data = tokenize(tok, sst2_rows("train.tsv", rows_needed), length)
@@ -345,16 +346,19 @@ def section_cached_vs_online(s: Settings, tok, paths, tmp: str) -> tuple[float, 
         start = time.perf_counter()
         cached = cache_teacher_outputs(teacher, data, cache_dir=CACHE / "teacher-outputs", batch_size=64)
         cache_s = time.perf_counter() - start
-        runners = {
-            "cached": TrainerRunner(load(paths[1]), None, cached, f"{tmp}/cached-{length}", **kw),
-            "online": TrainerRunner(load(paths[1]), teacher, data, f"{tmp}/online-{length}", **kw),
-        }
-        per_length[length] = compare("cached", "online", interleave(runners, s))
-        per_length[length] |= {"cache_build_or_load_s": cache_s, "cached_rows": len(data)}
-        show("cache", length, "cached", "online", per_length[length], f"; cache built/loaded in {cache_s:.1f} s")
+        for bf16, out in ((False, per_length), (True, per_length_bf16)):
+            tag = "bf16" if bf16 else "fp32"
+            runners = {
+                "cached": TrainerRunner(load(paths[1]), None, cached, f"{tmp}/cached-{tag}-{length}", bf16=bf16, **kw),
+                "online": TrainerRunner(load(paths[1]), teacher, data, f"{tmp}/online-{tag}-{length}", bf16=bf16, **kw),
+            }
+            out[length] = compare("cached", "online", interleave(runners, s))
+            out[length] |= {"cache_build_or_load_s": cache_s, "cached_rows": len(data)}
+            show(f"cache {tag}", length, "cached", "online", out[length], f"; cache built/loaded in {cache_s:.1f} s")
     ratio = geomean([v["ratio"] for v in per_length.values()])
-    return ratio, {"per_length": per_length, "ratio_is": "geometric mean over lengths of median(cached)/median(online)",
-                   "losses": kw}
+    bf16 = {"per_length": per_length_bf16, "ratio": geomean([v["ratio"] for v in per_length_bf16.values()])}
+    return ratio, {"per_length": per_length, "bf16": bf16, "losses": kw,
+                   "ratio_is": "geometric mean over lengths of median(cached)/median(online), fp32"}
 
 
 def section_bf16(s: Settings, tok, paths, tmp: str) -> tuple[float, dict]:
@@ -414,6 +418,7 @@ def fine_tuned_teacher(tok):
 def bf16_accuracy(s: Settings, tok, tmp: str, kw: dict) -> dict:
     """Same student, data, order (BENCHMARKS.md's, unshuffled), steps and seed in fp32 and in bf16; both
     evaluated in fp32 on SST-2 dev."""
+    import torch
     from transformers import DataCollatorWithPadding
 
     from hf_distill import DistillationTrainer, demo, students
@@ -426,6 +431,7 @@ def bf16_accuracy(s: Settings, tok, tmp: str, kw: dict) -> dict:
                      for i in range(0, len(valid), BATCH)]
     out = {**info, "steps": s.acc_steps, "train_rows": len(train), "valid_rows": len(valid),
            "teacher_accuracy": demo.accuracy(teacher, valid_batches)}
+    predictions = {}
     for name, bf16 in (("fp32", False), ("bf16", True)):
         student = students.from_teacher(teacher, STUDENT_LAYERS)
         student.train()
@@ -439,8 +445,13 @@ def bf16_accuracy(s: Settings, tok, tmp: str, kw: dict) -> dict:
         out[f"{name}_train_seconds"] = time.perf_counter() - start
         out[f"{name}_median_step_s"] = median([w for w, _ in timer.times[1:]])
         out[f"{name}_accuracy"] = demo.accuracy(student, valid_batches)
+        with torch.no_grad():  # kept to show the two runs trained different weights
+            predictions[name] = torch.cat([student(**b).logits.float() for b in valid_batches])
         print(f"  [bf16] accuracy after {s.acc_steps} steps, {name}: {out[f'{name}_accuracy']:.4f}", flush=True)
     out["accuracy_gap_points"] = 100 * (out["bf16_accuracy"] - out["fp32_accuracy"])
+    a, b = predictions["fp32"], predictions["bf16"]
+    out["predictions_differing"] = int((a.argmax(-1) != b.argmax(-1)).sum())
+    out["max_abs_logit_difference"] = float((a - b).abs().max())
     return out
 
 
@@ -488,18 +499,20 @@ def worker_data(config: dict):
 
 
 def worker_ours(config: dict) -> dict:
-    """Our side of the TextBrewer comparison: soft CE at T=4 (no T^2, weight 1) + hidden MSE on the uniform map."""
+    """Our side of the TextBrewer comparison: soft CE at T=4 (no T^2, weight 1) + hidden MSE on the uniform map,
+    with `bf16=True` (the Trainer flag) or in fp32 (the same-precision control)."""
     data = worker_data(config)
     timer = trainer_timer()
     from hf_distill import DistillationTrainer
 
     args = distill_args(config["tmp"], config["steps"], kd_loss="soft_ce", temperature=4.0, kd_weight=1.0,
-                        task_weight=0.0, distill_terms=["loss=hidden_mse,layers=uniform,weight=1"])
+                        task_weight=0.0, distill_terms=["loss=hidden_mse,layers=uniform,weight=1"],
+                        bf16=config.get("bf16", False))
     trainer = DistillationTrainer(model=load(Path(config["student"])), teacher_model=load(Path(config["teacher"])),
                                   args=args, train_dataset=data.remove_columns("labels"), callbacks=[timer])
     trainer.train()
     return {"times": timer.times, "optimizer": type(trainer.optimizer.optimizer).__name__,
-            "optim": str(args.optim)}
+            "optim": str(args.optim), "bf16": bool(args.bf16)}
 
 
 def worker_textbrewer(config: dict) -> dict:
@@ -586,12 +599,17 @@ WORKERS = {"ours": worker_ours, "textbrewer": worker_textbrewer, "memory": worke
 
 
 def section_textbrewer(s: Settings, paths, tok_path: str) -> tuple[float, dict]:
+    """Ours with `bf16=True` vs TextBrewer as its docs run it (fp32: its only mixed precision is apex fp16 on
+    CUDA), plus the controls that say where the difference comes from: ours in fp32 (same precision), and
+    TextBrewer given a fused AdamW (same optimizer kernel as the Trainer's default)."""
     python = tb_python()
     per_length = {}
     for length in s.tb_lengths:
         config = {"teacher": str(paths[0]), "student": str(paths[1]), "tokenizer": tok_path, "length": length,
                   "steps": s.tb_steps, "threads": s.threads}
-        sides = {"ours": (sys.executable, "ours", config), "textbrewer": (python, "textbrewer", config),
+        sides = {"ours": (sys.executable, "ours", {**config, "bf16": True}),
+                 "ours_fp32": (sys.executable, "ours", config),
+                 "textbrewer": (python, "textbrewer", config),
                  "textbrewer_fused": (python, "textbrewer", {**config, "fused": True})}
         rounds: dict[str, list[list[Sample]]] = {k: [] for k in sides}
         meta = {}
@@ -603,21 +621,25 @@ def section_textbrewer(s: Settings, paths, tok_path: str) -> tuple[float, dict]:
                 rounds[name].append([tuple(t) for t in result.pop("times")[2:]])
                 meta[name] = result
         v = compare("ours", "textbrewer", rounds)
-        fused = compare("ours", "textbrewer_fused", rounds)
-        v |= {k: fused[k] for k in ("textbrewer_fused_s", "textbrewer_fused_cpu_s", "textbrewer_fused_median_s",
-                                    "textbrewer_fused_median_cpu_s")}
-        v |= {"ratio_vs_textbrewer_fused": fused["ratio"], "cpu_ratio_vs_textbrewer_fused": fused["cpu_ratio"],
+        v |= {k: v2 for k, v2 in compare("ours_fp32", "textbrewer_fused", rounds).items() if k.endswith("_s")}
+        v |= {"controls": {f"{a} / {b}": {k: c[k] for k in ("ratio", "cpu_ratio", "paired_ratio_median")}
+                           for a, b in (("ours_fp32", "textbrewer"), ("ours", "textbrewer_fused"),
+                                        ("ours_fp32", "textbrewer_fused"))
+                           for c in [compare(a, b, rounds)]},
               "workers": meta}
         per_length[length] = v
         show("textbrewer", length, "ours", "textbrewer", v,
-             f"; TextBrewer with fused AdamW {v['textbrewer_fused_median_s']:.3f} s/step")
+             f"; ours fp32 {v['ours_fp32_median_s']:.3f}, TextBrewer with fused AdamW "
+             f"{v['textbrewer_fused_median_s']:.3f} s/step")
     ratio = geomean([v["ratio"] for v in per_length.values()])
     return ratio, {"per_length": per_length, "textbrewer_python": str(python),
-                   "ratio_is": "median(ours)/median(TextBrewer with torch.optim.AdamW defaults), each per-step "
-                               "median over subprocess runs (first 2 steps of each dropped)",
+                   "ratio_is": "median(ours, bf16=True)/median(TextBrewer, fp32 with torch.optim.AdamW defaults), each "
+                               "a per-step median over subprocess runs (first 2 steps of each dropped); controls: "
+                               "ours in fp32, TextBrewer with fused AdamW",
                    "work": "soft CE T=4 (kd weight 1, no hard labels) + hidden MSE (S0-T0, S1-T2, S2-T4, S3-T6), "
-                           "fp32, clip 1.0, lr 5e-5 linear; ours: Trainer default optimizer (fused AdamW); "
-                           "TextBrewer: torch.optim.AdamW() defaults, and with fused=True as a control"}
+                           "clip 1.0, lr 5e-5 linear; ours: Trainer default optimizer (fused AdamW), bf16 autocast "
+                           "(and fp32 as a control); TextBrewer 0.2.1: fp32 (no CPU mixed precision), "
+                           "torch.optim.AdamW() defaults, and with fused=True as a control"}
 
 
 def section_memory(s: Settings, paths, tok_path: str) -> tuple[float, dict]:
@@ -693,15 +715,24 @@ def write_report(ratios: dict, details: dict, out_dir: Path) -> None:
         for length, v in details.get(key, {}).get("per_length", {}).items():
             lines.append(f"| {key}: {a} / {b} | {length} | {v[f'{a}_median_s']:.3f} | {v[f'{b}_median_s']:.3f} "
                          f"| {v['ratio']:.3f} | {v['cpu_ratio']:.3f} | {v['paired_ratio_median']:.3f} |")
+            if key == "cached_vs_online":
+                b16 = details[key]["bf16"]["per_length"][length]
+                lines.append(f"| cached_vs_online with bf16=True | {length} | {b16['cached_median_s']:.3f} | "
+                             f"{b16['online_median_s']:.3f} | {b16['ratio']:.3f} | {b16['cpu_ratio']:.3f} | "
+                             f"{b16['paired_ratio_median']:.3f} |")
             if key == "ours_vs_textbrewer":
-                lines.append(f"| ours / TextBrewer with fused AdamW | {length} | {v['ours_median_s']:.3f} | "
-                             f"{v['textbrewer_fused_median_s']:.3f} | {v['ratio_vs_textbrewer_fused']:.3f} | "
-                             f"{v['cpu_ratio_vs_textbrewer_fused']:.3f} | |")
+                for name, c in v["controls"].items():
+                    a2, b2 = (x.strip() for x in name.split("/"))
+                    lines.append(f"| control: {name} | {length} | {v[f'{a2}_median_s']:.3f} | "
+                                 f"{v[f'{b2}_median_s']:.3f} | {c['ratio']:.3f} | {c['cpu_ratio']:.3f} | "
+                                 f"{c['paired_ratio_median']:.3f} |")
     acc = details.get("bf16_vs_fp32", {}).get("accuracy")
     if acc:
         lines += ["", f"Accuracy after {acc['steps']} distillation steps (SST-2 dev, {acc['valid_rows']} rows; "
                   f"teacher {acc['teacher_accuracy']:.2%}): fp32 {acc['fp32_accuracy']:.2%}, bf16 "
-                  f"{acc['bf16_accuracy']:.2%}, gap {acc['accuracy_gap_points']:+.2f} points (target within 0.5)."]
+                  f"{acc['bf16_accuracy']:.2%}, gap {acc['accuracy_gap_points']:+.2f} points (target within 0.5); "
+                  f"the two students differ on {acc.get('predictions_differing', '?')} predictions, largest logit gap "
+                  f"{acc.get('max_abs_logit_difference', float('nan')):.3f}."]
     mem = details.get("peak_mem_vs_budget")
     if mem:
         lines += ["", f"Peak RSS: distillation {mem['distill_peak_rss_bytes'] / 2**20:.0f} MiB; student alone "

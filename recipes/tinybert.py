@@ -19,7 +19,9 @@ What this recipe does (one command):
 2. augmentation when `augment_n > 0` (`hf_distill.augment`), of the first `augment_rows` training rows;
 3. task distillation with `StageSwitchCallback`: stage 1 (hidden + attention terms) for
    `intermediate_epochs`, then stage 2 (the DistillationArguments' logit loss: soft_ce, T = 1, no labels in
-   the configs) with its own learning rate, linear decay, 10% warm-up and a fresh optimizer state.
+   the configs) with its own learning rate, linear decay, 10% warm-up and a fresh optimizer state; the
+   teacher's logits on the (augmented) rows are computed once (`cache_teacher`), so stage 2 runs the student
+   only, while stage 1 runs the teacher online (its attention scores need Q/K, which are never cached).
 Deliberate differences (and why):
 - layer maps are fields (`hidden_layer_map`, `attention_layer_map`): `uniform` needs L_T / L_S to be an
   integer; the SST-2 config maps a 4-layer student onto the 6-layer teacher explicitly (0,2,3,5,6);
@@ -91,6 +93,10 @@ class TinyBertArguments:
     )
     prediction_learning_rate: float | None = field(
         default=None, metadata={"help": "Stage 2 peak lr (reference: 3e-5); default: learning_rate."}
+    )
+    cache_teacher: bool = field(
+        default=True, metadata={"help": "Stage 2: compute the teacher's logits on the (augmented) rows once "
+                                "(hf_distill.cache), so the prediction stage runs the student only."}
     )
     cache_dir: str = field(default=".cache/hf_distill", metadata={"help": "Where cached datasets go."})
     evaluate_teacher: bool = field(default=True, metadata={"help": "Also report the teacher's accuracy."})
@@ -217,6 +223,17 @@ def main() -> None:
         callbacks.append(switch)
         results["stages"] = switch.describe()
     needs_teacher = args.kd_weight > 0 or bool(args.terms)
+    if args.kd_weight > 0 and recipe.cache_teacher:
+        # Stage 1 still runs the teacher (attention scores need its Q/K); stage 2 reads these logits instead.
+        import torch
+
+        from hf_distill.cache import cache_teacher_outputs
+
+        with torch.autocast("cpu", torch.bfloat16, enabled=bool(args.bf16) and args.device.type == "cpu"):
+            train = cache_teacher_outputs(teacher, train, cache_dir=recipe.cache_dir,
+                                          collator=DataCollatorWithPadding(tokenizer), key={"bf16": bool(args.bf16)},
+                                          progress=not args.disable_tqdm)
+        results["cached_teacher_logits"] = len(train)
     trainer = DistillationTrainer(model=student, teacher_model=teacher if needs_teacher else None, args=args,
                                   train_dataset=train, eval_dataset=valid,
                                   data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer,

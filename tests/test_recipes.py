@@ -123,6 +123,7 @@ def test_tinybert_general_augment_two_stages_on_pairs(env, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = check_results(out)
     assert results["augmented_rows"] > 48 and len(results["stages"]) == 2
+    assert results["cached_teacher_logits"] == results["train_rows"]  # stage 2 read the teacher's logits
     assert "MLM head step" in proc.stdout
     logs = proc.stdout + proc.stderr
     assert "loss_hidden" in logs and "loss_attention" in logs and "loss_kd" in logs
