@@ -699,8 +699,13 @@ def write_report(ratios: dict, details: dict, out_dir: Path) -> None:
              f"`{details['command']}` on {details['machine']['cpu']} ({details['machine']['cores']} cores, "
              f"{details['machine']['torch_threads']} torch threads), {details['started']}, "
              f"{details['wall_seconds'] / 60:.1f} min. 1-minute load average over the run: "
-             f"{details['load_summary']} (2 cores; above 2 means other processes competed for them).", "",
-             "| ratio | measured | target | met |", "| --- | ---: | ---: | :---: |"]
+             f"{details['load_summary']} (2 cores; above 2 means other processes competed for them).", ""]
+    earlier = {k: details[k] for k in ratios if details.get(k, {}).get("measured_at", details["started"])
+               != details["started"]}
+    if earlier:
+        lines += ["Kept from earlier runs (this one re-ran a subset): " + "; ".join(
+            f"`{k}` by `{v.get('measured_by')}` at {v.get('measured_at')}" for k, v in earlier.items()) + ".", ""]
+    lines += ["| ratio | measured | target | met |", "| --- | ---: | ---: | :---: |"]
     for key, value in ratios.items():
         met = "yes" if value <= TARGETS[key] else "**no**"
         lines.append(f"| `{key}` | {value:.3f} | <= {TARGETS[key]:.2f} | {met} |")
@@ -730,9 +735,9 @@ def write_report(ratios: dict, details: dict, out_dir: Path) -> None:
     if acc:
         lines += ["", f"Accuracy after {acc['steps']} distillation steps (SST-2 dev, {acc['valid_rows']} rows; "
                   f"teacher {acc['teacher_accuracy']:.2%}): fp32 {acc['fp32_accuracy']:.2%}, bf16 "
-                  f"{acc['bf16_accuracy']:.2%}, gap {acc['accuracy_gap_points']:+.2f} points (target within 0.5); "
-                  f"the two students differ on {acc.get('predictions_differing', '?')} predictions, largest logit gap "
-                  f"{acc.get('max_abs_logit_difference', float('nan')):.3f}."]
+                  f"{acc['bf16_accuracy']:.2%}, gap {acc['accuracy_gap_points']:+.2f} points (target within 0.5)"
+                  + (f"; the two students differ on {acc['predictions_differing']} predictions, largest logit gap "
+                     f"{acc['max_abs_logit_difference']:.3f}." if "predictions_differing" in acc else ".")]
     mem = details.get("peak_mem_vs_budget")
     if mem:
         lines += ["", f"Peak RSS: distillation {mem['distill_peak_rss_bytes'] / 2**20:.0f} MiB; student alone "
@@ -779,6 +784,16 @@ def main(argv: list[str] | None = None) -> int:
     ratios: dict[str, float] = {}
     details: dict = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "settings": asdict(s),
                      "machine": machine(), "versions": versions(), "started": started, "load": {}}
+    previous = out_dir / "speed.json"
+    if a.only and previous.is_file():  # a subset re-run updates those sections and keeps the others
+        old = json.loads(previous.read_text())
+        ratios = {k: v for k, v in old["ratios"].items() if k not in wanted}
+        kept = {k: old["details"][k] for k in ratios if k in old["details"]}
+        for v in kept.values():
+            v.setdefault("measured_by", old["details"].get("command"))
+            v.setdefault("measured_at", old["details"].get("started"))
+        details |= kept
+        details["load"] = {k: v for k, v in old["details"].get("load", {}).items() if k in ratios}
     sections = {
         "trainer_vs_loop_logit": lambda tmp: section_trainer_vs_loop("logit", s, tok, paths, tmp),
         "trainer_vs_loop_tinybert": lambda tmp: section_trainer_vs_loop("tinybert", s, tok, paths, tmp),
@@ -794,8 +809,10 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             ratios[key], details[key] = sections[key](tmp)
         details[key]["seconds"] = time.perf_counter() - section_start
+        details[key]["measured_by"], details[key]["measured_at"] = details["command"], started
         details["load"][key] = {"before": load_before, "after": os.getloadavg()}
     details["wall_seconds"] = time.perf_counter() - start
+    ratios = {k: ratios[k] for k in TARGETS if k in ratios}  # the usual order, whatever was re-run
     loads = [v[when][0] for v in details["load"].values() for when in ("before", "after")]
     details["load_summary"] = f"{min(loads):.1f} to {max(loads):.1f}"
     write_report(ratios, details, out_dir)

@@ -153,6 +153,7 @@ def cache_teacher_outputs(
     device: torch.device | str | None = None,
     key: Any = None,
     progress: bool = True,
+    teacher_index: int = 0,
 ) -> datasets.Dataset:
     """`dataset` with the teacher's outputs added as `teacher_*` columns, computed once and cached.
 
@@ -169,6 +170,8 @@ def cache_teacher_outputs(
         dtype: float32 (default) or float16 (half the disk; the losses upcast to float32).
         key: anything else the outputs depend on that the dataset fingerprint misses (JSON-able).
         progress: show a progress bar while computing.
+        teacher_index: with several teachers (`teacher_model=[...]`), which one this is: teacher i >= 1 writes
+            `teacher_logits_<i>`, the column the trainer reads for it (dense logits only).
 
     Under `torchrun` (an initialised process group), rank 0 computes while the other ranks wait, then
     they load its files (put `cache_dir` on a shared filesystem across machines).
@@ -176,6 +179,10 @@ def cache_teacher_outputs(
     if dtype not in _STORE_DTYPES:
         raise ValueError(f"dtype must be torch.float32 or torch.float16, got {dtype}.")
     layers = sorted({int(i) for i in hidden_layers})
+    if teacher_index < 0 or (teacher_index > 0 and (not logits or top_k is not None or layers)):
+        raise ValueError(f"teacher_index={teacher_index}: teachers after the first can cache dense logits only "
+                         "(logits=True, no top_k, no hidden_layers); the trainer takes features from teacher 0.")
+    logits_column = LOGITS_COLUMN if teacher_index == 0 else f"{LOGITS_COLUMN}_{teacher_index}"
     if not logits and not layers:
         raise ValueError("Nothing to cache: set logits=True and/or hidden_layers.")
     if top_k is not None and (not logits or int(top_k) < 1):
@@ -193,7 +200,7 @@ def cache_teacher_outputs(
                          "be computed once and reused: let the teacher run online instead.")
     settings = {"format": CACHE_FORMAT, "logits": bool(logits), "top_k": None if top_k is None else int(top_k),
                 "hidden_layers": layers, "dtype": _STORE_DTYPES[dtype], "collator": _describe(collator),
-                "key": _describe(key)}
+                "key": _describe(key), **({"column": logits_column} if teacher_index else {})}
     fingerprint = _fingerprint(teacher_fingerprint(teacher), dataset, settings)
     folder = Path(cache_dir) / f"teacher-outputs-{fingerprint}"
     meta = {"model_type": info.model_type, "num_layers": info.num_layers, "hidden_size": info.hidden_size,
@@ -207,7 +214,7 @@ def cache_teacher_outputs(
         cached = _load(folder, len(dataset))
         if cached is None:
             cached = _compute(teacher, dataset, folder, batch_size, collator, logits, top_k, layers, dtype,
-                              device, progress, meta, settings)
+                              device, progress, meta, settings, logits_column)
     finally:
         if multi and dist.get_rank() == 0:
             dist.barrier()
@@ -299,7 +306,7 @@ def _cast(array: np.ndarray, store: str) -> np.ndarray:
 
 
 def _compute(teacher, dataset, folder, batch_size, collator, logits, top_k, layers, dtype, device, progress,
-             meta, settings) -> datasets.Dataset:
+             meta, settings, logits_column=LOGITS_COLUMN) -> datasets.Dataset:
     inner = unwrap(teacher)
     accepted = set(inspect.signature(inner.forward).parameters) - {"labels"}
     inputs = [c for c in dataset.column_names if c in accepted]
@@ -341,7 +348,7 @@ def _compute(teacher, dataset, folder, batch_size, collator, logits, top_k, laye
                     columns[TOPK_VALUES_COLUMN] = _per_row(values, real, store)
                     columns[TOPK_INDICES_COLUMN] = _per_row(indices, real, "int32")
                 else:
-                    columns[LOGITS_COLUMN] = _per_row(z, real, store)
+                    columns[logits_column] = _per_row(z, real, store)
             for i in layers:
                 columns[hidden_column(i)] = _per_row(feats.hidden[i].detach().float().cpu(), real, store)
             table = pa.table(columns)

@@ -76,6 +76,32 @@ def test_each_teacher_has_its_own_cached_column(tmp_path):
     torch.testing.assert_close(flat_params(cached.model), flat_params(online.model), atol=1e-5, rtol=0)
 
 
+def test_cache_teacher_outputs_writes_one_column_per_teacher(tmp_path):
+    from hf_distill.cache import cache_teacher_outputs
+
+    teachers, data = _teachers(), token_dataset(24)
+    for i, t in enumerate(teachers):
+        data = cache_teacher_outputs(t, data, cache_dir=tmp_path / "cache", teacher_index=i, progress=False)
+    assert {"teacher_logits", "teacher_logits_1"} <= set(data.column_names)
+    with torch.no_grad():
+        expected = teachers[1](input_ids=torch.tensor([data[5]["input_ids"]])).logits[0]
+    torch.testing.assert_close(data[5]["teacher_logits_1"], expected, atol=1e-5, rtol=0)
+    calls = []
+    for t in teachers:
+        t.register_forward_hook(lambda *a: calls.append(1))
+    common = dict(max_steps=3, optim="sgd", learning_rate=0.5, teacher_weights=[0.3, 0.7])
+    cached = DistillationTrainer(model=bert(2), teacher_model=teachers, args=args(tmp_path / "c", **common),
+                                 train_dataset=data, data_collator=collate)
+    cached.train()
+    assert calls == []
+    online = DistillationTrainer(model=bert(2), teacher_model=teachers, args=args(tmp_path / "o", **common),
+                                 train_dataset=token_dataset(24), data_collator=collate)
+    online.train()
+    torch.testing.assert_close(flat_params(cached.model), flat_params(online.model), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="teacher_index=1"):
+        cache_teacher_outputs(teachers[1], token_dataset(4), cache_dir=tmp_path / "cache", teacher_index=1, top_k=1)
+
+
 def test_multi_teacher_training_lowers_the_kd_loss(tmp_path):
     a = args(tmp_path, max_steps=30, learning_rate=5e-3, kd_weight=1.0, task_weight=0.0, logging_steps=1)
     trainer = DistillationTrainer(model=bert(2), teacher_model=_teachers(), args=a, train_dataset=token_dataset(64),
