@@ -53,6 +53,23 @@ def test_losses_mode_sums_weighted_losses(tmp_path):
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
 
 
+def _assert_cached_run_matches_online(tmp_path, teachers, cached_data):
+    """Training on the cached columns runs no teacher forward and ends where the online run ends (1e-5)."""
+    calls = []
+    for t in teachers:
+        t.register_forward_hook(lambda *a: calls.append(1))
+    common = dict(max_steps=3, optim="sgd", learning_rate=0.5, teacher_weights=[0.3, 0.7])
+    cached = DistillationTrainer(model=bert(2), teacher_model=teachers, args=args(tmp_path / "c", **common),
+                                 train_dataset=cached_data, data_collator=collate)
+    cached.train()
+    assert calls == []
+    online = DistillationTrainer(model=bert(2), teacher_model=teachers, args=args(tmp_path / "o", **common),
+                                 train_dataset=token_dataset(24), data_collator=collate)
+    online.train()
+    assert calls
+    torch.testing.assert_close(flat_params(cached.model), flat_params(online.model), atol=1e-5, rtol=0)
+
+
 def test_each_teacher_has_its_own_cached_column(tmp_path):
     teachers = _teachers()
     data = token_dataset(24)
@@ -61,19 +78,7 @@ def test_each_teacher_has_its_own_cached_column(tmp_path):
             column = "teacher_logits" if i == 0 else f"teacher_logits_{i}"
             rows = [t(input_ids=torch.tensor([r["input_ids"]])).logits[0].tolist() for r in token_dataset(24)]
             data = data.add_column(column, rows)
-    calls = []
-    for t in teachers:
-        t.register_forward_hook(lambda *a: calls.append(1))
-    common = dict(max_steps=3, optim="sgd", learning_rate=0.5, teacher_weights=[0.3, 0.7])
-    cached = DistillationTrainer(model=bert(2), teacher_model=teachers, args=args(tmp_path / "c", **common),
-                                 train_dataset=data, data_collator=collate)
-    cached.train()
-    assert calls == []
-    online = DistillationTrainer(model=bert(2), teacher_model=teachers, args=args(tmp_path / "o", **common),
-                                 train_dataset=token_dataset(24), data_collator=collate)
-    online.train()
-    assert calls
-    torch.testing.assert_close(flat_params(cached.model), flat_params(online.model), atol=1e-5, rtol=0)
+    _assert_cached_run_matches_online(tmp_path, teachers, data)
 
 
 def test_cache_teacher_outputs_writes_one_column_per_teacher(tmp_path):
@@ -86,18 +91,7 @@ def test_cache_teacher_outputs_writes_one_column_per_teacher(tmp_path):
     with torch.no_grad():
         expected = teachers[1](input_ids=torch.tensor([data[5]["input_ids"]])).logits[0]
     torch.testing.assert_close(data[5]["teacher_logits_1"], expected, atol=1e-5, rtol=0)
-    calls = []
-    for t in teachers:
-        t.register_forward_hook(lambda *a: calls.append(1))
-    common = dict(max_steps=3, optim="sgd", learning_rate=0.5, teacher_weights=[0.3, 0.7])
-    cached = DistillationTrainer(model=bert(2), teacher_model=teachers, args=args(tmp_path / "c", **common),
-                                 train_dataset=data, data_collator=collate)
-    cached.train()
-    assert calls == []
-    online = DistillationTrainer(model=bert(2), teacher_model=teachers, args=args(tmp_path / "o", **common),
-                                 train_dataset=token_dataset(24), data_collator=collate)
-    online.train()
-    torch.testing.assert_close(flat_params(cached.model), flat_params(online.model), atol=1e-5, rtol=0)
+    _assert_cached_run_matches_online(tmp_path, teachers, data)
     with pytest.raises(ValueError, match="teacher_index=1"):
         cache_teacher_outputs(teachers[1], token_dataset(4), cache_dir=tmp_path / "cache", teacher_index=1, top_k=1)
 
