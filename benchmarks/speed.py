@@ -59,6 +59,8 @@ class Settings:
     valid_rows: int | None = None  # None: all 872
     tb_rounds: int = 3  # subprocess rounds per side, ours vs TextBrewer
     tb_steps: int = 7  # steps per subprocess; the first 2 are dropped
+    side_rounds: int = 4  # trainer_vs_loop: processes per side, alternated
+    side_steps: int = 8  # steps per process; the first 2 are dropped
     tb_lengths: tuple[int, ...] = (64,)
     mem_steps: int = 4
     mem_length: int = 128
@@ -66,7 +68,7 @@ class Settings:
 
 
 QUICK = Settings(lengths=(64,), rounds=2, steps=2, warmup=1, acc_steps=8, valid_rows=64, tb_rounds=1, tb_steps=4,
-                 mem_steps=2, mem_length=64)
+                 mem_steps=2, mem_length=64, side_rounds=2, side_steps=4)
 
 
 # ---------------------------------------------------------------------- data and models
@@ -309,27 +311,44 @@ def batches_of(dataset, n: int) -> list[dict]:
 # ---------------------------------------------------------------------- sections
 
 
-def section_trainer_vs_loop(kind: str, s: Settings, tok, paths, tmp: str) -> tuple[float, dict]:
-    """DistillationTrainer vs the hand-written loop on the same work, per length."""
-    rows_needed = BATCH * max(s.steps, s.warmup, 4)
+def trainer_vs_loop_losses(kind: str) -> dict:
+    if kind == "logit":
+        return dict(kd_loss="kl", temperature=2.0, kd_weight=0.5, task_weight=0.5)
+    return dict(kd_weight=0.0, task_weight=0.0,
+                distill_terms=["loss=hidden_mse,layers=uniform", "loss=attention_score_mse,layers=uniform"])
+
+
+def worker_side(config: dict) -> dict:
+    """One side of trainer_vs_loop in a process of its own: one `train()` call (or one loop) of `steps` steps, as
+    a user runs it. In one shared process, re-entering `train()` every round left some rounds slower in every
+    operator (allocator and cache state), which a real run never does."""
+    data = worker_data(config)
+    student, teacher = load(Path(config["student"])), load(Path(config["teacher"]))
+    if config["side"] == "trainer":
+        runner = TrainerRunner(student, teacher, data, config["tmp"], **trainer_vs_loop_losses(config["kind"]))
+    else:
+        runner = LoopRunner(student, teacher, batches_of(data, config["steps"]), config["kind"])
+    return {"times": runner(config["steps"])}
+
+
+def section_trainer_vs_loop(kind: str, s: Settings, paths, tok_path: str) -> tuple[float, dict]:
+    """DistillationTrainer vs the hand-written loop on the same work, per length; each side runs in fresh
+    processes, rounds alternated (as the TextBrewer comparison), the first 2 steps of each process dropped."""
     per_length = {}
     for length in s.lengths:
-        data = tokenize(tok, sst2_rows("train.tsv", rows_needed), length)
-        teacher = load(paths[0])
-        if kind == "logit":
-            kw = dict(kd_loss="kl", temperature=2.0, kd_weight=0.5, task_weight=0.5)
-        else:
-            kw = dict(kd_weight=0.0, task_weight=0.0,
-                      distill_terms=["loss=hidden_mse,layers=uniform", "loss=attention_score_mse,layers=uniform"])
-        runners = {
-            "trainer": TrainerRunner(load(paths[1]), teacher, data, f"{tmp}/{kind}-{length}", **kw),
-            "loop": LoopRunner(load(paths[1]), load(paths[0]), batches_of(data, rows_needed // BATCH), kind),
-        }
-        per_length[length] = compare("trainer", "loop", interleave(runners, s))
+        config = {"teacher": str(paths[0]), "student": str(paths[1]), "tokenizer": tok_path, "length": length,
+                  "steps": s.side_steps, "threads": s.threads, "kind": kind}
+        rounds: dict[str, list[list[Sample]]] = {"trainer": [], "loop": []}
+        for i in range(s.side_rounds):
+            for side in ("trainer", "loop") if i % 2 == 0 else ("loop", "trainer"):
+                result = run_worker(sys.executable, "side", {**config, "side": side})
+                rounds[side].append([tuple(t) for t in result["times"][2:]])
+        per_length[length] = compare("trainer", "loop", rounds)
         show(kind, length, "trainer", "loop", per_length[length])
     ratio = geomean([v["ratio"] for v in per_length.values()])
-    return ratio, {"per_length": per_length, "ratio_is": "geometric mean over lengths of median(trainer)/median(loop)",
-                   "losses": kw}
+    return ratio, {"per_length": per_length, "losses": trainer_vs_loop_losses(kind),
+                   "ratio_is": "geometric mean over lengths of median(trainer)/median(loop); each side one train() "
+                               "call or loop per process, processes alternated"}
 
 
 def section_cached_vs_online(s: Settings, tok, paths, tmp: str) -> tuple[float, dict]:
@@ -595,7 +614,7 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-WORKERS = {"ours": worker_ours, "textbrewer": worker_textbrewer, "memory": worker_memory}
+WORKERS = {"ours": worker_ours, "textbrewer": worker_textbrewer, "memory": worker_memory, "side": worker_side}
 
 
 def section_textbrewer(s: Settings, paths, tok_path: str) -> tuple[float, dict]:
@@ -795,8 +814,8 @@ def main(argv: list[str] | None = None) -> int:
         details |= kept
         details["load"] = {k: v for k, v in old["details"].get("load", {}).items() if k in ratios}
     sections = {
-        "trainer_vs_loop_logit": lambda tmp: section_trainer_vs_loop("logit", s, tok, paths, tmp),
-        "trainer_vs_loop_tinybert": lambda tmp: section_trainer_vs_loop("tinybert", s, tok, paths, tmp),
+        "trainer_vs_loop_logit": lambda tmp: section_trainer_vs_loop("logit", s, paths, tok_path),
+        "trainer_vs_loop_tinybert": lambda tmp: section_trainer_vs_loop("tinybert", s, paths, tok_path),
         "cached_vs_online": lambda tmp: section_cached_vs_online(s, tok, paths, tmp),
         "bf16_vs_fp32": lambda tmp: section_bf16(s, tok, paths, tmp),
         "ours_vs_textbrewer": lambda tmp: section_textbrewer(s, paths, tok_path),
