@@ -15,6 +15,7 @@ import os
 import random
 import shlex
 import sys
+import time
 import types
 import typing
 from dataclasses import dataclass, field
@@ -383,6 +384,41 @@ def write_results(output_dir: str, results: dict[str, Any]) -> Path:
     path.write_text(json.dumps(results, indent=2, default=str) + "\n")
     print(json.dumps({k: v for k, v in results.items() if not isinstance(v, dict | list)}, indent=2))
     return path
+
+
+def cache_task_logits(teacher, train, collator, cache_dir: str, progress: bool, bf16: bool = False):
+    """`train` with the teacher's logits computed once (hf_distill.cache), under bf16 autocast when asked, so
+    the cached logits equal those an online bf16 teacher would give."""
+    import torch
+
+    from hf_distill.cache import cache_teacher_outputs
+
+    with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+        return cache_teacher_outputs(teacher, train, cache_dir=cache_dir, collator=collator, progress=progress,
+                                     key={"bf16": True} if bf16 else None)
+
+
+def train_and_report(trainer, results: dict[str, Any], start: float, *, student, teacher, train, valid, collator,
+                     evaluate_teacher: bool) -> None:
+    """The end every recipe shares: train, save the student, evaluate it (and the teacher), write results.json."""
+    args = trainer.args
+    train_out = trainer.train()
+    trainer.save_model()
+    from hf_distill import measure
+
+    results.update(params=measure.count_parameters(student), train_rows=len(train), epochs=args.num_train_epochs,
+                   bf16=args.bf16, bf16_available=bf16_available(), distillation=args.distillation_summary(),
+                   train_runtime_s=train_out.metrics.get("train_runtime"))
+    if teacher is not None:
+        results["teacher_params"] = measure.count_parameters(teacher)
+    if valid is not None:
+        metrics = trainer.evaluate()
+        results.update(accuracy=metrics["eval_accuracy"], f1=metrics["eval_f1"], eval_rows=len(valid))
+        if evaluate_teacher and teacher is not None:
+            t = evaluate_model(teacher, valid, collator, bf16=args.bf16)
+            results.update(teacher_accuracy=t["accuracy"], teacher_f1=t["f1"])
+    results["wall_s"] = time.time() - start
+    write_results(args.output_dir, results)
 
 
 def bf16_available() -> bool:

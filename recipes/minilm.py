@@ -31,11 +31,10 @@ from dataclasses import dataclass, field
 from common import (
     DataArguments,
     ModelArguments,
-    bf16_available,
     build_student,
+    cache_task_logits,
     command_line,
     compute_metrics,
-    evaluate_model,
     fail,
     load_corpus,
     load_model,
@@ -44,10 +43,11 @@ from common import (
     parse_args,
     set_offline_defaults,
     tokenize_task,
+    train_and_report,
     write_results,
 )
 
-from hf_distill import DistillationArguments, DistillationTrainer, measure
+from hf_distill import DistillationArguments, DistillationTrainer
 
 
 @dataclass
@@ -108,8 +108,6 @@ def main() -> None:
     start = time.time()
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, set_seed
 
-    from hf_distill.cache import cache_teacher_outputs
-
     if not (margs.teacher or margs.general_teacher):
         fail("set teacher (fine-tuned, for the task step) and/or general_teacher (pre-trained, for the general step)")
     set_seed(args.seed)
@@ -143,28 +141,14 @@ def main() -> None:
     collator = DataCollatorWithPadding(tokenizer)
     needs_teacher = args.kd_weight > 0 or bool(args.terms)
     if needs_teacher and recipe.cache_teacher and not args.terms:
-        train = cache_teacher_outputs(teacher, train, cache_dir=recipe.cache_dir, collator=collator,
-                                      progress=not args.disable_tqdm)
+        train = cache_task_logits(teacher, train, collator, recipe.cache_dir, progress=not args.disable_tqdm)
     trainer = DistillationTrainer(model=student, teacher_model=teacher if needs_teacher else None, args=args,
                                   train_dataset=train, eval_dataset=valid, data_collator=collator,
                                   processing_class=tokenizer, compute_metrics=compute_metrics)
-    train_out = trainer.train()
-    trainer.save_model()
 
-    # 3. Evaluate and write results.json.
-    results.update(params=measure.count_parameters(student), train_rows=len(train), epochs=args.num_train_epochs,
-                   bf16=args.bf16, bf16_available=bf16_available(), distillation=args.distillation_summary(),
-                   train_runtime_s=train_out.metrics.get("train_runtime"))
-    if teacher is not None:
-        results["teacher_params"] = measure.count_parameters(teacher)
-    if valid is not None:
-        metrics = trainer.evaluate()
-        results.update(accuracy=metrics["eval_accuracy"], f1=metrics["eval_f1"], eval_rows=len(valid))
-        if recipe.evaluate_teacher and teacher is not None:
-            t = evaluate_model(teacher, valid, collator, bf16=args.bf16)
-            results.update(teacher_accuracy=t["accuracy"], teacher_f1=t["f1"])
-    results["wall_s"] = time.time() - start
-    write_results(args.output_dir, results)
+    # 3. Train, evaluate and write results.json.
+    train_and_report(trainer, results, start, student=student, teacher=teacher, train=train, valid=valid,
+                     collator=collator, evaluate_teacher=recipe.evaluate_teacher)
 
 
 if __name__ == "__main__":

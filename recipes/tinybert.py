@@ -42,11 +42,10 @@ from dataclasses import dataclass, field
 from common import (
     DataArguments,
     ModelArguments,
-    bf16_available,
     build_student,
+    cache_task_logits,
     command_line,
     compute_metrics,
-    evaluate_model,
     fail,
     fit_mlm_head,
     load_corpus,
@@ -56,10 +55,11 @@ from common import (
     parse_args,
     set_offline_defaults,
     tokenize_task,
+    train_and_report,
     write_results,
 )
 
-from hf_distill import DistillationArguments, DistillationTrainer, measure
+from hf_distill import DistillationArguments, DistillationTrainer
 
 
 @dataclass
@@ -223,38 +223,20 @@ def main() -> None:
         callbacks.append(switch)
         results["stages"] = switch.describe()
     needs_teacher = args.kd_weight > 0 or bool(args.terms)
+    collator = DataCollatorWithPadding(tokenizer)
     if args.kd_weight > 0 and recipe.cache_teacher:
         # Stage 1 still runs the teacher (attention scores need its Q/K); stage 2 reads these logits instead.
-        import torch
-
-        from hf_distill.cache import cache_teacher_outputs
-
-        with torch.autocast("cpu", torch.bfloat16, enabled=bool(args.bf16) and args.device.type == "cpu"):
-            train = cache_teacher_outputs(teacher, train, cache_dir=recipe.cache_dir,
-                                          collator=DataCollatorWithPadding(tokenizer), key={"bf16": bool(args.bf16)},
-                                          progress=not args.disable_tqdm)
+        train = cache_task_logits(teacher, train, collator, recipe.cache_dir, progress=not args.disable_tqdm,
+                                  bf16=bool(args.bf16) and args.device.type == "cpu")
         results["cached_teacher_logits"] = len(train)
     trainer = DistillationTrainer(model=student, teacher_model=teacher if needs_teacher else None, args=args,
-                                  train_dataset=train, eval_dataset=valid,
-                                  data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer,
-                                  compute_metrics=compute_metrics, callbacks=callbacks)
-    train_out = trainer.train()
-    trainer.save_model()
+                                  train_dataset=train, eval_dataset=valid, data_collator=collator,
+                                  processing_class=tokenizer, compute_metrics=compute_metrics, callbacks=callbacks)
 
-    # 4. Evaluate and write results.json.
-    results.update(params=measure.count_parameters(student), teacher_params=measure.count_parameters(teacher),
-                   train_rows=len(train), epochs=args.num_train_epochs, intermediate_epochs=recipe.intermediate_epochs,
-                   bf16=args.bf16, bf16_available=bf16_available(), distillation=args.distillation_summary(),
-                   train_runtime_s=train_out.metrics.get("train_runtime"))
-    if valid is not None:
-        metrics = trainer.evaluate()
-        results.update(accuracy=metrics["eval_accuracy"], f1=metrics["eval_f1"], eval_rows=len(valid))
-        if recipe.evaluate_teacher:
-            t = evaluate_model(teacher, valid, DataCollatorWithPadding(tokenizer), bf16=args.bf16)
-            results.update(teacher_accuracy=t["accuracy"], teacher_f1=t["f1"])
-    results["wall_s"] = time.time() - start
-    write_results(args.output_dir, results)
-
+    # 4. Train, evaluate and write results.json.
+    results["intermediate_epochs"] = recipe.intermediate_epochs
+    train_and_report(trainer, results, start, student=student, teacher=teacher, train=train, valid=valid,
+                     collator=collator, evaluate_teacher=recipe.evaluate_teacher)
 
 if __name__ == "__main__":
     main()
