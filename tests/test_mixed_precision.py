@@ -14,7 +14,7 @@ from torch import nn
 from transformers import BertForMaskedLM
 
 from hf_distill import DistillationTrainer, losses
-from hf_distill.cache import cache_teacher_outputs
+from hf_distill.cache import LOGITS_COLUMN, cache_teacher_outputs, hidden_column
 from hf_distill.intermediate import IntermediateDistiller
 from hf_distill.taps import Features
 from hf_distill.terms import parse_terms
@@ -179,3 +179,69 @@ def test_intermediate_losses_are_finite_for_half_features_of_magnitude_60(tmp_pa
     for name, value in out.items():
         _assert_finite(value, *[x for x in leaves if x.requires_grad])
         assert value >= 0, name  # saturated relations (v.v peaks on the diagonal) may give exactly 0
+
+
+# ---------------------------------------------------------------- on CUDA (skipped elsewhere; run on a GPU machine)
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+CUDA_PRECISIONS = ["bf16", "fp16"]
+
+
+@cuda
+@pytest.mark.parametrize("precision", CUDA_PRECISIONS)
+def test_cuda_half_precision_runs_both_models_in_half_and_losses_in_float32(tmp_path, precision):
+    student, teacher = bert(2, hidden=16), make_teacher()
+    a = args(tmp_path, use_cpu=False, max_steps=3, distill_terms=ALL_TERMS, **{precision: True})
+    trainer = DistillationTrainer(model=student, teacher_model=teacher, args=a, train_dataset=token_dataset(24),
+                                  data_collator=collate)
+    seen = _record_dtypes(trainer, {"student": student, "teacher": teacher})
+    trainer.train()
+    half = torch.bfloat16 if precision == "bf16" else torch.float16
+    assert next(trainer.teacher.parameters()).device.type == "cuda"
+    assert next(trainer.model.parameters()).device.type == "cuda"
+    assert seen == {"student": {half}, "teacher": {half}, "components": {torch.float32}}
+    _finite_logs(trainer)
+
+
+@cuda
+@pytest.mark.parametrize("kind", ["kl", "soft_ce", "mse"])
+def test_cuda_fp16_logit_kd_loss_is_finite_at_magnitude_60(kind):
+    """The same guarantee as the CPU test above, on CUDA's own fp16 kernels."""
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1], [1, 0, 0, 0, 0, 0]], device="cuda")
+    for temperature in TEMPERATURES:
+        for shape, m in (((4, 2), None), ((3, 6, 50), mask)):
+            s = _half(shape, torch.float16, 0).detach().cuda().requires_grad_()
+            t = _half(shape, torch.float16, 1, sign=-1.0).detach().cuda()
+            _assert_finite(losses.logit_kd_loss(kind, s, t, temperature, mask=m), s)
+
+
+@cuda
+def test_cuda_sdpa_student_gives_the_eager_loss_for_every_term(tmp_path):
+    """Taps capture Q/K/V by hooks, so an SDPA model (the CUDA default) must give the loss eager attention gives."""
+    batch = collate([token_dataset(8)[i] for i in range(8)])
+    results = {}
+    for impl in ("sdpa", "eager"):
+        student, teacher = bert(2, hidden=16).cuda(), make_teacher().cuda()
+        student.set_attn_implementation(impl)
+        teacher.set_attn_implementation(impl)
+        a = args(tmp_path / impl, use_cpu=False, distill_terms=ALL_TERMS)
+        trainer = DistillationTrainer(model=student, teacher_model=teacher, args=a, data_collator=collate)
+        loss = trainer.compute_loss(trainer.model.train(), {k: v.cuda() for k, v in batch.items()})
+        results[impl] = loss.detach()
+    torch.testing.assert_close(results["sdpa"], results["eager"], atol=1e-4, rtol=1e-4)
+
+
+@cuda
+def test_cuda_cached_teacher_outputs_equal_the_online_forward(tmp_path):
+    teacher, data = make_teacher().cuda(), token_dataset(24)
+    cached = cache_teacher_outputs(teacher, data, cache_dir=tmp_path / "c", hidden_layers=[0, 2, 4], progress=False)
+    teacher.eval()
+    for i in range(len(data)):
+        ids = torch.tensor([data[i]["input_ids"]], device="cuda")
+        with torch.no_grad():
+            ref = teacher(input_ids=ids, output_hidden_states=True)
+        row = cached[i]
+        torch.testing.assert_close(torch.tensor(row[LOGITS_COLUMN]), ref.logits[0].cpu(), atol=1e-5, rtol=1e-5)
+        for layer in (0, 2, 4):
+            torch.testing.assert_close(torch.tensor(row[hidden_column(layer)]), ref.hidden_states[layer][0].cpu(),
+                                       atol=1e-5, rtol=1e-5)
