@@ -14,9 +14,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from .card import CARD_FILE
-from .report import LOSS_PLOT
-
 INDEX_FILE = "model.safetensors.index.json"
 MODEL_FILES = (
     "config.json",
@@ -71,6 +68,9 @@ def upload_files(folder: str | os.PathLike) -> list[str]:
             f"Could not push {folder}: it holds no safetensors weights (model.safetensors or an "
             f"{INDEX_FILE} with its shards)."
         )
+    from .card import CARD_FILE  # imported here: the CLI imports this module for its error type alone
+    from .report import LOSS_PLOT
+
     if CARD_FILE in names:
         files.append(CARD_FILE)
         if LOSS_PLOT in names and LOSS_PLOT in (folder / CARD_FILE).read_text(encoding="utf-8"):

@@ -82,6 +82,16 @@ def test_version(capsys):
     assert capsys.readouterr().out.strip() == f"hf-distill {hf_distill.__version__}"
 
 
+def test_help_and_version_do_not_import_torch():
+    """The package loads its classes on first use, so asking the CLI for help costs no torch import (seconds)."""
+    code = ("import sys; from hf_distill.cli import main; import hf_distill; "
+            "codes = [main(['--help']), main(['--version'])]; "
+            "print(codes, sorted(m for m in ('torch', 'transformers') if m in sys.modules)); "
+            "hf_distill.DistillationTrainer; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-2:] == ["[0, 0] []", "True"]
+
+
 # ---------------------------------------------------------------------- demo and run
 
 
