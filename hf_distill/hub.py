@@ -3,7 +3,8 @@
 `push_student(folder, repo_id)` publishes a saved student folder and nothing else: an explicit list of files
 (config, weights, tokenizer, card) is uploaded, so a teacher, projections, optimizer state, checkpoints,
 `training_args.bin` or logs lying in the same folder never leave the machine. `push_trainer` is
-`DistillationTrainer.push_to_hub`. The card itself is written by `hf_distill.card`.
+`DistillationTrainer.push_to_hub`, `push_checkpoint` its save-time push during training. The card itself is
+written by `hf_distill.card`.
 """
 
 from __future__ import annotations
@@ -193,3 +194,38 @@ def push_trainer(
     executor.shutdown(wait=False)
     trainer.push_in_progress = PushInProgress([future])
     return future
+
+
+def push_checkpoint(trainer: Any, checkpoint_folder: str) -> None:
+    """`DistillationTrainer._push_from_checkpoint`: the pushes `push_to_hub=True` makes at each save.
+
+    The Trainer's own uploads all of `output_dir` (training_args.bin, logs, any file a user keeps there); this
+    sends the checkpoint's student files (`upload_files`) to the repo root instead. The resumable checkpoint
+    (optimizer state, projections: never the teacher) still goes to `last-checkpoint/` or `checkpoint-<step>/`
+    when `hub_strategy` is `checkpoint` or `all_checkpoints`, as the user asked. Pushes run in the background,
+    and one still in flight skips the next unless `hub_always_push`, as in the Trainer."""
+    from transformers.trainer_utils import HubStrategy, SaveStrategy
+    from transformers.utils import PushInProgress
+
+    args = trainer.args
+    if not trainer.is_world_process_zero() or args.hub_strategy == HubStrategy.END:
+        return
+    in_flight = trainer.push_in_progress
+    if not args.hub_always_push and in_flight is not None and not in_flight.is_done():
+        return
+    trainer.callback_handler.on_push_begin(args, trainer.state, trainer.control)
+    if args.save_strategy == SaveStrategy.STEPS:
+        message = f"Training in progress, step {trainer.state.global_step}"
+    else:
+        message = f"Training in progress, epoch {int(trainer.state.epoch)}"
+    api, _ = _api(None, args.hub_token)
+    common = dict(repo_id=trainer.hub_model_id, folder_path=checkpoint_folder, token=args.hub_token,
+                  revision=args.hub_revision, run_as_future=True)
+    jobs = [api.upload_folder(allow_patterns=upload_files(checkpoint_folder), commit_message=message, **common)]
+    if args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS):
+        path = "last-checkpoint" if args.hub_strategy == HubStrategy.CHECKPOINT else Path(checkpoint_folder).name
+        jobs.append(api.upload_folder(path_in_repo=path, commit_message=f"{message}, checkpoint", **common))
+    if in_flight is None or in_flight.is_done():
+        trainer.push_in_progress = PushInProgress(jobs)
+    else:
+        in_flight.jobs.extend(jobs)

@@ -353,6 +353,12 @@ class DistillationTrainer(Trainer):
                            finetuned_from=finetuned_from, tasks=tasks, dataset_tags=dataset_tags,
                            dataset=dataset, dataset_args=dataset_args, **report_fields)
 
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        """Save-time pushes (`push_to_hub=True`) send the student files, not all of `output_dir`."""
+        from .hub import push_checkpoint
+
+        push_checkpoint(self, checkpoint_folder)
+
     def push_to_hub(
         self,
         commit_message: str | None = "End of training",

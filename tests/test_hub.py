@@ -16,6 +16,7 @@ from pathlib import Path
 import huggingface_hub.constants as hub_constants
 import pytest
 import torch
+import transformers.utils.hub as transformers_hub
 import yaml
 from hub_server import FakeHub, tiny_run
 from huggingface_hub import ModelCard
@@ -44,6 +45,7 @@ def online(mp: pytest.MonkeyPatch, endpoint: str, xet: bool = True) -> None:
     """
     mp.setattr(hub_constants, "HF_HUB_OFFLINE", False)
     mp.setattr(hub_constants, "ENDPOINT", endpoint)
+    mp.setattr(transformers_hub, "_hf_api", None)  # the Trainer's shared HfApi keeps the endpoint it was made with
     if not xet:
         mp.setattr(hub_constants, "HF_HUB_DISABLE_XET", True)
 
@@ -500,3 +502,33 @@ def test_card_parses_back_with_huggingface_hub(student_dir):
     assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-classification"
     assert card.data.base_model is None  # the last push named no teacher id, and a local path is not one
     assert card.text.lstrip().startswith(f"# {REPO}\n")
+
+
+# ---------------------------------------------------------------------- pushes during training (hub_strategy)
+
+
+@pytest.mark.parametrize("strategy", ["every_save", "checkpoint"])
+def test_pushes_during_training_send_the_student_files_only(tmp_path, strategy):
+    """The Trainer's own save-time push uploads all of `output_dir` (training_args.bin, logs, whatever a user
+    keeps there); ours sends the checkpoint's student files to the repo root, and the resumable checkpoint
+    (optimizer state, projections) only where `hub_strategy` asks for it."""
+    with FakeHub() as hub, pytest.MonkeyPatch.context() as mp:
+        online(mp, hub.endpoint)
+        out = tmp_path / "out"
+        out.mkdir()
+        (out / "notes.txt").write_text("a user's own file")
+        trainer = tiny_run(tmp_path, push_to_hub=True, hub_strategy=strategy, eval_strategy="no")
+        trainer._finish_current_push()
+        commits = [c["summary"] for c in hub.repos[REPO]["commits"]]
+        files = set(hub.files(REPO))
+    trainer.processing_class.save_pretrained(tmp_path / "tok")
+    student = {"config.json", "model.safetensors"} | {p.name for p in (tmp_path / "tok").iterdir()}
+    assert "Training in progress, step 6" in commits
+    root = {name for name in files if "/" not in name}
+    assert root == student
+    assert (out / "notes.txt").is_file() and (out / "checkpoint-6" / "training_args.bin").is_file()
+    if strategy == "checkpoint":
+        nested = {name.split("/", 1)[1] for name in files if name.startswith("last-checkpoint/")}
+        assert {"optimizer.pt", "distill_projections.pt", "model.safetensors"} <= nested
+    else:
+        assert files == root
