@@ -1,6 +1,6 @@
 """Speed and memory of hf_distill, as ratios measured in one run (issue #6). Not part of CI.
 
-    python benchmarks/speed.py            # everything, about 20 minutes on 2 CPU cores
+    python benchmarks/speed.py            # everything, about 15 minutes on 2 idle CPU cores
     python benchmarks/speed.py --quick    # smoke run: a few steps each, results in benchmarks/.cache/
 
 Every figure is a ratio of two runs measured in the same process or the same session, interleaved
