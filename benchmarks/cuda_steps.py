@@ -1,6 +1,6 @@
 """DistillationTrainer vs the hand-written loop on CUDA, in bf16 and fp32: the GPU companion of speed.py. Not in CI.
 
-    python benchmarks/cuda_steps.py [--out DIR]   # needs a CUDA device; about 2 minutes
+    python benchmarks/cuda_steps.py [--batch N] [--out DIR]   # needs a CUDA device; about 2 minutes at batch 32
 
 On a GPU a step of these models takes milliseconds, so any per-step Python or synchronisation cost the
 Trainer adds shows here far more than on a CPU. Same work and the same hand-written loop as speed.py
@@ -149,7 +149,13 @@ def cached_vs_online(bf16: bool, tmp: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(speed.RESULTS))
-    out = Path(p.parse_args(argv).out)
+    p.add_argument("--batch", type=int, default=speed.BATCH,
+                   help="rows per step (default 32, speed.py's; a larger one keeps the GPU busy)")
+    a = p.parse_args(argv)
+    out = Path(a.out)
+    speed.BATCH = a.batch  # read by speed.py's runners at call time
+    stem = "cuda_steps" if a.batch == 32 else f"cuda_steps_b{a.batch}"
+    command = "python benchmarks/cuda_steps.py" + ("" if a.batch == 32 else f" --batch {a.batch}")
     if not torch.cuda.is_available():
         print("cuda_steps.py needs a CUDA device.", file=sys.stderr)
         return 2
@@ -167,9 +173,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                          for k, v in cache.items()},
                "details": results | {f"cached_vs_online_{k}": v for k, v in cache.items()}}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "cuda_steps.json").write_text(json.dumps(summary, indent=2))
+    (out / f"{stem}.json").write_text(json.dumps(summary, indent=2))
     lines = [f"# DistillationTrainer vs hand-written loop on {device}", "",
-             f"`python benchmarks/cuda_steps.py`, torch {torch.__version__}, batch {speed.BATCH}, length {LENGTH}, "
+             f"`{command}`, torch {torch.__version__}, batch {speed.BATCH}, length {LENGTH}, "
              f"{SETTINGS.rounds} interleaved rounds of {SETTINGS.steps} steps (first of each dropped), "
              f"{summary['wall_s']} s.", "",
              "| work | precision | trainer ms/step | loop ms/step | trainer - loop ms | trainer/loop |",
@@ -185,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     for precision, v in cache.items():
         lines.append(f"| {precision} | {1e3 * v['cached_median_s']:.2f} | {1e3 * v['online_median_s']:.2f} | "
                      f"{v['ratio']:.3f} | {v['floor']:.3f} |")
-    (out / "cuda_steps.md").write_text("\n".join(lines) + "\n")
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 
