@@ -15,7 +15,6 @@ weights (only time is measured, and the offline weights are too large to send to
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import tempfile
@@ -40,33 +39,27 @@ class SyncClock(speed.Clock):
         return super().stop()
 
 
+def on_gpu(batches: list[dict]) -> list[dict]:
+    return [{k: v.cuda() for k, v in b.items()} for b in batches]
+
+
 class CudaTeacherForward(speed.TeacherForwardRunner):
     clock = SyncClock
 
 
 class CudaLoop(speed.LoopRunner):
-    """speed.LoopRunner on the GPU: batches on the device, bf16 autocast when asked, synchronised clock."""
+    """speed.LoopRunner on the GPU: batches on the device, bf16 autocast when asked, synchronised clock;
+    `kind="task"` trains the student alone on its own loss (the control)."""
+
+    clock = SyncClock
 
     def __init__(self, student, teacher, batches, kind: str, bf16: bool) -> None:
-        super().__init__(student.cuda(), teacher.cuda(), [{k: v.cuda() for k, v in b.items()} for b in batches], kind)
+        super().__init__(student.cuda(), teacher.cuda(), on_gpu(batches), kind)
         self.bf16 = bf16
 
-    def __call__(self, steps: int) -> list[speed.Sample]:
-        times, clock = [], SyncClock()
-        for _ in range(steps):
-            batch = self.batches[self.step_index % len(self.batches)]
-            self.step_index += 1
-            clock.start()
-            autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
-            with autocast:
-                loss = self.student(**batch).loss if self.kind == "task" else self._loss(batch)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.student.parameters(), 1.0)
-            self.opt.step()
-            self.sched.step()
-            self.opt.zero_grad(set_to_none=True)
-            times.append(clock.stop())
-        return times
+    def _loss(self, batch):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.bf16):
+            return self.student(**batch).loss if self.kind == "task" else super()._loss(batch)
 
 
 def models():
@@ -134,8 +127,7 @@ def cached_vs_online(bf16: bool, tmp: str) -> dict:
     kw = dict(use_cpu=False, bf16=bf16, kd_loss="kl", temperature=2.0, kd_weight=0.5, task_weight=0.5)
     runners = {"cached": speed.TrainerRunner(student, None, cached, f"{tmp}/cached-{bf16}", **kw),
                "online": speed.TrainerRunner(models()[0], teacher, data, f"{tmp}/online-{bf16}", **kw),
-               "teacher_forward": CudaTeacherForward(teacher, [{k: v.cuda() for k, v in b.items()}
-                                                               for b in speed.batches_of(data, 8)], bf16)}
+               "teacher_forward": CudaTeacherForward(teacher, on_gpu(speed.batches_of(data, 8)), bf16)}
     for name in ("cached", "online"):
         runners[name].timer.clock = SyncClock()
     rounds = speed.interleave(runners, SETTINGS)

@@ -225,7 +225,29 @@ class TrainerRunner:
         return list(self.timer.times)
 
 
-class LoopRunner:
+class BatchRunner:
+    """Cycles through fixed batches and times `_step(batch)` for each; `clock` is swappable (CUDA syncs)."""
+
+    clock = Clock
+
+    def __init__(self, batches: list[dict]) -> None:
+        self.batches, self.step_index = batches, 0
+
+    def _step(self, batch: dict) -> None:
+        raise NotImplementedError
+
+    def __call__(self, steps: int) -> list[Sample]:
+        times, clock = [], self.clock()
+        for _ in range(steps):
+            batch = self.batches[self.step_index % len(self.batches)]
+            self.step_index += 1
+            clock.start()
+            self._step(batch)
+            times.append(clock.stop())
+        return times
+
+
+class LoopRunner(BatchRunner):
     """The same work written by hand: teacher under no_grad, student forward/backward, clip, fused AdamW.
 
     `kind="logit"`: 0.5 * CE + 0.5 * T^2 KL at T=2. `kind="tinybert"`: hidden_mse on hidden states (0,0), (1,2),
@@ -236,12 +258,12 @@ class LoopRunner:
     def __init__(self, student, teacher, batches: list[dict], kind: str, steps_hint: int = 1000) -> None:
         import torch
 
-        self.student, self.teacher, self.batches, self.kind = student.train(), teacher.eval(), batches, kind
+        super().__init__(batches)
+        self.student, self.teacher, self.kind = student.train(), teacher.eval(), kind
         teacher.requires_grad_(False)
         self.opt = torch.optim.AdamW(student.parameters(), lr=5e-5, weight_decay=0.0, fused=True)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda i: max(0.0, 1 - i / steps_hint))
         self.qk: dict[tuple[str, str, int], torch.Tensor] = {}
-        self.step_index = 0
         if kind == "tinybert":
             for role, model, blocks in (("s", student, (1, 2, 3)), ("t", teacher, (2, 4, 6))):
                 for i in blocks:
@@ -284,46 +306,29 @@ class LoopRunner:
             loss = loss + losses.attention_score_mse(s_scores, t_scores, mask)
         return loss
 
-    def __call__(self, steps: int) -> list[Sample]:
+    def _step(self, batch: dict) -> None:
         import torch
 
-        times, clock = [], Clock()
-        for _ in range(steps):
-            batch = self.batches[self.step_index % len(self.batches)]
-            self.step_index += 1
-            clock.start()
-            loss = self._loss(batch)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.student.parameters(), 1.0)
-            self.opt.step()
-            self.sched.step()
-            self.opt.zero_grad(set_to_none=True)
-            times.append(clock.stop())
-        return times
+        self._loss(batch).backward()
+        torch.nn.utils.clip_grad_norm_(self.student.parameters(), 1.0)
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
 
 
-class TeacherForwardRunner:
+class TeacherForwardRunner(BatchRunner):
     """The teacher's forward alone, as the online Trainer runs it (no_grad, bf16 autocast when asked): what a
     cache can remove from a step, so `cached / (cached + this)` is the lowest cached/online ratio possible."""
 
-    clock = Clock
-
     def __init__(self, teacher, batches: list[dict], bf16: bool) -> None:
-        self.teacher, self.batches, self.bf16, self.step_index = teacher.eval(), batches, bf16, 0
+        super().__init__(batches)
+        self.teacher, self.bf16, self.device = teacher.eval(), bf16, batches[0]["input_ids"].device.type
 
-    def __call__(self, steps: int) -> list[Sample]:
+    def _step(self, batch: dict) -> None:
         import torch
 
-        times, clock = [], self.clock()
-        device = self.batches[0]["input_ids"].device.type
-        for _ in range(steps):
-            batch = self.batches[self.step_index % len(self.batches)]
-            self.step_index += 1
-            clock.start()
-            with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=self.bf16):
-                self.teacher(**{k: v for k, v in batch.items() if k != "labels"})
-            times.append(clock.stop())
-        return times
+        with torch.no_grad(), torch.autocast(self.device, dtype=torch.bfloat16, enabled=self.bf16):
+            self.teacher(**{k: v for k, v in batch.items() if k != "labels"})
 
 
 def batches_of(dataset, n: int) -> list[dict]:
