@@ -183,9 +183,9 @@ class DistillationTrainer(Trainer):
         # on the benchmark CPU, benchmarks/speed.py).
         if distill:
             t_logits, t_feats = self._teacher_outputs(inputs, cached)
-            if self.args.kd_weight > 0:
+            if self.args.kd_weight > 0:  # every teacher's logits, the first one's included
                 extra = [self._extra_teacher_logits(i, inputs, cached) for i in range(1, len(self.teachers))]
-                t_logits = [t_logits, *extra]
+                all_t_logits = [t_logits, *extra]
         s_kwargs = {k: v for k, v in inputs.items() if self._student_accepts(k) and (k != "labels" or want_task)}
         taps = self.intermediate.student_taps if (distill and self.intermediate) else None
         s_out, s_feats = forward(model, s_kwargs, taps)
@@ -198,7 +198,7 @@ class DistillationTrainer(Trainer):
             weights["task"] = self.args.task_weight if distill else 1.0
         if distill:
             if self.args.kd_weight > 0:
-                components["kd"] = self._kd_loss(s_logits, t_logits, self._kd_mask(s_logits, mask, labels))
+                components["kd"] = self._kd_loss(s_logits, all_t_logits, self._kd_mask(s_logits, mask, labels))
                 weights["kd"] = self.args.kd_weight
             if self.intermediate is not None:
                 components.update(self.intermediate.losses(s_feats, t_feats, mask))
