@@ -149,6 +149,13 @@ class IntermediateDistiller:
     def component_names(self) -> list[str]:
         return [n for term, _, _ in self.bound for n in term.component_names()]
 
+    def count_kinds(self) -> dict[str, str | None]:
+        """Per component, the positions its value is a mean over (hf_distill.normalise): real tokens for
+        hidden_mse/cosine_loss, real (query, key) pairs for attention_score_mse, None for the per-row terms
+        (relation_kl averages per example, pkd_loss per row)."""
+        kinds = {"hidden_mse": "tokens", "cosine_loss": "tokens", "attention_score_mse": "pairs"}
+        return {n: kinds.get(t.loss) for t, _, _ in self.bound for n in t.component_names()}
+
     def weights(self) -> dict[str, float]:
         """Current weight of each component of the active terms."""
         active = self.active

@@ -34,6 +34,8 @@ __all__ = [
     "KD_LOSSES",
     "TeacherLogits",
     "attention_score_mse",
+    "binary_kl_div",
+    "binary_soft_cross_entropy",
     "cosine_loss",
     "hidden_mse",
     "kl_div",
@@ -209,6 +211,43 @@ def logit_mse(
             "logit_mse needs dense teacher logits; top-k (values, indices) works with kl / soft_ce only"
         )
     return _squared_error_mean("logit_mse", student_logits, teacher_logits, mask)
+
+
+def _binary_log_probs(fn: str, student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float):
+    if isinstance(teacher_logits, tuple | list):
+        raise ValueError(f"{fn}: multi-label distillation needs dense teacher logits, not top-k")
+    _check_same_shape(fn, student_logits, teacher_logits)
+    s, t = student_logits.float() / temperature, teacher_logits.float() / temperature
+    return F.logsigmoid(t), F.logsigmoid(-t), F.logsigmoid(s), F.logsigmoid(-s)
+
+
+def binary_kl_div(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """``T**2 * sum_labels KL(Bernoulli(sigmoid(t/T)) || Bernoulli(sigmoid(s/T)))`` averaged over rows.
+
+    Multi-label heads score each label with its own sigmoid, so a softmax across labels would compare the
+    wrong distributions; each label is distilled as a binary distribution at temperature T instead."""
+    temperature = _check_temperature(temperature)
+    log_p, log_not_p, log_q, log_not_q = _binary_log_probs("binary_kl_div", student_logits, teacher_logits,
+                                                           temperature)
+    p = log_p.exp()
+    per_label = p * (log_p - log_q) + (1 - p) * (log_not_p - log_not_q)
+    per_row = per_label.sum(-1)
+    return temperature**2 * per_row.sum() / max(per_row.numel(), 1)
+
+
+def binary_soft_cross_entropy(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """Binary cross-entropy of ``sigmoid(s/T)`` against the teacher's ``sigmoid(t/T)``, summed over labels and
+    averaged over rows, without ``T**2`` (the multi-label counterpart of :func:`soft_cross_entropy`)."""
+    temperature = _check_temperature(temperature)
+    log_p, log_not_p, log_q, log_not_q = _binary_log_probs("binary_soft_cross_entropy", student_logits,
+                                                           teacher_logits, temperature)
+    p = log_p.exp()
+    per_row = -(p * log_q + (1 - p) * log_not_q).sum(-1)
+    return per_row.sum() / max(per_row.numel(), 1)
 
 
 KD_LOSSES: dict[str, Callable[..., torch.Tensor]] = {

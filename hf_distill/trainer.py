@@ -19,17 +19,22 @@ from torch import nn
 from transformers import PreTrainedModel, Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from . import heads as heads_mod
 from . import losses
 from .arguments import DistillationArguments
 from .cache import LOGITS_COLUMN, TOPK_INDICES_COLUMN, TOPK_VALUES_COLUMN, cached_hidden_layers, cached_teacher_info
 from .collators import TEACHER_PREFIX, TeacherOutputsCollator
+from .heads import Head, check_kd_loss, head_logits, runtime_head, static_head
 from .intermediate import IntermediateDistiller
+from .normalise import COUNT_KINDS, StepCounts, batch_counts, kd_positions
 from .placement import place_teacher
 from .taps import forward, unwrap
 from .teacher import load_teacher, shared_base_teacher, shares_parameters, validate_pair
 from .tracking import ComponentTracker
 
 PROJECTIONS_FILE = "distill_projections.pt"
+# Span logits at padded positions: far below any real logit, finite so no inf - inf appears in the losses.
+_NO_POSITION = -1e9
 
 
 class DistillationTrainer(Trainer):
@@ -46,7 +51,8 @@ class DistillationTrainer(Trainer):
         All other arguments are `Trainer`'s.
     """
 
-    # compute_loss returns a per-micro-batch mean: let the Trainer divide it by the accumulation steps.
+    # compute_loss returns a per-micro-batch value whose token-level terms are already shares of the step mean
+    # (hf_distill.normalise) scaled up by the micro-batch count: let the Trainer divide by the accumulation steps.
     loss_is_scaled_for_ga = False
 
     def __init__(
@@ -96,7 +102,7 @@ class DistillationTrainer(Trainer):
             self.intermediate = IntermediateDistiller(terms, self.model, source, self.args.projection)
             if self.intermediate.projections is not None:
                 self.intermediate.projections.to(self.args.device)
-                self.add_callback(_ProjectionGradients(self.intermediate.projections, self.accelerator))
+                self.add_callback(_ClearProjectionGradients(self.intermediate.projections))
         for teacher in self.teachers:
             validate_pair(self.model, teacher, self.args)
         if len(self.teachers) > 1 and self.args.kd_weight > 0 and self.args.kd_loss == "mse":
@@ -105,6 +111,15 @@ class DistillationTrainer(Trainer):
                     "multi_teacher='probs' averages probability distributions, which kd_loss='mse' does not use. "
                     "Use multi_teacher='losses' (a weighted sum of one MSE per teacher) or kd_loss='kl'/'soft_ce'."
                 )
+
+        self._head = static_head(self.model)
+        self._causal = self._head is Head.CAUSAL_LM
+        self._step = StepCounts()
+        if self.args.kd_weight > 0:
+            check_kd_loss(self._head, self.args.kd_loss)
+            for t in self.teachers:
+                check_kd_loss(static_head(t), self.args.kd_loss, "the teacher")
+        self._check_projection_optimizer()
 
         self._student_params = _forward_params(self.model)
         self._teacher_params = _forward_params(self.teacher) if self.teacher is not None else set()
@@ -160,6 +175,20 @@ class DistillationTrainer(Trainer):
 
     # ------------------------------------------------------------------ loss
 
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
+        """The Trainer's prefetch of one optimizer step's micro-batches, plus the counts that normalise the
+        token-level terms over the whole step (hf_distill.normalise)."""
+        batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        counts = sum(
+            (batch_counts(b, "labels", self.args.kd_token_mask, self._causal) for b in batch_samples),
+            torch.zeros(len(COUNT_KINDS), dtype=torch.float64),
+        )
+        processes = self.accelerator.num_processes if self.args.average_tokens_across_devices else 1
+        if processes > 1:
+            counts = self.accelerator.reduce(counts.to(self.args.device), "sum").cpu()
+        self._step.start(counts, len(batch_samples), processes)
+        return batch_samples, num_items_in_batch
+
     def compute_loss(
         self,
         model: nn.Module,
@@ -168,40 +197,64 @@ class DistillationTrainer(Trainer):
         num_items_in_batch: torch.Tensor | int | None = None,
     ):
         cached = {k: inputs.pop(k) for k in list(inputs) if k.startswith(TEACHER_PREFIX)}
-        labels = inputs.get("labels")
         distill = model.training or self.args.eval_with_teacher
         mask = inputs.get("attention_mask")
+        # In the training loop, token-level means are rescaled to the whole optimizer step's mean.
+        step_mean = model.training and self._step.take()
+        local = batch_counts(inputs, "labels", self.args.kd_token_mask, self._causal) if step_mean else None
         if self.intermediate is not None:
             # Term weights are re-read every step, like kd_weight and temperature, so callbacks
             # (hf_distill.callbacks) can change them; a term of weight 0 is neither captured nor computed.
             self.intermediate.set_weights(self.args.distill_terms)
 
-        # The task loss is the student's own: in training when task_weight > 0, in evaluation always.
-        want_task = labels is not None and (not distill or self.args.task_weight > 0)
+        # The task loss: in training when task_weight > 0, in evaluation always. As in Trainer.compute_loss,
+        # with label smoothing or a compute_loss_func the loss is computed here from the outputs, so the
+        # student is not given `labels`; otherwise it is the student's own loss on `label_names`.
+        names = self.label_names or []
+        has_labels = bool(names) and all(inputs.get(n) is not None for n in names)
+        want_task = has_labels and (not distill or self.args.task_weight > 0)
+        own_task = (self.label_smoother is not None or self.compute_loss_func is not None) and "labels" in inputs
         # Teacher first: the student's backward then follows its own forward while its activations are still
         # in the CPU caches; run after the student, the teacher's forward evicts them (3-5% of a logit-KD step
         # on the benchmark CPU, benchmarks/speed.py).
         if distill:
-            t_logits, t_feats = self._teacher_outputs(inputs, cached)
+            t_views, t_feats = self._teacher_outputs(inputs, cached)
             if self.args.kd_weight > 0:  # every teacher's logits, the first one's included
-                extra = [self._extra_teacher_logits(i, inputs, cached) for i in range(1, len(self.teachers))]
-                all_t_logits = [t_logits, *extra]
-        s_kwargs = {k: v for k, v in inputs.items() if self._student_accepts(k) and (k != "labels" or want_task)}
+                extra = [self._extra_teacher_views(i, inputs, cached) for i in range(1, len(self.teachers))]
+                all_t_views = [t_views, *extra]
+        student_labels = want_task and not own_task
+        s_kwargs = {
+            k: v for k, v in inputs.items() if self._student_accepts(k) and (k not in names or student_labels)
+        }
         taps = self.intermediate.student_taps if (distill and self.intermediate) else None
         s_out, s_feats = forward(model, s_kwargs, taps)
-        s_logits = _logits(s_out)
+        head = runtime_head(model, heads_mod._logits(s_out) if self._head is None else None, inputs.get("labels"))
 
         components: dict[str, torch.Tensor] = {}
         weights: dict[str, float] = {}
         if want_task:
-            components["task"] = _task_loss(s_out, s_logits, labels)
+            task = self._task_loss(s_out, inputs, head, num_items_in_batch, step_mean)
+            if step_mean and head in (Head.TOKEN, Head.CAUSAL_LM) and not self.compute_loss_func:
+                task = task * self._step.scale("labels", float(local[COUNT_KINDS.index("labels")]))
+            components["task"] = task
             weights["task"] = self.args.task_weight if distill else 1.0
         if distill:
             if self.args.kd_weight > 0:
-                components["kd"] = self._kd_loss(s_logits, all_t_logits, self._kd_mask(s_logits, mask, labels))
+                check_kd_loss(head, self.args.kd_loss)
+                kd_scale = None
+                if step_mean:
+                    kd_scale = self._step.scale("kd", float(local[COUNT_KINDS.index("kd")]))
+                components["kd"] = self._kd_loss(head, head_logits(s_out, head), all_t_views, inputs, kd_scale)
                 weights["kd"] = self.args.kd_weight
             if self.intermediate is not None:
-                components.update(self.intermediate.losses(s_feats, t_feats, mask))
+                terms = self.intermediate.losses(s_feats, t_feats, mask)
+                if step_mean:
+                    kinds = self.intermediate.count_kinds()
+                    for name, value in terms.items():
+                        if kinds.get(name) is not None:
+                            count = float(local[COUNT_KINDS.index(kinds[name])])
+                            terms[name] = value * self._step.scale(kinds[name], count)
+                components.update(terms)
                 weights.update(self.intermediate.weights())
         if not components:
             raise ValueError(
@@ -212,12 +265,44 @@ class DistillationTrainer(Trainer):
         if model.training:
             self.tracker.add(components)
         if return_outputs:
-            outputs = s_out if isinstance(s_out, dict) else {"logits": s_logits}
+            outputs = s_out if isinstance(s_out, dict) else {"logits": heads_mod._logits(s_out)}
             return loss, outputs
         return loss
 
+    def _task_loss(self, out: Any, inputs: dict[str, Any], head: Head, num_items_in_batch, step_mean: bool):
+        """The student's task loss, computed as `Trainer.compute_loss` would: `compute_loss_func`, else the
+        label smoother, else the model's own loss (cross-entropy/MSE/BCE for a plain module)."""
+        if self.compute_loss_func is not None and "labels" in inputs:
+            value = self.compute_loss_func(out, inputs["labels"], num_items_in_batch=num_items_in_batch).float()
+            if step_mean:
+                # The Trainer takes this value as normalised over the whole step already (it neither divides it
+                # by the accumulation steps nor lets DDP average it); undo both of ours to match.
+                tokens_across = self.args.average_tokens_across_devices and num_items_in_batch is not None
+                value = value * self._step.micro_batches * (self.accelerator.num_processes if tokens_across else 1)
+            return value
+        if self.label_smoother is not None and "labels" in inputs:
+            return self.label_smoother(out, inputs["labels"], shift_labels=head is Head.CAUSAL_LM).float()
+        labels = inputs.get("labels")
+        loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+        if loss is not None:
+            return loss.float()
+        if labels is None:
+            raise ValueError(
+                f"The student returned no loss and the batch has no `labels` (label_names={self.label_names}): "
+                "give a model that computes its loss from those labels, or set task_weight=0."
+            )
+        logits = heads_mod._logits(out).float()
+        if head is Head.REGRESSION:
+            return F.mse_loss(logits.squeeze(-1), labels.float())
+        if head is Head.MULTI_LABEL:
+            return F.binary_cross_entropy_with_logits(logits, labels.float())
+        if head is Head.CAUSAL_LM:
+            logits, labels = logits[:, :-1], labels[:, 1:]
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+
     def _teacher_outputs(self, inputs: dict[str, Any], cached: dict[str, torch.Tensor]):
-        """Teacher logits and features: from the batch's cached columns when possible, else a forward."""
+        """Teacher logits (one per compared output, see hf_distill.heads) and features: from the batch's
+        cached columns when possible, else a forward."""
         t_logits = cached.get(LOGITS_COLUMN)
         if t_logits is None and self.args.kd_loss != "mse" and TOPK_VALUES_COLUMN in cached:
             t_logits = (cached[TOPK_VALUES_COLUMN], cached[TOPK_INDICES_COLUMN])  # sparse: kl/soft_ce take it
@@ -225,7 +310,7 @@ class DistillationTrainer(Trainer):
         need_logits = self.args.kd_weight > 0 and t_logits is None
         need_features = self.intermediate is not None and t_feats is None
         if not (need_logits or need_features):  # everything cached (or nothing needed): no teacher forward
-            return t_logits, t_feats
+            return [t_logits], t_feats
         if self.teacher is None:
             raise ValueError(
                 "This batch lacks cached teacher outputs the losses need (teacher_logits or top-k columns, "
@@ -233,10 +318,13 @@ class DistillationTrainer(Trainer):
             )
         taps = self.intermediate.teacher_taps if need_features else None
         t_out, t_feats = self._run_teacher(self.teacher, inputs, taps)
-        return (t_logits if t_logits is not None else _logits(t_out)), t_feats
+        if t_logits is not None:
+            return [t_logits], t_feats
+        return (head_logits(t_out, self._head or Head.SEQUENCE) if self.args.kd_weight > 0 else [None]), t_feats
 
     def _run_teacher(self, teacher: nn.Module, inputs: dict[str, Any], taps=None):
-        t_kwargs = {k: v for k, v in inputs.items() if k != "labels" and k in self._teacher_params}
+        t_kwargs = {k: v for k, v in inputs.items() if k not in (self.label_names or []) and k != "labels"
+                    and k in self._teacher_params}
         shared = self.shared_base and teacher is self.teacher
         # Same autocast as the student (accelerate only wraps the model it prepared), no autograd: plain
         # no_grad, not inference_mode, so the losses may save teacher tensors for backward.
@@ -245,38 +333,60 @@ class DistillationTrainer(Trainer):
                 teacher = stack.enter_context(shared_base_teacher(teacher))
             return forward(teacher, t_kwargs, taps)
 
-    def _extra_teacher_logits(self, i: int, inputs: dict[str, Any], cached: dict[str, torch.Tensor]):
+    def _extra_teacher_views(self, i: int, inputs: dict[str, Any], cached: dict[str, torch.Tensor]):
         """Logits of teacher i >= 1: its cached column `teacher_logits_<i>` if present, else a forward."""
         if f"{LOGITS_COLUMN}_{i}" in cached:
-            return cached[f"{LOGITS_COLUMN}_{i}"]
-        return _logits(self._run_teacher(self.teachers[i], inputs)[0])
+            return [cached[f"{LOGITS_COLUMN}_{i}"]]
+        return head_logits(self._run_teacher(self.teachers[i], inputs)[0], self._head or Head.SEQUENCE)
 
-    def _kd_loss(self, s_logits: torch.Tensor, t_logits: list, mask) -> torch.Tensor:
-        """Logit distillation from one or several teachers.
+    def _kd_loss(self, head: Head, s_views: list, t_views: list[list], inputs: dict[str, Any], scale) -> torch.Tensor:
+        """Logit distillation of each compared output (the mean of start and end for QA), from one or several
+        teachers; token-level logits are shifted for causal LMs and averaged over `kd_token_mask` positions."""
+        values = []
+        for i, s in enumerate(s_views):
+            teachers = [views[i] for views in t_views]
+            mask = None
+            if s.dim() == 3:
+                if head is Head.CAUSAL_LM:
+                    s, teachers = s[:, :-1], [_shift(t) for t in teachers]
+                mask = kd_positions(inputs.get("attention_mask"), inputs.get("labels"), self.args.kd_token_mask,
+                                    head is Head.CAUSAL_LM)
+            elif head is Head.QUESTION_ANSWERING and inputs.get("attention_mask") is not None:
+                # Span logits are distributions over positions: padding is no candidate answer, for either model.
+                real = inputs["attention_mask"] != 0
+                s = s.float().masked_fill(~real, _NO_POSITION)
+                teachers = [t.float().masked_fill(~real, _NO_POSITION) for t in teachers]
+            value = self._combine_teachers(head, s, teachers, mask)
+            values.append(value * scale if (scale is not None and s.dim() == 3) else value)
+        return sum(values) / len(values)
 
-        Several teachers are combined as `multi_teacher` says: `probs` distils the weighted average of their
+    def _combine_teachers(self, head: Head, s: torch.Tensor, t_logits: list, mask) -> torch.Tensor:
+        """Several teachers are combined as `multi_teacher` says: `probs` distils the weighted average of their
         softened distributions (one KD term against a mixture, as TextBrewer's multi-teacher averages);
         `losses` sums one KD term per teacher, weighted."""
         args, T = self.args, self.args.temperature
         if len(t_logits) == 1:
-            return losses.logit_kd_loss(args.kd_loss, s_logits, t_logits[0], T, mask=mask)
+            return self._logit_loss(head, s, t_logits[0], mask)
         if args.multi_teacher == "losses":
             return sum(
-                w * losses.logit_kd_loss(args.kd_loss, s_logits, t, T, mask=mask)
-                for w, t in zip(self.teacher_weights, t_logits, strict=True)
+                w * self._logit_loss(head, s, t, mask) for w, t in zip(self.teacher_weights, t_logits, strict=True)
             )
         if any(isinstance(t, tuple) for t in t_logits):
             raise ValueError("multi_teacher='probs' needs dense teacher logits; cached top-k logits cannot be mixed.")
+        if head is Head.MULTI_LABEL:  # a mixture of per-label Bernoullis, as logits at temperature T
+            p = sum(w * (t.float() / T).sigmoid() for w, t in zip(self.teacher_weights, t_logits, strict=True))
+            p = p.clamp(1e-7, 1 - 1e-7)
+            return self._logit_loss(head, s, T * (p.log() - (-p).log1p()), mask)
         mixture = sum(w * (t.float() / T).softmax(-1) for w, t in zip(self.teacher_weights, t_logits, strict=True))
         # T * log(p) has softmax(. / T) == p, so the mixture goes through the usual loss unchanged.
-        return losses.logit_kd_loss(args.kd_loss, s_logits, T * mixture.clamp_min(1e-30).log(), T, mask=mask)
+        return self._logit_loss(head, s, T * mixture.clamp_min(1e-30).log(), mask)
 
-    def _kd_mask(self, s_logits: torch.Tensor, mask, labels):
-        if s_logits.dim() != 3:
-            return None
-        if self.args.kd_token_mask == "labels" and labels is not None:
-            return labels != -100
-        return mask
+    def _logit_loss(self, head: Head, s: torch.Tensor, t, mask) -> torch.Tensor:
+        kind, T = self.args.kd_loss, self.args.temperature
+        if head is Head.MULTI_LABEL and kind != "mse":
+            fn = losses.binary_kl_div if kind == "kl" else losses.binary_soft_cross_entropy
+            return fn(s, t, T)
+        return losses.logit_kd_loss(kind, s, t, T, mask=mask)
 
     # ------------------------------------------------------------------ logging
 
@@ -294,19 +404,80 @@ class DistillationTrainer(Trainer):
 
     # ------------------------------------------------------------------ optimizer and checkpoints
 
+    def _projections(self) -> nn.Module | None:
+        return self.intermediate.projections if self.intermediate is not None else None
+
+    def _check_projection_optimizer(self) -> None:
+        """Projections are created with the trainer, so an optimizer and scheduler built by the user before it
+        cannot know them: the optimizer gets them as a new group, but a scheduler built earlier would leave that
+        group's learning rate unscheduled, so that case is refused. Engines that own the gradients of the model
+        they prepared (FSDP, DeepSpeed) would neither clip nor reduce them: refused too, until the projections
+        are prepared with the student."""
+        proj = self._projections()
+        if proj is None:
+            return
+        from accelerate.utils import DistributedType
+
+        if self.accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+            raise ValueError(
+                f"Projections (student width {self.intermediate.student_info.hidden_size} -> teacher width "
+                f"{self.intermediate.teacher_info.hidden_size}) are not supported under "
+                f"{self.accelerator.distributed_type.value} yet: their gradients would be neither clipped nor "
+                "reduced with the student's. Use DDP, or give the student the teacher's hidden size so that no "
+                "projection is needed."
+            )
+        if self.optimizer is not None and self.lr_scheduler is not None:
+            in_optimizer = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+            if not all(id(p) in in_optimizer for p in proj.parameters()):
+                raise ValueError(
+                    "optimizers=(optimizer, scheduler) was given, but the trainer also trains projections from the "
+                    "student's width to the teacher's, which that scheduler cannot schedule. Pass "
+                    "optimizers=(optimizer, None) (the trainer adds the projections to your optimizer and builds "
+                    "the scheduler over every group), or use optimizer_cls_and_kwargs."
+                )
+
     def create_optimizer(self, model=None):
+        """The Trainer's optimizer, plus the projections in their own groups: learning rate `projection_lr`,
+        weight decay on their weights only (never on biases, as the Trainer does for the model)."""
         optimizer = super().create_optimizer(model)
-        proj = self.intermediate.projections if self.intermediate else None
+        proj = self._projections()
         in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
         if proj is not None and not any(id(p) in in_optimizer for p in proj.parameters()):
-            optimizer.add_param_group(
-                {
-                    "params": list(proj.parameters()),
-                    "lr": self.args.projection_lr or self.args.learning_rate,
-                    "weight_decay": self.args.weight_decay,
-                }
-            )
+            decay = set(self.get_decay_parameter_names(proj))
+            lr = self.args.projection_lr or self.args.learning_rate
+            for names, wd in ((decay, self.args.weight_decay), (None, 0.0)):
+                params = [p for n, p in proj.named_parameters() if (n in decay) == (names is not None)]
+                if params:
+                    optimizer.add_param_group({"params": params, "lr": lr, "weight_decay": wd})
         return optimizer
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch=None) -> torch.Tensor:
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        proj = self._projections()
+        n = self.accelerator.num_processes
+        if proj is not None and n > 1 and self.accelerator.sync_gradients:
+            # DDP averages the student's gradients in the last micro-batch's backward; the projections live
+            # outside the wrapped model, so they are averaged here, before clipping and the optimizer step.
+            for p in proj.parameters():
+                if p.grad is not None:
+                    torch.distributed.all_reduce(p.grad)
+                    p.grad /= n
+        return loss
+
+    def _clip_grad_norm(self, model):
+        """Clip the student and the projections together (TinyBERT clips `fit_dense` with the model)."""
+        proj = self._projections()
+        if proj is None:
+            return super()._clip_grad_norm(model)
+        params = [*model.parameters(), *proj.parameters()]
+        return self.accelerator.clip_grad_norm_(params, self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        """The logged `grad_norm` counts the projections too."""
+        proj = self._projections()
+        if grad_norm is None and proj is not None:
+            grad_norm = self.accelerator.clip_grad_norm_([*model.parameters(), *proj.parameters()], float("inf"))
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
 
     def _save_checkpoint(self, model, trial) -> None:
         super()._save_checkpoint(model, trial)
@@ -377,21 +548,11 @@ class DistillationTrainer(Trainer):
                             revision=revision, private=private, **kwargs)
 
 
-class _ProjectionGradients(TrainerCallback):
-    """Projections live outside the DDP-wrapped student: average their gradients across processes
-    before each optimizer step and clear them after it (the Trainer only zeroes the model's)."""
+class _ClearProjectionGradients(TrainerCallback):
+    """The Trainer zeroes only the model's gradients after a step; the projections' are cleared here."""
 
-    def __init__(self, projections: nn.Module, accelerator) -> None:
+    def __init__(self, projections: nn.Module) -> None:
         self.projections = projections
-        self.accelerator = accelerator
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        n = self.accelerator.num_processes
-        if n > 1:
-            for p in self.projections.parameters():
-                if p.grad is not None:
-                    torch.distributed.all_reduce(p.grad)
-                    p.grad /= n
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         self.projections.zero_grad(set_to_none=True)
@@ -425,26 +586,9 @@ def _forward_params(model: nn.Module | None) -> set[str]:
     return names
 
 
-def _logits(out: Any) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, dict):
-        return out["logits"]
-    if hasattr(out, "logits"):
-        return out.logits
-    if isinstance(out, tuple | list):
-        return out[0]
-    raise TypeError(f"Cannot find logits in the model output of type {type(out).__name__}.")
-
-
-def _task_loss(out: Any, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The student's own loss when it computed one (transformers heads), else cross-entropy/MSE."""
-    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
-    if loss is not None:
-        return loss.float()
-    if logits.shape[-1] == 1 and labels.is_floating_point():
-        return F.mse_loss(logits.float().squeeze(-1), labels.float())
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+def _shift(t):
+    """Causal-LM teacher logits (dense or top-k) without their last position, aligned with the student's."""
+    return tuple(x[:, :-1] for x in t) if isinstance(t, tuple) else t[:, :-1]
 
 
 def _num_labels(model: nn.Module) -> int | None:

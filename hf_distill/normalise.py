@@ -1,0 +1,102 @@
+"""Token-level terms normalised over the whole optimizer step, not per micro-batch.
+
+A token-level term (token-level KD, the MLM or causal-LM task loss, hidden-state and attention-score
+MSE) is a mean over counted tokens. Averaging per-micro-batch means under gradient accumulation or DDP
+weights a token of a short micro-batch more than one of a long micro-batch, so the update differs from
+the big batch's. DESIGN.md ("Normalisation") asks for the big-batch mean: the sum over the step's counted
+tokens divided by their number, as transformers does with `num_items_in_batch`. The trainer counts each
+kind of position over the step's micro-batches and processes (`batch_counts`, summed in
+`get_batch_samples`) and rescales each micro-batch's mean by `local count * micro-batches * processes /
+step count`; the Trainer's division by the accumulation steps and DDP's gradient average then leave
+exactly `sum / count`. Sequence-level terms (one value per row) keep their per-row means.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+COUNT_KINDS = ("tokens", "pairs", "labels", "kd")
+"""tokens: real tokens (hidden states, cosine); pairs: real (query, key) pairs (attention scores); labels: the
+positions the task loss counts; kd: the positions the token-level KD term counts."""
+
+
+def _positions_shape(batch: dict[str, Any]) -> tuple[int, int] | None:
+    for name in ("attention_mask", "input_ids", "labels"):
+        value = batch.get(name)
+        if isinstance(value, torch.Tensor) and value.dim() == 2:
+            return value.shape[0], value.shape[1]
+    return None
+
+
+def kd_positions(
+    attention_mask: torch.Tensor | None, labels: torch.Tensor | None, mode: str, causal: bool
+) -> torch.Tensor | None:
+    """The positions a token-level KD term averages over, aligned with the (shifted, for causal LMs) logits.
+
+    `mode="labels"`: positions whose label is not -100 (for a causal LM, whose *next* label is not -100: the
+    logits at t predict token t+1). `mode="attention"`: real tokens (for a causal LM, positions t with both t
+    and t+1 real). None means every position counts."""
+    if mode == "labels" and isinstance(labels, torch.Tensor) and labels.dim() == 2:
+        return (labels[:, 1:] if causal else labels) != -100
+    if attention_mask is None:
+        return None
+    real = attention_mask != 0
+    return real[:, :-1] & real[:, 1:] if causal else real
+
+
+def label_positions(labels: torch.Tensor | None, causal: bool) -> torch.Tensor | None:
+    """The positions a token-level task loss counts (transformers' losses ignore -100, causal LMs shift)."""
+    if not isinstance(labels, torch.Tensor) or labels.dim() != 2:
+        return None
+    return (labels[:, 1:] if causal else labels) != -100
+
+
+def batch_counts(batch: dict[str, Any], label_name: str, kd_mode: str, causal: bool) -> torch.Tensor:
+    """Counts of each kind in `COUNT_KINDS` for one micro-batch, as a float64 vector (zeros if unknown)."""
+    shape = _positions_shape(batch)
+    if shape is None:
+        return torch.zeros(len(COUNT_KINDS), dtype=torch.float64)
+    b, t = shape
+    mask = batch.get("attention_mask")
+    mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+    labels = batch.get(label_name)
+    if mask is not None:
+        per_row = (mask != 0).sum(-1).double()
+        tokens, pairs = per_row.sum(), per_row.square().sum()
+    else:
+        tokens, pairs = torch.tensor(float(b * t)), torch.tensor(float(b * t * t))
+    lab = label_positions(labels, causal)
+    n_labels = lab.sum() if lab is not None else torch.tensor(0.0)
+    kd = kd_positions(mask, labels, kd_mode, causal)
+    n_kd = kd.sum() if kd is not None else torch.tensor(float(b * (t - 1 if causal else t)))
+    return torch.stack([torch.as_tensor(x, dtype=torch.float64).cpu() for x in (tokens, pairs, n_labels, n_kd)])
+
+
+class StepCounts:
+    """The current optimizer step's counts, consumed one micro-batch at a time by `compute_loss`."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] | None = None
+        self.micro_batches = 0
+        self.processes = 1
+        self._left = 0
+
+    def start(self, totals: torch.Tensor, micro_batches: int, processes: int) -> None:
+        self.totals = dict(zip(COUNT_KINDS, totals.tolist(), strict=True))
+        self.micro_batches, self.processes, self._left = micro_batches, processes, micro_batches
+
+    def take(self) -> bool:
+        """True while the step's micro-batches last (a compute_loss outside the training loop gets False)."""
+        if self._left <= 0:
+            return False
+        self._left -= 1
+        return True
+
+    def scale(self, kind: str, local: float) -> float:
+        """Factor turning a micro-batch mean over `local` positions into its share of the step mean."""
+        total = self.totals[kind] if self.totals else 0.0
+        if total <= 0:
+            return 0.0
+        return local * self.micro_batches * self.processes / total

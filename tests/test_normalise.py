@@ -1,0 +1,118 @@
+"""Token-level terms are normalised over the whole optimizer step: gradient accumulation with rows of different
+lengths gives the big batch's update (the 2-process DDP counterpart is in tests/test_distributed.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from datasets import Dataset
+from helpers import VOCAB, args, bert, bert_config, collate, flat_params, token_dataset
+from helpers import teacher as make_teacher
+from transformers import BertForMaskedLM, LlamaConfig, LlamaForCausalLM
+
+from hf_distill import DistillationTrainer
+from hf_distill.normalise import COUNT_KINDS, StepCounts, batch_counts
+
+
+def _labelled_rows(n=32, seed=0, causal=False):
+    """Rows of 3-14 tokens with labels on some positions only (-100 elsewhere): MLM targets or SFT completions."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        length = int(torch.randint(3, 15, (1,), generator=g))
+        ids = torch.randint(5, VOCAB, (length,), generator=g).tolist()
+        if causal:
+            prompt = int(torch.randint(1, length - 1, (1,), generator=g))
+            labels = [-100] * prompt + ids[prompt:]
+        else:
+            keep = torch.rand(length, generator=g) < 0.4
+            keep[0] = True
+            labels = [i if k else -100 for i, k in zip(ids, keep.tolist(), strict=True)]
+        rows.append({"input_ids": ids, "labels": labels})
+    return Dataset.from_list(rows)
+
+
+def _labelled_collate(features):
+    batch = collate([{"input_ids": f["input_ids"]} for f in features])
+    labels = torch.full_like(batch["input_ids"], -100)
+    for i, f in enumerate(features):
+        labels[i, : len(f["labels"])] = torch.tensor(f["labels"])
+    batch["labels"] = labels
+    return batch
+
+
+def _mlm(seed, layers):
+    torch.manual_seed(seed)
+    return BertForMaskedLM(bert_config(layers=layers))
+
+
+def _llama(seed, layers):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg)
+
+
+def _pair(tmp_path, make_student, make_teacher_, data, collator, **kw):
+    common = dict(max_steps=2, optim="sgd", learning_rate=0.5, temperature=2.0, **kw)
+    runs = []
+    for name, extra in (("big", dict(per_device_train_batch_size=8)),
+                        ("acc", dict(per_device_train_batch_size=4, gradient_accumulation_steps=2))):
+        trainer = DistillationTrainer(model=make_student(), teacher_model=make_teacher_(),
+                                      args=args(tmp_path / name, **common, **extra), train_dataset=data,
+                                      data_collator=collator)
+        trainer.train()
+        runs.append(trainer)
+    return runs
+
+
+def _assert_same(big, acc, keys):
+    torch.testing.assert_close(flat_params(acc.model), flat_params(big.model), atol=1e-6, rtol=0)
+    logs = [[r for r in t.state.log_history if "loss" in r] for t in (big, acc)]
+    for a, b in zip(*logs, strict=True):
+        for key in keys:
+            assert b[key] == pytest.approx(a[key], rel=1e-5), key
+
+
+def test_intermediate_terms_of_different_lengths_match_one_big_batch(tmp_path):
+    terms = ["loss=hidden_mse,layers=uniform", "loss=attention_score_mse,layers=uniform",
+             "loss=cosine_loss,layers=last,name=cos"]
+    big, acc = _pair(tmp_path, lambda: bert(2, hidden=16, seed=0), lambda: make_teacher(), token_dataset(32),
+                     collate, distill_terms=terms)
+    _assert_same(big, acc, ("loss", "loss_kd", "loss_task", "loss_hidden", "loss_attention",
+                            "loss_cos"))
+
+
+@pytest.mark.parametrize("token_mask", ["labels", "attention"])
+def test_masked_lm_kd_and_task_loss_match_one_big_batch(tmp_path, token_mask):
+    big, acc = _pair(tmp_path, lambda: _mlm(0, 2), lambda: _mlm(1, 3), _labelled_rows(32), _labelled_collate,
+                     kd_token_mask=token_mask)
+    _assert_same(big, acc, ("loss", "loss_kd", "loss_task"))
+
+
+def test_causal_lm_kd_and_task_loss_match_one_big_batch(tmp_path):
+    big, acc = _pair(tmp_path, lambda: _llama(0, 2), lambda: _llama(1, 3), _labelled_rows(32, causal=True),
+                     _labelled_collate, kd_token_mask="labels")
+    _assert_same(big, acc, ("loss", "loss_kd", "loss_task"))
+
+
+def test_batch_counts_follow_the_masks_each_term_uses():
+    batch = {
+        "input_ids": torch.ones(2, 4, dtype=torch.long),
+        "attention_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]]),
+        "labels": torch.tensor([[-100, 5, 6, -100], [7, -100, -100, -100]]),
+    }
+    counts = dict(zip(COUNT_KINDS, batch_counts(batch, "labels", "labels", causal=False).tolist(), strict=True))
+    assert counts == {"tokens": 5, "pairs": 9 + 4, "labels": 3, "kd": 3}
+    causal = dict(zip(COUNT_KINDS, batch_counts(batch, "labels", "attention", causal=True).tolist(), strict=True))
+    # next-token positions: labels[:, 1:] != -100 -> 2; both t and t+1 real -> 2 + 1
+    assert causal["labels"] == 2 and causal["kd"] == 3
+
+
+def test_step_counts_scale_and_are_used_up_by_the_steps_micro_batches():
+    step = StepCounts()
+    assert not step.take()  # outside the training loop: no rescaling
+    step.start(torch.tensor([10.0, 0.0, 4.0, 4.0], dtype=torch.float64), micro_batches=2, processes=1)
+    assert step.take() and step.take() and not step.take()
+    assert step.scale("tokens", 3) == pytest.approx(3 * 2 / 10)
+    assert step.scale("pairs", 3) == 0.0  # nothing counted in the whole step: the term contributes nothing

@@ -1,0 +1,187 @@
+"""Trainer options a user keeps when swapping the class: label_names, label smoothing, compute_loss_func, optimizers,
+gradient clipping and weight decay (with the projections a distillation run adds)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import args, bert, collate, flat_params, token_dataset
+from helpers import teacher as make_teacher
+from torch import nn
+
+from hf_distill import DistillationTrainer
+
+
+def _first_log(trainer):
+    return next(r for r in trainer.state.log_history if "loss" in r)
+
+
+def _trainer(tmp_path, student=None, teacher=None, data=None, collator=collate, **kw):
+    kw.setdefault("max_steps", 1)
+    kw.setdefault("per_device_train_batch_size", 8)
+    optimizers = kw.pop("optimizers", (None, None))
+    compute_loss_func = kw.pop("compute_loss_func", None)
+    return DistillationTrainer(
+        model=student if student is not None else bert(2),
+        teacher_model=teacher if teacher is not None else make_teacher(),
+        args=args(tmp_path, **kw),
+        train_dataset=data if data is not None else token_dataset(8),
+        data_collator=collator,
+        optimizers=optimizers,
+        compute_loss_func=compute_loss_func,
+    )
+
+
+def _batch(data, n=8):
+    return collate([data[i] for i in range(n)])
+
+
+# ---------------------------------------------------------------- task loss options
+
+
+class TargetsClassifier(nn.Module):
+    """A student whose labels are called `targets` (label_names=["targets"])."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.EmbeddingBag(200, 16)
+        self.out = nn.Linear(16, 2)
+
+    def forward(self, input_ids, attention_mask=None, targets=None):
+        logits = self.out(self.emb(input_ids, per_sample_weights=None if attention_mask is None else None))
+        loss = F.cross_entropy(logits, targets) if targets is not None else None
+        return {"loss": loss, "logits": logits} if loss is not None else {"logits": logits}
+
+
+def _targets_collate(features):
+    batch = collate([{"input_ids": f["input_ids"]} for f in features])
+    batch["targets"] = torch.tensor([f["targets"] for f in features])
+    return batch
+
+
+def test_label_names_are_honoured(tmp_path):
+    data = token_dataset(8).rename_column("label", "targets")
+    student = TargetsClassifier()
+    s0 = copy.deepcopy(student)
+    trainer = _trainer(tmp_path, student=student, data=data, collator=_targets_collate, label_names=["targets"])
+    log = _first_log(trainer.train() and trainer)
+    batch = _targets_collate([data[i] for i in range(8)])
+    with torch.no_grad():
+        expected = s0(batch["input_ids"], targets=batch["targets"])["loss"]
+    assert "loss_task" in log, "the task term was silently dropped"
+    assert log["loss_task"] == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_label_smoothing_changes_the_task_loss_to_the_smoothed_value(tmp_path):
+    data = token_dataset(8).map(lambda r: {"label": 0})  # one class: the smoothing terms cannot cancel out
+    student = make_teacher(layers=2, seed=5)  # confident logits, so smoothing makes a difference
+    s0 = copy.deepcopy(student)
+    trainer = _trainer(tmp_path, student=student, data=data, label_smoothing_factor=0.1)
+    trainer.train()
+    batch = _batch(data)
+    with torch.no_grad():
+        logits = s0(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    smoothed = F.cross_entropy(logits, batch["labels"], label_smoothing=0.1)
+    # the Trainer's LabelSmoother: (1 - eps) * nll + eps * mean over classes of -log p
+    log_p = logits.log_softmax(-1)
+    trainer_def = 0.9 * F.nll_loss(log_p, batch["labels"]) + 0.1 * (-log_p.mean(-1)).mean()
+    log = _first_log(trainer)
+    assert log["loss_task"] == pytest.approx(float(trainer_def), rel=1e-5)
+    assert float(trainer_def) == pytest.approx(float(smoothed), rel=1e-5)
+    assert log["loss_task"] != pytest.approx(float(F.cross_entropy(logits, batch["labels"])), rel=1e-2)
+
+
+def test_compute_loss_func_is_the_task_loss(tmp_path):
+    calls = []
+
+    def triple_ce(outputs, labels, num_items_in_batch=None):
+        calls.append(num_items_in_batch)
+        return 3.0 * F.cross_entropy(outputs["logits"], labels)
+
+    data = token_dataset(8)
+    student = bert(2)
+    s0 = copy.deepcopy(student)
+    trainer = _trainer(tmp_path, student=student, data=data, compute_loss_func=triple_ce)
+    trainer.train()
+    batch = _batch(data)
+    with torch.no_grad():
+        logits = s0(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    assert calls and int(calls[0]) == 8
+    assert _first_log(trainer)["loss_task"] == pytest.approx(3.0 * float(F.cross_entropy(logits, batch["labels"])),
+                                                             rel=1e-5)
+
+
+def test_compute_loss_func_normalised_by_num_items_gives_the_big_batch_update(tmp_path):
+    def summed_ce(outputs, labels, num_items_in_batch=None):
+        return F.cross_entropy(outputs["logits"], labels, reduction="sum") / num_items_in_batch
+
+    common = dict(max_steps=2, optim="sgd", learning_rate=0.5, compute_loss_func=summed_ce)
+    big = _trainer(tmp_path / "a", data=token_dataset(32), per_device_train_batch_size=8, **common)
+    big.train()
+    acc = _trainer(tmp_path / "b", data=token_dataset(32), per_device_train_batch_size=4,
+                   gradient_accumulation_steps=2, **common)
+    acc.train()
+    torch.testing.assert_close(flat_params(big.model), flat_params(acc.model), atol=1e-6, rtol=0)
+
+
+# ---------------------------------------------------------------- projections: optimizer, clipping, decay
+
+TERMS = dict(distill_terms=["loss=hidden_mse,layers=uniform"], kd_weight=0.5, task_weight=0.5)
+
+
+def _narrow_student():
+    return bert(2, hidden=16)  # the teacher is 32 wide: a projection is trained
+
+
+def test_projections_are_clipped_with_the_student(tmp_path):
+    student = _narrow_student()
+    trainer = _trainer(tmp_path, student=student, optim="sgd", learning_rate=1.0, max_grad_norm=1e-3, **TERMS)
+    before = torch.cat([flat_params(student), flat_params(trainer.intermediate.projections)])
+    trainer.train()
+    after = torch.cat([flat_params(trainer.model), flat_params(trainer.intermediate.projections)])
+    # SGD with lr 1 moves the parameters by exactly the clipped gradient: its norm is max_grad_norm.
+    assert float((after - before).norm()) == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_logged_grad_norm_counts_the_projections(tmp_path):
+    student = _narrow_student()
+    trainer = _trainer(tmp_path, student=student, optim="sgd", learning_rate=1.0, max_grad_norm=1e6, **TERMS)
+    before = torch.cat([flat_params(student), flat_params(trainer.intermediate.projections)])
+    trainer.train()
+    after = torch.cat([flat_params(trainer.model), flat_params(trainer.intermediate.projections)])
+    assert _first_log(trainer)["grad_norm"] == pytest.approx(float((after - before).norm()), rel=1e-4)
+
+
+def test_projection_biases_get_no_weight_decay(tmp_path):
+    trainer = _trainer(tmp_path, student=_narrow_student(), weight_decay=0.1, projection_lr=1e-2, **TERMS)
+    optimizer = trainer.create_optimizer()
+    proj = trainer.intermediate.projections
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    for name, p in proj.named_parameters():
+        group = group_of[id(p)]
+        assert group["lr"] == 1e-2
+        assert group["weight_decay"] == (0.0 if name.endswith("bias") else 0.1), name
+
+
+def test_user_optimizer_and_scheduler_without_the_projections_are_refused(tmp_path):
+    student = _narrow_student()
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    with pytest.raises(ValueError, match=r"optimizers=\(optimizer, None\)"):
+        _trainer(tmp_path, student=student, optimizers=(opt, sched), **TERMS)
+
+
+def test_user_optimizer_alone_gets_the_projections_and_a_scheduler_over_every_group(tmp_path):
+    student = _narrow_student()
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+    trainer = _trainer(tmp_path, student=student, optimizers=(opt, None), max_steps=2, **TERMS)
+    proj_before = flat_params(trainer.intermediate.projections)
+    trainer.train()
+    in_opt = {id(p) for g in opt.param_groups for p in g["params"]}
+    assert all(id(p) in in_opt for p in trainer.intermediate.projections.parameters())
+    assert len(trainer.lr_scheduler.base_lrs) == len(opt.param_groups)
+    assert not torch.equal(proj_before, flat_params(trainer.intermediate.projections))
