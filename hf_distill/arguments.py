@@ -3,21 +3,35 @@
 Every field is a plain dataclass field so that `HfArgumentParser` exposes it as a command-line flag and
 `parse_yaml_file` / `parse_json_file` accept it. Validation happens in `__post_init__`, so a bad value
 fails when the arguments are built, long before the first training step.
+
+The loss fields a preset may fill (`PRESET_DEFAULTS`, plus `distill_terms`) default to None, meaning "not
+given": `__post_init__` replaces None by the preset's value, or else by the plain default. So a value the user
+gave wins even when it equals the default, and after `__post_init__` every field holds a real value, which is
+why `dataclasses.replace` (it passes every field again) keeps them instead of applying the preset again.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import TrainingArguments
+from transformers.utils import logging
 
 from .terms import DistillTerm, parse_terms
+
+logger = logging.get_logger(__name__)
 
 KD_LOSS_KINDS = ("kl", "soft_ce", "mse")
 PROJECTION_KINDS = ("shared", "per_layer", "none")
 KD_TOKEN_MASKS = ("attention", "labels")
 MULTI_TEACHER_MODES = ("probs", "losses")
+# The plain defaults of the fields a preset may set; the fields themselves default to None ("not given").
+PRESET_DEFAULTS: dict[str, Any] = {"temperature": 2.0, "kd_loss": "kl", "kd_weight": 0.5, "task_weight": 0.5,
+                                   "projection": "shared"}
+_GIVEN_WINS = " Default: {}, or the value of `distill_preset`; a value you give always wins over the preset."
 
 
 @dataclass
@@ -29,31 +43,35 @@ class DistillationArguments(TrainingArguments):
     logits, and the terms compare intermediate features (see `distill_terms`).
     """
 
-    temperature: float = field(
-        default=2.0,
+    temperature: float | None = field(
+        default=None,
         metadata={
             "help": "Softmax temperature T of the logit-distillation loss (Hinton et al. 2015). `kl` is "
             "multiplied by T**2 so that its gradient scale does not depend on T; `soft_ce` is not "
-            "(TinyBERT's prediction loss); `mse` ignores T. Must be > 0."
+            "(TinyBERT's prediction loss); `mse` ignores T. Must be > 0." + _GIVEN_WINS.format(2.0)
         },
     )
-    kd_loss: str = field(
-        default="kl",
+    kd_loss: str | None = field(
+        default=None,
         metadata={
             "help": "Logit-distillation loss: `kl` (T**2 * KL(teacher || student), DistilBERT), `soft_ce` "
             "(soft cross-entropy without T**2, TinyBERT) or `mse` (squared error of logits, Tang et al. "
-            "2019 BiLSTM students)."
+            "2019 BiLSTM students)." + _GIVEN_WINS.format("kl")
         },
     )
-    kd_weight: float = field(
-        default=0.5,
-        metadata={"help": "Weight of the logit-distillation term. 0 disables it (no teacher logits needed)."},
+    kd_weight: float | None = field(
+        default=None,
+        metadata={
+            "help": "Weight of the logit-distillation term. 0 disables it (no teacher logits needed)."
+            + _GIVEN_WINS.format(0.5)
+        },
     )
-    task_weight: float = field(
-        default=0.5,
+    task_weight: float | None = field(
+        default=None,
         metadata={
             "help": "Weight of the student's own task loss on the labels (the hard-label loss). 0 disables "
             "it, which is what task-agnostic distillation and TinyBERT's prediction stage do."
+            + _GIVEN_WINS.format(0.5)
         },
     )
     kd_token_mask: str = field(
@@ -72,24 +90,26 @@ class DistillationArguments(TrainingArguments):
             "attention_score_mse, relation_kl, pkd_loss), layers (uniform, last, or student:teacher "
             "pairs separated by `;`, layer 0 being the embeddings), weight, name, and for relation_kl: "
             "relations (qq, kk, vv, qk separated by `;`) and relation_heads. Example: "
-            "`loss=hidden_mse,layers=uniform,weight=1`."
+            "`loss=hidden_mse,layers=uniform,weight=1`. Default: none, or the preset's terms; an empty list "
+            "(`[]` in YAML or Python) removes the preset's terms."
         },
     )
     distill_preset: str | None = field(
         default=None,
         metadata={
-            "help": "Fill the loss fields as a published recipe does: distilbert, tinybert_intermediate, "
-            "tinybert_prediction, minilm, minilmv2 (see hf_distill.presets). Fields you set explicitly "
-            "on top are kept only for `distill_terms`; the preset sets temperature, kd_loss and the "
-            "weights."
+            "help": "Fill the loss fields you do not give (temperature, kd_loss, kd_weight, task_weight, "
+            "projection, distill_terms) as a published recipe does: distilbert, tinybert_intermediate, "
+            "tinybert_prediction, minilm, minilmv2 (see hf_distill.presets). A value you give as a keyword, "
+            "flag or YAML key always wins, even one equal to the default. dataclasses.replace keeps the "
+            "values of the replaced arguments (the preset is not applied again)."
         },
     )
-    projection: str = field(
-        default="shared",
+    projection: str | None = field(
+        default=None,
         metadata={
             "help": "How student features are mapped to the teacher's width when hidden sizes differ: "
             "`shared` (one Linear for all layers, TinyBERT's fit_dense), `per_layer` (one Linear per "
-            "student layer) or `none` (refuse: sizes must match)."
+            "student layer) or `none` (refuse: sizes must match)." + _GIVEN_WINS.format("shared")
         },
     )
     projection_lr: float | None = field(
@@ -117,12 +137,47 @@ class DistillationArguments(TrainingArguments):
     )
 
     def __post_init__(self) -> None:
-        if self.distill_preset is not None:
-            from .presets import apply_preset
-
-            apply_preset(self, self.distill_preset)
+        self._resolve_preset()
         super().__post_init__()
         self._validate_distillation()
+
+    def _resolve_preset(self) -> None:
+        """Replace every field left at None ("not given") by the preset's value, else by its plain default."""
+        from .presets import preset_values
+
+        preset = preset_values(self.distill_preset) if self.distill_preset is not None else {}
+        for name, default in PRESET_DEFAULTS.items():
+            if getattr(self, name) is None:
+                setattr(self, name, preset.get(name, default))
+        if self.distill_terms is None and "distill_terms" in preset:
+            self.distill_terms = copy.deepcopy(preset["distill_terms"])
+
+    @classmethod
+    def from_training_arguments(cls, args: TrainingArguments, **distillation: Any) -> DistillationArguments:
+        """`args` as DistillationArguments: every TrainingArguments field keeps its value (including ones set on
+        the object after it was built), the distillation fields come from `distillation` or their defaults.
+
+        Why: a script written for `Trainer` should only have to swap the trainer class. Fields that a
+        TrainingArguments subclass adds cannot be kept, so they are refused rather than dropped."""
+        if isinstance(args, cls):
+            return dataclasses.replace(args, **distillation) if distillation else args
+        if not isinstance(args, TrainingArguments):
+            raise TypeError(f"DistillationArguments are built from TrainingArguments, got {type(args).__name__}.")
+        ours = {f.name for f in dataclasses.fields(cls) if f.init}
+        theirs = [f.name for f in dataclasses.fields(args) if f.init]
+        lost = [name for name in theirs if name not in ours]
+        if lost:
+            raise TypeError(
+                f"{type(args).__name__} has fields that DistillationArguments does not: {', '.join(lost)}. "
+                f"Define `@dataclass class Args(DistillationArguments, {type(args).__name__})` and build that instead."
+            )
+        unknown = sorted(set(distillation) - ours)
+        if unknown:
+            raise TypeError(f"DistillationArguments has no field(s) {', '.join(unknown)}.")
+        # Values already normalised by TrainingArguments.__post_init__ (enums, lists, dicts, AcceleratorConfig)
+        # are accepted as they are by the same __post_init__, so the result's to_dict() equals the original's.
+        values = {name: copy.deepcopy(getattr(args, name)) for name in theirs}
+        return cls(**values, **distillation)
 
     def _validate_distillation(self) -> None:
         if not self.temperature > 0:
@@ -161,8 +216,10 @@ class DistillationArguments(TrainingArguments):
             raise ValueError(f"DistillationArguments.projection_lr must be > 0, got {self.projection_lr}.")
         # Normalise the terms once: strings from the command line become plain dicts, so the arguments
         # stay JSON-serialisable (TensorBoard hparams, model cards) and parsing errors surface here.
+        # None (no terms given or from the preset) stays None; an explicit empty list stays [] so that
+        # dataclasses.replace does not read it as "not given" and bring a preset's terms back.
         terms = parse_terms(self.distill_terms or [])
-        self.distill_terms = [t.to_dict() for t in terms] or None
+        self.distill_terms = None if self.distill_terms is None else [t.to_dict() for t in terms]
         if self.kd_weight == 0 and self.task_weight == 0 and not any(t.weight > 0 for t in terms):
             raise ValueError(
                 "All loss weights are zero (kd_weight, task_weight and every distill_terms weight): "
@@ -187,3 +244,19 @@ class DistillationArguments(TrainingArguments):
             "teacher_weights": self.teacher_weights,
             "multi_teacher": self.multi_teacher,
         }
+
+
+def as_distillation_arguments(args: TrainingArguments, who: str = "DistillationTrainer") -> DistillationArguments:
+    """`args` unchanged if they are DistillationArguments; plain TrainingArguments upgraded (every field kept,
+    distillation defaults) with a warning that says which loss the run will use."""
+    if isinstance(args, DistillationArguments):
+        return args
+    if not isinstance(args, TrainingArguments):
+        raise TypeError(f"{who} needs DistillationArguments (or TrainingArguments), got {type(args).__name__}.")
+    upgraded = DistillationArguments.from_training_arguments(args)
+    settings = ", ".join(f"{name}={getattr(upgraded, name)!r}" for name in PRESET_DEFAULTS)
+    logger.warning(
+        f"{who} got {type(args).__name__}; upgraded them to DistillationArguments with every field kept and the "
+        f"distillation defaults ({settings}). Pass DistillationArguments to choose the loss."
+    )
+    return upgraded

@@ -1,13 +1,16 @@
 """Loss settings of published recipes, as `DistillationArguments` values.
 
-A preset replaces only the fields still at their dataclass defaults, so `--distill_preset tinybert_intermediate
---temperature 4` keeps your temperature. Each preset's docstring cites where its numbers come from and says
-where we deliberately differ.
+The rule: a preset fills only the fields you did not give. A value given as a Python keyword, a command-line
+flag or a YAML key always wins, whatever it is, the field's default included: `--distill_preset
+tinybert_prediction --temperature 2` trains at T = 2, and `distill_terms: []` removes the preset's terms.
+`DistillationArguments` tells "not given" from "given" by a None default that `__post_init__` resolves, so
+`dataclasses.replace(args, ...)` keeps every value of `args` and does not apply the preset again (to switch
+presets, build new arguments). Each preset's docstring cites where its numbers come from and says where we
+deliberately differ.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 
@@ -90,11 +93,9 @@ PRESETS = {
 }
 
 
-def apply_preset(args: Any, name: str) -> None:
-    """Set the preset's values on every field of `args` still at its dataclass default."""
+def preset_values(name: str) -> dict[str, Any]:
+    """The field values of preset `name` (a fresh dict); `DistillationArguments` uses them for the fields the
+    user did not give."""
     if name not in PRESETS:
         raise ValueError(f"DistillationArguments.distill_preset={name!r} is unknown. Known: {', '.join(PRESETS)}.")
-    defaults = {f.name: f.default for f in dataclasses.fields(args) if f.default is not dataclasses.MISSING}
-    for key, value in PRESETS[name]().items():
-        if getattr(args, key) == defaults.get(key):
-            setattr(args, key, value)
+    return PRESETS[name]()

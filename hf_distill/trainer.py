@@ -21,7 +21,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from . import heads as heads_mod
 from . import losses
-from .arguments import DistillationArguments
+from .arguments import DistillationArguments, as_distillation_arguments
 from .cache import LOGITS_COLUMN, TOPK_INDICES_COLUMN, TOPK_VALUES_COLUMN, cached_hidden_layers, cached_teacher_info
 from .collators import TEACHER_PREFIX, TeacherOutputsCollator
 from .heads import Head, check_kd_loss, head_logits, runtime_head, static_head
@@ -65,10 +65,13 @@ class DistillationTrainer(Trainer):
     ) -> None:
         if args is None:
             args = DistillationArguments(output_dir="trainer_output")
-        if not isinstance(args, DistillationArguments):
-            raise TypeError(
-                f"DistillationTrainer needs DistillationArguments, got {type(args).__name__}. "
-                "Build DistillationArguments(...) with the same fields (it is a TrainingArguments subclass)."
+        args = as_distillation_arguments(args)  # plain TrainingArguments: every field kept, logged as a warning
+        if args.device.type == "cpu" and (args.fp16 or getattr(args, "mixed_precision", "no") == "fp16"):
+            # accelerate runs fp16 autocast only on GPUs and other accelerators: on a CPU it trains in float32.
+            raise ValueError(
+                "fp16=True (or ACCELERATE_MIXED_PRECISION=fp16) needs a CUDA GPU (or another fp16 accelerator), but "
+                "this run is on the CPU (use_cpu=True or no GPU found), where it would silently train in float32. "
+                "On a CPU set bf16=True instead (bf16 autocast), or fp16=False."
             )
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
         # transformers 5 would otherwise pass num_items_in_batch to BERT-like models and rescale the loss

@@ -251,3 +251,32 @@ def test_report_writes_the_loss_plot(fresh, capsys, tmp_path):
     assert (fresh / "loss_components.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["report", str(tmp_path / "nothing-here")]) == 1
     assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_run_gives_yaml_keys_and_flags_priority_over_the_preset(tmp_path, monkeypatch):
+    """`hf-distill run` with a recipe parsing as the real ones do (recipes/common.py): values equal to the
+    defaults, from the YAML config or a flag, are kept although the preset names other values."""
+    folder = tmp_path / "recipes"
+    folder.mkdir()
+    (folder / "dump.py").write_text(
+        "import json, sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parent.parent / 'recipes')!r})\n"
+        "from common import parse_args\n"
+        "from hf_distill import DistillationArguments\n"
+        "if __name__ == '__main__':\n"
+        "    args, _ = parse_args([DistillationArguments], 'dump')\n"
+        "    json.dump(args.distillation_summary(), open(args.output_dir + '.json', 'w'))\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "c.yaml"
+    config.write_text("distill_preset: tinybert_prediction\ntemperature: 2.0\nuse_cpu: true\n")
+    assert main(["run", "dump", "--config", str(config), "--output_dir", "a", "--task_weight", "0.5"]) == 0
+    a = json.loads((tmp_path / "a.json").read_text())
+    assert (a["kd_loss"], a["temperature"], a["kd_weight"], a["task_weight"]) == ("soft_ce", 2.0, 1.0, 0.5)
+    config.write_text("distill_preset: distilbert\nkd_weight: 0.5\ndistill_terms: []\nuse_cpu: true\n")
+    assert main(["run", "dump", "--config", str(config), "--output_dir", "b", "--task_weight", "0.5"]) == 0
+    b = json.loads((tmp_path / "b.json").read_text())
+    assert (b["kd_weight"], b["task_weight"], b["distill_terms"]) == (0.5, 0.5, [])
+    assert main(["run", "dump", "--distill_preset", "minilm", "--output_dir", "c", "--kd_weight", "0.5"]) == 0
+    c = json.loads((tmp_path / "c.json").read_text())
+    assert (c["kd_weight"], c["task_weight"], [t["loss"] for t in c["distill_terms"]]) == (0.5, 0.0, ["relation_kl"])

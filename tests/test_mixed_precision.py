@@ -1,7 +1,8 @@
 """Mixed precision end to end: bf16 models with float32 losses, and half-precision inputs that stay finite.
 
-`fp16=True` needs CUDA; on a CPU, accelerate accepts it and silently trains in float32 (checked below), so
-the fp16 guarantees are tested by feeding fp16 tensors to the exact functions the trainer calls.
+`fp16=True` needs CUDA; on a CPU, accelerate would accept it and silently train in float32, so the trainer
+refuses it (checked below). The fp16 guarantees are tested by feeding fp16 tensors to the exact functions the
+trainer calls, and on CUDA at the end.
 """
 
 from __future__ import annotations
@@ -91,15 +92,17 @@ def test_bf16_with_float16_cached_teacher_outputs(tmp_path, cached):
     _finite_logs(trainer)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA fp16 is real")
-def test_fp16_on_cpu_is_silently_float32(tmp_path):
-    """Why the docs say fp16 needs CUDA: on a CPU the run is plain float32, not fp16."""
-    student, teacher = bert(2), make_teacher()
-    trainer = DistillationTrainer(model=student, teacher_model=teacher, args=args(tmp_path, fp16=True, max_steps=1),
-                                  train_dataset=token_dataset(8), data_collator=collate)
-    seen = _record_dtypes(trainer, {"student": student, "teacher": teacher})
-    trainer.train()
-    assert seen["student"] == seen["teacher"] == {torch.float32}
+@pytest.mark.parametrize("use_cpu", [True, False])
+def test_fp16_on_cpu_is_refused_by_the_trainer(tmp_path, use_cpu):
+    """accelerate runs fp16 only on GPUs and other accelerators: on a CPU it would silently train in float32, so
+    the trainer refuses it and points to bf16. The arguments still build, so a GPU config parses on a CPU."""
+    a = args(tmp_path, fp16=True, max_steps=1, use_cpu=use_cpu)
+    if a.device.type != "cpu":
+        pytest.skip(f"on {a.device.type} fp16 is real")
+    assert a.fp16
+    with pytest.raises(ValueError, match=r"fp16=True .*CPU.*bf16=True"):
+        DistillationTrainer(model=bert(2), teacher_model=make_teacher(), args=a, train_dataset=token_dataset(8),
+                            data_collator=collate)
 
 
 # ---------------------------------------------------------------- half-precision inputs of magnitude 60

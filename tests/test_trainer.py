@@ -11,7 +11,7 @@ from helpers import VOCAB, args, bert, collate, flat_params, token_dataset
 from helpers import teacher as make_teacher
 from safetensors.torch import load_file
 from torch import nn
-from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification, TrainingArguments
+from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification
 
 from hf_distill import DistillationArguments, DistillationTrainer, losses
 
@@ -257,11 +257,10 @@ def test_all_zero_weights_are_refused(tmp_path):
         args(tmp_path, kd_weight=0.0, task_weight=0.0)
 
 
-def test_plain_training_arguments_are_refused(tmp_path):
-    with pytest.raises(TypeError, match="needs DistillationArguments"):
-        DistillationTrainer(
-            model=bert(2), teacher_model=bert(4), args=TrainingArguments(str(tmp_path), use_cpu=True)
-        )
+def test_arguments_that_are_not_training_arguments_are_refused(tmp_path):
+    # plain TrainingArguments are upgraded instead (tests/test_arguments.py)
+    with pytest.raises(TypeError, match=r"needs DistillationArguments \(or TrainingArguments\), got dict"):
+        DistillationTrainer(model=bert(2), teacher_model=bert(4), args={"output_dir": str(tmp_path)})
 
 
 def test_label_count_mismatch_is_refused(tmp_path):

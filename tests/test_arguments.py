@@ -1,0 +1,110 @@
+"""`DistillationArguments.from_training_arguments`: plain `TrainingArguments` become distillation arguments
+with every field the user set kept, and `DistillationTrainer` upgrades them (with a warning) instead of
+refusing them."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+from helpers import bert, collate, token_dataset
+from helpers import teacher as make_teacher
+from transformers import Seq2SeqTrainingArguments, TrainingArguments
+
+from hf_distill import DistillationArguments, DistillationTrainer
+
+PLAIN = DistillationArguments(output_dir="x", use_cpu=True, report_to=[])
+DISTILLATION_FIELDS = [f.name for f in dataclasses.fields(DistillationArguments) if f.name not in
+                       {g.name for g in dataclasses.fields(TrainingArguments)}]
+
+
+def many_fields(tmp_path) -> TrainingArguments:
+    """Non-default values, including fields that `__post_init__` transforms (strings to enums or lists,
+    a JSON string to a dict, a dict to an AcceleratorConfig, booleans to strings)."""
+    return TrainingArguments(
+        output_dir=str(tmp_path / "ta"),
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=5,
+        gradient_accumulation_steps=2,
+        learning_rate=3e-4,
+        weight_decay=0.01,
+        adam_beta2=0.98,
+        adam_epsilon=1e-7,
+        max_grad_norm=0.5,
+        num_train_epochs=2.0,
+        max_steps=4,
+        lr_scheduler_type="cosine_with_restarts",
+        lr_scheduler_kwargs='{"num_cycles": 2}',
+        warmup_steps=2,
+        logging_strategy="steps",
+        logging_steps=2,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="steps",
+        save_steps=4,
+        save_total_limit=1,
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_loss",
+        greater_is_better=False,
+        seed=7,
+        data_seed=11,
+        label_smoothing_factor=0.1,
+        optim="adamw_torch",
+        report_to="none",
+        run_name="upgrade-me",
+        remove_unused_columns=False,
+        label_names=["labels"],
+        dataloader_drop_last=True,
+        disable_tqdm=True,
+        include_num_input_tokens_seen=True,
+        accelerator_config={"split_batches": False, "even_batches": False},
+        hub_model_id="me/student",
+        hub_private_repo=True,
+        use_cpu=True,
+        bf16=True,
+    )
+
+
+def test_every_training_argument_survives_the_upgrade(tmp_path):
+    ta = many_fields(tmp_path)
+    before = ta.to_dict()
+    up = DistillationArguments.from_training_arguments(ta)
+    assert type(up) is DistillationArguments
+    after = up.to_dict()
+    assert {k: after[k] for k in before} == before
+    for f in dataclasses.fields(TrainingArguments):
+        assert getattr(up, f.name) == getattr(ta, f.name), f.name
+    assert ta.to_dict() == before  # the original is not changed
+    # the distillation fields hold their plain defaults
+    assert {k: getattr(up, k) for k in DISTILLATION_FIELDS} == {k: getattr(PLAIN, k) for k in DISTILLATION_FIELDS}
+
+
+def test_upgrade_takes_distillation_fields_and_keeps_distillation_arguments_as_they_are(tmp_path):
+    ta = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], learning_rate=1e-3)
+    up = DistillationArguments.from_training_arguments(ta, distill_preset="tinybert_prediction", temperature=2.0)
+    assert (up.learning_rate, up.kd_loss, up.temperature, up.task_weight) == (1e-3, "soft_ce", 2.0, 0.0)
+    assert DistillationArguments.from_training_arguments(up) is up
+
+
+def test_upgrade_refuses_fields_that_distillation_arguments_cannot_hold(tmp_path):
+    ta = Seq2SeqTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], predict_with_generate=True)
+    with pytest.raises(TypeError, match="predict_with_generate.*DistillationArguments"):
+        DistillationArguments.from_training_arguments(ta)
+
+
+def test_trainer_upgrades_training_arguments_with_a_warning_and_trains(tmp_path, caplog):
+    ta = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, max_steps=2,
+                           learning_rate=1e-3, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no",
+                           seed=3, disable_tqdm=True)
+    with caplog.at_level(logging.WARNING):
+        trainer = DistillationTrainer(model=bert(2), teacher_model=make_teacher(), args=ta,
+                                      train_dataset=token_dataset(16), data_collator=collate)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "TrainingArguments" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "DistillationArguments" in warnings[0].getMessage() and "kd_weight=0.5" in warnings[0].getMessage()
+    assert isinstance(trainer.args, DistillationArguments)
+    assert {k: v for k, v in trainer.args.to_dict().items() if k in ta.to_dict()} == ta.to_dict()
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logged) == 2 and all("loss_kd" in h and "loss_task" in h for h in logged)
