@@ -108,10 +108,12 @@ def _log_probs(
     """Teacher and student log-probabilities at temperature ``T`` over the teacher's support.
 
     Dense teacher: both are ``log_softmax(x / T)`` over all ``C`` classes. Top-k teacher
-    ``(values, indices)``: the teacher distribution is ``softmax(values / T)``, i.e. renormalised over
-    its k classes, while the student's log-probabilities are ``log_softmax(s / T)`` over *all* classes,
-    gathered at ``indices`` (the standard top-k approximation used by offline logit caches such as
-    DistillKit's compressed teacher outputs). Indices are assumed distinct, as ``torch.topk`` gives.
+    ``(values, indices)``: both distributions are renormalised over the teacher's k ids, i.e.
+    ``softmax(values / T)`` and ``softmax(s.gather(-1, indices) / T)``. The cache stores no tail mass, so
+    this is the only way to compare two distributions on the same support: every divergence built on it
+    is a true divergence, exactly 0 when the student's logits equal the teacher's, at every T, and the
+    gradient reaches only the k gathered student logits. Indices are assumed distinct, as ``torch.topk``
+    gives.
     """
     s = student_logits.float()
     real = _real_positions(mask, s.shape[:-1], s.device, fn)
@@ -136,7 +138,7 @@ def _log_probs(
         if real is not None:
             indices = torch.where(real.unsqueeze(-1), indices, 0)
         log_p = F.log_softmax(values / temperature, dim=-1)
-        log_q = F.log_softmax(s / temperature, dim=-1).gather(-1, indices)
+        log_q = F.log_softmax(s.gather(-1, indices) / temperature, dim=-1)
     else:
         _check_same_shape(fn, student_logits, teacher_logits)
         t = _zero_padding(teacher_logits.float(), real)
@@ -155,7 +157,8 @@ def kl_div(
 
     Hinton et al. (2015) / DistilBERT. Items are the rows of ``(B, C)`` logits or the positions of
     ``(B, T, C)`` logits (only the real ones when ``mask`` is given). ``teacher_logits`` may be a top-k
-    ``(values, indices)`` pair, see :func:`_log_probs`.
+    ``(values, indices)`` pair: then the KL is taken on the teacher's top-k support with the student
+    renormalised over the same k ids (see :func:`_log_probs`), so it is 0 when student and teacher agree.
     """
     temperature = _check_temperature(temperature)
     log_p, log_q, real = _log_probs("kl_div", student_logits, teacher_logits, temperature, mask)
@@ -174,7 +177,9 @@ def soft_cross_entropy(
     """``-(softmax(t/T) * log_softmax(s/T)).sum(-1)`` averaged over items, without ``T**2``.
 
     TinyBERT's prediction-layer loss. It differs from :func:`kl_div` (at ``T=1``) by the teacher's
-    entropy, so it is minimal, not zero, when student and teacher agree. Accepts top-k teacher logits.
+    entropy, so it is minimal, not zero, when student and teacher agree. With top-k teacher logits
+    ``(values, indices)`` the student is renormalised over the teacher's k ids (see :func:`_log_probs`),
+    so at agreement the value is the entropy of ``softmax(values / T)``, the teacher on its support.
     """
     temperature = _check_temperature(temperature)
     log_p, log_q, real = _log_probs("soft_cross_entropy", student_logits, teacher_logits, temperature, mask)

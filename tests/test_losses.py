@@ -96,8 +96,8 @@ def ref_topk(s, values, indices, temp, kind, mask=None) -> float:
         if not k:
             continue
         p, log_p = _softmax(vrow / temp), _log_softmax(vrow / temp)
-        log_q_all = _log_softmax(srow / temp)
-        log_q = torch.stack([log_q_all[i] for i in irow.tolist()])
+        # the student renormalised over the same k ids: softmax of its gathered logits
+        log_q = _log_softmax(torch.stack([srow[i] for i in irow.tolist()]) / temp)
         if kind == "kl":
             out.append((p * (log_p - log_q)).sum().item())
         else:
@@ -247,6 +247,43 @@ def test_topk_subset_matches_reference(kind, fn):
     # also via the dispatcher, with bf16 values and int32 indices
     v16 = values.to(torch.bfloat16)
     close(logit_kd_loss(kind, s, (v16, indices.int()), 2.0, mask), ref_topk(s, v16, indices, 2.0, kind, mask))
+
+
+@pytest.mark.parametrize("temp", [1.0, 2.0, 4.0, 8.0])
+def test_topk_kl_is_zero_when_student_equals_teacher(temp):
+    """A vocabulary-sized teacher cached as its top-20: a student with the teacher's logits scores 0 at every T."""
+    vocab, k = 1000, 20
+    t = randn(B, T, vocab, seed=100)
+    values, indices = t.topk(k, dim=-1)
+    for m in (None, length_mask(LENGTHS, T)):
+        loss = kl_div(t.clone(), (values, indices), temp, m)
+        assert loss.dtype == torch.float32
+        assert abs(loss.item()) < 1e-6, (temp, loss.item())
+
+
+@pytest.mark.parametrize("temp", [1.0, 2.0, 4.0, 8.0])
+def test_topk_soft_cross_entropy_is_teacher_entropy_on_support_at_agreement(temp):
+    vocab, k = 1000, 20
+    t = randn(B, T, vocab, seed=101)
+    values, indices = t.topk(k, dim=-1)
+    mask = length_mask(LENGTHS, T)
+    log_p = torch.log_softmax(values.double() / temp, dim=-1)
+    entropy = -(log_p.exp() * log_p).sum(-1)
+    close(soft_cross_entropy(t.clone(), (values, indices), temp), entropy.mean())
+    close(soft_cross_entropy(t.clone(), (values, indices), temp, mask), entropy[mask != 0].mean())
+
+
+@pytest.mark.parametrize("fn", [kl_div, soft_cross_entropy])
+def test_topk_gradient_reaches_only_the_gathered_student_logits(fn):
+    vocab, k = 50, 4
+    s, t = randn(B, T, vocab, seed=102, scale=2), randn(B, T, vocab, seed=103, scale=2)
+    values, indices = t.topk(k, dim=-1)
+    mask = length_mask(LENGTHS, T)
+    s.requires_grad_(True)
+    (grad,) = torch.autograd.grad(fn(s, (values, indices), 2.0, mask), s)
+    support = torch.zeros(B, T, vocab, dtype=torch.bool).scatter_(-1, indices, True) & (mask != 0)[..., None]
+    assert (grad[~support] == 0).all()
+    assert (grad.abs().sum(-1)[mask != 0] > 0).all()
 
 
 def test_topk_padding_may_hold_garbage_indices():

@@ -81,10 +81,8 @@ def _topk(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 SPECS = [
     Spec("kl_div", "logits", lambda s, t, m, temp: kl_div(s, t, temp, m)),
-    # top-k with k < C is not zero at agreement: it equals -log(student mass on the teacher's top-k)
-    Spec(
-        "kl_div_topk", "logits", lambda s, t, m, temp: kl_div(s, _topk(t), temp, m), zero_at_agreement=False
-    ),
+    # top-k: both sides renormalised over the teacher's k ids, so a true divergence, 0 at agreement
+    Spec("kl_div_topk", "logits", lambda s, t, m, temp: kl_div(s, _topk(t), temp, m)),
     # soft CE is the teacher's entropy at agreement, checked separately
     Spec(
         "soft_cross_entropy",
