@@ -19,6 +19,14 @@ References for the definitions:
   pre-softmax attention scores.
 - Wang et al., 2020/2021, MiniLM and MiniLMv2: KL between self-attention (relation) distributions.
 - Sun et al., 2019, BERT-PKD: distance between L2-normalised [CLS] states.
+- Gu et al., 2024, MiniLLM: reverse KL ``KL(student || teacher)`` for generative (causal) LMs.
+- Agarwal et al., 2024, "On-Policy Distillation of Language Models: Learning from Self-Generated
+  Mistakes" (GKD): the generalized Jensen-Shannon divergence ``JSD(beta)``, with TRL's ``GKDTrainer``
+  convention for ``beta`` (0 = forward KL, 1 = reverse KL).
+
+Top-k teacher logits ``(values, indices)`` (offline caches) are compared on the teacher's top-k support
+with *both* distributions renormalised over those k ids, so every divergence here stays a divergence
+(0 when the student's logits equal the teacher's, at every T); see :func:`_log_probs`.
 """
 
 from __future__ import annotations
@@ -37,12 +45,14 @@ __all__ = [
     "binary_kl_div",
     "binary_soft_cross_entropy",
     "cosine_loss",
+    "generalized_jsd",
     "hidden_mse",
     "kl_div",
     "logit_kd_loss",
     "logit_mse",
     "pkd_loss",
     "relation_kl",
+    "reverse_kl",
     "soft_cross_entropy",
 ]
 
@@ -61,6 +71,22 @@ def _check_temperature(temperature: float) -> float:
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}") from None
     if not (value > 0 and math.isfinite(value)):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    return value
+
+
+def _check_beta(beta: float) -> float:
+    if isinstance(beta, bool):
+        value = math.nan
+    else:
+        try:
+            value = float(beta)
+        except (TypeError, ValueError, RuntimeError):
+            value = math.nan
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(
+            f"beta (jsd_beta) must be a number in [0, 1] (0 = forward KL, 1 = reverse KL, 0.5 = JSD), "
+            f"got {beta!r}"
+        )
     return value
 
 
@@ -110,10 +136,12 @@ def _log_probs(
     """Teacher and student log-probabilities at temperature ``T`` over the teacher's support.
 
     Dense teacher: both are ``log_softmax(x / T)`` over all ``C`` classes. Top-k teacher
-    ``(values, indices)``: the teacher distribution is ``softmax(values / T)``, i.e. renormalised over
-    its k classes, while the student's log-probabilities are ``log_softmax(s / T)`` over *all* classes,
-    gathered at ``indices`` (the standard top-k approximation used by offline logit caches such as
-    DistillKit's compressed teacher outputs). Indices are assumed distinct, as ``torch.topk`` gives.
+    ``(values, indices)``: both distributions are renormalised over the teacher's k ids, i.e.
+    ``softmax(values / T)`` and ``softmax(s.gather(-1, indices) / T)``. The cache stores no tail mass, so
+    this is the only way to compare two distributions on the same support: every divergence built on it
+    is a true divergence, exactly 0 when the student's logits equal the teacher's, at every T, and the
+    gradient reaches only the k gathered student logits. Indices are assumed distinct, as ``torch.topk``
+    gives.
     """
     s = student_logits.float()
     real = _real_positions(mask, s.shape[:-1], s.device, fn)
@@ -138,7 +166,7 @@ def _log_probs(
         if real is not None:
             indices = torch.where(real.unsqueeze(-1), indices, 0)
         log_p = F.log_softmax(values / temperature, dim=-1)
-        log_q = F.log_softmax(s / temperature, dim=-1).gather(-1, indices)
+        log_q = F.log_softmax(s.gather(-1, indices) / temperature, dim=-1)
     else:
         _check_same_shape(fn, student_logits, teacher_logits)
         t = _zero_padding(teacher_logits.float(), real)
@@ -157,7 +185,8 @@ def kl_div(
 
     Hinton et al. (2015) / DistilBERT. Items are the rows of ``(B, C)`` logits or the positions of
     ``(B, T, C)`` logits (only the real ones when ``mask`` is given). ``teacher_logits`` may be a top-k
-    ``(values, indices)`` pair, see :func:`_log_probs`.
+    ``(values, indices)`` pair: then the KL is taken on the teacher's top-k support with the student
+    renormalised over the same k ids (see :func:`_log_probs`), so it is 0 when student and teacher agree.
     """
     temperature = _check_temperature(temperature)
     log_p, log_q, real = _log_probs("kl_div", student_logits, teacher_logits, temperature, mask)
@@ -176,13 +205,95 @@ def soft_cross_entropy(
     """``-(softmax(t/T) * log_softmax(s/T)).sum(-1)`` averaged over items, without ``T**2``.
 
     TinyBERT's prediction-layer loss. It differs from :func:`kl_div` (at ``T=1``) by the teacher's
-    entropy, so it is minimal, not zero, when student and teacher agree. Accepts top-k teacher logits.
+    entropy, so it is minimal, not zero, when student and teacher agree. With top-k teacher logits
+    ``(values, indices)`` the student is renormalised over the teacher's k ids (see :func:`_log_probs`),
+    so at agreement the value is the entropy of ``softmax(values / T)``, the teacher on its support.
     """
     temperature = _check_temperature(temperature)
     log_p, log_q, real = _log_probs("soft_cross_entropy", student_logits, teacher_logits, temperature, mask)
     p = log_p.exp()
     per_item = -torch.where(p > 0, p * log_q, 0.0).sum(-1)
     return _mean_over_positions(per_item, real)
+
+
+def reverse_kl(
+    student_logits: torch.Tensor,
+    teacher_logits: TeacherLogits,
+    temperature: float = 1.0,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``T**2 * KL(softmax(s/T) || softmax(t/T))`` summed over classes, averaged over items.
+
+    The mode-seeking direction used for generative LMs (MiniLLM; GKD with ``beta=1``): the student is
+    penalised for mass where the teacher has little, not for missing some of the teacher's modes. Items,
+    masks and top-k ``(values, indices)`` teachers (both sides renormalised over the k ids) as in
+    :func:`kl_div`.
+    """
+    temperature = _check_temperature(temperature)
+    log_p, log_q, real = _log_probs("reverse_kl", student_logits, teacher_logits, temperature, mask)
+    q = log_q.exp()
+    per_item = torch.where(q > 0, q * (log_q - log_p), 0.0).sum(-1)
+    return temperature**2 * _mean_over_positions(per_item, real)
+
+
+def _log_mixture_ratio(x: torch.Tensor, w: float, w_rest: float) -> torch.Tensor:
+    """``log(w_rest + w * exp(x))`` elementwise, ``w + w_rest = 1``: exactly 0 at ``x = 0``, finite for finite x.
+
+    This is the mixture ``logsumexp(log(1 - w), log(w) + x)`` relative to one of its components. Near
+    ``x = 0`` it is evaluated as ``log1p(w * expm1(x))``, which is exact at agreement (a plain float32
+    logsumexp leaves ~1e-7 there, times ``T**2``); far from 0 the logsumexp form keeps full precision
+    when the mixture is tiny. ``x > 0`` uses ``x + (the same with 1 - w at -x)`` so ``exp`` never
+    overflows. Each branch sees only inputs from its own range, so no inf/NaN reaches the gradient. Both
+    weights are passed because ``1 - w`` rounds to 0 for tiny ``beta`` while ``log(w_rest)`` must not.
+    """
+
+    def nonpositive(z: torch.Tensor, weight: float, rest: float) -> torch.Tensor:  # z <= 0
+        y = weight * torch.expm1(z)  # in [-weight, 0]
+        near = y > -0.5
+        small = torch.log1p(torch.where(near, y, -0.5))
+        large = torch.logaddexp(torch.full_like(z, math.log(rest)), z + math.log(weight))
+        return torch.where(near, small, large)
+
+    negative = x <= 0
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    at_neg = nonpositive(torch.where(negative, x, zero), w, w_rest)
+    at_pos = x + nonpositive(torch.where(negative, zero, -x), w_rest, w)
+    return torch.where(negative, at_neg, at_pos)
+
+
+def generalized_jsd(
+    student_logits: torch.Tensor,
+    teacher_logits: TeacherLogits,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Generalized Jensen-Shannon divergence of GKD (Agarwal et al., 2024), times ``T**2``, averaged over items.
+
+    With ``P = softmax(t/T)`` (teacher), ``Q = softmax(s/T)`` (student) and ``M = beta*P + (1-beta)*Q``:
+    ``T**2 * (beta*KL(P || M) + (1-beta)*KL(Q || M))``. TRL's ``GKDTrainer`` convention: ``beta = 0`` is
+    exactly :func:`kl_div` (forward) and ``beta = 1`` exactly :func:`reverse_kl`; the interior tends to
+    them only after dividing by ``beta`` (resp. ``1 - beta``), since ``JSD(beta) ~ beta * KL(P || Q)``.
+    ``beta = 0.5`` is the symmetric JSD. ``M`` is never formed in probability space: ``log(M/P)`` and
+    ``log(M/Q)`` come from the log-ratio ``log Q - log P`` (see :func:`_log_mixture_ratio`), so the value
+    is exactly 0 at agreement and stable for any logits. Items, masks and top-k ``(values, indices)``
+    teachers (both sides renormalised over the k ids) as in :func:`kl_div`.
+    """
+    beta = _check_beta(beta)
+    temperature = _check_temperature(temperature)
+    if beta == 0.0:
+        return kl_div(student_logits, teacher_logits, temperature, mask)
+    if beta == 1.0:
+        return reverse_kl(student_logits, teacher_logits, temperature, mask)
+    log_p, log_q, real = _log_probs("generalized_jsd", student_logits, teacher_logits, temperature, mask)
+    log_ratio = log_q - log_p
+    # log(M/P) = log(beta + (1-beta) Q/P);  log(M/Q) = log((1-beta) + beta P/Q)
+    log_m_over_p = _log_mixture_ratio(log_ratio, 1.0 - beta, beta)
+    log_m_over_q = _log_mixture_ratio(-log_ratio, beta, 1.0 - beta)
+    kl_p_m = -(log_p.exp() * log_m_over_p).sum(-1)
+    kl_q_m = -(log_q.exp() * log_m_over_q).sum(-1)
+    per_item = beta * kl_p_m + (1.0 - beta) * kl_q_m
+    return temperature**2 * _mean_over_positions(per_item, real)
 
 
 def _squared_error_mean(fn: str, student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor | None):
@@ -208,7 +319,8 @@ def logit_mse(
     """
     if isinstance(teacher_logits, tuple | list):
         raise ValueError(
-            "logit_mse needs dense teacher logits; top-k (values, indices) works with kl / soft_ce only"
+            "logit_mse needs dense teacher logits; top-k (values, indices) works with "
+            "kl / soft_ce / reverse_kl / jsd only"
         )
     return _squared_error_mean("logit_mse", student_logits, teacher_logits, mask)
 
@@ -254,8 +366,11 @@ KD_LOSSES: dict[str, Callable[..., torch.Tensor]] = {
     "kl": kl_div,
     "soft_ce": soft_cross_entropy,
     "mse": logit_mse,
+    "reverse_kl": reverse_kl,
+    "jsd": generalized_jsd,
 }
-"""Logit KD objectives by config name."""
+"""Logit KD objectives by config name. Signatures differ (``mse`` has no temperature, ``jsd`` takes
+``beta`` third), so call them through :func:`logit_kd_loss` or by keyword."""
 
 
 def logit_kd_loss(
@@ -264,18 +379,22 @@ def logit_kd_loss(
     teacher_logits: TeacherLogits,
     temperature: float,
     mask: torch.Tensor | None = None,
+    beta: float = 0.5,
 ) -> torch.Tensor:
     """Dispatch to the logit KD objective named ``kind`` (a key of :data:`KD_LOSSES`).
 
     ``"mse"`` compares raw logits and ignores ``temperature`` (as in TinyBERT and DistilBERT, where the
-    temperature only enters the softmax-based terms); ``temperature`` is still validated for all kinds
-    so a bad config fails the same way whichever objective it selects.
+    temperature only enters the softmax-based terms); ``beta`` is used by ``"jsd"`` only. Both are still
+    validated for all kinds so a bad config fails the same way whichever objective it selects.
     """
     if kind not in KD_LOSSES:
         raise ValueError(f"unknown logit KD kind {kind!r}; known kinds: {', '.join(sorted(KD_LOSSES))}")
     temperature = _check_temperature(temperature)
+    beta = _check_beta(beta)
     if kind == "mse":
         return logit_mse(student_logits, teacher_logits, mask)
+    if kind == "jsd":
+        return generalized_jsd(student_logits, teacher_logits, beta=beta, temperature=temperature, mask=mask)
     return KD_LOSSES[kind](student_logits, teacher_logits, temperature, mask)
 
 

@@ -13,12 +13,14 @@ from hf_distill.losses import (
     KD_LOSSES,
     attention_score_mse,
     cosine_loss,
+    generalized_jsd,
     hidden_mse,
     kl_div,
     logit_kd_loss,
     logit_mse,
     pkd_loss,
     relation_kl,
+    reverse_kl,
     soft_cross_entropy,
 )
 
@@ -96,13 +98,48 @@ def ref_topk(s, values, indices, temp, kind, mask=None) -> float:
         if not k:
             continue
         p, log_p = _softmax(vrow / temp), _log_softmax(vrow / temp)
-        log_q_all = _log_softmax(srow / temp)
-        log_q = torch.stack([log_q_all[i] for i in irow.tolist()])
+        # the student renormalised over the same k ids: softmax of its gathered logits
+        log_q = _log_softmax(torch.stack([srow[i] for i in irow.tolist()]) / temp)
         if kind == "kl":
             out.append((p * (log_p - log_q)).sum().item())
         else:
             out.append(-(p * log_q).sum().item())
     return (temp**2 if kind == "kl" else 1.0) * _mean(out)
+
+
+def _ref_pairs(s, teacher, temp, mask=None):
+    """(log P, log Q) in float64 per real item; a top-k teacher renormalises both sides over its k ids."""
+    if isinstance(teacher, tuple):
+        values, indices = teacher
+        gathered = s.double().gather(-1, indices.long())
+        return [
+            (_log_softmax(v / temp), _log_softmax(g / temp))
+            for v, g in zip(_items(values, mask), _items(gathered, mask))
+        ]
+    return [(_log_softmax(t / temp), _log_softmax(q / temp)) for t, q in zip(_items(teacher, mask), _items(s, mask))]
+
+
+def _kl_rows(log_a, log_b) -> float:
+    """KL(A || B) = sum_c a_c (log a_c - log b_c), class by class."""
+    return sum(math.exp(log_a[c]) * (log_a[c] - log_b[c]) for c in range(len(log_a))).item()
+
+
+def ref_reverse_kl(s, teacher, temp, mask=None) -> float:
+    return temp**2 * _mean([_kl_rows(log_q, log_p) for log_p, log_q in _ref_pairs(s, teacher, temp, mask)])
+
+
+def ref_jsd(s, teacher, beta, temp, mask=None) -> float:
+    """Generalized JSD with the mixture built in probability space, class by class (no log-space tricks)."""
+    out = []
+    for log_p, log_q in _ref_pairs(s, teacher, temp, mask):
+        if beta == 0:
+            out.append(_kl_rows(log_p, log_q))
+        elif beta == 1:
+            out.append(_kl_rows(log_q, log_p))
+        else:
+            log_m = torch.log(beta * log_p.exp() + (1 - beta) * log_q.exp())
+            out.append(beta * _kl_rows(log_p, log_m) + (1 - beta) * _kl_rows(log_q, log_m))
+    return temp**2 * _mean(out)
 
 
 def ref_sq_mean(s, t, mask=None) -> float:
@@ -208,6 +245,10 @@ def test_low_precision_inputs_computed_in_float32(dtype):
     s, t = randn(B, T, 6, seed=10, scale=4).to(dtype), randn(B, T, 6, seed=11, scale=4).to(dtype)
     close(kl_div(s, t, 2.0, mask), ref_kl(s, t, 2.0, mask))
     close(soft_cross_entropy(s, t, 2.0, mask), ref_soft_ce(s, t, 2.0, mask))
+    close(reverse_kl(s, t, 2.0, mask), ref_reverse_kl(s, t, 2.0, mask))
+    close(generalized_jsd(s, t, 0.3, 2.0, mask), ref_jsd(s, t, 0.3, 2.0, mask))
+    sparse = tuple(t.topk(3, dim=-1))
+    close(generalized_jsd(s, sparse, 0.3, 2.0, mask), ref_jsd(s, sparse, 0.3, 2.0, mask))
     close(logit_mse(s, t, mask), ref_sq_mean(s, t, mask))
     close(hidden_mse(s, t, mask), ref_sq_mean(s, t, mask))
     close(cosine_loss(s, t, mask), ref_cosine(s, t, mask))
@@ -222,6 +263,74 @@ def test_low_precision_inputs_computed_in_float32(dtype):
 def test_mixed_student_teacher_dtypes():
     s, t = randn(3, 5, seed=18).to(torch.bfloat16), randn(3, 5, seed=19)
     close(kl_div(s, t, 2.0), ref_kl(s, t, 2.0))
+
+
+# ------------------------------------------------------------------------------------------------
+# reverse KL and generalized JSD (causal-LM objectives, GKD)
+
+BETAS = [0.0, 0.1, 0.5, 0.9, 1.0]
+
+
+@pytest.mark.parametrize("temp", [1.0, 2.0, 4.0])
+@pytest.mark.parametrize("beta", BETAS)
+def test_reverse_kl_and_jsd_match_reference(beta, temp):
+    s, t = randn(4, 7, seed=120, scale=3), randn(4, 7, seed=121, scale=3)
+    row_mask = torch.tensor([1, 0, 1, 1])
+    close(reverse_kl(s, t, temp), ref_reverse_kl(s, t, temp))
+    close(generalized_jsd(s, t, beta, temp), ref_jsd(s, t, beta, temp))
+    close(generalized_jsd(s, t, beta, temp, row_mask), ref_jsd(s, t, beta, temp, row_mask))
+    s, t = randn(B, T, 6, seed=122, scale=3), randn(B, T, 6, seed=123, scale=3)
+    mask = length_mask(LENGTHS, T)
+    for m in (None, mask):
+        close(reverse_kl(s, t, temp, m), ref_reverse_kl(s, t, temp, m))
+        close(generalized_jsd(s, t, beta, temp, m), ref_jsd(s, t, beta, temp, m))
+        close(logit_kd_loss("jsd", s, t, temp, m, beta=beta), ref_jsd(s, t, beta, temp, m))
+    close(logit_kd_loss("reverse_kl", s, t, temp, mask), ref_reverse_kl(s, t, temp, mask))
+
+
+@pytest.mark.parametrize("beta", BETAS)
+def test_reverse_kl_and_jsd_topk_match_reference(beta):
+    s, t = randn(B, T, 9, seed=124, scale=3), randn(B, T, 9, seed=125, scale=3)
+    mask = length_mask(LENGTHS, T)
+    sparse = t.topk(3, dim=-1)
+    sparse = (sparse.values, sparse.indices)
+    for m in (None, mask):
+        close(reverse_kl(s, sparse, 2.0, m), ref_reverse_kl(s, sparse, 2.0, m))
+        close(generalized_jsd(s, sparse, beta, 2.0, m), ref_jsd(s, sparse, beta, 2.0, m))
+    # k = C: the sparse teacher is the dense one
+    full = t.topk(9, dim=-1)
+    torch.testing.assert_close(
+        generalized_jsd(s, (full.values, full.indices), beta, 2.0, mask), generalized_jsd(s, t, beta, 2.0, mask)
+    )
+
+
+def test_jsd_endpoints_are_exactly_forward_and_reverse_kl():
+    s, t = randn(B, T, 6, seed=126, scale=3), randn(B, T, 6, seed=127, scale=3)
+    mask = length_mask(LENGTHS, T)
+    sparse = tuple(t.topk(3, dim=-1))
+    for teacher in (t, sparse):
+        assert torch.equal(generalized_jsd(s, teacher, 0.0, 2.0, mask), kl_div(s, teacher, 2.0, mask))
+        assert torch.equal(generalized_jsd(s, teacher, 1.0, 2.0, mask), reverse_kl(s, teacher, 2.0, mask))
+        assert torch.equal(logit_kd_loss("jsd", s, teacher, 2.0, mask, beta=0), kl_div(s, teacher, 2.0, mask))
+
+
+def test_jsd_default_beta_is_one_half_and_symmetric():
+    s, t = randn(B, T, 6, seed=128, scale=3), randn(B, T, 6, seed=129, scale=3)
+    mask = length_mask(LENGTHS, T)
+    close(generalized_jsd(s, t, temperature=2.0, mask=mask), ref_jsd(s, t, 0.5, 2.0, mask))
+    torch.testing.assert_close(generalized_jsd(s, t, 0.5, 2.0, mask), generalized_jsd(t, s, 0.5, 2.0, mask))
+    torch.testing.assert_close(logit_kd_loss("jsd", s, t, 2.0, mask), generalized_jsd(s, t, 0.5, 2.0, mask))
+
+
+@pytest.mark.parametrize("beta", [-0.1, 1.5, float("nan"), float("inf"), True, "half", None])
+def test_bad_beta(beta):
+    s = torch.zeros(2, 5)
+    with pytest.raises(ValueError, match=r"beta \(jsd_beta\) must be a number in \[0, 1\]"):
+        generalized_jsd(s, s, beta)
+    with pytest.raises(ValueError, match=r"beta \(jsd_beta\) must be a number in \[0, 1\]"):
+        logit_kd_loss("jsd", s, s, 1.0, beta=beta)
+    with pytest.raises(ValueError, match=r"beta \(jsd_beta\) must be a number in \[0, 1\]"):
+        logit_kd_loss("kl", s, s, 1.0, beta=beta)  # a bad config fails whichever kind it selects
 
 
 # ------------------------------------------------------------------------------------------------
@@ -249,6 +358,55 @@ def test_topk_subset_matches_reference(kind, fn):
     close(logit_kd_loss(kind, s, (v16, indices.int()), 2.0, mask), ref_topk(s, v16, indices, 2.0, kind, mask))
 
 
+DIVERGENCES = {
+    "kl_div": kl_div,
+    "reverse_kl": reverse_kl,
+    "jsd_0.5": lambda s, t, temp, m=None: generalized_jsd(s, t, 0.5, temp, m),
+    "jsd_0.1": lambda s, t, temp, m=None: generalized_jsd(s, t, 0.1, temp, m),
+    "jsd_0.9": lambda s, t, temp, m=None: generalized_jsd(s, t, 0.9, temp, m),
+}
+
+
+@pytest.mark.parametrize("temp", [1.0, 2.0, 4.0, 8.0])
+@pytest.mark.parametrize("name", list(DIVERGENCES))
+def test_topk_divergence_is_zero_when_student_equals_teacher(name, temp):
+    """A vocabulary-sized teacher cached as its top-20: a student with the teacher's logits scores 0 at every T."""
+    vocab, k = 1000, 20
+    t = randn(B, T, vocab, seed=100)
+    values, indices = t.topk(k, dim=-1)
+    for m in (None, length_mask(LENGTHS, T)):
+        loss = DIVERGENCES[name](t.clone(), (values, indices), temp, m)
+        assert loss.dtype == torch.float32
+        assert abs(loss.item()) < 1e-6, (name, temp, loss.item())
+        dense = DIVERGENCES[name](t.clone(), t, temp, m)
+        assert abs(dense.item()) < 1e-6, (name, temp, dense.item())
+
+
+@pytest.mark.parametrize("temp", [1.0, 2.0, 4.0, 8.0])
+def test_topk_soft_cross_entropy_is_teacher_entropy_on_support_at_agreement(temp):
+    vocab, k = 1000, 20
+    t = randn(B, T, vocab, seed=101)
+    values, indices = t.topk(k, dim=-1)
+    mask = length_mask(LENGTHS, T)
+    log_p = torch.log_softmax(values.double() / temp, dim=-1)
+    entropy = -(log_p.exp() * log_p).sum(-1)
+    close(soft_cross_entropy(t.clone(), (values, indices), temp), entropy.mean())
+    close(soft_cross_entropy(t.clone(), (values, indices), temp, mask), entropy[mask != 0].mean())
+
+
+@pytest.mark.parametrize("fn", [kl_div, soft_cross_entropy, *DIVERGENCES.values()])
+def test_topk_gradient_reaches_only_the_gathered_student_logits(fn):
+    vocab, k = 50, 4
+    s, t = randn(B, T, vocab, seed=102, scale=2), randn(B, T, vocab, seed=103, scale=2)
+    values, indices = t.topk(k, dim=-1)
+    mask = length_mask(LENGTHS, T)
+    s.requires_grad_(True)
+    (grad,) = torch.autograd.grad(fn(s, (values, indices), 2.0, mask), s)
+    support = torch.zeros(B, T, vocab, dtype=torch.bool).scatter_(-1, indices, True) & (mask != 0)[..., None]
+    assert (grad[~support] == 0).all()
+    assert (grad.abs().sum(-1)[mask != 0] > 0).all()
+
+
 def test_topk_padding_may_hold_garbage_indices():
     s, t = randn(2, 4, 9, seed=24), randn(2, 4, 9, seed=25)
     mask = length_mask([4, 2], 4)
@@ -256,9 +414,8 @@ def test_topk_padding_may_hold_garbage_indices():
     bad_values, bad_indices = values.clone(), indices.clone()
     bad_values[1, 2:] = float("nan")
     bad_indices[1, 2:] = 10_000  # out of range, but padding
-    torch.testing.assert_close(
-        kl_div(s, (bad_values, bad_indices), 1.0, mask), kl_div(s, (values, indices), 1.0, mask)
-    )
+    for fn in (kl_div, soft_cross_entropy, *DIVERGENCES.values()):
+        torch.testing.assert_close(fn(s, (bad_values, bad_indices), 1.0, mask), fn(s, (values, indices), 1.0, mask))
 
 
 def test_topk_validation():
@@ -356,6 +513,14 @@ def _all_losses(s_grad: bool = True):
         ("kl", lambda s: kl_div(s, t_logits, 2.0, mask), randn(B, T, 6, seed=56), t_logits),
         ("kl_topk", lambda s: kl_div(s, tuple(t_topk), 2.0, mask), randn(B, T, 6, seed=57), t_topk[0]),
         ("soft_ce", lambda s: soft_cross_entropy(s, t_logits, 2.0, mask), randn(B, T, 6, seed=58), t_logits),
+        ("reverse_kl", lambda s: reverse_kl(s, t_logits, 2.0, mask), randn(B, T, 6, seed=65), t_logits),
+        ("jsd", lambda s: generalized_jsd(s, t_logits, 0.3, 2.0, mask), randn(B, T, 6, seed=66), t_logits),
+        (
+            "jsd_topk",
+            lambda s: generalized_jsd(s, tuple(t_topk), 0.3, 2.0, mask),
+            randn(B, T, 6, seed=67),
+            t_topk[0],
+        ),
         ("mse", lambda s: logit_mse(s, t_logits, mask), randn(B, T, 6, seed=59), t_logits),
         ("hidden_mse", lambda s: hidden_mse(s, t_hidden, mask), randn(B, T, 8, seed=60), t_hidden),
         ("cosine", lambda s: cosine_loss(s, t_hidden, mask), randn(B, T, 8, seed=61), t_hidden),
@@ -385,6 +550,9 @@ def test_fully_masked_gives_zero_not_nan():
         kl_div(s, t, 2.0, empty),
         kl_div(s, t.topk(2, dim=-1), 2.0, empty),
         soft_cross_entropy(s, t, 2.0, empty),
+        reverse_kl(s, t, 2.0, empty),
+        generalized_jsd(s, t, 0.3, 2.0, empty),
+        generalized_jsd(s, t.topk(2, dim=-1), 0.3, 2.0, empty),
         logit_mse(s, t, empty),
         hidden_mse(s, t, empty),
         cosine_loss(s, t, empty),
@@ -404,7 +572,14 @@ def test_padding_content_does_not_matter():
     pad = mask == 0
     bad_s[pad], bad_t[pad] = float("nan"), float("inf")
     bad_s.requires_grad_(True)
-    for fn in (lambda a, b, m: kl_div(a, b, 2.0, m), logit_mse, hidden_mse, cosine_loss):
+    for fn in (
+        lambda a, b, m: kl_div(a, b, 2.0, m),
+        lambda a, b, m: reverse_kl(a, b, 2.0, m),
+        lambda a, b, m: generalized_jsd(a, b, 0.3, 2.0, m),
+        logit_mse,
+        hidden_mse,
+        cosine_loss,
+    ):
         loss = fn(bad_s, bad_t, mask)
         torch.testing.assert_close(loss, fn(s, t, mask))
         (grad,) = torch.autograd.grad(loss, bad_s)
@@ -415,7 +590,16 @@ def test_extreme_logits_float32():
     s, t = randn(B, T, 6, seed=74, scale=1e4), randn(B, T, 6, seed=75, scale=1e4)
     s.requires_grad_(True)
     mask = length_mask(LENGTHS, T)
-    for loss in (kl_div(s, t, 1.0, mask), soft_cross_entropy(s, t, 1.0, mask), logit_mse(s, t, mask)):
+    losses = (
+        kl_div(s, t, 1.0, mask),
+        soft_cross_entropy(s, t, 1.0, mask),
+        reverse_kl(s, t, 1.0, mask),
+        generalized_jsd(s, t, 0.5, 1.0, mask),
+        generalized_jsd(s, t, 1e-3, 1.0, mask),
+        generalized_jsd(s, t, 1 - 1e-9, 1.0, mask),
+        logit_mse(s, t, mask),
+    )
+    for loss in losses:
         assert torch.isfinite(loss)
         (grad,) = torch.autograd.grad(loss, s)
         assert torch.isfinite(grad).all()
@@ -435,6 +619,9 @@ def test_mixed_precision_stability(dtype, temp):
         for k in KD_LOSSES
     ]
     checks.append((lambda s: kl_div(s, logits_t.topk(3, dim=-1), temp, mask), extreme(B, T, 6, seed=82)))
+    checks.append(
+        (lambda s: generalized_jsd(s, logits_t.topk(3, dim=-1), 0.5, temp, mask), extreme(B, T, 6, seed=79))
+    )
     hidden_t = extreme(B, T, 8, seed=83)
     checks += [
         (lambda s: hidden_mse(s, hidden_t, mask), extreme(B, T, 8, seed=84)),
@@ -454,7 +641,13 @@ def test_mixed_precision_stability(dtype, temp):
 def test_logit_kd_loss_dispatch():
     s, t = randn(B, T, 6, seed=90), randn(B, T, 6, seed=91)
     mask = length_mask(LENGTHS, T)
-    assert KD_LOSSES == {"kl": kl_div, "soft_ce": soft_cross_entropy, "mse": logit_mse}
+    assert KD_LOSSES == {
+        "kl": kl_div,
+        "soft_ce": soft_cross_entropy,
+        "mse": logit_mse,
+        "reverse_kl": reverse_kl,
+        "jsd": generalized_jsd,
+    }
     torch.testing.assert_close(logit_kd_loss("kl", s, t, 3.0, mask), kl_div(s, t, 3.0, mask))
     torch.testing.assert_close(logit_kd_loss("soft_ce", s, t, 3.0, mask), soft_cross_entropy(s, t, 3.0, mask))
     # mse ignores the temperature
@@ -481,6 +674,8 @@ def test_feature_registry():
     [
         lambda: kl_div(torch.zeros(2, 5), torch.zeros(2, 6)),
         lambda: soft_cross_entropy(torch.zeros(2, 5), torch.zeros(2, 6)),
+        lambda: reverse_kl(torch.zeros(2, 5), torch.zeros(2, 6)),
+        lambda: generalized_jsd(torch.zeros(2, 5), torch.zeros(2, 6)),
         lambda: logit_mse(torch.zeros(2, 5), torch.zeros(2, 6)),
         lambda: hidden_mse(torch.zeros(2, 5), torch.zeros(2, 6)),
         lambda: cosine_loss(torch.zeros(2, 5), torch.zeros(2, 6)),
@@ -506,18 +701,18 @@ def test_relation_kl_bad_num_heads():
 
 
 @pytest.mark.parametrize("temp", [0.0, -1.0, float("nan"), float("inf")])
-@pytest.mark.parametrize("kind", ["kl", "soft_ce", "mse"])
+@pytest.mark.parametrize("kind", ["kl", "soft_ce", "mse", "reverse_kl", "jsd"])
 def test_bad_temperature(temp, kind):
     s = torch.zeros(2, 5)
     with pytest.raises(ValueError, match="temperature"):
         logit_kd_loss(kind, s, s, temp)
     if kind != "mse":
         with pytest.raises(ValueError, match="temperature"):
-            KD_LOSSES[kind](s, s, temp)
+            KD_LOSSES[kind](s, s, temperature=temp)
 
 
 def test_unknown_kind_lists_known_kinds():
-    with pytest.raises(ValueError, match=r"unknown logit KD kind 'cos'.*kl.*mse.*soft_ce"):
+    with pytest.raises(ValueError, match=r"unknown logit KD kind 'cos'.*jsd.*kl.*mse.*reverse_kl.*soft_ce"):
         logit_kd_loss("cos", torch.zeros(2, 5), torch.zeros(2, 5), 1.0)
 
 

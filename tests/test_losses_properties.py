@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -12,11 +13,13 @@ from hypothesis import strategies as st
 from hf_distill.losses import (
     attention_score_mse,
     cosine_loss,
+    generalized_jsd,
     hidden_mse,
     kl_div,
     logit_mse,
     pkd_loss,
     relation_kl,
+    reverse_kl,
     soft_cross_entropy,
 )
 
@@ -81,10 +84,14 @@ def _topk(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 SPECS = [
     Spec("kl_div", "logits", lambda s, t, m, temp: kl_div(s, t, temp, m)),
-    # top-k with k < C is not zero at agreement: it equals -log(student mass on the teacher's top-k)
-    Spec(
-        "kl_div_topk", "logits", lambda s, t, m, temp: kl_div(s, _topk(t), temp, m), zero_at_agreement=False
-    ),
+    # top-k: both sides renormalised over the teacher's k ids, so a true divergence, 0 at agreement
+    Spec("kl_div_topk", "logits", lambda s, t, m, temp: kl_div(s, _topk(t), temp, m)),
+    Spec("reverse_kl", "logits", lambda s, t, m, temp: reverse_kl(s, t, temp, m)),
+    Spec("reverse_kl_topk", "logits", lambda s, t, m, temp: reverse_kl(s, _topk(t), temp, m)),
+    # beta = 0.5 is the (scaled) Jensen-Shannon divergence: symmetric in student and teacher
+    Spec("jsd", "logits", lambda s, t, m, temp: generalized_jsd(s, t, 0.5, temp, m), symmetric=True),
+    Spec("jsd_0.2", "logits", lambda s, t, m, temp: generalized_jsd(s, t, 0.2, temp, m)),
+    Spec("jsd_topk", "logits", lambda s, t, m, temp: generalized_jsd(s, _topk(t), 0.7, temp, m)),
     # soft CE is the teacher's entropy at agreement, checked separately
     Spec(
         "soft_cross_entropy",
@@ -235,3 +242,103 @@ def test_relation_kl_with_different_hidden_sizes(case, use_mask):
     t = torch.randn(2, case.batch, case.length, 2 * case.dim, generator=gen) * case.scale
     loss = relation_kl(s[0], s[1], t[0], t[1], HEADS, case.mask() if use_mask else None)
     assert torch.isfinite(loss) and loss.item() >= -SLACK
+
+
+LOGIT_DIVERGENCES = [spec for spec in SPECS if spec.kind == "logits" and spec.zero_at_agreement]
+
+
+def _logits(case: Case, offset: int, length: int | None = None, scale: float | None = None) -> torch.Tensor:
+    return make(SPECS[0], case, offset, length, scale)
+
+
+@settings(max_examples=40, deadline=None)
+@given(cases(), st.floats(0.0, 1.0), st.booleans(), st.booleans())
+def test_jsd_nonnegative_and_zero_at_agreement_for_any_beta(case, beta, sparse, use_mask):
+    mask = case.mask() if use_mask else None
+    s, t = _logits(case, 0).requires_grad_(True), _logits(case, 1)
+    teacher = _topk(t) if sparse else t
+    loss = generalized_jsd(s, teacher, beta, case.temperature, mask)
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+    assert loss.item() >= -SLACK * max(1.0, case.temperature**2), loss.item()
+    (grad,) = torch.autograd.grad(loss, s)
+    assert torch.isfinite(grad).all()
+    same = generalized_jsd(t.clone(), teacher, beta, case.temperature, mask)
+    assert abs(same.item()) < 1e-6, same.item()
+
+
+def _chi_squared(s: torch.Tensor, teacher, temperature: float, mask: torch.Tensor | None):
+    """Mean over real items of chi^2(P || Q) and chi^2(Q || P) in float64, on the teacher's (top-k) support."""
+    if isinstance(teacher, tuple):
+        t, s = teacher[0].double(), s.double().gather(-1, teacher[1])
+    else:
+        t, s = teacher.double(), s.double()
+    log_p, log_q = torch.log_softmax(t / temperature, -1), torch.log_softmax(s / temperature, -1)
+    pq = (2 * log_p - log_q).exp().sum(-1) - 1
+    qp = (2 * log_q - log_p).exp().sum(-1) - 1
+    real = torch.ones(pq.shape, dtype=torch.bool) if mask is None else mask != 0
+    if not real.any():
+        return 0.0, 0.0
+    return pq[real].mean().item(), qp[real].mean().item()
+
+
+@settings(max_examples=40, deadline=None)
+@given(cases(max_scale=0), st.booleans(), st.booleans())
+def test_jsd_small_beta_limits_are_forward_and_reverse_kl(case, sparse, use_mask):
+    """JSD(beta) / beta -> KL(P || Q) as beta -> 0 and JSD(beta) / (1 - beta) -> KL(Q || P) as beta -> 1.
+
+    The endpoints themselves are kl_div and reverse_kl exactly (TRL's convention). For the interior,
+    ``-beta * chi2(P || Q) <= JSD(beta) / beta - KL(P || Q) <= beta * chi2(P || Q) - log(1 - beta)`` (from
+    ``x / (1 + x) <= log(1 + x) <= x``), and the mirror image with ``chi2(Q || P)`` near 1; both are checked
+    at beta = 1e-3 with float32 rounding on top.
+    """
+    mask = case.mask() if use_mask else None
+    s, t = _logits(case, 0), _logits(case, 1)
+    teacher = _topk(t) if sparse else t
+    temp = case.temperature
+    forward, reverse = kl_div(s, teacher, temp, mask), reverse_kl(s, teacher, temp, mask)
+    assert torch.equal(generalized_jsd(s, teacher, 0.0, temp, mask), forward)
+    assert torch.equal(generalized_jsd(s, teacher, 1.0, temp, mask), reverse)
+    eps = 1e-3
+    chi2_pq, chi2_qp = _chi_squared(s, teacher, temp, mask)
+    rounding = 1e-4  # 10x the largest float32 error seen in 300 examples
+    near_zero = generalized_jsd(s, teacher, eps, temp, mask).item() / eps
+    near_one = generalized_jsd(s, teacher, 1 - eps, temp, mask).item() / eps
+    for near, limit, chi2 in ((near_zero, forward.item(), chi2_pq), (near_one, reverse.item(), chi2_qp)):
+        low = limit - temp**2 * (eps * chi2 + rounding)
+        high = limit + temp**2 * (eps * chi2 - math.log1p(-eps) + rounding)
+        assert low <= near <= high, (near, limit, chi2)
+
+
+@settings(max_examples=40, deadline=None)
+@given(cases(), st.booleans())
+def test_bf16_inputs_give_float32_results(case, use_mask):
+    """bf16 logits are upcast first: the result is float32 and equals the loss of the upcast inputs."""
+    mask = case.mask() if use_mask else None
+    for i, spec in enumerate(LOGIT_DIVERGENCES):
+        s = _logits(case, 2 * i).to(torch.bfloat16)
+        t = _logits(case, 2 * i + 1).to(torch.bfloat16)
+        low = evaluate(spec, case, s, t, mask)
+        assert low.dtype == torch.float32, spec.name
+        torch.testing.assert_close(low, evaluate(spec, case, s.float(), t.float(), mask), rtol=0, atol=0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(cases(), st.integers(1, 3), st.sampled_from([1e4, float("inf"), float("nan")]))
+def test_padding_affects_neither_value_nor_gradient_of_logit_divergences(case, extra, garbage):
+    longer = case.length + extra
+    for i, spec in enumerate(LOGIT_DIVERGENCES):
+        s, t = _logits(case, 2 * i), _logits(case, 2 * i + 1)
+        s_long = torch.full((case.batch, longer, case.classes), garbage)
+        t_long = torch.full((case.batch, longer, case.classes), -garbage)
+        s_long[:, : case.length], t_long[:, : case.length] = s, t
+        pad = case.mask(longer) == 0
+        s_long[pad], t_long[pad] = garbage, -garbage  # padded positions inside the original length too
+        s_ref = torch.where(pad[:, : case.length, None], 0.0, s).requires_grad_(True)
+        s_long.requires_grad_(True)
+        loss = evaluate(spec, case, s_long, t_long, case.mask(longer))
+        base = evaluate(spec, case, s_ref, torch.where(pad[:, : case.length, None], 0.0, t), case.mask())
+        assert_close(loss, base, spec.name)
+        (grad,) = torch.autograd.grad(loss, s_long)
+        (grad_ref,) = torch.autograd.grad(base, s_ref)
+        assert (grad[pad] == 0).all(), spec.name
+        assert_close(grad[:, : case.length], grad_ref, spec.name)
