@@ -24,7 +24,7 @@ from .terms import DistillTerm, parse_terms
 
 logger = logging.get_logger(__name__)
 
-KD_LOSS_KINDS = ("kl", "soft_ce", "mse")
+KD_LOSS_KINDS = ("kl", "soft_ce", "mse", "reverse_kl", "jsd")
 PROJECTION_KINDS = ("shared", "per_layer", "none")
 KD_TOKEN_MASKS = ("attention", "labels")
 MULTI_TEACHER_MODES = ("probs", "losses")
@@ -55,8 +55,16 @@ class DistillationArguments(TrainingArguments):
         default=None,
         metadata={
             "help": "Logit-distillation loss: `kl` (T**2 * KL(teacher || student), DistilBERT), `soft_ce` "
-            "(soft cross-entropy without T**2, TinyBERT) or `mse` (squared error of logits, Tang et al. "
-            "2019 BiLSTM students)." + _GIVEN_WINS.format("kl")
+            "(soft cross-entropy without T**2, TinyBERT), `mse` (squared error of logits, Tang et al. "
+            "2019 BiLSTM students), `reverse_kl` (T**2 * KL(student || teacher), MiniLLM) or `jsd` (generalized "
+            "Jensen-Shannon divergence of GKD, Agarwal et al. 2024, with `jsd_beta`)." + _GIVEN_WINS.format("kl")
+        },
+    )
+    jsd_beta: float = field(
+        default=0.5,
+        metadata={
+            "help": "`kd_loss=jsd` only: the mixture weight beta of the generalized JSD (TRL's GKD convention): 0 is "
+            "the forward KL (`kl`), 1 the reverse KL (`reverse_kl`), 0.5 the symmetric JSD. Must be in [0, 1]."
         },
     )
     kd_weight: float | None = field(
@@ -189,6 +197,11 @@ class DistillationArguments(TrainingArguments):
             raise ValueError(
                 f"DistillationArguments.kd_loss={self.kd_loss!r} is unknown. Known: {', '.join(KD_LOSS_KINDS)}."
             )
+        if not (isinstance(self.jsd_beta, int | float) and 0.0 <= self.jsd_beta <= 1.0):
+            raise ValueError(
+                f"DistillationArguments.jsd_beta must be in [0, 1] (0 = forward KL, 1 = reverse KL), got "
+                f"{self.jsd_beta!r}."
+            )
         if self.projection not in PROJECTION_KINDS:
             raise ValueError(
                 f"DistillationArguments.projection={self.projection!r} is unknown. "
@@ -236,6 +249,7 @@ class DistillationArguments(TrainingArguments):
         return {
             "temperature": self.temperature,
             "kd_loss": self.kd_loss,
+            **({"jsd_beta": self.jsd_beta} if self.kd_loss == "jsd" else {}),
             "kd_weight": self.kd_weight,
             "task_weight": self.task_weight,
             "distill_preset": self.distill_preset,

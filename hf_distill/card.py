@@ -106,7 +106,8 @@ _AUTO_CLASSES = {
     "multiple-choice": "AutoModelForMultipleChoice",
     "text-generation": "AutoModelForCausalLM",
 }
-_KD_LOSSES = {"kl": "KL divergence x T^2", "soft_ce": "soft cross-entropy", "mse": "MSE of logits"}
+_KD_LOSSES = {"kl": "KL divergence x T^2", "soft_ce": "soft cross-entropy", "mse": "MSE of logits",
+              "reverse_kl": "reverse KL divergence x T^2", "jsd": "generalized JSD x T^2"}
 _TRAINING_ROWS = (
     ("learning_rate", "Learning rate"),
     ("epochs", "Epochs"),

@@ -389,7 +389,7 @@ class DistillationTrainer(Trainer):
         if head is Head.MULTI_LABEL and kind != "mse":
             fn = losses.binary_kl_div if kind == "kl" else losses.binary_soft_cross_entropy
             return fn(s, t, T)
-        return losses.logit_kd_loss(kind, s, t, T, mask=mask)
+        return losses.logit_kd_loss(kind, s, t, T, mask=mask, beta=self.args.jsd_beta)
 
     # ------------------------------------------------------------------ logging
 

@@ -336,3 +336,28 @@ def test_arguments_parse_from_command_line_and_yaml(tmp_path):
     cfg.write_text(f"output_dir: {tmp_path}\ntemperature: 3.0\nkd_loss: mse\nuse_cpu: true\n")
     (from_yaml,) = parser.parse_yaml_file(str(cfg))
     assert (from_yaml.temperature, from_yaml.kd_loss) == (3.0, "mse")
+
+
+@pytest.mark.parametrize(("kind", "beta"), [("jsd", 0.3), ("reverse_kl", 0.5)])
+def test_jsd_and_reverse_kl_are_the_kd_term(tmp_path, kind, beta):
+    import copy
+
+    data = token_dataset(8)
+    student, teacher = bert(2), make_teacher()
+    s0, t0 = copy.deepcopy(student), copy.deepcopy(teacher)
+    trainer = _train(tmp_path, student, teacher, data=data, kd_loss=kind, jsd_beta=beta, max_steps=1,
+                     per_device_train_batch_size=8, temperature=2.0)
+    batch = collate([data[i] for i in range(8)])
+    with torch.no_grad():
+        s = s0(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        t = t0(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    expected = losses.generalized_jsd(s, t, beta=beta, temperature=2.0) if kind == "jsd" else losses.reverse_kl(
+        s, t, 2.0)
+    assert _logs(trainer)[0]["loss_kd"] == pytest.approx(float(expected), rel=1e-5)
+    assert float(expected) > 1e-3
+
+
+@pytest.mark.parametrize("beta", [-0.1, 1.5])
+def test_jsd_beta_outside_the_unit_interval_is_refused(tmp_path, beta):
+    with pytest.raises(ValueError, match="jsd_beta"):
+        args(tmp_path, kd_loss="jsd", jsd_beta=beta)
