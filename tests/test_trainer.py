@@ -243,7 +243,7 @@ def test_bilstm_student_learns_from_bert_teacher(tmp_path):
         ("temperature", -1.0, "temperature must be > 0"),
         ("kd_weight", -0.1, "kd_weight must be >= 0"),
         ("task_weight", -1.0, "task_weight must be >= 0"),
-        ("kd_loss", "jsd", "kd_loss='jsd' is unknown. Known: kl, soft_ce, mse"),
+        ("kd_loss", "js", "kd_loss='js' is unknown. Known: kl, soft_ce, mse, reverse_kl, jsd"),
         ("projection", "mlp", "projection='mlp' is unknown"),
     ],
 )
