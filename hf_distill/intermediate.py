@@ -20,7 +20,7 @@ from . import layer_map, losses
 from .collators import TEACHER_PREFIX
 from .projections import Projections
 from .taps import Features, FeatureTaps, ModelInfo, TapRequest, attention_scores, model_info
-from .terms import DistillTerm, parse_terms
+from .terms import DistillTerm, check_incremental_pairs, parse_terms
 
 
 class IntermediateDistiller:
@@ -47,6 +47,9 @@ class IntermediateDistiller:
             feature = term.feature
             pairs = layer_map.resolve(term.layers, s.num_layers, t.num_layers, feature == "hidden", what)
             heads = None
+            if term.loss == "incremental_mse":
+                check_incremental_pairs(pairs, what)
+                pairs = sorted(pairs, key=lambda p: p[1])  # by teacher layer: each target needs the next one up
             if feature in ("hidden", "cls"):
                 if s.hidden_size != t.hidden_size:
                     if projection == "none":
@@ -151,9 +154,10 @@ class IntermediateDistiller:
 
     def count_kinds(self) -> dict[str, str | None]:
         """Per component, the positions its value is a mean over (hf_distill.normalise): real tokens for
-        hidden_mse/cosine_loss, real (query, key) pairs for attention_score_mse, None for the per-row terms
-        (relation_kl averages per example, pkd_loss per row)."""
-        kinds = {"hidden_mse": "tokens", "cosine_loss": "tokens", "attention_score_mse": "pairs"}
+        hidden_mse/cosine_loss/incremental_mse (a sum of hidden_mse means), real (query, key) pairs for
+        attention_score_mse, None for the per-row terms (relation_kl averages per example, pkd_loss per row)."""
+        kinds = {"hidden_mse": "tokens", "cosine_loss": "tokens", "incremental_mse": "tokens",
+                 "attention_score_mse": "pairs"}
         return {n: kinds.get(t.loss) for t, _, _ in self.bound for n in t.component_names()}
 
     def weights(self) -> dict[str, float]:
@@ -179,6 +183,12 @@ class IntermediateDistiller:
             if term.loss in ("hidden_mse", "cosine_loss"):
                 fn = losses.FEATURE_LOSSES[term.loss]
                 out[term.name] = sum(fn(self._project(s.hidden[a], a), t.hidden[b], mask) for a, b in pairs)
+            elif term.loss == "incremental_mse":
+                targets = incremental_targets(t.hidden, [b for _, b in pairs])
+                out[term.name] = sum(
+                    losses.hidden_mse(self._project(s.hidden[a], a), target, mask)
+                    for (a, _), target in zip(pairs, targets, strict=True)
+                )
             elif term.loss == "pkd_loss":
                 out[term.name] = sum(
                     losses.pkd_loss(self._project(s.hidden[a][:, 0], a), t.hidden[b][:, 0]) for a, b in pairs
@@ -200,6 +210,13 @@ class IntermediateDistiller:
                         for a, b in pairs
                     )
         return out
+
+
+def incremental_targets(hidden: dict[int, torch.Tensor], layers: list[int]) -> list[torch.Tensor]:
+    """incremental_mse's targets for teacher `layers` in increasing order: `F_T(l_i) - F_T(l_{i+1})` for every
+    layer but the top one, and `F_T(l_top)` itself (differences in float32, as teacher features may be bf16)."""
+    diffs = [hidden[lo].float() - hidden[hi].float() for lo, hi in zip(layers, layers[1:])]
+    return [*diffs, hidden[layers[-1]]]
 
 
 def _union(requests) -> TapRequest:

@@ -19,6 +19,7 @@ LOSS_FEATURE = {
     "attention_score_mse": "attention",
     "relation_kl": "qkv",
     "pkd_loss": "cls",
+    "incremental_mse": "hidden",
 }
 RELATIONS = ("qq", "kk", "vv", "qk")
 _DEFAULT_NAMES = {
@@ -27,6 +28,7 @@ _DEFAULT_NAMES = {
     "attention_score_mse": "attention",
     "relation_kl": "relation",
     "pkd_loss": "pkd",
+    "incremental_mse": "incremental",
 }
 _KEYS = ("loss", "layers", "weight", "name", "relations", "relation_heads")
 
@@ -36,6 +38,7 @@ class DistillTerm:
     """One intermediate-layer term of the total loss.
 
     `layers` is `"uniform"`, `"last"` or a list of `(student_layer, teacher_layer)` pairs.
+    `incremental_mse` needs two pairs at least (so not `"last"`), each teacher layer once.
     `relations` and `relation_heads` are for `relation_kl` only: `qk` is MiniLM's attention relation,
     `vv` its value relation, `qq`/`kk`/`vv` MiniLMv2's; `relation_heads=None` uses each model's own heads.
     """
@@ -57,6 +60,15 @@ class DistillTerm:
                 self.layers = _parse_pairs(self.layers)
         else:
             self.layers = [_pair(p) for p in self.layers]
+        if self.loss == "incremental_mse":
+            if self.layers == "last":
+                raise ValueError(
+                    "distill_terms: incremental_mse cannot use layers=last: its targets are differences between "
+                    "consecutive mapped teacher layers, so it needs at least two layer pairs. Use `uniform` or "
+                    "student:teacher pairs such as `0:0;1:2;2:4`."
+                )
+            if not isinstance(self.layers, str):
+                check_incremental_pairs(self.layers)
         self.weight = float(self.weight)
         if self.weight < 0:
             raise ValueError(f"distill_terms: weight of the {self.loss} term must be >= 0, got {self.weight}.")
@@ -96,6 +108,25 @@ class DistillTerm:
             d.pop("relations")
             d.pop("relation_heads")
         return d
+
+
+def check_incremental_pairs(pairs: list[tuple[int, int]], what: str = "distill_terms: incremental_mse") -> None:
+    """incremental_mse's targets are differences between consecutive mapped teacher layers: a map needs two
+    pairs at least, and each teacher layer once (a repeated layer would make its own difference zero)."""
+    if len(pairs) < 2:
+        raise ValueError(
+            f"{what}: the layer map {pairs} holds {len(pairs)} pair(s); incremental_mse needs at least two "
+            "(its targets are differences between consecutive mapped teacher layers). Map more layers, "
+            "e.g. `uniform` or `0:0;1:2;2:4`, or use hidden_mse for a single pair."
+        )
+    teacher = [t for _, t in pairs]
+    repeated = sorted({t for t in teacher if teacher.count(t) > 1})
+    if repeated:
+        raise ValueError(
+            f"{what}: teacher layer(s) {repeated} appear in more than one pair of {pairs}; incremental_mse "
+            "compares each student layer with the difference to the next mapped teacher layer, so each teacher "
+            "layer may be mapped once."
+        )
 
 
 def _pair(p: Any) -> tuple[int, int]:

@@ -228,3 +228,85 @@ def test_presets_fill_terms_and_keep_explicit_values(tmp_path):
                                 "relations": ["qk", "vv"], "relation_heads": None}]
     with pytest.raises(ValueError, match="distill_preset='tinybert' is unknown"):
         args(tmp_path, distill_preset="tinybert")
+
+
+# ---------------------------------------------------------------- incremental_mse (two-stage feature distillation)
+
+
+@pytest.mark.parametrize("hidden", [32, 16], ids=["same_width", "projected"])
+@pytest.mark.parametrize(
+    ("layers", "pairs"),
+    [("uniform", [(0, 0), (1, 2), (2, 4)]), ("2:4;1:1;0:3", [(1, 1), (0, 3), (2, 4)])],
+    ids=["uniform", "explicit_unsorted"],
+)
+def test_incremental_mse_equals_hand_computation_from_eager(tmp_path, hidden, layers, pairs):
+    """Targets: the top pair's teacher feature, every lower pair's teacher feature minus the next mapped one
+    (pairs sorted by teacher layer), student features through the projection; padded rows."""
+    student = bert(layers=2, hidden=hidden, seed=3)
+    teacher = make_teacher(layers=4)
+    terms = [f"loss=hidden_mse,layers={layers}", f"loss=incremental_mse,layers={layers},weight=0.5"]
+    trainer = DistillationTrainer(model=student, teacher_model=teacher, args=args(tmp_path, distill_terms=terms,
+                                  kd_weight=0.0, task_weight=0.0), data_collator=collate)
+    batch = collate([token_dataset(6, seed=4)[i] for i in range(6)])
+    mask = batch["attention_mask"]
+    assert (mask == 0).any()  # padding is really there
+    loss = trainer.compute_loss(student.train(), dict(batch))
+    got = trainer.tracker.pop_means()
+    assert set(got) == {"hidden", "incremental"}
+
+    sh, _ = _eager_features(student, batch, BERT_PATHS)
+    with torch.no_grad():
+        th, _ = _eager_features(teacher, batch, BERT_PATHS)
+    proj = trainer.intermediate.projections
+    assert (proj is not None) == (hidden != 32)
+
+    def p(x, layer):
+        return x if proj is None else proj(x, layer)
+
+    want_hidden = sum(losses.hidden_mse(p(sh[a], a), th[b], mask) for a, b in pairs)
+    targets = [th[b] - th[c] for (_, b), (_, c) in zip(pairs, pairs[1:])] + [th[pairs[-1][1]]]
+    want_incr = sum(losses.hidden_mse(p(sh[a], a), tgt, mask) for (a, _), tgt in zip(pairs, targets))
+    assert got["hidden"] == pytest.approx(want_hidden.item(), rel=1e-5)
+    assert got["incremental"] == pytest.approx(want_incr.item(), rel=1e-5)
+    assert got["incremental"] != pytest.approx(got["hidden"], rel=1e-3)  # the targets really differ
+    assert loss.item() == pytest.approx(want_hidden.item() + 0.5 * want_incr.item(), rel=1e-5)
+    assert trainer.intermediate.count_kinds()["incremental"] == "tokens"
+
+
+def test_incremental_mse_under_gradient_accumulation_gives_the_big_batch_update(tmp_path):
+    """A sum of token means: normalised over the optimizer step's tokens like hidden_mse (rows of 3-12 tokens)."""
+    runs = []
+    for name, extra in (("big", dict(per_device_train_batch_size=8)),
+                        ("acc", dict(per_device_train_batch_size=4, gradient_accumulation_steps=2))):
+        a = args(tmp_path / name, distill_terms=["loss=incremental_mse,layers=uniform"], kd_weight=0.0,
+                 task_weight=0.0, max_steps=2, optim="sgd", learning_rate=0.5, **extra)
+        trainer = DistillationTrainer(model=bert(2, hidden=16, seed=0), teacher_model=make_teacher(), args=a,
+                                      train_dataset=token_dataset(32), data_collator=collate)
+        trainer.train()
+        runs.append(trainer)
+    big, acc = runs
+    torch.testing.assert_close(flat_params(acc.model), flat_params(big.model), atol=1e-6, rtol=0)
+    logs = [[r["loss_incremental"] for r in t.state.log_history if "loss_incremental" in r] for t in runs]
+    assert len(logs[0]) == 2 and logs[1] == pytest.approx(logs[0], rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("loss=incremental_mse,layers=last", "cannot use layers=last.*at least two layer pairs"),
+        ("loss=incremental_mse,layers=2:4", r"holds 1 pair\(s\); incremental_mse needs at least two"),
+        ("loss=incremental_mse,layers=1:2;2:2", r"teacher layer\(s\) \[2\] appear in more than one pair"),
+        ("loss=incremental_mse,weight=-0.5", "weight of the incremental_mse term must be >= 0"),
+    ],
+)
+def test_bad_incremental_specs_fail_before_training(tmp_path, spec, message):
+    with pytest.raises(ValueError, match=message):
+        args(tmp_path, distill_terms=[spec])
+
+
+def test_incremental_mse_names_the_term_in_trainer_errors(tmp_path):
+    """Errors found when binding to the models (here: out of range) name the term, as for every term."""
+    with pytest.raises(ValueError, match=r"distill_terms\[incremental\] \(incremental_mse\): teacher layer 9"):
+        DistillationTrainer(model=bert(2), teacher_model=make_teacher(),
+                            args=args(tmp_path, distill_terms=["loss=incremental_mse,layers=1:2;2:9"]),
+                            data_collator=collate)
