@@ -15,7 +15,12 @@ What the paper and the reference code (huawei-noah `Pretrained-Language-Model/Ti
 
 What this recipe does (one command):
 1. general distillation on `corpus_files` when `general_epochs > 0`: the same intermediate terms between
-   the general teacher and a `students.shrink` student;
+   the general teacher and a `students.shrink` student; with `incremental_epochs > 0` a second general phase
+   follows in the same Trainer (`StageSwitchCallback`, so a checkpoint resumes in the right phase):
+   hidden + attention + `incremental_weight` x `incremental_mse` (incremental feature distillation: each
+   student layer also learns the difference between its teacher layer and the next mapped one, the top layer
+   the teacher feature itself; same hidden map and projection), with its own linear schedule and warm-up and a
+   fresh optimizer state, as if it were a second run started from the first phase's student;
 2. augmentation when `augment_n > 0` (`hf_distill.augment`), of the first `augment_rows` training rows;
 3. task distillation with `StageSwitchCallback`: stage 1 (hidden + attention terms) for
    `intermediate_epochs`, then stage 2 (the DistillationArguments' logit loss: soft_ce, T = 1, no labels in
@@ -76,6 +81,17 @@ class TinyBertArguments:
     general_epochs: float = field(default=0.0, metadata={"help": "Epochs of general distillation (0: skip)."})
     general_learning_rate: float = field(default=5e-5, metadata={"help": "General step lr (reference: 5e-5)."})
     general_warmup_ratio: float = field(default=0.1, metadata={"help": "General step warm-up share (ref.: 0.1)."})
+    incremental_epochs: float = field(
+        default=0.0, metadata={"help": "Epochs of a second general phase after the first (0: none): hidden + "
+                               "attention + incremental_weight x incremental_mse (incremental feature distillation)."}
+    )
+    incremental_weight: float | None = field(
+        default=None, metadata={"help": "lambda, the weight of incremental_mse in the second general phase (>= 0; "
+                                "default 1.0 when incremental_epochs > 0)."}
+    )
+    incremental_learning_rate: float | None = field(
+        default=None, metadata={"help": "Peak lr of the second general phase; default: general_learning_rate."}
+    )
     augment_n: int = field(default=0, metadata={"help": "Augmented copies per sentence (paper: 20; 0: none)."})
     augment_p: float = field(default=0.4, metadata={"help": "Replacement probability per word (paper: 0.4)."})
     augment_m: int = field(default=15, metadata={"help": "Candidates per word (paper: 15)."})
@@ -109,25 +125,88 @@ def intermediate_terms(recipe: TinyBertArguments, weight: float = 1.0) -> list[d
              "name": "attention"}]
 
 
-def general_distillation(margs, data, recipe, args, tokenizer, corpus) -> str:
-    """Intermediate-layer distillation of a random student from the pre-trained teacher on the corpus."""
+def incremental_term(recipe: TinyBertArguments, weight: float = 0.0) -> dict:
+    """The second general phase's extra term, on the hidden-state map (so through the same projection)."""
+    return {"loss": "incremental_mse", "layers": recipe.hidden_layer_map, "weight": weight, "name": "incremental"}
+
+
+def check_general(recipe: TinyBertArguments, data: DataArguments) -> None:
+    """Refuse general phases that cannot run, before anything is loaded."""
+    from hf_distill.terms import parse_term
+
+    if not 0 <= recipe.general_warmup_ratio < 1:
+        fail(f"general_warmup_ratio is a share of the general steps, in [0, 1): got {recipe.general_warmup_ratio:g}")
+    if recipe.incremental_epochs < 0:
+        fail(f"incremental_epochs must be >= 0, got {recipe.incremental_epochs:g}")
+    if recipe.incremental_weight is not None and recipe.incremental_weight < 0:
+        fail(f"incremental_weight (lambda) must be >= 0, got {recipe.incremental_weight:g}")
+    if recipe.incremental_epochs == 0:
+        if recipe.incremental_weight is not None or recipe.incremental_learning_rate is not None:
+            fail("incremental_weight / incremental_learning_rate are set but incremental_epochs is 0: set "
+                 "incremental_epochs > 0 to run the incremental phase, or drop them")
+        return
+    if not data.corpus_files or recipe.general_epochs <= 0:
+        fail("incremental_epochs > 0 runs a second general-distillation phase after the first: it needs "
+             "corpus_files and general_epochs > 0")
+    if recipe.incremental_learning_rate is not None and recipe.incremental_learning_rate <= 0:
+        fail(f"incremental_learning_rate must be > 0, got {recipe.incremental_learning_rate:g}")
+    try:
+        parse_term(incremental_term(recipe))
+    except ValueError as e:
+        fail(f"hidden_layer_map {recipe.hidden_layer_map!r} cannot drive incremental_mse: {e}")
+
+
+def general_stages(recipe: TinyBertArguments) -> list:
+    """The general phase, and with `incremental_epochs` the incremental phase after it, as `Stage`s: each with
+    its own linear schedule and warm-up (the phases' lengths differ), the second with a fresh optimizer state."""
+    from hf_distill.callbacks import Stage
+
+    names = [t["name"] for t in intermediate_terms(recipe)]
+    incremental = recipe.incremental_epochs > 0
+    # The last stage's end is the run's (until_epoch only labels it in the card's stage list).
+    first = Stage(until_epoch=recipe.general_epochs, name="general",
+                  term_weights={**dict.fromkeys(names, 1.0), **({"incremental": 0.0} if incremental else {})},
+                  learning_rate=recipe.general_learning_rate, lr_scheduler_type="linear",
+                  warmup_ratio=recipe.general_warmup_ratio)
+    if not incremental:
+        return [first]
+    weight = 1.0 if recipe.incremental_weight is None else recipe.incremental_weight
+    end = recipe.general_epochs + recipe.incremental_epochs
+    return [first, Stage(until_epoch=end, name="general_incremental",
+                         term_weights={**dict.fromkeys(names, 1.0), "incremental": weight},
+                         learning_rate=recipe.incremental_learning_rate or recipe.general_learning_rate,
+                         lr_scheduler_type="linear", warmup_ratio=recipe.general_warmup_ratio, reset_optimizer=True)]
+
+
+def general_distillation(margs, data, recipe, args, tokenizer, corpus) -> tuple[str, list[str]]:
+    """Intermediate-layer distillation of a random student from the pre-trained teacher on the corpus, then
+    (`incremental_epochs`) the incremental phase in the same run. Returns the student folder and the phases."""
     from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
+
+    from hf_distill.callbacks import StageSwitchCallback
 
     # Sequence-classification wrappers give both models `logits`; the head is never trained or used here.
     teacher = load_model(AutoModelForSequenceClassification, margs.general_teacher or margs.teacher, "teacher")
     student = build_student(margs, teacher, AutoModelForSequenceClassification, args.seed)
+    stages = general_stages(recipe)
+    terms, callbacks = intermediate_terms(recipe), []
+    if len(stages) > 1:  # the stage switch sets each phase's weights and lr schedule
+        terms.append(incremental_term(recipe))
+        callbacks.append(StageSwitchCallback(stages))
     gargs = dataclasses.replace(
-        args, output_dir=f"{args.output_dir}/general", num_train_epochs=recipe.general_epochs,
+        args, output_dir=f"{args.output_dir}/general",
+        num_train_epochs=recipe.general_epochs + recipe.incremental_epochs,
         learning_rate=recipe.general_learning_rate, warmup_steps=recipe.general_warmup_ratio,
         lr_scheduler_type="linear", distill_preset=None, kd_weight=0.0, task_weight=0.0,
-        distill_terms=intermediate_terms(recipe), eval_strategy="no", train_sampling_strategy="random",
+        distill_terms=terms, eval_strategy="no", train_sampling_strategy="random",
         load_best_model_at_end=False,
     )
     trainer = DistillationTrainer(model=student, teacher_model=teacher, args=gargs, train_dataset=corpus,
-                                  data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer)
+                                  data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer,
+                                  callbacks=callbacks)
     trainer.train()
     trainer.save_model()
-    return gargs.output_dir
+    return gargs.output_dir, [s.describe() for s in stages]
 
 
 def augment(train, data, recipe, margs, args, tokenizer, corpus):
@@ -171,6 +250,7 @@ def main() -> None:
 
     if not margs.teacher:
         fail("set teacher (the fine-tuned task teacher; general_teacher is the pre-trained one)")
+    check_general(recipe, data)
     set_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(margs.general_teacher or margs.teacher)
     results = {"recipe": "tinybert", "command": command_line(), "config": config}
@@ -179,10 +259,14 @@ def main() -> None:
     # 1. General distillation: a random student learns the pre-trained teacher's intermediate layers.
     if corpus is not None and recipe.general_epochs > 0:
         t0 = time.time()
-        general_dir = general_distillation(margs, data, recipe, args, tokenizer, corpus)
+        general_dir, phases = general_distillation(margs, data, recipe, args, tokenizer, corpus)
         margs = dataclasses.replace(margs, student=general_dir, student_layers=None)
         results.update(general_epochs=recipe.general_epochs, general_student=general_dir,
-                       general_s=time.time() - t0, corpus_blocks=len(corpus))
+                       general_s=time.time() - t0, corpus_blocks=len(corpus), general_stages=phases,
+                       stages=list(phases))  # the card's stage list: general phase(s), then the task stages
+        if recipe.incremental_epochs > 0:
+            results.update(incremental_epochs=recipe.incremental_epochs,
+                           incremental_weight=1.0 if recipe.incremental_weight is None else recipe.incremental_weight)
 
     # 2. Task data, augmented.
     train, valid = load_task(data)
@@ -221,7 +305,7 @@ def main() -> None:
         ])
         args = dataclasses.replace(args, distill_preset=None, distill_terms=intermediate_terms(recipe))
         callbacks.append(switch)
-        results["stages"] = switch.describe()
+        results["stages"] = results.get("stages", []) + switch.describe()
     needs_teacher = args.kd_weight > 0 or bool(args.terms)
     collator = DataCollatorWithPadding(tokenizer)
     if args.kd_weight > 0 and recipe.cache_teacher:

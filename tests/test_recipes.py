@@ -65,7 +65,10 @@ def env(tmp_path_factory) -> dict[str, Path]:
 
 
 def run(recipe: str, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    # PYTHONPATH: the recipes import this checkout's hf_distill, not whichever copy is installed (editable or not).
+    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": path}
     return subprocess.run([sys.executable, str(RECIPES / f"{recipe}.py"), *map(str, args)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
 
@@ -122,12 +125,72 @@ def test_tinybert_general_augment_two_stages_on_pairs(env, tmp_path):
                "--intermediate_epochs", "1", "--num_train_epochs", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = check_results(out)
-    assert results["augmented_rows"] > 48 and len(results["stages"]) == 2
+    assert results["augmented_rows"] > 48 and len(results["stages"]) == 3  # general, intermediate, prediction
+    assert results["stages"][0].startswith("general:") and len(results["general_stages"]) == 1
+    assert "incremental_epochs" not in results and "loss_incremental" not in proc.stdout + proc.stderr
     assert results["cached_teacher_logits"] == results["train_rows"]  # stage 2 read the teacher's logits
     assert "MLM head step" in proc.stdout
     logs = proc.stdout + proc.stderr
     assert "loss_hidden" in logs and "loss_attention" in logs and "loss_kd" in logs
     assert json.loads((out / "config.json").read_text())["hidden_size"] == 16
+
+
+def _log_records(text: str) -> list[dict]:
+    """The Trainer's printed log dicts (one per logging step)."""
+    import ast
+
+    return [ast.literal_eval(line.strip()) for line in text.splitlines() if line.strip().startswith("{'loss'")]
+
+
+def test_tinybert_incremental_general_phase(env, tmp_path):
+    """General distillation, then the incremental phase (hidden + attention + 0.5 x incremental_mse, fresh linear
+    schedule) in the same run through the stage switch; recorded in results.json's stages (the card's list)."""
+    out = tmp_path / "out"
+    proc = run("tinybert", "--config", RECIPES / "configs" / "tinybert_sst2.yaml", *common_flags(env, out),
+               "--general_teacher", env["teacher"], "--student", "", "--student_num_layers", "2",
+               "--student_hidden_size", "16", "--student_num_heads", "4", "--student_intermediate_size", "32",
+               "--hidden_layer_map", "0:0;1:2;2:4", "--attention_layer_map", "1:2;2:4",
+               "--corpus_files", env["corpus"], "--corpus_block_size", "24", "--general_epochs", "1",
+               "--incremental_epochs", "1", "--incremental_weight", "0.5", "--augment_n", "0",
+               "--intermediate_epochs", "0", "--max_train_rows", "16")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = check_results(out)
+    assert results["incremental_epochs"] == 1 and results["incremental_weight"] == 0.5
+    assert results["stages"] == results["general_stages"] and len(results["stages"]) == 2
+    assert results["stages"][1].startswith("general_incremental:") and "weight_incremental=0.5" in results["stages"][1]
+    assert "fresh optimizer state" in results["stages"][1]
+    general = [r for r in _log_records(proc.stdout + proc.stderr) if "loss_hidden" in r]
+    first = [r for r in general if r["distill_stage"] == 0]
+    second = [r for r in general if r["distill_stage"] == 1]
+    assert first and second and len(first) == len(second)  # one epoch each over the same corpus
+    assert not any("loss_incremental" in r for r in first)
+    assert all("loss_incremental" in r and "loss_attention" in r for r in second)
+    for r in second:  # logged values are rounded to 4 significant digits
+        parts = float(r["loss_hidden"]) + float(r["loss_attention"]) + 0.5 * float(r["loss_incremental"])
+        assert float(r["loss"]) == pytest.approx(parts, rel=2e-3)
+    # Each phase has its own warm-up and linear decay over its own steps: the same lr sequence twice.
+    lr_first, lr_second = ([float(r["learning_rate"]) for r in rs] for rs in (first, second))
+    assert lr_first == lr_second and lr_first[-1] < max(lr_first)
+    assert (out / "general" / "config.json").is_file()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--incremental_weight", "-0.1"], "incremental_weight (lambda) must be >= 0"),
+        (["--incremental_weight", "0.5"], "incremental_epochs is 0"),
+        ([], "it needs corpus_files and general_epochs > 0"),
+        (["--corpus_files", "c.txt", "--general_epochs", "1", "--hidden_layer_map", "4:6"],
+         "hidden_layer_map '4:6' cannot drive incremental_mse"),
+    ],
+)
+def test_tinybert_bad_incremental_phase_is_one_line(flags, message, monkeypatch, capsys):
+    argv = ["--teacher", "nowhere", *flags]
+    if "--incremental_weight" not in flags or "-0.1" in flags:
+        argv += ["--incremental_epochs", "1"]
+    assert _recipe_main("tinybert", argv, monkeypatch) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and message in err and len(err.splitlines()) == 1, err
 
 
 @pytest.mark.parametrize("has_head", [True, False])
