@@ -310,3 +310,35 @@ def test_incremental_mse_names_the_term_in_trainer_errors(tmp_path):
         DistillationTrainer(model=bert(2), teacher_model=make_teacher(),
                             args=args(tmp_path, distill_terms=["loss=incremental_mse,layers=1:2;2:9"]),
                             data_collator=collate)
+
+
+def test_incremental_phase_after_a_stage_switch_resumes_exactly(tmp_path):
+    """The recipe's two general phases (hidden, then hidden + 0.5 x incremental_mse with a fresh optimizer state)
+    as one run: cut inside the second phase and resumed, it ends where the uncut run ends."""
+    from hf_distill.callbacks import Stage, StageSwitchCallback
+
+    terms = ["loss=hidden_mse,layers=uniform", "loss=incremental_mse,layers=uniform,weight=0"]
+
+    def run(out, resume=None, stop=None):
+        switch = StageSwitchCallback([
+            Stage(until_step=3, term_weights={"hidden": 1.0, "incremental": 0.0}, name="general"),
+            Stage(term_weights={"hidden": 1.0, "incremental": 0.5}, learning_rate=2e-3, lr_scheduler_type="linear",
+                  warmup_ratio=0.2, reset_optimizer=True, name="general_incremental"),
+        ])
+        a = args(out, distill_terms=terms, kd_weight=0.0, task_weight=0.0, max_steps=8, save_strategy="steps",
+                 save_steps=5, learning_rate=5e-3)
+        trainer = DistillationTrainer(model=bert(layers=2, hidden=16), teacher_model=make_teacher(), args=a,
+                                      train_dataset=token_dataset(64), data_collator=collate,
+                                      callbacks=[switch] + ([_StopAt(stop)] if stop else []))
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    full = run(tmp_path / "full")
+    logged = [r for r in full.state.log_history if "loss_hidden" in r]
+    assert ["loss_incremental" in r for r in logged] == [False] * 3 + [True] * 5
+    run(tmp_path / "cut", stop=5)
+    resumed = run(tmp_path / "cut", resume=str(tmp_path / "cut" / "out" / "checkpoint-5"))
+    assert resumed.state.global_step == 8
+    torch.testing.assert_close(flat_params(resumed.model), flat_params(full.model), atol=1e-6, rtol=0)
+    torch.testing.assert_close(flat_params(resumed.intermediate.projections),
+                               flat_params(full.intermediate.projections), atol=1e-6, rtol=0)
