@@ -342,3 +342,25 @@ def test_incremental_phase_after_a_stage_switch_resumes_exactly(tmp_path):
     torch.testing.assert_close(flat_params(resumed.model), flat_params(full.model), atol=1e-6, rtol=0)
     torch.testing.assert_close(flat_params(resumed.intermediate.projections),
                                flat_params(full.intermediate.projections), atol=1e-6, rtol=0)
+
+
+def test_incremental_mse_from_cached_teacher_hidden_states_trains_exactly_as_online(tmp_path):
+    """The targets are built from the teacher's hidden states, so hf_distill.cache can supply them."""
+    from hf_distill.cache import cache_teacher_outputs
+
+    teacher, data = make_teacher(), token_dataset(24)
+    cached = cache_teacher_outputs(teacher, data, cache_dir=tmp_path / "cache", progress=False, batch_size=8,
+                                   hidden_layers=[0, 2, 4])
+    common = dict(distill_terms=["loss=incremental_mse,layers=uniform"], kd_weight=0.0, task_weight=0.0,
+                  optim="sgd", learning_rate=0.5, max_steps=3)
+    runs = []
+    for sub, dataset, teacher_model in (("online", data, teacher), ("offline", cached, None)):
+        t = DistillationTrainer(model=bert(2, hidden=16), teacher_model=teacher_model,
+                                args=args(tmp_path / sub, **common), train_dataset=dataset, data_collator=collate)
+        t.train()
+        runs.append(t)
+    online, offline = runs
+    assert offline.teacher is None
+    torch.testing.assert_close(flat_params(offline.model), flat_params(online.model), atol=1e-5, rtol=0)
+    values = [[r["loss_incremental"] for r in t.state.log_history if "loss_incremental" in r] for t in runs]
+    assert len(values[0]) == 3 and values[1] == pytest.approx(values[0], rel=1e-5)
