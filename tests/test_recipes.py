@@ -159,6 +159,10 @@ def test_tinybert_incremental_general_phase(env, tmp_path):
     assert results["stages"] == results["general_stages"] and len(results["stages"]) == 2
     assert results["stages"][1].startswith("general_incremental:") and "weight_incremental=0.5" in results["stages"][1]
     assert "fresh optimizer state" in results["stages"][1]
+    from hf_distill.card import write_model_card
+
+    readme = write_model_card(out).read_text()  # the card of the folder lists both phases as its stages
+    assert "- **Stages**:" in readme and all(f"{i}. {line}" in readme for i, line in enumerate(results["stages"], 1))
     general = [r for r in _log_records(proc.stdout + proc.stderr) if "loss_hidden" in r]
     first = [r for r in general if r["distill_stage"] == 0]
     second = [r for r in general if r["distill_stage"] == 1]
