@@ -212,6 +212,18 @@ def test_minilm_qnli_string_labels_with_kd(env, tmp_path):
     assert "loss_kd" in proc.stdout + proc.stderr
 
 
+def test_minilm_without_teacher_numbers_string_labels_in_sorted_order(env, tmp_path):
+    """Plain fine-tuning (no teacher to agree with): the sorted names number the classes, as stated on stdout."""
+    out = tmp_path / "out"
+    flags = [f for f in common_flags(env, out, "rte") if f != "--teacher" and f != env["teacher"]]
+    proc = run("minilm", "--config", RECIPES / "configs" / "minilm_pair.yaml", *flags, "--teacher", "",
+               "--general_teacher", env["teacher"], "--student", env["teacher"], "--kd_weight", "0",
+               "--max_length", "32", "--evaluate_teacher", "false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "sorted order" in proc.stdout
+    check_teacher_labels(out, ["entailment", "not_entailment"])
+
+
 def test_class_names_name_the_classes_of_a_teacher_without_names(env, tmp_path):
     """A teacher saved with LABEL_0/LABEL_1 only: string labels are refused until class_names gives its order."""
     out = tmp_path / "out"
@@ -314,7 +326,8 @@ def test_help_lists_every_option(recipe, monkeypatch, capsys):
     assert _recipe_main(recipe, ["--help"], monkeypatch) == 0
     out = capsys.readouterr().out
     for flag in ("--config", "--teacher", "--student_layers", "--train_file", "--text_pair_column", "--max_length",
-                 "--corpus_files", "--temperature", "--kd_weight", "--distill_terms", "--learning_rate", "--bf16"):
+                 "--corpus_files", "--temperature", "--kd_weight", "--distill_terms", "--learning_rate", "--bf16",
+                 "--class_names"):
         assert flag in out, flag
     specific = {"distilbert": "--mlm_smoothing", "tinybert": "--augment_n", "minilm": "--relation_heads"}[recipe]
     assert specific in out
