@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from transformers.trainer_utils import RemoveColumnsCollator
 
 TEACHER_PREFIX = "teacher_"
 
@@ -64,6 +65,19 @@ class TeacherOutputsCollator:
         for k, vals in teacher.items():
             batch[k] = pad_stack(vals, length, self.padding_side)
         return batch
+
+
+class KeepTeacherColumnsCollator(RemoveColumnsCollator):
+    """The Trainer's column remover for datasets that are not a `datasets.Dataset` (torch datasets, lists of
+    dicts, iterable datasets): it drops what the model's forward does not take, except `teacher_*` columns,
+    which carry cached teacher outputs (hf_distill.cache) and whose names cannot be known before the rows."""
+
+    def _remove_columns(self, feature: dict) -> dict:
+        if not isinstance(feature, dict):
+            return feature
+        kept = super()._remove_columns(feature)
+        kept.update({k: v for k, v in feature.items() if k.startswith(TEACHER_PREFIX)})
+        return kept
 
 
 # ---------------------------------------------------------------------- MLM masking (general distillation)

@@ -248,6 +248,143 @@ def test_missing_cached_features_without_teacher_are_refused(tmp_path):
                             data_collator=collate)
 
 
+# ---------------------------------------------------------------- every dataset type the Trainer accepts
+
+
+class _Rows(torch.utils.data.Dataset):
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    """Re-iterable: every `iter()` starts a new pass, as a generator-based IterableDataset does."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __iter__(self):
+        yield from self.rows
+
+
+class _OneShot(torch.utils.data.IterableDataset):
+    """Its own iterator: reading a row consumes it."""
+
+    def __init__(self, rows):
+        self.it = iter(rows)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self.it)
+
+
+def _as(kind: str, data):
+    rows = [data[i] for i in range(len(data))]
+    if kind == "torch-map":
+        return _Rows(rows)
+    if kind == "list":
+        return rows
+    if kind == "torch-iterable":
+        return _Stream(rows)
+    assert kind == "hf-iterable"
+    return data.with_format(None).to_iterable_dataset()  # a formatted dataset cannot be converted as it is
+
+
+DATASET_KINDS = ["torch-map", "list", "torch-iterable", "hf-iterable"]
+
+
+def _cached_case(case: str, tmp_path):
+    """(teachers to pass, teachers whose forwards are counted, cached datasets.Dataset, student seed maker, args)."""
+    data = token_dataset(16, min_len=2, max_len=14)
+    if case == "logits+hidden":
+        t = make_teacher()
+        return t, [t], _cache(t, data, tmp_path, hidden_layers=[0, 2, 4]), lambda: bert(2), dict(
+            distill_terms=HIDDEN_TERMS)
+    if case == "logits-no-teacher":
+        t = make_teacher()
+        return None, [t], _cache(t, data, tmp_path), lambda: bert(2), {}
+    if case == "multi-teacher":
+        ts = [make_teacher(seed=1), make_teacher(layers=2, seed=7)]
+        for i, t in enumerate(ts):
+            data = _cache(t, data, tmp_path, teacher_index=i)
+        return ts, ts, data, lambda: bert(2), dict(teacher_weights=[0.3, 0.7])
+    assert case == "top-k"
+    t = _mlm(1)
+    return t, [t], _cache(t, data.remove_columns("label"), tmp_path, top_k=5), lambda: _mlm(0), dict(
+        kd_weight=1.0, task_weight=0.0)
+
+
+@pytest.mark.parametrize("case", ["logits+hidden", "logits-no-teacher", "multi-teacher", "top-k"])
+def test_cached_columns_work_with_every_dataset_type(tmp_path, case):
+    """Same rows, same order (sequential sampling): every dataset type trains as the datasets.Dataset does,
+    with no teacher forward."""
+    teacher_model, counted, cached, student, extra = _cached_case(case, tmp_path)
+    calls = []
+    for t in counted:
+        t.register_forward_hook(lambda *a: calls.append(1))
+
+    def run(sub, dataset):
+        a = args(tmp_path / sub, max_steps=4, optim="sgd", learning_rate=0.5, train_sampling_strategy="sequential",
+                 **extra)
+        trainer = DistillationTrainer(model=student(), teacher_model=teacher_model, args=a, train_dataset=dataset,
+                                      data_collator=collate)
+        trainer.train()
+        losses_logged = [{k: v for k, v in r.items() if k.startswith("loss")} for r in trainer.state.log_history]
+        return flat_params(trainer.model), [r for r in losses_logged if r]
+
+    ref_params, ref_losses = run("ref", cached)
+    assert calls == [] and len(ref_losses) == 4
+    for kind in DATASET_KINDS:
+        params, logged = run(kind, _as(kind, cached))
+        assert calls == [], kind  # the cached columns survived the column remover: the teacher never ran
+        torch.testing.assert_close(params, ref_params, atol=1e-5, rtol=0, msg=kind)
+        assert len(logged) == len(ref_losses), kind
+        for got, want in zip(logged, ref_losses, strict=True):
+            assert got.keys() == want.keys(), kind
+            for k in want:
+                assert got[k] == pytest.approx(want[k], rel=1e-5), (kind, k)
+
+
+@pytest.mark.parametrize("kind", DATASET_KINDS)
+def test_init_checks_read_the_first_row_of_any_dataset(tmp_path, kind):
+    data = _cache(make_teacher(), token_dataset(8), tmp_path)
+
+    def build(dataset, model=None, **kw):
+        DistillationTrainer(model=model or bert(2), args=args(tmp_path, **kw), train_dataset=dataset,
+                            data_collator=collate)
+
+    build(_as(kind, data))  # teacher_model=None: the rows carry teacher_logits
+    with pytest.raises(ValueError, match="teacher_logits have width 2 but the student has 3 labels"):
+        build(_as(kind, data), model=bert(2, labels=3))
+    with pytest.raises(ValueError, match="needs teacher logits"):
+        build(_as(kind, token_dataset(8)))
+    # Without a teacher, its shape comes from the cache's metadata, which only a datasets.Dataset carries.
+    with pytest.raises(ValueError, match="teacher_model must be given"):
+        DistillationTrainer(model=bert(2), teacher_model=None, train_dataset=_as(kind, data), data_collator=collate,
+                            args=args(tmp_path, kd_weight=0.0, distill_terms=["loss=hidden_mse,layers=1:2"]))
+    with pytest.raises(ValueError, match="teacher hidden states \\[2\\]"):  # the datasets.Dataset itself
+        DistillationTrainer(model=bert(2), teacher_model=None, train_dataset=data, data_collator=collate,
+                            args=args(tmp_path, kd_weight=0.0, distill_terms=["loss=hidden_mse,layers=1:2"]))
+
+
+def test_a_dataset_that_is_its_own_iterator_is_not_consumed_by_the_checks(tmp_path):
+    data = _cache(make_teacher(), token_dataset(8), tmp_path)
+    rows = [data[i] for i in range(8)]
+    with pytest.raises(ValueError, match="iter\\(dataset\\) is dataset"):
+        DistillationTrainer(model=bert(2), args=args(tmp_path), train_dataset=_OneShot(rows), data_collator=collate)
+    stream = _OneShot(rows)
+    DistillationTrainer(model=bert(2), teacher_model=make_teacher(), args=args(tmp_path), train_dataset=stream,
+                        data_collator=collate)
+    assert len(list(stream)) == 8  # with a teacher nothing had to be read: every row is still there
+
+
 # ---------------------------------------------------------------- two processes
 
 
