@@ -75,8 +75,13 @@ class KeepTeacherColumnsCollator(RemoveColumnsCollator):
     def _remove_columns(self, feature: dict) -> dict:
         if not isinstance(feature, dict):
             return feature
-        kept = super()._remove_columns(feature)
-        kept.update({k: v for k, v in feature.items() if k.startswith(TEACHER_PREFIX)})
+        kept = {k: v for k, v in feature.items() if k in self.signature_columns or k.startswith(TEACHER_PREFIX)}
+        ignored = sorted(set(feature) - set(kept))
+        if ignored and not self.message_logged and self.logger and self.model_name:
+            where = "" if self.description is None else f" in the {self.description} set"
+            self.logger.info(f"The columns{where} {', '.join(ignored)} are not arguments of "
+                             f"`{self.model_name}.forward` nor teacher_* columns: they are ignored.")
+            self.message_logged = True
         return kept
 
 

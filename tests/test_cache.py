@@ -6,6 +6,7 @@ Also a torchrun worker: `python -m torch.distributed.run --nproc_per_node 2 test
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import socket
@@ -87,6 +88,133 @@ def test_teacher_fingerprint_sees_every_tensor_and_is_stable():
         b.bert.encoder.layer[3].output.dense.weight[5, 7] += 1e-6
     assert teacher_fingerprint(b) != fp
     assert teacher_fingerprint(copy.deepcopy(a).to(torch.bfloat16)) != fp
+
+
+def _pad_to(rows, max_length=64):
+    """A collator with a setting that changes what the teacher sees (truncation)."""
+    return collate([{**r, "input_ids": r["input_ids"][:max_length]} for r in rows])
+
+
+def _closure(max_length):
+    def pad(rows):
+        return _pad_to(rows, max_length)
+
+    return pad
+
+
+class _Slotted:
+    __slots__ = ("max_length",)
+
+    def __init__(self, max_length):
+        self.max_length = max_length
+
+    def __call__(self, rows):
+        return _pad_to(rows, self.max_length)
+
+
+COLLATOR_FORMS = {
+    "partial": lambda m: functools.partial(_pad_to, max_length=m),
+    "lambda": lambda m: (lambda rows: _pad_to(rows, m)),
+    "closure": _closure,
+    "slots": _Slotted,
+}
+
+
+@pytest.mark.parametrize("form", list(COLLATOR_FORMS))
+def test_collator_settings_are_in_the_key(tmp_path, form):
+    teacher, data = make_teacher(), token_dataset(4, min_len=5, max_len=8)
+    calls = _count_forwards(teacher)
+    make = COLLATOR_FORMS[form]
+    short = _cache(teacher, data, tmp_path, collator=make(4))
+    assert len(calls) == 1
+    _cache(teacher, data, tmp_path, collator=make(4))  # equal settings, a new object: reused
+    assert len(calls) == 1
+    long = _cache(teacher, data, tmp_path, collator=make(64))
+    assert len(calls) == 2
+    assert not torch.equal(short[:][LOGITS_COLUMN], long[:][LOGITS_COLUMN])  # the setting did change the outputs
+
+
+def test_lambdas_with_different_bodies_get_different_keys(tmp_path):
+    teacher, data = make_teacher(), token_dataset(4, min_len=5, max_len=8)
+    calls = _count_forwards(teacher)
+    _cache(teacher, data, tmp_path, collator=lambda rows: _pad_to(rows, 4))
+    _cache(teacher, data, tmp_path, collator=lambda rows: _pad_to(rows, 64))
+    assert len(calls) == 2
+
+
+def test_ambient_autocast_is_in_the_key(tmp_path):
+    teacher, data = make_teacher(), token_dataset(4)
+    calls = _count_forwards(teacher)
+    plain = _cache(teacher, data, tmp_path)
+    with torch.autocast("cpu", torch.bfloat16):
+        bf16 = _cache(teacher, data, tmp_path)
+        assert len(calls) == 2
+        _cache(teacher, data, tmp_path)
+        assert len(calls) == 2
+    with torch.autocast("cpu", torch.float16):
+        _cache(teacher, data, tmp_path)
+    assert len(calls) == 3
+    with torch.autocast("cpu", torch.bfloat16, enabled=False):
+        _cache(teacher, data, tmp_path)
+    assert len(calls) == 3  # autocast off is the plain key
+    assert not torch.equal(plain[:][LOGITS_COLUMN], bf16[:][LOGITS_COLUMN])
+
+
+def test_transformers_version_is_in_the_key(tmp_path, monkeypatch):
+    import transformers
+
+    teacher, data = make_teacher(), token_dataset(4)
+    calls = _count_forwards(teacher)
+    _cache(teacher, data, tmp_path)
+    monkeypatch.setattr(transformers, "__version__", "999.0.0")
+    _cache(teacher, data, tmp_path)
+    assert len(calls) == 2
+
+
+def test_only_the_columns_the_teacher_reads_are_in_the_key(tmp_path):
+    teacher, data = make_teacher(), token_dataset(12)
+    calls = _count_forwards(teacher)
+    first = _cache(teacher, data, tmp_path, batch_size=16)
+    relabelled = data.map(lambda r: {"label": 1 - r["label"]}).add_column("id", [f"row-{i}" for i in range(12)])
+    again = _cache(teacher, relabelled, tmp_path, batch_size=16)
+    assert len(calls) == 1  # labels and ids changed, the teacher's inputs did not: reused
+    assert again["label"] == relabelled["label"] and again["id"] == relabelled["id"]  # the new rows, old outputs
+    assert torch.equal(again[:][LOGITS_COLUMN], first[:][LOGITS_COLUMN])
+    shuffled = data.select([1, 0, *range(2, 12)])  # same rows in another order: other inputs per position
+    _cache(teacher, shuffled, tmp_path, batch_size=16)
+    assert len(calls) == 2
+    _cache(teacher, shuffled.flatten_indices(), tmp_path, batch_size=16)  # the same rows, written out
+    assert len(calls) == 2
+    ids = data.map(lambda r, i: {"input_ids": [*r["input_ids"][:-1], 7] if i == 3 else r["input_ids"]},
+                   with_indices=True)
+    _cache(teacher, ids, tmp_path, batch_size=16)
+    assert len(calls) == 3
+
+
+def test_teacher_fingerprint_is_memoised_and_sees_in_place_edits(monkeypatch):
+    from hf_distill import cache
+
+    hashed = []
+    real = cache._hash_state
+    monkeypatch.setattr(cache, "_hash_state", lambda *a: hashed.append(1) or real(*a))
+    t = make_teacher()
+    fp = teacher_fingerprint(t)
+    assert teacher_fingerprint(t) == fp and len(hashed) == 1  # memoised: the weights were read once
+
+    with torch.no_grad():
+        t.bert.encoder.layer[1].attention.self.query.weight[0, 0] += 1e-6  # in place: same storage
+    edited = teacher_fingerprint(t)
+    assert edited != fp and edited == teacher_fingerprint(copy.deepcopy(t))
+
+    t.classifier.weight.grad = torch.ones_like(t.classifier.weight)
+    torch.optim.AdamW([t.classifier.weight], lr=1e-3, fused=True).step()  # fused kernels leave _version alone
+    stepped = teacher_fingerprint(t)
+    assert stepped != edited and stepped == teacher_fingerprint(copy.deepcopy(t))
+
+    t.classifier.bias.data = t.classifier.bias.data + 1  # new storage
+    assert teacher_fingerprint(t) not in (fp, edited, stepped)
+    t.load_state_dict(make_teacher().state_dict())
+    assert teacher_fingerprint(t) == fp
 
 
 # ---------------------------------------------------------------- values
@@ -395,6 +523,12 @@ def _worker_run(out: Path, cache_dir: Path | None, per_device_batch: int) -> dic
              distill_terms=["loss=pkd_loss,layers=1:2,weight=2"])
     if cache_dir is not None:
         _ = a.device  # initialises the process group under torchrun: rank 0 computes, the other waits
+        if a.process_index != 0:  # the key comes from rank 0: no other rank reads the teacher's weights
+
+            def refuse(*_, **__):
+                raise AssertionError(f"rank {a.process_index} hashed the teacher")
+
+            teacher.state_dict = refuse
         data = cache_teacher_outputs(teacher, data, cache_dir=cache_dir, batch_size=16, hidden_layers=[2],
                                      progress=False)
         teacher = None
@@ -412,7 +546,10 @@ def test_two_processes_with_cache_match_one_online(tmp_path):
     with socket.socket() as sock:  # torchrun has no "any free port" option for a standalone master
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    # The workers run this file as a script: put this checkout's package first, not an installed copy's.
+    root = str(Path(__file__).resolve().parents[1])
+    pythonpath = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": pythonpath}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
            __file__, str(tmp_path / "ddp"), str(tmp_path / "cache")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
