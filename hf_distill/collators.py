@@ -17,8 +17,10 @@ from typing import Any
 
 import torch
 from transformers.trainer_utils import RemoveColumnsCollator
+from transformers.utils import logging
 
 TEACHER_PREFIX = "teacher_"
+_logger = logging.get_logger(__name__)
 
 
 def _to_tensor(value: Any) -> torch.Tensor:
@@ -71,6 +73,11 @@ class KeepTeacherColumnsCollator(RemoveColumnsCollator):
     """The Trainer's column remover for datasets that are not a `datasets.Dataset` (torch datasets, lists of
     dicts, iterable datasets): it drops what the model's forward does not take, except `teacher_*` columns,
     which carry cached teacher outputs (hf_distill.cache) and whose names cannot be known before the rows."""
+
+    def __init__(self, data_collator: Callable, signature_columns: list[str], logger: Any = None,
+                 model_name: str | None = None, description: str | None = None) -> None:
+        super().__init__(data_collator, signature_columns, logger=logger or _logger, model_name=model_name,
+                         description=description)
 
     def _remove_columns(self, feature: dict) -> dict:
         if not isinstance(feature, dict):

@@ -13,13 +13,11 @@ import inspect
 import os
 from typing import Any
 
-import datasets
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel, Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-from transformers.utils import logging
 
 from . import losses
 from .arguments import DistillationArguments
@@ -32,7 +30,6 @@ from .teacher import load_teacher, shared_base_teacher, shares_parameters, valid
 from .tracking import ComponentTracker
 
 PROJECTIONS_FILE = "distill_projections.pt"
-logger = logging.get_logger(__name__)
 
 
 class DistillationTrainer(Trainer):
@@ -140,13 +137,13 @@ class DistillationTrainer(Trainer):
         if not self.args.remove_unused_columns:
             return data_collator
         self._set_signature_columns_if_needed()
-        return KeepTeacherColumnsCollator(data_collator, self._signature_columns, logger=logger,
-                                          description=description, model_name=type(self.model).__name__)
+        return KeepTeacherColumnsCollator(data_collator, self._signature_columns, description=description,
+                                          model_name=type(self.model).__name__)
 
     def _check_teacher_columns(self, dataset) -> None:
         if dataset is None:
             return
-        names, first = _first_row(dataset, needed=self.teacher is None)
+        names, first = self._first_row(dataset, needed=self.teacher is None)
         for name in [c for c in names if c == LOGITS_COLUMN or c.startswith(f"{LOGITS_COLUMN}_")]:
             width = torch.as_tensor(first[name]).shape[-1]
             num_labels = _num_labels(self.model)
@@ -170,6 +167,38 @@ class DistillationTrainer(Trainer):
                     "(teacher_hidden_<i> columns): pass teacher_model, or cache them with "
                     f"hf_distill.cache.cache_teacher_outputs(..., hidden_layers={missing})."
                 )
+
+    @staticmethod
+    def _first_row(dataset: Any, needed: bool) -> tuple[list[str], dict[str, Any]]:
+        """Column names and first row of any train dataset the Trainer takes, without consuming it.
+
+        A `datasets.Dataset` has its column names; other datasets (torch map-style or iterable, lists of dicts,
+        `datasets.IterableDataset`) are read at their first row: index 0, or a fresh iterator's first item. A dataset
+        that is its own iterator would lose that row, so it is only read when the checks cannot do without it
+        (`needed`: no teacher to fall back on) and is then refused with what to do instead.
+        """
+        import datasets
+
+        if isinstance(dataset, datasets.Dataset):
+            names = list(dataset.column_names)
+            return names, (dataset[0] if any(n.startswith(TEACHER_PREFIX) for n in names) and len(dataset) else {})
+        if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
+            row = dataset[0] if len(dataset) else {}
+        elif hasattr(dataset, "__iter__"):
+            rows = iter(dataset)
+            if rows is dataset:
+                if not needed:
+                    return [], {}
+                raise ValueError(
+                    f"The train dataset ({type(dataset).__name__}) is its own iterator (iter(dataset) is dataset), so "
+                    "its first row cannot be read to check the cached teacher_* columns without losing it. Give an "
+                    "IterableDataset whose __iter__ starts a new pass over the rows (e.g. a generator: `yield from "
+                    "rows`), a map-style Dataset, or pass teacher_model."
+                )
+            row = next(rows, {})
+        else:
+            return [], {}
+        return (list(row) if isinstance(row, dict) else []), (row if isinstance(row, dict) else {})
 
     # ------------------------------------------------------------------ loss
 
@@ -458,36 +487,6 @@ def _task_loss(out: Any, logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     if logits.shape[-1] == 1 and labels.is_floating_point():
         return F.mse_loss(logits.float().squeeze(-1), labels.float())
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
-
-
-def _first_row(dataset: Any, needed: bool) -> tuple[list[str], dict[str, Any]]:
-    """Column names and first row of any train dataset the Trainer takes, without consuming it.
-
-    A `datasets.Dataset` has its column names; other datasets (torch map-style or iterable, lists of dicts,
-    `datasets.IterableDataset`) are read at their first row: index 0, or a fresh iterator's first item. A dataset
-    that is its own iterator would lose that row, so it is only read when the checks cannot do without it
-    (`needed`: no teacher to fall back on) and is then refused with what to do instead.
-    """
-    if isinstance(dataset, datasets.Dataset):
-        names = list(dataset.column_names)
-        return names, (dataset[0] if any(n.startswith(TEACHER_PREFIX) for n in names) and len(dataset) else {})
-    if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
-        row = dataset[0] if len(dataset) else {}
-    elif hasattr(dataset, "__iter__"):
-        rows = iter(dataset)
-        if rows is dataset:
-            if not needed:
-                return [], {}
-            raise ValueError(
-                f"The train dataset ({type(dataset).__name__}) is its own iterator (iter(dataset) is dataset), so "
-                "its first row cannot be read to check the cached teacher_* columns without losing it. Give an "
-                "IterableDataset whose __iter__ starts a new pass over the rows (e.g. a generator: `yield from "
-                "rows`), a map-style Dataset, or pass teacher_model."
-            )
-        row = next(rows, {})
-    else:
-        return [], {}
-    return (list(row) if isinstance(row, dict) else []), (row if isinstance(row, dict) else {})
 
 
 def _num_labels(model: nn.Module) -> int | None:
