@@ -23,7 +23,7 @@ from . import heads as heads_mod
 from . import losses
 from .arguments import DistillationArguments, as_distillation_arguments
 from .cache import LOGITS_COLUMN, TOPK_INDICES_COLUMN, TOPK_VALUES_COLUMN, cached_hidden_layers, cached_teacher_info
-from .collators import TEACHER_PREFIX, TeacherOutputsCollator
+from .collators import TEACHER_PREFIX, KeepTeacherColumnsCollator, TeacherOutputsCollator
 from .heads import Head, check_kd_loss, head_logits, runtime_head, static_head
 from .intermediate import IntermediateDistiller
 from .normalise import COUNT_KINDS, StepCounts, batch_counts, kd_positions
@@ -150,24 +150,34 @@ class DistillationTrainer(Trainer):
         self._signature_columns += [c for c in cached if c not in self._signature_columns]
         return super()._remove_unused_columns(dataset, description)
 
+    def _get_collator_with_removed_columns(self, data_collator, description: str | None = None):
+        """Datasets other than `datasets.Dataset` are filtered row by row in the collator: keep `teacher_*`."""
+        if not self.args.remove_unused_columns:
+            return data_collator
+        self._set_signature_columns_if_needed()
+        return KeepTeacherColumnsCollator(data_collator, self._signature_columns, description=description,
+                                          model_name=type(self.model).__name__)
+
     def _check_teacher_columns(self, dataset) -> None:
-        names = getattr(dataset, "column_names", None) or []
-        if f"{TEACHER_PREFIX}logits" in names and len(dataset) > 0:
-            width = torch.as_tensor(dataset[0][f"{TEACHER_PREFIX}logits"]).shape[-1]
+        if dataset is None:
+            return
+        names, first = self._first_row(dataset, needed=self.teacher is None)
+        for name in [c for c in names if c == LOGITS_COLUMN or c.startswith(f"{LOGITS_COLUMN}_")]:
+            width = torch.as_tensor(first[name]).shape[-1]
             num_labels = _num_labels(self.model)
             if num_labels is not None and width != num_labels:
                 raise ValueError(
-                    f"The train dataset's teacher_logits have width {width} but the student has {num_labels} "
+                    f"The train dataset's {name} have width {width} but the student has {num_labels} "
                     "labels. Recompute the cached logits with a teacher of the same label set, or drop the column."
                 )
-        elif self.teacher is None and self.args.kd_weight > 0 and dataset is not None:
+        if LOGITS_COLUMN not in names and self.teacher is None and self.args.kd_weight > 0:
             topk = TOPK_VALUES_COLUMN in names and TOPK_INDICES_COLUMN in names
             if not topk or self.args.kd_loss == "mse":
                 raise ValueError(
                     "kd_weight > 0 needs teacher logits: pass teacher_model, or add a `teacher_logits` column "
                     "to the train dataset (see hf_distill.cache; cached top-k logits serve kd_loss kl/soft_ce)."
                 )
-        if self.teacher is None and self.intermediate is not None and dataset is not None:
+        if self.teacher is None and self.intermediate is not None:
             missing = sorted(self.intermediate.teacher_request.hidden - cached_hidden_layers(names))
             if missing:
                 raise ValueError(
@@ -175,6 +185,38 @@ class DistillationTrainer(Trainer):
                     "(teacher_hidden_<i> columns): pass teacher_model, or cache them with "
                     f"hf_distill.cache.cache_teacher_outputs(..., hidden_layers={missing})."
                 )
+
+    @staticmethod
+    def _first_row(dataset: Any, needed: bool) -> tuple[list[str], dict[str, Any]]:
+        """Column names and first row of any train dataset the Trainer takes, without consuming it.
+
+        A `datasets.Dataset` has its column names; other datasets (torch map-style or iterable, lists of dicts,
+        `datasets.IterableDataset`) are read at their first row: index 0, or a fresh iterator's first item. A dataset
+        that is its own iterator would lose that row, so it is only read when the checks cannot do without it
+        (`needed`: no teacher to fall back on) and is then refused with what to do instead.
+        """
+        import datasets
+
+        if isinstance(dataset, datasets.Dataset):
+            names = list(dataset.column_names)
+            return names, (dataset[0] if any(n.startswith(TEACHER_PREFIX) for n in names) and len(dataset) else {})
+        if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
+            row = dataset[0] if len(dataset) else {}
+        elif hasattr(dataset, "__iter__"):
+            rows = iter(dataset)
+            if rows is dataset:
+                if not needed:
+                    return [], {}
+                raise ValueError(
+                    f"The train dataset ({type(dataset).__name__}) is its own iterator (iter(dataset) is dataset), so "
+                    "its first row cannot be read to check the cached teacher_* columns without losing it. Give an "
+                    "IterableDataset whose __iter__ starts a new pass over the rows (e.g. a generator: `yield from "
+                    "rows`), a map-style Dataset, or pass teacher_model."
+                )
+            row = next(rows, {})
+        else:
+            return [], {}
+        return (list(row) if isinstance(row, dict) else []), (row if isinstance(row, dict) else {})
 
     # ------------------------------------------------------------------ loss
 
