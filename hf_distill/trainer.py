@@ -24,7 +24,7 @@ from .arguments import DistillationArguments
 from .cache import LOGITS_COLUMN, TOPK_INDICES_COLUMN, TOPK_VALUES_COLUMN, cached_hidden_layers, cached_teacher_info
 from .collators import TEACHER_PREFIX, TeacherOutputsCollator
 from .intermediate import IntermediateDistiller
-from .placement import place_teacher
+from .placement import place_teacher, send_teacher_outputs, teacher_input_device
 from .taps import forward, unwrap
 from .teacher import load_teacher, shared_base_teacher, shares_parameters, validate_pair
 from .tracking import ComponentTracker
@@ -238,12 +238,19 @@ class DistillationTrainer(Trainer):
     def _run_teacher(self, teacher: nn.Module, inputs: dict[str, Any], taps=None):
         t_kwargs = {k: v for k, v in inputs.items() if k != "labels" and k in self._teacher_params}
         shared = self.shared_base and teacher is self.teacher
+        # A teacher loaded with device_map or quantised stays where its loader put it (hf_distill.placement):
+        # its inputs go to its first device, its outputs come back to the student's.
+        device = teacher_input_device(teacher)
+        if device is not None:
+            student_device = next((v.device for v in t_kwargs.values() if isinstance(v, torch.Tensor)), device)
+            t_kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in t_kwargs.items()}
         # Same autocast as the student (accelerate only wraps the model it prepared), no autograd: plain
         # no_grad, not inference_mode, so the losses may save teacher tensors for backward.
         with torch.no_grad(), self.accelerator.autocast(), contextlib.ExitStack() as stack:
             if shared:
                 teacher = stack.enter_context(shared_base_teacher(teacher))
-            return forward(teacher, t_kwargs, taps)
+            outputs = forward(teacher, t_kwargs, taps)
+        return outputs if device is None else send_teacher_outputs(outputs, student_device)
 
     def _extra_teacher_logits(self, i: int, inputs: dict[str, Any], cached: dict[str, torch.Tensor]):
         """Logits of teacher i >= 1: its cached column `teacher_logits_<i>` if present, else a forward."""
