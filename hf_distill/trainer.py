@@ -235,8 +235,8 @@ class DistillationTrainer(Trainer):
         t_out, t_feats = self._run_teacher(self.teacher, inputs, taps)
         return (t_logits if t_logits is not None else _logits(t_out)), t_feats
 
-    def _run_teacher(self, teacher: nn.Module, inputs: dict[str, Any], taps=None):
-        t_kwargs = {k: v for k, v in inputs.items() if k != "labels" and k in self._teacher_params}
+    def _run_teacher(self, teacher: nn.Module, inputs: dict[str, Any], taps=None, labels: bool = False):
+        t_kwargs = {k: v for k, v in inputs.items() if (labels or k != "labels") and k in self._teacher_params}
         shared = self.shared_base and teacher is self.teacher
         # A teacher loaded with device_map or quantised stays where its loader put it (hf_distill.placement):
         # its inputs go to its first device, its outputs come back to the student's.
@@ -334,6 +334,86 @@ class DistillationTrainer(Trainer):
                 )
             proj.load_state_dict(torch.load(path, map_location=self.args.device, weights_only=True))
 
+    # ------------------------------------------------------------------ the teacher's own evaluation
+
+    def evaluate_teacher(
+        self,
+        eval_dataset: Any = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "teacher",
+    ) -> dict[str, float]:
+        """The first teacher's metrics, computed by the Trainer's evaluation loop exactly as `evaluate()` computes
+        the student's (same data, `compute_metrics`, gathering across processes): call it on every process.
+
+        A shared PEFT base is evaluated with its adapters off. The metrics (without the prefix) are kept in
+        `self.teacher_metrics`, which the model card reports next to the student's; they are logged too."""
+        if self.teacher is None:
+            raise ValueError("evaluate_teacher needs a teacher: this trainer was given no teacher_model.")
+        override = eval_dataset is not None
+        dataset = eval_dataset if override else self.eval_dataset
+        if dataset is None:
+            raise ValueError("evaluate_teacher needs an evaluation set: pass eval_dataset= or give the trainer one.")
+        parts = dataset.items() if isinstance(dataset, dict) else [(None, dataset)]
+        metrics: dict[str, float] = {}
+        for name, data in parts:
+            prefix = metric_key_prefix if name is None else f"{metric_key_prefix}_{name}"
+            metrics.update(self._evaluate_teacher_on(data if override or name is None else name, ignore_keys, prefix))
+        self.log(metrics)
+        found = {k[len(metric_key_prefix) + 1 :]: float(v) for k, v in metrics.items() if isinstance(v, int | float)}
+        self.teacher_metrics = {**getattr(self, "teacher_metrics", {}), **found}
+        return metrics
+
+    def _evaluate_teacher_on(self, dataset: Any, ignore_keys: list[str] | None, prefix: str) -> dict[str, float]:
+        """One evaluation loop whose prediction step runs the teacher instead of the student."""
+        import math
+        import time
+
+        from transformers.trainer_utils import speed_metrics
+
+        dataloader = self.get_eval_dataloader(dataset)
+        start = time.time()
+        self.prediction_step = self._teacher_prediction_step  # the loop calls self.prediction_step
+        try:
+            output = self.evaluation_loop(
+                dataloader,
+                description="Teacher evaluation",
+                prediction_loss_only=True if self.compute_metrics is None else None,
+                ignore_keys=ignore_keys,
+                metric_key_prefix=prefix,
+            )
+        finally:
+            del self.prediction_step
+        steps = math.ceil(output.num_samples / (self.args.eval_batch_size * self.args.world_size))
+        output.metrics.update(speed_metrics(prefix, start, num_samples=output.num_samples, num_steps=steps))
+        return output.metrics
+
+    def _teacher_prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """`prediction_step` with the teacher as the model (`model`, the student, is not run)."""
+        from transformers.trainer_pt_utils import nested_detach
+
+        inputs = self._prepare_inputs({k: v for k, v in inputs.items() if not k.startswith(TEACHER_PREFIX)})
+        names = self.label_names
+        has_labels = bool(names) and all(inputs.get(k) is not None for k in names)
+        labels = nested_detach(tuple(inputs[k] for k in names)) if has_labels else None
+        labels = labels[0] if labels is not None and len(labels) == 1 else labels
+        out, _ = self._run_teacher(self.teacher, inputs, labels=has_labels)  # its own loss, as for the student
+        logits = _logits(out)
+        loss = None
+        if has_labels:
+            own = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+            if own is None and len(names) == 1:
+                own = _task_loss({}, logits, labels)
+            loss = own.detach().mean() if own is not None else None
+        if prediction_loss_only:
+            return loss, None, None
+        if ignore_keys is None:
+            config = getattr(unwrap(self.teacher), "config", None)
+            ignore_keys = getattr(config, "keys_to_ignore_at_inference", ["cache"]) if config is not None else []
+        if isinstance(out, dict):
+            kept = tuple(v for k, v in out.items() if k not in [*ignore_keys, "loss"])
+            logits = kept[0] if len(kept) == 1 else kept
+        return loss, nested_detach(logits), labels
+
     # ------------------------------------------------------------------ publishing (hf_distill.card, hf_distill.hub)
 
     def create_model_card(
@@ -349,9 +429,10 @@ class DistillationTrainer(Trainer):
         dataset_args: str | list[str] | None = None,
         **report_fields: Any,
     ) -> None:
-        """Write the distillation card (teacher, method, losses, size, speed-up, metrics kept) into
-        `output_dir`, so every Trainer flow that writes a card writes this one. Extra keywords are
-        `DistillationReport` fields (e.g. `stages`, `augmentation`) or `measure_speed`/`evaluate_teacher`."""
+        """Write the distillation card (teacher, method, losses, size, metrics kept) into `output_dir`, so every
+        Trainer flow that writes a card writes this one. It runs no model: the teacher's metrics are those of
+        the last `evaluate_teacher()`, and the speed-up is measured only with `measure_speed=True`. Extra
+        keywords are `DistillationReport` fields (e.g. `stages`, `augmentation`) or `measure_speed`."""
         if not self.is_world_process_zero():
             return
         from .card import write_trainer_card

@@ -106,6 +106,7 @@ def pushed(tmp_path_factory):
     (out / "runs" / "events.out.tfevents.1").write_bytes(b"logs")
     torch.save({"w": torch.zeros(2)}, out / "distill_projections.pt")
     torch.save({"state": {}}, out / "optimizer.pt")
+    trainer.evaluate_teacher()  # every process, before the card: its metrics are the card's teacher column
     with FakeHub() as hub, pytest.MonkeyPatch.context() as mp:
         online(mp, hub.endpoint)
         url = trainer.push_to_hub(
@@ -114,6 +115,7 @@ def pushed(tmp_path_factory):
             dataset="GLUE SST-2",
             dataset_args="sst2",
             license="apache-2.0",
+            measure_speed=True,
         )
     return trainer, hub, url
 
@@ -259,34 +261,91 @@ def test_create_model_card_writes_the_distillation_card(pushed):
     pushed_card = readme.read_bytes()
     readme.unlink()
     try:
-        trainer.create_model_card(measure_speed=False, evaluate_teacher=False)
+        trainer.create_model_card()
         text = readme.read_text()
     finally:
         readme.write_bytes(pushed_card)
     assert "## How it was distilled" in text and "hf-distill" in front_matter(text)["tags"]
     assert "Inference speed-up" not in text and "More information needed" not in text
+    teacher_acc = f"{teacher_accuracy(trainer):.4f}"  # from the fixture's evaluate_teacher(), not re-run
+    assert table_with(text, ["Metric", "Teacher", "Student", "% of teacher"])["accuracy"][0] == teacher_acc
+
+
+def _count_forwards(monkeypatch, *models) -> list[int]:
+    """How many times each model's forward runs from now on."""
+    counts = [0] * len(models)
+    for i, model in enumerate(models):
+        forward = model.forward
+
+        def counted(*a, _i=i, _forward=forward, **k):
+            counts[_i] += 1
+            return _forward(*a, **k)
+
+        monkeypatch.setattr(model, "forward", counted)
+    return counts
+
+
+def test_writing_the_card_runs_no_model_by_default(tmp_path, monkeypatch):
+    """create_model_card, save_model and push_to_hub with default arguments neither evaluate nor time the
+    teacher or the student: under a sharded teacher a forward on the card-writing process alone would hang."""
+    trainer = tiny_run(tmp_path, max_steps=2, eval_strategy="no", save_strategy="no", hidden_term=False)
+    trainer.evaluate()  # the student's metrics are logged: the old card then evaluated the teacher itself
+    counts = _count_forwards(monkeypatch, trainer.teacher, trainer.model)
+    trainer.create_model_card()
+    trainer.save_model()
+    with FakeHub() as hub, pytest.MonkeyPatch.context() as mp:
+        online(mp, hub.endpoint)
+        trainer.push_to_hub()
+    assert counts == [0, 0]
+    readme = hub.files(REPO)["README.md"].decode()
+    assert table_with(readme, ["Metric", "Student"])["accuracy"]  # no teacher column: it was not evaluated
+    assert "Inference speed-up" not in readme
+
+
+def test_evaluate_teacher_returns_the_teachers_metrics(pushed):
+    trainer, _, _ = pushed
+    student_eval = [e for e in trainer.state.log_history if "eval_accuracy" in e][-1]
+    metrics = trainer.evaluate_teacher()
+    assert metrics["teacher_accuracy"] == pytest.approx(teacher_accuracy(trainer))
+    assert not any(k.startswith("eval_") for k in metrics) and "teacher_runtime" in metrics
+    with torch.no_grad():  # the teacher's own loss, averaged over the evaluation set as evaluate() does it
+        losses = [trainer.teacher(input_ids=torch.tensor([r["input_ids"]]), labels=torch.tensor([r["label"]])).loss
+                  for r in trainer.eval_dataset]
+    assert metrics["teacher_loss"] == pytest.approx(float(torch.stack(losses).mean()), rel=1e-5)
+    assert trainer.teacher_metrics["accuracy"] == metrics["teacher_accuracy"]
+    assert [e for e in trainer.state.log_history if "eval_accuracy" in e][-1] == student_eval
+
+
+def test_card_options_that_would_run_a_model_on_one_process_are_refused(pushed, monkeypatch):
+    trainer, _, _ = pushed
+    with pytest.raises(TypeError, match=r"trainer.evaluate_teacher\(\)"):
+        trainer.create_model_card(evaluate_teacher=True)
+    monkeypatch.setattr("hf_distill.placement.teacher_mode", lambda accelerator: "fsdp_sharded")
+    with pytest.raises(ValueError, match="fsdp_sharded across processes"):
+        trainer.create_model_card(measure_speed=True)
 
 
 def test_card_of_a_run_without_evaluation_set(pushed, monkeypatch):
-    """Speed is then measured on training batches, and no teacher evaluation is attempted."""
+    """Speed is then measured on training batches; the teacher column is the recorded evaluate_teacher()'s."""
     trainer, _, _ = pushed
     readme = Path(trainer.args.output_dir) / "README.md"
     pushed_card = readme.read_bytes()
     monkeypatch.setattr(trainer, "eval_dataset", None)
     try:
-        trainer.create_model_card(model_name="me/no-eval")
+        trainer.create_model_card(model_name="me/no-eval", measure_speed=True)
         text = readme.read_text()
     finally:
         readme.write_bytes(pushed_card)
     assert "batches of 8 training examples" in text
-    assert table_with(text, ["Metric", "Student"])["accuracy"]  # the logged evaluation, without a teacher
+    metrics = table_with(text, ["Metric", "Teacher", "Student", "% of teacher"])
+    assert metrics["accuracy"][0] == f"{trainer.teacher_metrics['accuracy']:.4f}"
 
 
 def test_non_blocking_push_returns_a_future(pushed):
     trainer, _, _ = pushed
     with FakeHub() as hub, pytest.MonkeyPatch.context() as mp:
         online(mp, hub.endpoint)
-        future = trainer.push_to_hub(commit_message="async", blocking=False, measure_speed=False)
+        future = trainer.push_to_hub(commit_message="async", blocking=False)
         url = future.result(timeout=30)
         assert url == f"{hub.endpoint}/{REPO}/commit/{hub.repos[REPO]['commits'][-1]['oid']}"
         assert hub.repos[REPO]["commits"][-1]["summary"] == "async"
