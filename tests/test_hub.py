@@ -8,8 +8,11 @@ what the server received.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -314,6 +317,58 @@ def test_evaluate_teacher_returns_the_teachers_metrics(pushed):
     assert metrics["teacher_loss"] == pytest.approx(float(torch.stack(losses).mean()), rel=1e-5)
     assert trainer.teacher_metrics["accuracy"] == metrics["teacher_accuracy"]
     assert [e for e in trainer.state.log_history if "eval_accuracy" in e][-1] == student_eval
+
+
+_TEACHER_EVAL_SCRIPT = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from pathlib import Path
+from helpers import args, bert, collate, teacher, token_dataset
+from hf_distill import DistillationTrainer
+
+def metrics(pred):
+    logits, labels = pred
+    return {{"accuracy": float((logits.argmax(-1) == labels).mean()), "rows": float(len(labels)),
+             "logit_sum": float(logits.sum())}}
+
+out = Path(sys.argv[1])
+a = args(out.parent, per_device_eval_batch_size=4)
+trainer = DistillationTrainer(model=bert(2), teacher_model=teacher(), args=a,
+                              eval_dataset=token_dataset(15, seed=4), data_collator=collate, compute_metrics=metrics)
+result = trainer.evaluate_teacher()
+if trainer.is_world_process_zero():
+    out.write_text(json.dumps({{"metrics": result, "world": trainer.args.world_size}}))
+"""
+
+
+@pytest.mark.distributed
+def test_evaluate_teacher_runs_on_every_process_under_ddp(tmp_path):
+    """Every rank evaluates its share with the teacher and the metrics are gathered: the same as one process
+    (15 rows, so the last batch is uneven and the gather must drop the padding)."""
+    script = tmp_path / "teacher_eval.py"
+    script.write_text(_TEACHER_EVAL_SCRIPT.format(tests=str(Path(__file__).parent)))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    root = str(Path(__file__).parents[1])  # this checkout's hf_distill, not an installed one
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    runs = {}
+    for name, launcher in (("single", []), ("ddp", ["-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                                    "--master_port", port])):
+        out = tmp_path / name / "result.json"
+        out.parent.mkdir()
+        proc = subprocess.run([sys.executable, *launcher, str(script), str(out)], env=env, capture_output=True,
+                              text=True, timeout=180)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs[name] = json.loads(out.read_text())
+    assert (runs["single"]["world"], runs["ddp"]["world"]) == (1, 2)
+    single, ddp = runs["single"]["metrics"], runs["ddp"]["metrics"]
+    assert single["teacher_rows"] == ddp["teacher_rows"] == 15
+    for key in ("teacher_accuracy", "teacher_logit_sum"):
+        assert ddp[key] == pytest.approx(single[key], rel=1e-5), key
+    # The loss is a mean of batch means, as in Trainer.evaluate: uneven batches weigh rows differently.
+    assert ddp["teacher_loss"] > 0
 
 
 def test_card_options_that_would_run_a_model_on_one_process_are_refused(pushed, monkeypatch):
