@@ -442,9 +442,15 @@ class DistillationTrainer(Trainer):
                            dataset=dataset, dataset_args=dataset_args, **report_fields)
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
-        """Save-time pushes (`push_to_hub=True`) send the student files, not all of `output_dir`."""
+        """Save-time pushes (`push_to_hub=True`) send the student files, not all of `output_dir`.
+
+        The Trainer pushes from inside `_save_checkpoint`, before ours adds the projections: they are written
+        here first, or the pushed checkpoint (`hub_strategy` checkpoint/all_checkpoints) could not be resumed."""
         from .hub import push_checkpoint
 
+        proj = self.intermediate.projections if self.intermediate else None
+        if proj is not None and self.args.should_save:
+            torch.save(proj.state_dict(), os.path.join(checkpoint_folder, PROJECTIONS_FILE))
         push_checkpoint(self, checkpoint_folder)
 
     def push_to_hub(

@@ -26,7 +26,7 @@ from huggingface_hub import ModelCard
 from safetensors.torch import load as load_safetensors
 
 import hf_distill
-from hf_distill import DistillationArguments, measure
+from hf_distill import DistillationArguments, DistillationTrainer, measure
 from hf_distill.card import BIBTEX, citations, model_card, write_model_card
 from hf_distill.hub import HubPushError, push_student, upload_files
 from hf_distill.presets import PRESETS
@@ -626,18 +626,30 @@ def test_pushes_during_training_send_the_student_files_only(tmp_path, strategy):
     """The Trainer's own save-time push uploads all of `output_dir` (training_args.bin, logs, whatever a user
     keeps there); ours sends the checkpoint's student files to the repo root, and the resumable checkpoint
     (optimizer state, projections) only where `hub_strategy` asks for it."""
+    push = DistillationTrainer._push_from_checkpoint
+
+    def push_and_wait(self, checkpoint_folder):
+        # A save-time push is skipped while the previous one is still in flight (as in the Trainer), so which
+        # saves get a commit depends on timing; waiting for each push before training goes on makes every save
+        # push, deterministically. The push itself is untouched.
+        push(self, checkpoint_folder)
+        self._finish_current_push()
+
     with FakeHub() as hub, pytest.MonkeyPatch.context() as mp:
         online(mp, hub.endpoint)
+        mp.setattr(DistillationTrainer, "_push_from_checkpoint", push_and_wait)
         out = tmp_path / "out"
         out.mkdir()
         (out / "notes.txt").write_text("a user's own file")
         trainer = tiny_run(tmp_path, push_to_hub=True, hub_strategy=strategy, eval_strategy="no")
-        trainer._finish_current_push()
         commits = [c["summary"] for c in hub.repos[REPO]["commits"]]
         files = set(hub.files(REPO))
     trainer.processing_class.save_pretrained(tmp_path / "tok")
     student = {"config.json", "model.safetensors"} | {p.name for p in (tmp_path / "tok").iterdir()}
-    assert "Training in progress, step 6" in commits
+    pushes = ["Training in progress, step 3", "Training in progress, step 6"]
+    if strategy == "checkpoint":
+        pushes += [f"{p}, checkpoint" for p in pushes]
+    assert sorted(commits) == sorted(pushes)
     root = {name for name in files if "/" not in name}
     assert root == student
     assert (out / "notes.txt").is_file() and (out / "checkpoint-6" / "training_args.bin").is_file()
