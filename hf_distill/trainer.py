@@ -83,6 +83,7 @@ class DistillationTrainer(Trainer):
             t if (i == 0 and self.shared_base) else place_teacher(t, self.accelerator) for i, t in enumerate(teachers)
         ]
         self.teacher = self.teachers[0] if self.teachers else None
+        self.teacher_metrics: dict[str, float] = {}  # set by evaluate_teacher(), reported by the model card
         terms = self.args.terms
         self.intermediate: IntermediateDistiller | None = None
         if terms:
@@ -349,6 +350,11 @@ class DistillationTrainer(Trainer):
         `self.teacher_metrics`, which the model card reports next to the student's; they are logged too."""
         if self.teacher is None:
             raise ValueError("evaluate_teacher needs a teacher: this trainer was given no teacher_model.")
+        if metric_key_prefix == "eval":
+            raise ValueError(
+                "metric_key_prefix='eval' would log the teacher's metrics as the student's (eval_*). Keep the "
+                "default 'teacher' or choose another prefix."
+            )
         override = eval_dataset is not None
         dataset = eval_dataset if override else self.eval_dataset
         if dataset is None:
@@ -359,8 +365,13 @@ class DistillationTrainer(Trainer):
             prefix = metric_key_prefix if name is None else f"{metric_key_prefix}_{name}"
             metrics.update(self._evaluate_teacher_on(data if override or name is None else name, ignore_keys, prefix))
         self.log(metrics)
-        found = {k[len(metric_key_prefix) + 1 :]: float(v) for k, v in metrics.items() if isinstance(v, int | float)}
-        self.teacher_metrics = {**getattr(self, "teacher_metrics", {}), **found}
+        start = len(metric_key_prefix) + 1
+        found = {
+            k[start:]: float(v)
+            for k, v in metrics.items()
+            if k.startswith(f"{metric_key_prefix}_") and isinstance(v, int | float)
+        }
+        self.teacher_metrics.update(found)
         return metrics
 
     def _evaluate_teacher_on(self, dataset: Any, ignore_keys: list[str] | None, prefix: str) -> dict[str, float]:
