@@ -375,6 +375,8 @@ def test_card_options_that_would_run_a_model_on_one_process_are_refused(pushed, 
     trainer, _, _ = pushed
     with pytest.raises(TypeError, match=r"trainer.evaluate_teacher\(\)"):
         trainer.create_model_card(evaluate_teacher=True)
+    with pytest.raises(ValueError, match="metric_key_prefix='eval'"):
+        trainer.evaluate_teacher(metric_key_prefix="eval")
     monkeypatch.setattr("hf_distill.placement.teacher_mode", lambda accelerator: "fsdp_sharded")
     with pytest.raises(ValueError, match="fsdp_sharded across processes"):
         trainer.create_model_card(measure_speed=True)
