@@ -458,9 +458,7 @@ def write_trainer_card(
         "dataset_name": _first(dataset),
         "dataset_config": _first(dataset_args),
     }
-    options = {
-        k: fields.pop(k) for k in ("measure_speed", "evaluate_teacher", "speed_batches") if k in fields
-    }
+    options = {k: fields.pop(k) for k in ("measure_speed", "speed_batches") if k in fields}
     report = DistillationReport.from_trainer(
         trainer, **options, **{k: v for k, v in mapped.items() if v}, **fields
     )

@@ -16,8 +16,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from transformers.trainer_utils import RemoveColumnsCollator
+from transformers.utils import logging
 
 TEACHER_PREFIX = "teacher_"
+_logger = logging.get_logger(__name__)
 
 
 def _to_tensor(value: Any) -> torch.Tensor:
@@ -64,6 +67,29 @@ class TeacherOutputsCollator:
         for k, vals in teacher.items():
             batch[k] = pad_stack(vals, length, self.padding_side)
         return batch
+
+
+class KeepTeacherColumnsCollator(RemoveColumnsCollator):
+    """The Trainer's column remover for datasets that are not a `datasets.Dataset` (torch datasets, lists of
+    dicts, iterable datasets): it drops what the model's forward does not take, except `teacher_*` columns,
+    which carry cached teacher outputs (hf_distill.cache) and whose names cannot be known before the rows."""
+
+    def __init__(self, data_collator: Callable, signature_columns: list[str], logger: Any = None,
+                 model_name: str | None = None, description: str | None = None) -> None:
+        super().__init__(data_collator, signature_columns, logger=logger or _logger, model_name=model_name,
+                         description=description)
+
+    def _remove_columns(self, feature: dict) -> dict:
+        if not isinstance(feature, dict):
+            return feature
+        kept = {k: v for k, v in feature.items() if k in self.signature_columns or k.startswith(TEACHER_PREFIX)}
+        ignored = sorted(set(feature) - set(kept))
+        if ignored and not self.message_logged and self.logger and self.model_name:
+            where = "" if self.description is None else f" in the {self.description} set"
+            self.logger.info(f"The columns{where} {', '.join(ignored)} are not arguments of "
+                             f"`{self.model_name}.forward` nor teacher_* columns: they are ignored.")
+            self.message_logged = True
+        return kept
 
 
 # ---------------------------------------------------------------------- MLM masking (general distillation)

@@ -12,13 +12,19 @@ made from the Trainer's accelerator state, never by the user:
 
 A sharded teacher gathers each block's parameters for its forward and frees them afterwards (FSDP
 `reshard_after_forward`, ZeRO-3 partitioning), so a teacher larger than one device's memory fits.
+
+A teacher its loader already placed (loaded with `device_map`, so `hf_device_map` is set, or quantised to 4/8
+bits) stays where it is: `.to()` raises on a quantised model and would undo a dispatch. The trainer feeds it
+inputs on its first device (`teacher_input_device`) and brings its outputs back to the student's.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
+import torch
 from accelerate.utils import DistributedType
 from torch import nn
 
@@ -39,10 +45,20 @@ def teacher_mode(accelerator: Any) -> str:
 
 
 def place_teacher(teacher: nn.Module, accelerator: Any) -> nn.Module:
-    """Freeze the teacher and put it where the table says (on a replica: the student's device)."""
+    """Freeze the teacher and put it where the table says (on a replica: the student's device).
+
+    A dispatched or quantised teacher (`is_placed_by_loader`) is frozen but not moved."""
     teacher.requires_grad_(False)
     teacher.eval()
     mode = teacher_mode(accelerator)
+    if is_placed_by_loader(teacher):
+        if mode != REPLICA:
+            raise ValueError(
+                f"The teacher was loaded with a device_map or quantised ({_loader_placement(teacher)}), which "
+                f"cannot be sharded under {mode} (FSDP / DeepSpeed ZeRO-3 shard the teacher themselves). Load the "
+                "teacher without device_map and quantisation, or train without FSDP / ZeRO-3."
+            )
+        return teacher
     if mode == FSDP_SHARDED:
         if getattr(accelerator, "is_fsdp2", False):
             return shard_fsdp2(teacher)
@@ -124,21 +140,54 @@ def local_parameter_bytes(model: nn.Module) -> int:
     return total
 
 
-def is_sharded(model: nn.Module) -> bool:
-    return any(hasattr(p, "to_local") for p in model.parameters()) or type(model).__name__ in (
-        "FullyShardedDataParallel",
-        "DeepSpeedEngine",
-    )
+def send_teacher_outputs(outputs: tuple[Any, Any], device: torch.device) -> tuple[Any, Any]:
+    """(model output, captured features) of a loader-placed teacher, moved to the student's `device`: the
+    layers of a dispatched teacher may each sit on another device."""
+    from accelerate.utils import send_to_device
+
+    out, feats = outputs
+    if feats is not None:
+        moved = {f.name: send_to_device(getattr(feats, f.name), device) for f in dataclasses.fields(feats)}
+        feats = dataclasses.replace(feats, **moved)
+    return send_to_device(out, device), feats
+
+
+def _loader_placement(model: nn.Module) -> str:
+    """What says that the loader placed the model ("" when nothing does)."""
+    inner = unwrap(model)
+    found = [name for name in ("is_loaded_in_4bit", "is_loaded_in_8bit", "is_quantized") if getattr(inner, name, False)]
+    if getattr(inner, "hf_device_map", None):
+        found.insert(0, f"hf_device_map={inner.hf_device_map}")
+    return ", ".join(found)
+
+
+def is_placed_by_loader(model: nn.Module) -> bool:
+    """True for a model dispatched with `device_map` (`hf_device_map` set) or quantised to 4/8 bits."""
+    return bool(_loader_placement(model))
+
+
+def teacher_input_device(teacher: nn.Module) -> torch.device | None:
+    """The device a loader-placed teacher takes its inputs on: the first device of its `hf_device_map` that
+    is not "disk", else that of its first parameter; None for a teacher placed on the student's device."""
+    if not is_placed_by_loader(teacher):
+        return None
+    device_map = getattr(unwrap(teacher), "hf_device_map", None) or {}
+    for device in device_map.values():
+        if device != "disk":
+            return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    return next(teacher.parameters()).device
 
 
 __all__ = [
     "FSDP_SHARDED",
     "REPLICA",
     "ZERO3_SHARDED",
-    "is_sharded",
+    "is_placed_by_loader",
     "local_parameter_bytes",
     "place_teacher",
+    "send_teacher_outputs",
     "shard_fsdp2",
+    "teacher_input_device",
     "teacher_mode",
     "zero3_inference_config",
 ]

@@ -110,19 +110,27 @@ class DistillationReport:
         cls,
         trainer: Any,
         *,
-        measure_speed: bool = True,
-        evaluate_teacher: bool = True,
+        measure_speed: bool = False,
         speed_batches: int = 8,
         **fields: Any,
     ) -> DistillationReport:
         """Everything a `DistillationTrainer` knows after training; `fields` override what it found.
 
-        The speed-up is measured on up to `speed_batches` evaluation batches (training batches when there
-        is no evaluation set). The teacher is evaluated with the trainer's `compute_metrics` on the
-        evaluation set, so that the card can say how much of the teacher's quality the student keeps.
+        Nothing is run unless asked: the student's metrics are those of its last logged evaluation, the
+        teacher's those of the last `trainer.evaluate_teacher()` (an all-process evaluation loop; the card is
+        written by one process, where a sharded teacher's forward would wait for the others forever). With
+        `measure_speed=True` the speed-up is timed on up to `speed_batches` evaluation batches (training
+        batches when there is no evaluation set), in this process only: a replicated teacher only.
         """
+        from .placement import REPLICA, teacher_mode
         from .taps import unwrap
 
+        if "evaluate_teacher" in fields:
+            raise TypeError(
+                "The card no longer evaluates the teacher (it is written on one process, where a sharded "
+                "teacher would deadlock). Call trainer.evaluate_teacher() on every process before writing the "
+                "card: its metrics are the card's teacher column."
+            )
         _check_fields(fields)
         student = unwrap(trainer.model)
         teacher = getattr(trainer, "teacher", None)
@@ -152,9 +160,22 @@ class DistillationReport:
         found["training"] = _training_from_args(args, trainer.state)
         metrics, step = latest_eval_metrics(trainer.state.log_history)
         found["student_metrics"], found["eval_step"] = metrics, step
-        if teacher is not None and evaluate_teacher and metrics:
-            found["teacher_metrics"] = {k: v for k, v in _evaluate_teacher(trainer).items() if k in metrics}
+        evaluated = getattr(trainer, "teacher_metrics", None) or {}
+        if teacher is not None and metrics:
+            found["teacher_metrics"] = {k: v for k, v in evaluated.items() if k in metrics}
         if teacher is not None and measure_speed:
+            if getattr(trainer, "shared_base", False):
+                raise ValueError(
+                    "measure_speed=True has nothing to compare in self-distillation: the teacher is the student's "
+                    "own base with its adapters off. Leave measure_speed off."
+                )
+            mode = teacher_mode(trainer.accelerator)
+            if mode != REPLICA:
+                raise ValueError(
+                    f"measure_speed=True times the teacher in one process, but this teacher is {mode} across "
+                    "processes, so its forward needs all of them. Measure the speed-up of the saved student "
+                    "and teacher in a single process (hf_distill.measure.speedup) and pass speedup= instead."
+                )
             batches = _speed_batches(trainer, speed_batches)
             if batches:
                 found["speedup"] = measure.speedup(teacher, student, batches, repeats=3)
@@ -500,7 +521,7 @@ def _from_results(data: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _teacher_batches(trainer: Any, limit: int | None, dataset: Any) -> list[dict[str, Any]]:
+def _batches(trainer: Any, limit: int | None, dataset: Any) -> list[dict[str, Any]]:
     """Batches of `dataset` as the trainer collates them, on its device, in one process (no sharding)."""
     from torch.utils.data import DataLoader
 
@@ -524,39 +545,6 @@ def _teacher_batches(trainer: Any, limit: int | None, dataset: Any) -> list[dict
 
 def _speed_batches(trainer: Any, limit: int) -> list[dict[str, Any]]:
     dataset = trainer.eval_dataset if trainer.eval_dataset is not None else trainer.train_dataset
-    batches = _teacher_batches(trainer, limit, dataset)
+    batches = _batches(trainer, limit, dataset)
     # Labels and cached teacher outputs would make the forward compute a loss: time inference only.
     return [{k: v for k, v in b.items() if k != "labels" and not k.startswith("teacher_")} for b in batches]
-
-
-def _evaluate_teacher(trainer: Any) -> dict[str, float]:
-    """The teacher's metrics on the evaluation set, computed as the trainer computes the student's."""
-    import torch
-    from transformers.trainer_pt_utils import nested_concat, nested_numpify
-    from transformers.trainer_utils import EvalPrediction
-
-    if trainer.compute_metrics is None or getattr(trainer.args, "batch_eval_metrics", False):
-        return {}
-    teacher = trainer.teacher
-    names = set(inspect.signature(teacher.forward).parameters) - {"labels"}
-    preds = labels = None
-    with torch.no_grad(), trainer.accelerator.autocast():
-        for batch in _teacher_batches(trainer, None, trainer.eval_dataset):
-            if "labels" not in batch:
-                return {}
-            out = teacher(**{k: v for k, v in batch.items() if k in names})
-            logits = out.logits if hasattr(out, "logits") else out[0]
-            if trainer.preprocess_logits_for_metrics is not None:
-                logits = trainer.preprocess_logits_for_metrics(logits, batch["labels"])
-            preds = logits if preds is None else nested_concat(preds, logits, padding_index=-100)
-            labels = (
-                batch["labels"]
-                if labels is None
-                else nested_concat(labels, batch["labels"], padding_index=-100)
-            )
-    if preds is None:
-        return {}
-    if isinstance(preds, torch.Tensor):
-        preds = preds.float()  # numpy has no bfloat16
-    metrics = trainer.compute_metrics(EvalPrediction(nested_numpify(preds), nested_numpify(labels)))
-    return {k.removeprefix("eval_"): float(v) for k, v in metrics.items() if _number(v)}

@@ -31,7 +31,8 @@ def load_teacher(name_or_path: str, like: nn.Module | None = None, **kwargs) -> 
 
     A folder holding a PEFT adapter (`adapter_config.json`) loads as base + adapter through peft's matching
     `AutoPeftModelFor...` class, unmerged (`merge_and_unload()` it first
-    for a faster teacher forward)."""
+    for a faster teacher forward). A checkpoint that lacks weights of the model it loads into (a base or MLM
+    checkpoint without the student's classifier) is refused: its head would be random, and so its targets."""
     auto_name = "AutoModel"
     student = unwrap(like) if like is not None else None
     for name in _AUTO_CLASSES:
@@ -43,7 +44,17 @@ def load_teacher(name_or_path: str, like: nn.Module | None = None, **kwargs) -> 
 
         peft_cls = getattr(peft, auto_name.replace("AutoModel", "AutoPeftModel"), peft.AutoPeftModel)
         return peft_cls.from_pretrained(name_or_path, **kwargs)
-    return getattr(transformers, auto_name).from_pretrained(name_or_path, **kwargs)
+    kwargs.pop("output_loading_info", None)
+    teacher, info = getattr(transformers, auto_name).from_pretrained(name_or_path, output_loading_info=True, **kwargs)
+    new = sorted(info.get("missing_keys") or []) + sorted(k[0] if isinstance(k, tuple) else k
+                                                         for k in info.get("mismatched_keys") or [])
+    if new:
+        raise ValueError(
+            f"The teacher {name_or_path} lacks weights of {type(teacher).__name__}, which were initialised at "
+            f"random: {', '.join(new)}. A teacher with a random head teaches noise. Fine-tune the teacher on the "
+            "task first (or pass the fine-tuned checkpoint, with its head) and give that as teacher_model."
+        )
+    return teacher
 
 
 def shares_parameters(a: nn.Module, b: nn.Module) -> bool:

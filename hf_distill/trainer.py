@@ -23,11 +23,11 @@ from . import heads as heads_mod
 from . import losses
 from .arguments import DistillationArguments, as_distillation_arguments
 from .cache import LOGITS_COLUMN, TOPK_INDICES_COLUMN, TOPK_VALUES_COLUMN, cached_hidden_layers, cached_teacher_info
-from .collators import TEACHER_PREFIX, TeacherOutputsCollator
+from .collators import TEACHER_PREFIX, KeepTeacherColumnsCollator, TeacherOutputsCollator
 from .heads import Head, check_kd_loss, head_logits, runtime_head, static_head
 from .intermediate import IntermediateDistiller
 from .normalise import COUNT_KINDS, StepCounts, batch_counts, kd_positions
-from .placement import place_teacher
+from .placement import place_teacher, send_teacher_outputs, teacher_input_device
 from .taps import forward, unwrap
 from .teacher import load_teacher, shared_base_teacher, shares_parameters, validate_pair
 from .tracking import ComponentTracker
@@ -92,6 +92,7 @@ class DistillationTrainer(Trainer):
             t if (i == 0 and self.shared_base) else place_teacher(t, self.accelerator) for i, t in enumerate(teachers)
         ]
         self.teacher = self.teachers[0] if self.teachers else None
+        self.teacher_metrics: dict[str, float] = {}  # set by evaluate_teacher(), reported by the model card
         terms = self.args.terms
         self.intermediate: IntermediateDistiller | None = None
         if terms:
@@ -150,24 +151,34 @@ class DistillationTrainer(Trainer):
         self._signature_columns += [c for c in cached if c not in self._signature_columns]
         return super()._remove_unused_columns(dataset, description)
 
+    def _get_collator_with_removed_columns(self, data_collator, description: str | None = None):
+        """Datasets other than `datasets.Dataset` are filtered row by row in the collator: keep `teacher_*`."""
+        if not self.args.remove_unused_columns:
+            return data_collator
+        self._set_signature_columns_if_needed()
+        return KeepTeacherColumnsCollator(data_collator, self._signature_columns, description=description,
+                                          model_name=type(self.model).__name__)
+
     def _check_teacher_columns(self, dataset) -> None:
-        names = getattr(dataset, "column_names", None) or []
-        if f"{TEACHER_PREFIX}logits" in names and len(dataset) > 0:
-            width = torch.as_tensor(dataset[0][f"{TEACHER_PREFIX}logits"]).shape[-1]
+        if dataset is None:
+            return
+        names, first = self._first_row(dataset, needed=self.teacher is None)
+        for name in [c for c in names if c == LOGITS_COLUMN or c.startswith(f"{LOGITS_COLUMN}_")]:
+            width = torch.as_tensor(first[name]).shape[-1]
             num_labels = _num_labels(self.model)
             if num_labels is not None and width != num_labels:
                 raise ValueError(
-                    f"The train dataset's teacher_logits have width {width} but the student has {num_labels} "
+                    f"The train dataset's {name} have width {width} but the student has {num_labels} "
                     "labels. Recompute the cached logits with a teacher of the same label set, or drop the column."
                 )
-        elif self.teacher is None and self.args.kd_weight > 0 and dataset is not None:
+        if LOGITS_COLUMN not in names and self.teacher is None and self.args.kd_weight > 0:
             topk = TOPK_VALUES_COLUMN in names and TOPK_INDICES_COLUMN in names
             if not topk or self.args.kd_loss == "mse":
                 raise ValueError(
                     "kd_weight > 0 needs teacher logits: pass teacher_model, or add a `teacher_logits` column "
                     "to the train dataset (see hf_distill.cache; cached top-k logits serve kd_loss kl/soft_ce)."
                 )
-        if self.teacher is None and self.intermediate is not None and dataset is not None:
+        if self.teacher is None and self.intermediate is not None:
             missing = sorted(self.intermediate.teacher_request.hidden - cached_hidden_layers(names))
             if missing:
                 raise ValueError(
@@ -175,6 +186,38 @@ class DistillationTrainer(Trainer):
                     "(teacher_hidden_<i> columns): pass teacher_model, or cache them with "
                     f"hf_distill.cache.cache_teacher_outputs(..., hidden_layers={missing})."
                 )
+
+    @staticmethod
+    def _first_row(dataset: Any, needed: bool) -> tuple[list[str], dict[str, Any]]:
+        """Column names and first row of any train dataset the Trainer takes, without consuming it.
+
+        A `datasets.Dataset` has its column names; other datasets (torch map-style or iterable, lists of dicts,
+        `datasets.IterableDataset`) are read at their first row: index 0, or a fresh iterator's first item. A dataset
+        that is its own iterator would lose that row, so it is only read when the checks cannot do without it
+        (`needed`: no teacher to fall back on) and is then refused with what to do instead.
+        """
+        import datasets
+
+        if isinstance(dataset, datasets.Dataset):
+            names = list(dataset.column_names)
+            return names, (dataset[0] if any(n.startswith(TEACHER_PREFIX) for n in names) and len(dataset) else {})
+        if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
+            row = dataset[0] if len(dataset) else {}
+        elif hasattr(dataset, "__iter__"):
+            rows = iter(dataset)
+            if rows is dataset:
+                if not needed:
+                    return [], {}
+                raise ValueError(
+                    f"The train dataset ({type(dataset).__name__}) is its own iterator (iter(dataset) is dataset), so "
+                    "its first row cannot be read to check the cached teacher_* columns without losing it. Give an "
+                    "IterableDataset whose __iter__ starts a new pass over the rows (e.g. a generator: `yield from "
+                    "rows`), a map-style Dataset, or pass teacher_model."
+                )
+            row = next(rows, {})
+        else:
+            return [], {}
+        return (list(row) if isinstance(row, dict) else []), (row if isinstance(row, dict) else {})
 
     # ------------------------------------------------------------------ loss
 
@@ -325,16 +368,23 @@ class DistillationTrainer(Trainer):
             return [t_logits], t_feats
         return (head_logits(t_out, self._head or Head.SEQUENCE) if self.args.kd_weight > 0 else [None]), t_feats
 
-    def _run_teacher(self, teacher: nn.Module, inputs: dict[str, Any], taps=None):
-        t_kwargs = {k: v for k, v in inputs.items() if k not in (self.label_names or []) and k != "labels"
-                    and k in self._teacher_params}
+    def _run_teacher(self, teacher: nn.Module, inputs: dict[str, Any], taps=None, labels: bool = False):
+        label_names = set(self.label_names or []) | {"labels"}
+        t_kwargs = {k: v for k, v in inputs.items() if (labels or k not in label_names) and k in self._teacher_params}
         shared = self.shared_base and teacher is self.teacher
+        # A teacher loaded with device_map or quantised stays where its loader put it (hf_distill.placement):
+        # its inputs go to its first device, its outputs come back to the student's.
+        device = teacher_input_device(teacher)
+        if device is not None:
+            student_device = next((v.device for v in t_kwargs.values() if isinstance(v, torch.Tensor)), device)
+            t_kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in t_kwargs.items()}
         # Same autocast as the student (accelerate only wraps the model it prepared), no autograd: plain
         # no_grad, not inference_mode, so the losses may save teacher tensors for backward.
         with torch.no_grad(), self.accelerator.autocast(), contextlib.ExitStack() as stack:
             if shared:
                 teacher = stack.enter_context(shared_base_teacher(teacher))
-            return forward(teacher, t_kwargs, taps)
+            outputs = forward(teacher, t_kwargs, taps)
+        return outputs if device is None else send_teacher_outputs(outputs, student_device)
 
     def _extra_teacher_views(self, i: int, inputs: dict[str, Any], cached: dict[str, torch.Tensor]):
         """Logits of teacher i >= 1: its cached column `teacher_logits_<i>` if present, else a forward."""
@@ -501,6 +551,96 @@ class DistillationTrainer(Trainer):
                 )
             proj.load_state_dict(torch.load(path, map_location=self.args.device, weights_only=True))
 
+    # ------------------------------------------------------------------ the teacher's own evaluation
+
+    def evaluate_teacher(
+        self,
+        eval_dataset: Any = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "teacher",
+    ) -> dict[str, float]:
+        """The first teacher's metrics, computed by the Trainer's evaluation loop exactly as `evaluate()` computes
+        the student's (same data, `compute_metrics`, gathering across processes): call it on every process.
+
+        A shared PEFT base is evaluated with its adapters off. The metrics (without the prefix) are kept in
+        `self.teacher_metrics`, which the model card reports next to the student's; they are logged too."""
+        if self.teacher is None:
+            raise ValueError("evaluate_teacher needs a teacher: this trainer was given no teacher_model.")
+        if metric_key_prefix == "eval":
+            raise ValueError(
+                "metric_key_prefix='eval' would log the teacher's metrics as the student's (eval_*). Keep the "
+                "default 'teacher' or choose another prefix."
+            )
+        override = eval_dataset is not None
+        dataset = eval_dataset if override else self.eval_dataset
+        if dataset is None:
+            raise ValueError("evaluate_teacher needs an evaluation set: pass eval_dataset= or give the trainer one.")
+        parts = dataset.items() if isinstance(dataset, dict) else [(None, dataset)]
+        metrics: dict[str, float] = {}
+        for name, data in parts:
+            prefix = metric_key_prefix if name is None else f"{metric_key_prefix}_{name}"
+            metrics.update(self._evaluate_teacher_on(data if override or name is None else name, ignore_keys, prefix))
+        self.log(metrics)
+        start = len(metric_key_prefix) + 1
+        found = {
+            k[start:]: float(v)
+            for k, v in metrics.items()
+            if k.startswith(f"{metric_key_prefix}_") and isinstance(v, int | float)
+        }
+        self.teacher_metrics.update(found)
+        return metrics
+
+    def _evaluate_teacher_on(self, dataset: Any, ignore_keys: list[str] | None, prefix: str) -> dict[str, float]:
+        """One evaluation loop whose prediction step runs the teacher instead of the student."""
+        import math
+        import time
+
+        from transformers.trainer_utils import speed_metrics
+
+        dataloader = self.get_eval_dataloader(dataset)
+        start = time.time()
+        self.prediction_step = self._teacher_prediction_step  # the loop calls self.prediction_step
+        try:
+            output = self.evaluation_loop(
+                dataloader,
+                description="Teacher evaluation",
+                prediction_loss_only=True if self.compute_metrics is None else None,
+                ignore_keys=ignore_keys,
+                metric_key_prefix=prefix,
+            )
+        finally:
+            del self.prediction_step
+        steps = math.ceil(output.num_samples / (self.args.eval_batch_size * self.args.world_size))
+        output.metrics.update(speed_metrics(prefix, start, num_samples=output.num_samples, num_steps=steps))
+        return output.metrics
+
+    def _teacher_prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """`prediction_step` with the teacher as the model (`model`, the student, is not run)."""
+        from transformers.trainer_pt_utils import nested_detach
+
+        inputs = self._prepare_inputs({k: v for k, v in inputs.items() if not k.startswith(TEACHER_PREFIX)})
+        names = self.label_names
+        has_labels = bool(names) and all(inputs.get(k) is not None for k in names)
+        labels = nested_detach(tuple(inputs[k] for k in names)) if has_labels else None
+        labels = labels[0] if labels is not None and len(labels) == 1 else labels
+        out, _ = self._run_teacher(self.teacher, inputs, labels=has_labels)  # its own loss, as for the student
+        logits = heads_mod._logits(out)
+        loss = None
+        if has_labels:
+            own = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+            if own is None and len(names) == 1:
+                own = _plain_task_loss(logits, labels)
+            loss = own.detach().mean() if own is not None else None
+        if prediction_loss_only:
+            return loss, None, None
+        if ignore_keys is None:
+            config = getattr(unwrap(self.teacher), "config", None)
+            ignore_keys = getattr(config, "keys_to_ignore_at_inference", ["cache"]) if config is not None else []
+        if isinstance(out, dict):
+            kept = tuple(v for k, v in out.items() if k not in [*ignore_keys, "loss"])
+            logits = kept[0] if len(kept) == 1 else kept
+        return loss, nested_detach(logits), labels
+
     # ------------------------------------------------------------------ publishing (hf_distill.card, hf_distill.hub)
 
     def create_model_card(
@@ -516,9 +656,10 @@ class DistillationTrainer(Trainer):
         dataset_args: str | list[str] | None = None,
         **report_fields: Any,
     ) -> None:
-        """Write the distillation card (teacher, method, losses, size, speed-up, metrics kept) into
-        `output_dir`, so every Trainer flow that writes a card writes this one. Extra keywords are
-        `DistillationReport` fields (e.g. `stages`, `augmentation`) or `measure_speed`/`evaluate_teacher`."""
+        """Write the distillation card (teacher, method, losses, size, metrics kept) into `output_dir`, so every
+        Trainer flow that writes a card writes this one. It runs no model: the teacher's metrics are those of
+        the last `evaluate_teacher()`, and the speed-up is measured only with `measure_speed=True`. Extra
+        keywords are `DistillationReport` fields (e.g. `stages`, `augmentation`) or `measure_speed`."""
         if not self.is_world_process_zero():
             return
         from .card import write_trainer_card
@@ -528,9 +669,15 @@ class DistillationTrainer(Trainer):
                            dataset=dataset, dataset_args=dataset_args, **report_fields)
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
-        """Save-time pushes (`push_to_hub=True`) send the student files, not all of `output_dir`."""
+        """Save-time pushes (`push_to_hub=True`) send the student files, not all of `output_dir`.
+
+        The Trainer pushes from inside `_save_checkpoint`, before ours adds the projections: they are written
+        here first, or the pushed checkpoint (`hub_strategy` checkpoint/all_checkpoints) could not be resumed."""
         from .hub import push_checkpoint
 
+        proj = self.intermediate.projections if self.intermediate else None
+        if proj is not None and self.args.should_save:
+            torch.save(proj.state_dict(), os.path.join(checkpoint_folder, PROJECTIONS_FILE))
         push_checkpoint(self, checkpoint_folder)
 
     def push_to_hub(
@@ -587,6 +734,16 @@ def _forward_params(model: nn.Module | None) -> set[str]:
     if not isinstance(inner, PreTrainedModel) and any(p.kind == p.VAR_KEYWORD for p in params.values()):
         names.add("**")
     return names
+
+
+def _plain_task_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy, MSE (one output, float labels) or BCE (multi-hot float labels) for a model without a loss."""
+    logits = logits.float()
+    if logits.shape[-1] == 1 and labels.is_floating_point():
+        return F.mse_loss(logits.squeeze(-1), labels.float())
+    if labels.is_floating_point() and labels.shape == logits.shape:
+        return F.binary_cross_entropy_with_logits(logits, labels.float())
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
 
 
 def _shift(t):

@@ -78,7 +78,16 @@ class DataArguments:
     text_pair_column: str | None = field(
         default=None, metadata={"help": "Column of the second text of a sentence-pair task (e.g. sentence2)."}
     )
-    label_column: str = field(default="label", metadata={"help": "Column of the integer class label."})
+    label_column: str = field(
+        default="label", metadata={"help": "Column of the class label: an id, or a name (GLUE's TSVs: entailment, "
+                                   "not_entailment, ...) that the teacher's config.label2id turns into its id."}
+    )
+    class_names: list[str] | None = field(
+        default=None,
+        metadata={"help": "The class names in the teacher's id order (id 0 first), for a teacher whose config names "
+                  "its classes only LABEL_0, LABEL_1, ...: string labels in the data are mapped through them, and "
+                  "both configs get them. Must equal the teacher's names when it has real ones."},
+    )
     max_length: int = field(default=64, metadata={"help": "Truncate task inputs to this many tokens."})
     max_train_rows: int | None = field(default=None, metadata={"help": "Keep this many training rows."})
     train_subset_seed: int | None = field(
@@ -291,22 +300,148 @@ def load_task(data: DataArguments):
     return train, valid
 
 
-def num_labels(train, data: DataArguments) -> int:
-    feature = train.features[data.label_column]
-    if hasattr(feature, "num_classes"):
-        return feature.num_classes
-    return int(max(train[data.label_column])) + 1
+@dataclass
+class TaskLabels:
+    """The task's classes numbered as the teacher numbers them, so that the student's logit k means what the
+    teacher's logit k means (a sorted label set or the file's order could silently swap classes)."""
+
+    id2label: dict[int, str]
+    lookup: dict[Any, int]  # every label value found in the data -> its class id
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.id2label)
+
+    @property
+    def label2id(self) -> dict[str, int]:
+        return {name: i for i, name in self.id2label.items()}
+
+    def config_kwargs(self) -> dict[str, Any]:
+        """`from_pretrained` keywords that give a loaded student this head size and these names."""
+        return {"num_labels": self.num_labels, "id2label": dict(self.id2label), "label2id": self.label2id}
+
+    def apply(self, model, what: str) -> None:
+        """Give `model`'s config these id2label/label2id (its head must already have `num_labels` outputs)."""
+        if model.config.num_labels != self.num_labels:
+            fail(f"the {what} has {model.config.num_labels} labels but the task has {self.num_labels} "
+                 f"({self.id2label}); build the {what} with num_labels={self.num_labels}")
+        model.config.id2label = dict(self.id2label)
+        model.config.label2id = self.label2id
 
 
-def tokenize_task(ds, tokenizer, data: DataArguments):
-    """Tokenised rows (no padding: the collator pads each batch to its longest row) with `labels`."""
+def _default_names(id2label: dict) -> bool:
+    return all(str(name) == f"LABEL_{i}" for i, name in id2label.items())
+
+
+def _label_values(ds, data: DataArguments, split: str, by_name: bool) -> list[tuple[Any, Any]]:
+    """(raw value, label) for each distinct label of `ds`: a label is a class name (str) or a class id (int).
+    A Hub ClassLabel column is read by name when there are names to map it through, else by its ids."""
+    feature = ds.features[data.label_column]
+    names = getattr(feature, "names", None)
+    out = []
+    for raw in ds.unique(data.label_column):
+        if names is not None and isinstance(raw, int) and by_name and 0 <= raw < len(names):
+            out.append((raw, names[raw]))
+        elif isinstance(raw, str):
+            out.append((raw, raw))
+        elif isinstance(raw, int) or (isinstance(raw, float) and raw.is_integer()):
+            out.append((raw, int(raw)))
+        else:
+            fail(f"{split} data: label {raw!r} in column {data.label_column!r} is neither a class id (an integer) "
+                 "nor a class name")
+    return out
+
+
+def _find(name: str, names: list[str]) -> int | None:
+    """Index of `name` in `names`: the exact name, else the one name equal to it but for case (MNLI teachers
+    such as roberta-large-mnli name their classes ENTAILMENT, ...); the mapping used is printed."""
+    if name in names:
+        return names.index(name)
+    folded = [i for i, n in enumerate(names) if n.casefold() == name.casefold()]
+    return folded[0] if len(folded) == 1 else None
+
+
+def task_labels(train, valid, data: DataArguments, teacher=None) -> TaskLabels:
+    """How the data's labels become class ids, checked on every distinct label of both splits before training.
+
+    With a teacher, its config decides: class names map through its id2label (or `class_names` when it has
+    only LABEL_k names), integer labels must be below its label count. Without one (a student fine-tuned
+    alone), `class_names` or the sorted set of the names in the data number the classes."""
+    config = teacher.config if teacher is not None else None
+    who = "teacher's" if config is not None else "class_names'"
+    names = None  # class names in id order, when they are known
+    if config is not None and not _default_names(config.id2label):
+        names = [str(config.id2label[i]) for i in range(config.num_labels)]
+    if data.class_names:
+        given = list(data.class_names)
+        if names is not None and given != names:
+            fail(f"class_names {given} disagree with the teacher's classes {names} (its config.id2label): leave "
+                 "class_names out, the teacher's are used")
+        if config is not None and len(given) != config.num_labels:
+            fail(f"class_names has {len(given)} names but the teacher has {config.num_labels} labels: give one name "
+                 "per teacher id, in id order")
+        if len(set(given)) != len(given):
+            fail(f"class_names {given} repeat a name")
+        names = given
+    found = []
+    for ds, split in ((train, "train"), (valid, "validation")):
+        if ds is not None:
+            found += [(split, raw, value) for raw, value in _label_values(ds, data, split, by_name=names is not None)]
+    strings = sorted({value for _, _, value in found if isinstance(value, str)})
+    if strings and names is None:
+        if config is not None:
+            defaults = ", ".join(str(config.id2label[i]) for i in range(config.num_labels))
+            fail(f"the data's labels are names ({', '.join(map(repr, strings[:8]))}) but the teacher's config names "
+                 f"its {config.num_labels} classes only {defaults}"
+                 ", so which id means which name is unknown: set class_names to the names in the teacher's id order "
+                 "(--class_names NAME_OF_ID_0 NAME_OF_ID_1 ..., or class_names: [...] in the YAML), or save "
+                 "id2label/label2id in the teacher's config.json")
+        names = strings
+        who = "class_names'"
+        print(f"no teacher: classes numbered in sorted order {dict(enumerate(names))}")
+    if config is not None:
+        n = config.num_labels
+    elif names is not None:
+        n = len(names)
+    else:
+        n = max((v for _, _, v in found), default=0) + 1
+    lookup: dict[Any, int] = {}
+    for split, raw, value in found:
+        if isinstance(value, str):
+            index = _find(value, names)
+            if index is None:
+                fail(f"{split} data: label {value!r} in column {data.label_column!r} is not one of the {who} "
+                     f"classes {names}: use a teacher fine-tuned on this task's classes")
+        else:
+            if not 0 <= value < n:
+                named = f" ({dict(enumerate(names))})" if names else ""
+                fail(f"{split} data: label {value} in column {data.label_column!r} is out of range: the "
+                     f"{'teacher has' if config is not None else 'task has'} {n} labels, ids 0..{n - 1}{named}; use "
+                     "a teacher fine-tuned on this task's classes")
+            index = value
+        if lookup.setdefault(raw, index) != index:
+            fail(f"label {raw!r} means class {lookup[raw]} in the train data but {index} in the validation data")
+    if strings:
+        mapping = ", ".join(f"{raw!r} -> {i}" for raw, i in sorted(lookup.items(), key=lambda x: (x[1], str(x[0]))))
+        print(f"labels (data -> class id): {mapping}")
+    if names is not None:
+        id2label = dict(enumerate(names))
+    elif config is not None:
+        id2label = {i: str(config.id2label[i]) for i in range(n)}
+    else:
+        id2label = {i: f"LABEL_{i}" for i in range(n)}
+    return TaskLabels(id2label=id2label, lookup=lookup)
+
+
+def tokenize_task(ds, tokenizer, data: DataArguments, labels: TaskLabels):
+    """Tokenised rows (no padding: the collator pads each batch to its longest row) with `labels` as class ids."""
     if ds is None:
         return None
 
     def encode(batch):
         pair = batch[data.text_pair_column] if data.text_pair_column else None
         out = tokenizer(batch[data.text_column], pair, truncation=True, max_length=data.max_length)
-        out["labels"] = [int(y) for y in batch[data.label_column]]
+        out["labels"] = [labels.lookup[y] for y in batch[data.label_column]]
         return out
 
     return ds.map(encode, batched=True, remove_columns=ds.column_names, desc="tokenising")

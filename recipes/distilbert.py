@@ -42,9 +42,9 @@ from common import (
     load_corpus,
     load_model,
     load_task,
-    num_labels,
     parse_args,
     set_offline_defaults,
+    task_labels,
     tokenize_task,
     train_and_report,
     write_results,
@@ -120,6 +120,14 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(margs.teacher)
     results = {"recipe": "distilbert", "command": command_line(), "config": config}
 
+    # 0. Task data and teacher first: a label the teacher does not know is refused before anything trains.
+    train, valid = load_task(data)
+    if train is not None:
+        teacher = load_model(AutoModelForSequenceClassification, margs.teacher, "teacher")
+        labels = task_labels(train, valid, data, teacher)
+        labels.apply(teacher, "teacher")
+        results["id2label"] = labels.id2label
+
     # 1. General distillation (optional): an MLM student on the corpus.
     if data.corpus_files and recipe.general_epochs > 0:
         general_dir = general_distillation(margs, data, recipe, args, tokenizer)
@@ -128,15 +136,13 @@ def main() -> None:
         results["general_student"] = general_dir
 
     # 2. Task distillation: the student learns the labels and the fine-tuned teacher's logits.
-    train, valid = load_task(data)
     if train is None:
         results["wall_s"] = time.time() - start
         write_results(args.output_dir, results)
         return
-    n_labels = num_labels(train, data)
-    teacher = load_model(AutoModelForSequenceClassification, margs.teacher, "teacher", num_labels=n_labels)
-    student = build_student(margs, teacher, AutoModelForSequenceClassification, args.seed, num_labels=n_labels)
-    train, valid = tokenize_task(train, tokenizer, data), tokenize_task(valid, tokenizer, data)
+    student = build_student(margs, teacher, AutoModelForSequenceClassification, args.seed, **labels.config_kwargs())
+    labels.apply(student, "student")  # the student's class k is the teacher's class k
+    train, valid = tokenize_task(train, tokenizer, data, labels), tokenize_task(valid, tokenizer, data, labels)
     collator = DataCollatorWithPadding(tokenizer)
     needs_teacher = args.kd_weight > 0 or bool(args.terms)
     if needs_teacher and recipe.cache_teacher and not args.terms:

@@ -39,9 +39,9 @@ from common import (
     load_corpus,
     load_model,
     load_task,
-    num_labels,
     parse_args,
     set_offline_defaults,
+    task_labels,
     tokenize_task,
     train_and_report,
     write_results,
@@ -114,6 +114,18 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(margs.general_teacher or margs.teacher)
     results = {"recipe": "minilm", "command": command_line(), "config": config}
 
+    # 0. Task data and teacher first: a label the teacher does not know is refused before anything trains.
+    train, valid = load_task(data)
+    if train is not None:
+        if not margs.teacher and args.kd_weight > 0:
+            fail("kd_weight > 0 needs a fine-tuned teacher: set teacher, or kd_weight 0 for plain fine-tuning")
+        teacher = load_model(AutoModelForSequenceClassification, margs.teacher, "teacher") if margs.teacher else None
+        # Without a teacher (plain fine-tuning) the student's classes are class_names or the sorted label names.
+        labels = task_labels(train, valid, data, teacher)
+        if teacher is not None:
+            labels.apply(teacher, "teacher")
+        results["id2label"] = labels.id2label
+
     # 1. Task-agnostic relation distillation on the corpus.
     general_s = 0.0
     if data.corpus_files and recipe.general_epochs > 0:
@@ -125,19 +137,14 @@ def main() -> None:
                        minilm_version=recipe.minilm_version, teacher_layer=recipe.teacher_layer)
 
     # 2. Fine-tuning on the task (plain, or with logit KD when kd_weight > 0).
-    train, valid = load_task(data)
     if train is None:
         results["wall_s"] = time.time() - start
         write_results(args.output_dir, results)
         return
-    if not margs.teacher and args.kd_weight > 0:
-        fail("kd_weight > 0 needs a fine-tuned teacher: set teacher, or kd_weight 0 for plain fine-tuning")
-    n_labels = num_labels(train, data)
-    teacher = load_model(AutoModelForSequenceClassification, margs.teacher, "teacher", num_labels=n_labels) \
-        if margs.teacher else None
-    student = build_student(margs, teacher, AutoModelForSequenceClassification, args.seed, num_labels=n_labels,
+    student = build_student(margs, teacher, AutoModelForSequenceClassification, args.seed, **labels.config_kwargs(),
                             ignore_mismatched_sizes=True)
-    train, valid = tokenize_task(train, tokenizer, data), tokenize_task(valid, tokenizer, data)
+    labels.apply(student, "student")  # the student's class k is the teacher's class k
+    train, valid = tokenize_task(train, tokenizer, data, labels), tokenize_task(valid, tokenizer, data, labels)
     collator = DataCollatorWithPadding(tokenizer)
     needs_teacher = args.kd_weight > 0 or bool(args.terms)
     if needs_teacher and recipe.cache_teacher and not args.terms:

@@ -56,9 +56,9 @@ from common import (
     load_corpus,
     load_model,
     load_task,
-    num_labels,
     parse_args,
     set_offline_defaults,
+    task_labels,
     tokenize_task,
     train_and_report,
     write_results,
@@ -256,6 +256,14 @@ def main() -> None:
     results = {"recipe": "tinybert", "command": command_line(), "config": config}
     corpus = load_corpus(data, tokenizer) if data.corpus_files else None
 
+    # 0. Task data and teacher first: a label the teacher does not know is refused before anything trains.
+    train, valid = load_task(data)
+    if train is not None:
+        teacher = load_model(AutoModelForSequenceClassification, margs.teacher, "teacher")
+        labels = task_labels(train, valid, data, teacher)
+        labels.apply(teacher, "teacher")
+        results["id2label"] = labels.id2label
+
     # 1. General distillation: a random student learns the pre-trained teacher's intermediate layers.
     if corpus is not None and recipe.general_epochs > 0:
         t0 = time.time()
@@ -269,12 +277,10 @@ def main() -> None:
                            incremental_weight=1.0 if recipe.incremental_weight is None else recipe.incremental_weight)
 
     # 2. Task data, augmented.
-    train, valid = load_task(data)
     if train is None:
         results["wall_s"] = time.time() - start
         write_results(args.output_dir, results)
         return
-    n_labels = num_labels(train, data)
     if recipe.augment_n > 0:
         t0 = time.time()
         rows = len(train)
@@ -282,10 +288,10 @@ def main() -> None:
         results.update(augment={"n": recipe.augment_n, "p": recipe.augment_p, "m": recipe.augment_m,
                                 "rows_augmented": min(recipe.augment_rows or rows, rows), "rows_in": rows},
                        augmented_rows=len(train), augment_s=time.time() - t0)
-    teacher = load_model(AutoModelForSequenceClassification, margs.teacher, "teacher", num_labels=n_labels)
-    student = build_student(margs, teacher, AutoModelForSequenceClassification, args.seed, num_labels=n_labels,
+    student = build_student(margs, teacher, AutoModelForSequenceClassification, args.seed, **labels.config_kwargs(),
                             ignore_mismatched_sizes=True)
-    train, valid = tokenize_task(train, tokenizer, data), tokenize_task(valid, tokenizer, data)
+    labels.apply(student, "student")  # the student's class k is the teacher's class k
+    train, valid = tokenize_task(train, tokenizer, data, labels), tokenize_task(valid, tokenizer, data, labels)
 
     # 3. Task distillation: stage 1 intermediate layers, stage 2 prediction layer, one Trainer run.
     callbacks = []

@@ -6,6 +6,7 @@ Also a torchrun worker: `python -m torch.distributed.run --nproc_per_node 2 test
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import socket
@@ -87,6 +88,133 @@ def test_teacher_fingerprint_sees_every_tensor_and_is_stable():
         b.bert.encoder.layer[3].output.dense.weight[5, 7] += 1e-6
     assert teacher_fingerprint(b) != fp
     assert teacher_fingerprint(copy.deepcopy(a).to(torch.bfloat16)) != fp
+
+
+def _pad_to(rows, max_length=64):
+    """A collator with a setting that changes what the teacher sees (truncation)."""
+    return collate([{**r, "input_ids": r["input_ids"][:max_length]} for r in rows])
+
+
+def _closure(max_length):
+    def pad(rows):
+        return _pad_to(rows, max_length)
+
+    return pad
+
+
+class _Slotted:
+    __slots__ = ("max_length",)
+
+    def __init__(self, max_length):
+        self.max_length = max_length
+
+    def __call__(self, rows):
+        return _pad_to(rows, self.max_length)
+
+
+COLLATOR_FORMS = {
+    "partial": lambda m: functools.partial(_pad_to, max_length=m),
+    "lambda": lambda m: (lambda rows: _pad_to(rows, m)),
+    "closure": _closure,
+    "slots": _Slotted,
+}
+
+
+@pytest.mark.parametrize("form", list(COLLATOR_FORMS))
+def test_collator_settings_are_in_the_key(tmp_path, form):
+    teacher, data = make_teacher(), token_dataset(4, min_len=5, max_len=8)
+    calls = _count_forwards(teacher)
+    make = COLLATOR_FORMS[form]
+    short = _cache(teacher, data, tmp_path, collator=make(4))
+    assert len(calls) == 1
+    _cache(teacher, data, tmp_path, collator=make(4))  # equal settings, a new object: reused
+    assert len(calls) == 1
+    long = _cache(teacher, data, tmp_path, collator=make(64))
+    assert len(calls) == 2
+    assert not torch.equal(short[:][LOGITS_COLUMN], long[:][LOGITS_COLUMN])  # the setting did change the outputs
+
+
+def test_lambdas_with_different_bodies_get_different_keys(tmp_path):
+    teacher, data = make_teacher(), token_dataset(4, min_len=5, max_len=8)
+    calls = _count_forwards(teacher)
+    _cache(teacher, data, tmp_path, collator=lambda rows: _pad_to(rows, 4))
+    _cache(teacher, data, tmp_path, collator=lambda rows: _pad_to(rows, 64))
+    assert len(calls) == 2
+
+
+def test_ambient_autocast_is_in_the_key(tmp_path):
+    teacher, data = make_teacher(), token_dataset(4)
+    calls = _count_forwards(teacher)
+    plain = _cache(teacher, data, tmp_path)
+    with torch.autocast("cpu", torch.bfloat16):
+        bf16 = _cache(teacher, data, tmp_path)
+        assert len(calls) == 2
+        _cache(teacher, data, tmp_path)
+        assert len(calls) == 2
+    with torch.autocast("cpu", torch.float16):
+        _cache(teacher, data, tmp_path)
+    assert len(calls) == 3
+    with torch.autocast("cpu", torch.bfloat16, enabled=False):
+        _cache(teacher, data, tmp_path)
+    assert len(calls) == 3  # autocast off is the plain key
+    assert not torch.equal(plain[:][LOGITS_COLUMN], bf16[:][LOGITS_COLUMN])
+
+
+def test_transformers_version_is_in_the_key(tmp_path, monkeypatch):
+    import transformers
+
+    teacher, data = make_teacher(), token_dataset(4)
+    calls = _count_forwards(teacher)
+    _cache(teacher, data, tmp_path)
+    monkeypatch.setattr(transformers, "__version__", "999.0.0")
+    _cache(teacher, data, tmp_path)
+    assert len(calls) == 2
+
+
+def test_only_the_columns_the_teacher_reads_are_in_the_key(tmp_path):
+    teacher, data = make_teacher(), token_dataset(12)
+    calls = _count_forwards(teacher)
+    first = _cache(teacher, data, tmp_path, batch_size=16)
+    relabelled = data.map(lambda r: {"label": 1 - r["label"]}).add_column("id", [f"row-{i}" for i in range(12)])
+    again = _cache(teacher, relabelled, tmp_path, batch_size=16)
+    assert len(calls) == 1  # labels and ids changed, the teacher's inputs did not: reused
+    assert again["label"] == relabelled["label"] and again["id"] == relabelled["id"]  # the new rows, old outputs
+    assert torch.equal(again[:][LOGITS_COLUMN], first[:][LOGITS_COLUMN])
+    shuffled = data.select([1, 0, *range(2, 12)])  # same rows in another order: other inputs per position
+    _cache(teacher, shuffled, tmp_path, batch_size=16)
+    assert len(calls) == 2
+    _cache(teacher, shuffled.flatten_indices(), tmp_path, batch_size=16)  # the same rows, written out
+    assert len(calls) == 2
+    ids = data.map(lambda r, i: {"input_ids": [*r["input_ids"][:-1], 7] if i == 3 else r["input_ids"]},
+                   with_indices=True)
+    _cache(teacher, ids, tmp_path, batch_size=16)
+    assert len(calls) == 3
+
+
+def test_teacher_fingerprint_is_memoised_and_sees_in_place_edits(monkeypatch):
+    from hf_distill import cache
+
+    hashed = []
+    real = cache._hash_state
+    monkeypatch.setattr(cache, "_hash_state", lambda *a: hashed.append(1) or real(*a))
+    t = make_teacher()
+    fp = teacher_fingerprint(t)
+    assert teacher_fingerprint(t) == fp and len(hashed) == 1  # memoised: the weights were read once
+
+    with torch.no_grad():
+        t.bert.encoder.layer[1].attention.self.query.weight[0, 0] += 1e-6  # in place: same storage
+    edited = teacher_fingerprint(t)
+    assert edited != fp and edited == teacher_fingerprint(copy.deepcopy(t))
+
+    t.classifier.weight.grad = torch.ones_like(t.classifier.weight)
+    torch.optim.AdamW([t.classifier.weight], lr=1e-3, fused=True).step()  # fused kernels leave _version alone
+    stepped = teacher_fingerprint(t)
+    assert stepped != edited and stepped == teacher_fingerprint(copy.deepcopy(t))
+
+    t.classifier.bias.data = t.classifier.bias.data + 1  # new storage
+    assert teacher_fingerprint(t) not in (fp, edited, stepped)
+    t.load_state_dict(make_teacher().state_dict())
+    assert teacher_fingerprint(t) == fp
 
 
 # ---------------------------------------------------------------- values
@@ -248,6 +376,143 @@ def test_missing_cached_features_without_teacher_are_refused(tmp_path):
                             data_collator=collate)
 
 
+# ---------------------------------------------------------------- every dataset type the Trainer accepts
+
+
+class _Rows(torch.utils.data.Dataset):
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    """Re-iterable: every `iter()` starts a new pass, as a generator-based IterableDataset does."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __iter__(self):
+        yield from self.rows
+
+
+class _OneShot(torch.utils.data.IterableDataset):
+    """Its own iterator: reading a row consumes it."""
+
+    def __init__(self, rows):
+        self.it = iter(rows)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self.it)
+
+
+def _as(kind: str, data):
+    rows = [data[i] for i in range(len(data))]
+    if kind == "torch-map":
+        return _Rows(rows)
+    if kind == "list":
+        return rows
+    if kind == "torch-iterable":
+        return _Stream(rows)
+    assert kind == "hf-iterable"
+    return data.with_format(None).to_iterable_dataset()  # a formatted dataset cannot be converted as it is
+
+
+DATASET_KINDS = ["torch-map", "list", "torch-iterable", "hf-iterable"]
+
+
+def _cached_case(case: str, tmp_path):
+    """(teachers to pass, teachers whose forwards are counted, cached datasets.Dataset, student seed maker, args)."""
+    data = token_dataset(16, min_len=2, max_len=14)
+    if case == "logits+hidden":
+        t = make_teacher()
+        return t, [t], _cache(t, data, tmp_path, hidden_layers=[0, 2, 4]), lambda: bert(2), dict(
+            distill_terms=HIDDEN_TERMS)
+    if case == "logits-no-teacher":
+        t = make_teacher()
+        return None, [t], _cache(t, data, tmp_path), lambda: bert(2), {}
+    if case == "multi-teacher":
+        ts = [make_teacher(seed=1), make_teacher(layers=2, seed=7)]
+        for i, t in enumerate(ts):
+            data = _cache(t, data, tmp_path, teacher_index=i)
+        return ts, ts, data, lambda: bert(2), dict(teacher_weights=[0.3, 0.7])
+    assert case == "top-k"
+    t = _mlm(1)
+    return t, [t], _cache(t, data.remove_columns("label"), tmp_path, top_k=5), lambda: _mlm(0), dict(
+        kd_weight=1.0, task_weight=0.0)
+
+
+@pytest.mark.parametrize("case", ["logits+hidden", "logits-no-teacher", "multi-teacher", "top-k"])
+def test_cached_columns_work_with_every_dataset_type(tmp_path, case):
+    """Same rows, same order (sequential sampling): every dataset type trains as the datasets.Dataset does,
+    with no teacher forward."""
+    teacher_model, counted, cached, student, extra = _cached_case(case, tmp_path)
+    calls = []
+    for t in counted:
+        t.register_forward_hook(lambda *a: calls.append(1))
+
+    def run(sub, dataset):
+        a = args(tmp_path / sub, max_steps=4, optim="sgd", learning_rate=0.5, train_sampling_strategy="sequential",
+                 **extra)
+        trainer = DistillationTrainer(model=student(), teacher_model=teacher_model, args=a, train_dataset=dataset,
+                                      data_collator=collate)
+        trainer.train()
+        losses_logged = [{k: v for k, v in r.items() if k.startswith("loss")} for r in trainer.state.log_history]
+        return flat_params(trainer.model), [r for r in losses_logged if r]
+
+    ref_params, ref_losses = run("ref", cached)
+    assert calls == [] and len(ref_losses) == 4
+    for kind in DATASET_KINDS:
+        params, logged = run(kind, _as(kind, cached))
+        assert calls == [], kind  # the cached columns survived the column remover: the teacher never ran
+        torch.testing.assert_close(params, ref_params, atol=1e-5, rtol=0, msg=kind)
+        assert len(logged) == len(ref_losses), kind
+        for got, want in zip(logged, ref_losses, strict=True):
+            assert got.keys() == want.keys(), kind
+            for k in want:
+                assert got[k] == pytest.approx(want[k], rel=1e-5), (kind, k)
+
+
+@pytest.mark.parametrize("kind", DATASET_KINDS)
+def test_init_checks_read_the_first_row_of_any_dataset(tmp_path, kind):
+    data = _cache(make_teacher(), token_dataset(8), tmp_path)
+
+    def build(dataset, model=None, **kw):
+        DistillationTrainer(model=model or bert(2), args=args(tmp_path, **kw), train_dataset=dataset,
+                            data_collator=collate)
+
+    build(_as(kind, data))  # teacher_model=None: the rows carry teacher_logits
+    with pytest.raises(ValueError, match="teacher_logits have width 2 but the student has 3 labels"):
+        build(_as(kind, data), model=bert(2, labels=3))
+    with pytest.raises(ValueError, match="needs teacher logits"):
+        build(_as(kind, token_dataset(8)))
+    # Without a teacher, its shape comes from the cache's metadata, which only a datasets.Dataset carries.
+    with pytest.raises(ValueError, match="teacher_model must be given"):
+        DistillationTrainer(model=bert(2), teacher_model=None, train_dataset=_as(kind, data), data_collator=collate,
+                            args=args(tmp_path, kd_weight=0.0, distill_terms=["loss=hidden_mse,layers=1:2"]))
+    with pytest.raises(ValueError, match="teacher hidden states \\[2\\]"):  # the datasets.Dataset itself
+        DistillationTrainer(model=bert(2), teacher_model=None, train_dataset=data, data_collator=collate,
+                            args=args(tmp_path, kd_weight=0.0, distill_terms=["loss=hidden_mse,layers=1:2"]))
+
+
+def test_a_dataset_that_is_its_own_iterator_is_not_consumed_by_the_checks(tmp_path):
+    data = _cache(make_teacher(), token_dataset(8), tmp_path)
+    rows = [data[i] for i in range(8)]
+    with pytest.raises(ValueError, match="iter\\(dataset\\) is dataset"):
+        DistillationTrainer(model=bert(2), args=args(tmp_path), train_dataset=_OneShot(rows), data_collator=collate)
+    stream = _OneShot(rows)
+    DistillationTrainer(model=bert(2), teacher_model=make_teacher(), args=args(tmp_path), train_dataset=stream,
+                        data_collator=collate)
+    assert len(list(stream)) == 8  # with a teacher nothing had to be read: every row is still there
+
+
 # ---------------------------------------------------------------- two processes
 
 
@@ -258,6 +523,12 @@ def _worker_run(out: Path, cache_dir: Path | None, per_device_batch: int) -> dic
              distill_terms=["loss=pkd_loss,layers=1:2,weight=2"])
     if cache_dir is not None:
         _ = a.device  # initialises the process group under torchrun: rank 0 computes, the other waits
+        if a.process_index != 0:  # the key comes from rank 0: no other rank reads the teacher's weights
+
+            def refuse(*_, **__):
+                raise AssertionError(f"rank {a.process_index} hashed the teacher")
+
+            teacher.state_dict = refuse
         data = cache_teacher_outputs(teacher, data, cache_dir=cache_dir, batch_size=16, hidden_layers=[2],
                                      progress=False)
         teacher = None
@@ -275,7 +546,10 @@ def test_two_processes_with_cache_match_one_online(tmp_path):
     with socket.socket() as sock:  # torchrun has no "any free port" option for a standalone master
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    # The workers run this file as a script: put this checkout's package first, not an installed copy's.
+    root = str(Path(__file__).resolve().parents[1])
+    pythonpath = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": pythonpath}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
            __file__, str(tmp_path / "ddp"), str(tmp_path / "cache")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)

@@ -185,3 +185,24 @@ def test_batch_of_special_tokens_only_is_left_unmasked(tokenizer):
     batch = MLMDistillationCollator(tokenizer, seed=0)(rows)
     assert (batch["labels"] == -100).all()
     assert batch["input_ids"].tolist() == [[tokenizer.cls_token_id, tokenizer.sep_token_id]] * 3
+
+
+def test_column_remover_keeps_teacher_columns_and_drops_the_rest(caplog):
+    """The Trainer's row-by-row column filter (datasets other than datasets.Dataset) keeps cached outputs."""
+    import logging
+
+    from hf_distill.collators import KeepTeacherColumnsCollator
+
+    seen = []
+    logger = logging.getLogger("test_column_remover")
+    remover = KeepTeacherColumnsCollator(seen.append, ["input_ids", "labels"], logger=logger, model_name="Student",
+                                         description="training")
+    rows = [{"input_ids": [2, 5], "labels": 1, "id": "a", "teacher_logits": [0.1, 0.2], "teacher_hidden_2": [[0.0]]}]
+    with caplog.at_level(logging.INFO, logger="test_column_remover"):
+        remover(rows)
+        remover(rows)
+    assert seen[0] == [{"input_ids": [2, 5], "labels": 1, "teacher_logits": [0.1, 0.2], "teacher_hidden_2": [[0.0]]}]
+    assert seen[1] == seen[0]
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1 and " id " in messages[0] and "teacher_" in messages[0]  # logged once, names `id`
+    assert "teacher_logits" not in messages[0] and "teacher_hidden" not in messages[0]

@@ -8,8 +8,11 @@ what the server received.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -23,7 +26,7 @@ from huggingface_hub import ModelCard
 from safetensors.torch import load as load_safetensors
 
 import hf_distill
-from hf_distill import DistillationArguments, measure
+from hf_distill import DistillationArguments, DistillationTrainer, measure
 from hf_distill.card import BIBTEX, citations, model_card, write_model_card
 from hf_distill.hub import HubPushError, push_student, upload_files
 from hf_distill.presets import PRESETS
@@ -106,6 +109,7 @@ def pushed(tmp_path_factory):
     (out / "runs" / "events.out.tfevents.1").write_bytes(b"logs")
     torch.save({"w": torch.zeros(2)}, out / "distill_projections.pt")
     torch.save({"state": {}}, out / "optimizer.pt")
+    trainer.evaluate_teacher()  # every process, before the card: its metrics are the card's teacher column
     with FakeHub() as hub, pytest.MonkeyPatch.context() as mp:
         online(mp, hub.endpoint)
         url = trainer.push_to_hub(
@@ -114,6 +118,7 @@ def pushed(tmp_path_factory):
             dataset="GLUE SST-2",
             dataset_args="sst2",
             license="apache-2.0",
+            measure_speed=True,
         )
     return trainer, hub, url
 
@@ -259,34 +264,145 @@ def test_create_model_card_writes_the_distillation_card(pushed):
     pushed_card = readme.read_bytes()
     readme.unlink()
     try:
-        trainer.create_model_card(measure_speed=False, evaluate_teacher=False)
+        trainer.create_model_card()
         text = readme.read_text()
     finally:
         readme.write_bytes(pushed_card)
     assert "## How it was distilled" in text and "hf-distill" in front_matter(text)["tags"]
     assert "Inference speed-up" not in text and "More information needed" not in text
+    teacher_acc = f"{teacher_accuracy(trainer):.4f}"  # from the fixture's evaluate_teacher(), not re-run
+    assert table_with(text, ["Metric", "Teacher", "Student", "% of teacher"])["accuracy"][0] == teacher_acc
+
+
+def _count_forwards(monkeypatch, *models) -> list[int]:
+    """How many times each model's forward runs from now on."""
+    counts = [0] * len(models)
+    for i, model in enumerate(models):
+        forward = model.forward
+
+        def counted(*a, _i=i, _forward=forward, **k):
+            counts[_i] += 1
+            return _forward(*a, **k)
+
+        monkeypatch.setattr(model, "forward", counted)
+    return counts
+
+
+def test_writing_the_card_runs_no_model_by_default(tmp_path, monkeypatch):
+    """create_model_card, save_model and push_to_hub with default arguments neither evaluate nor time the
+    teacher or the student: under a sharded teacher a forward on the card-writing process alone would hang."""
+    trainer = tiny_run(tmp_path, max_steps=2, eval_strategy="no", save_strategy="no", hidden_term=False)
+    trainer.evaluate()  # the student's metrics are logged: the old card then evaluated the teacher itself
+    counts = _count_forwards(monkeypatch, trainer.teacher, trainer.model)
+    trainer.create_model_card()
+    trainer.save_model()
+    with FakeHub() as hub, pytest.MonkeyPatch.context() as mp:
+        online(mp, hub.endpoint)
+        trainer.push_to_hub()
+    assert counts == [0, 0]
+    readme = hub.files(REPO)["README.md"].decode()
+    assert table_with(readme, ["Metric", "Student"])["accuracy"]  # no teacher column: it was not evaluated
+    assert "Inference speed-up" not in readme
+
+
+def test_evaluate_teacher_returns_the_teachers_metrics(pushed):
+    trainer, _, _ = pushed
+    student_eval = [e for e in trainer.state.log_history if "eval_accuracy" in e][-1]
+    metrics = trainer.evaluate_teacher()
+    assert metrics["teacher_accuracy"] == pytest.approx(teacher_accuracy(trainer))
+    assert not any(k.startswith("eval_") for k in metrics) and "teacher_runtime" in metrics
+    with torch.no_grad():  # the teacher's own loss, averaged over the evaluation set as evaluate() does it
+        losses = [trainer.teacher(input_ids=torch.tensor([r["input_ids"]]), labels=torch.tensor([r["label"]])).loss
+                  for r in trainer.eval_dataset]
+    assert metrics["teacher_loss"] == pytest.approx(float(torch.stack(losses).mean()), rel=1e-5)
+    assert trainer.teacher_metrics["accuracy"] == metrics["teacher_accuracy"]
+    assert [e for e in trainer.state.log_history if "eval_accuracy" in e][-1] == student_eval
+
+
+_TEACHER_EVAL_SCRIPT = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from pathlib import Path
+from helpers import args, bert, collate, teacher, token_dataset
+from hf_distill import DistillationTrainer
+
+def metrics(pred):
+    logits, labels = pred
+    return {{"accuracy": float((logits.argmax(-1) == labels).mean()), "rows": float(len(labels)),
+             "logit_sum": float(logits.sum())}}
+
+out = Path(sys.argv[1])
+a = args(out.parent, per_device_eval_batch_size=4)
+trainer = DistillationTrainer(model=bert(2), teacher_model=teacher(), args=a,
+                              eval_dataset=token_dataset(15, seed=4), data_collator=collate, compute_metrics=metrics)
+result = trainer.evaluate_teacher()
+if trainer.is_world_process_zero():
+    out.write_text(json.dumps({{"metrics": result, "world": trainer.args.world_size}}))
+"""
+
+
+@pytest.mark.distributed
+def test_evaluate_teacher_runs_on_every_process_under_ddp(tmp_path):
+    """Every rank evaluates its share with the teacher and the metrics are gathered: the same as one process
+    (15 rows, so the last batch is uneven and the gather must drop the padding)."""
+    script = tmp_path / "teacher_eval.py"
+    script.write_text(_TEACHER_EVAL_SCRIPT.format(tests=str(Path(__file__).parent)))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    root = str(Path(__file__).parents[1])  # this checkout's hf_distill, not an installed one
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    runs = {}
+    for name, launcher in (("single", []), ("ddp", ["-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                                    "--master_port", port])):
+        out = tmp_path / name / "result.json"
+        out.parent.mkdir()
+        proc = subprocess.run([sys.executable, *launcher, str(script), str(out)], env=env, capture_output=True,
+                              text=True, timeout=180)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs[name] = json.loads(out.read_text())
+    assert (runs["single"]["world"], runs["ddp"]["world"]) == (1, 2)
+    single, ddp = runs["single"]["metrics"], runs["ddp"]["metrics"]
+    assert single["teacher_rows"] == ddp["teacher_rows"] == 15
+    for key in ("teacher_accuracy", "teacher_logit_sum"):
+        assert ddp[key] == pytest.approx(single[key], rel=1e-5), key
+    # The loss is a mean of batch means, as in Trainer.evaluate: uneven batches weigh rows differently.
+    assert ddp["teacher_loss"] > 0
+
+
+def test_card_options_that_would_run_a_model_on_one_process_are_refused(pushed, monkeypatch):
+    trainer, _, _ = pushed
+    with pytest.raises(TypeError, match=r"trainer.evaluate_teacher\(\)"):
+        trainer.create_model_card(evaluate_teacher=True)
+    with pytest.raises(ValueError, match="metric_key_prefix='eval'"):
+        trainer.evaluate_teacher(metric_key_prefix="eval")
+    monkeypatch.setattr("hf_distill.placement.teacher_mode", lambda accelerator: "fsdp_sharded")
+    with pytest.raises(ValueError, match="fsdp_sharded across processes"):
+        trainer.create_model_card(measure_speed=True)
 
 
 def test_card_of_a_run_without_evaluation_set(pushed, monkeypatch):
-    """Speed is then measured on training batches, and no teacher evaluation is attempted."""
+    """Speed is then measured on training batches; the teacher column is the recorded evaluate_teacher()'s."""
     trainer, _, _ = pushed
     readme = Path(trainer.args.output_dir) / "README.md"
     pushed_card = readme.read_bytes()
     monkeypatch.setattr(trainer, "eval_dataset", None)
     try:
-        trainer.create_model_card(model_name="me/no-eval")
+        trainer.create_model_card(model_name="me/no-eval", measure_speed=True)
         text = readme.read_text()
     finally:
         readme.write_bytes(pushed_card)
     assert "batches of 8 training examples" in text
-    assert table_with(text, ["Metric", "Student"])["accuracy"]  # the logged evaluation, without a teacher
+    metrics = table_with(text, ["Metric", "Teacher", "Student", "% of teacher"])
+    assert metrics["accuracy"][0] == f"{trainer.teacher_metrics['accuracy']:.4f}"
 
 
 def test_non_blocking_push_returns_a_future(pushed):
     trainer, _, _ = pushed
     with FakeHub() as hub, pytest.MonkeyPatch.context() as mp:
         online(mp, hub.endpoint)
-        future = trainer.push_to_hub(commit_message="async", blocking=False, measure_speed=False)
+        future = trainer.push_to_hub(commit_message="async", blocking=False)
         url = future.result(timeout=30)
         assert url == f"{hub.endpoint}/{REPO}/commit/{hub.repos[REPO]['commits'][-1]['oid']}"
         assert hub.repos[REPO]["commits"][-1]["summary"] == "async"
@@ -512,18 +628,30 @@ def test_pushes_during_training_send_the_student_files_only(tmp_path, strategy):
     """The Trainer's own save-time push uploads all of `output_dir` (training_args.bin, logs, whatever a user
     keeps there); ours sends the checkpoint's student files to the repo root, and the resumable checkpoint
     (optimizer state, projections) only where `hub_strategy` asks for it."""
+    push = DistillationTrainer._push_from_checkpoint
+
+    def push_and_wait(self, checkpoint_folder):
+        # A save-time push is skipped while the previous one is still in flight (as in the Trainer), so which
+        # saves get a commit depends on timing; waiting for each push before training goes on makes every save
+        # push, deterministically. The push itself is untouched.
+        push(self, checkpoint_folder)
+        self._finish_current_push()
+
     with FakeHub() as hub, pytest.MonkeyPatch.context() as mp:
         online(mp, hub.endpoint)
+        mp.setattr(DistillationTrainer, "_push_from_checkpoint", push_and_wait)
         out = tmp_path / "out"
         out.mkdir()
         (out / "notes.txt").write_text("a user's own file")
         trainer = tiny_run(tmp_path, push_to_hub=True, hub_strategy=strategy, eval_strategy="no")
-        trainer._finish_current_push()
         commits = [c["summary"] for c in hub.repos[REPO]["commits"]]
         files = set(hub.files(REPO))
     trainer.processing_class.save_pretrained(tmp_path / "tok")
     student = {"config.json", "model.safetensors"} | {p.name for p in (tmp_path / "tok").iterdir()}
-    assert "Training in progress, step 6" in commits
+    pushes = ["Training in progress, step 3", "Training in progress, step 6"]
+    if strategy == "checkpoint":
+        pushes += [f"{p}, checkpoint" for p in pushes]
+    assert sorted(commits) == sorted(pushes)
     root = {name for name in files if "/" not in name}
     assert root == student
     assert (out / "notes.txt").is_file() and (out / "checkpoint-6" / "training_args.bin").is_file()

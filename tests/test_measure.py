@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 
 import torch
 from helpers import bert
@@ -83,7 +84,28 @@ def test_inference_seconds_of_a_bert():
     assert 0 < measure.inference_seconds(bert(layers=1), batches(), repeats=2) < 60
 
 
-def test_speedup_is_positive_and_finite():
+class Sleeper(nn.Module):
+    """The same tiny work as `Recorder` plus a fixed sleep per batch: a model slower by construction."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return input_ids.float().sum()
+
+
+def test_speedup_is_teacher_time_over_student_time():
+    """A teacher that sleeps 50 ms per batch against a student that sleeps 2 ms: the speed-up of the student is
+    above 1 and the reverse pair's below 1, whatever the machine's speed (a sum of 32 ids is microseconds, so
+    only a stall of ~50 ms inside a student pass in most rounds could break it). An inverted ratio fails."""
+    slow, fast = Sleeper(0.05), Sleeper(0.002)
+    assert measure.speedup(slow, fast, batches(n=2), repeats=3) > 1
+    assert measure.speedup(fast, slow, batches(n=2), repeats=3) < 1
+
+
+def test_speedup_of_berts_is_finite_and_puts_modes_back():
     teacher, student = bert(layers=4), bert(layers=1)
     ratio = measure.speedup(teacher, student, batches(n=2), repeats=2)
     assert ratio > 0 and math.isfinite(ratio)

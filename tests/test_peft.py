@@ -52,7 +52,7 @@ def test_lora_student_trains_and_saves_adapters_only(tmp_path):
     reloaded = PeftModel.from_pretrained(bert(2), out).eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(**_batch()).logits, student.eval()(**_batch()).logits, atol=1e-6, rtol=0)
-    card = write_model_card(out, DistillationReport.from_trainer(trainer, measure_speed=False, evaluate_teacher=False))
+    card = write_model_card(out, DistillationReport.from_trainer(trainer))
     text = card.read_text()
     assert "LORA adapters, rank 4 on query, value" in text and "AutoPeftModelForSequenceClassification" in text
 
@@ -126,3 +126,38 @@ def test_only_adapters_and_head_are_trainable(tmp_path):
     trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert trainable and all("lora" in n or "classifier" in n for n in trainable)
     assert flat_params(trainer.teacher).numel() > 0
+
+
+def _mean_p1(eval_pred) -> dict[str, float]:
+    """A continuous metric (mean probability of class 1): two different models do not tie on it."""
+    logits, _ = eval_pred
+    return {"mean_p1": float(torch.as_tensor(logits).softmax(-1)[:, 1].mean())}
+
+
+def test_self_distillation_card_shows_the_base_with_adapters_off(tmp_path):
+    """The teacher of self-distillation is the shared base with adapters off: its evaluation must not be the
+    student's own (the old card evaluated `trainer.teacher`, i.e. the student with its adapters on)."""
+    student = _lora(bert(2))
+    valid = token_dataset(16, seed=3)
+    a = args(tmp_path, max_steps=4, learning_rate=5e-2, kd_weight=0.5, task_weight=1.0, per_device_eval_batch_size=8)
+    trainer = DistillationTrainer(model=student, teacher_model=student, args=a, train_dataset=token_dataset(32),
+                                  eval_dataset=valid, data_collator=collate, compute_metrics=_mean_p1)
+    trainer.train()
+    student_metrics = trainer.evaluate()
+    batch = collate([valid[i] for i in range(len(valid))])
+    batch.pop("labels")
+    student.eval()
+    with torch.no_grad():
+        before = student(**batch).logits
+        with student.disable_adapter():
+            base_p1 = float(student(**batch).logits.softmax(-1)[:, 1].mean())
+    metrics = trainer.evaluate_teacher()
+    assert metrics["teacher_mean_p1"] == pytest.approx(base_p1, abs=1e-6)
+    assert abs(metrics["teacher_mean_p1"] - student_metrics["eval_mean_p1"]) > 1e-4
+    with torch.no_grad():  # the adapters are back on afterwards
+        torch.testing.assert_close(student.eval()(**batch).logits, before, atol=0, rtol=0)
+    trainer.create_model_card()
+    text = (tmp_path / "out" / "README.md").read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| mean_p1 |"))
+    teacher_cell, student_cell = [c.strip() for c in row.strip("|").split("|")][1:3]
+    assert teacher_cell == f"{base_p1:.4f}" and student_cell == f"{student_metrics['eval_mean_p1']:.4f}"

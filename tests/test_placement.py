@@ -11,15 +11,18 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 from accelerate.utils import DistributedType
-from helpers import teacher
+from helpers import args, bert, collate, teacher, token_dataset
 
+from hf_distill import DistillationTrainer
 from hf_distill.placement import (
     FSDP_SHARDED,
     REPLICA,
     ZERO3_SHARDED,
     local_parameter_bytes,
     place_teacher,
+    teacher_input_device,
     teacher_mode,
     zero3_inference_config,
 )
@@ -87,3 +90,61 @@ def test_fsdp2_sharded_teacher_matches_replica_on_two_cpu_processes(tmp_path):
         # Each rank holds about half of the teacher (shards of odd-sized tensors round up).
         assert r["sharded_bytes"] <= 0.55 * r["replica_bytes"]
     assert local_parameter_bytes(teacher()) == ranks[0]["replica_bytes"]
+
+
+# ---------------------------------------------------------------------- teachers placed by their loader
+
+
+def _dispatched(attr: str, value):
+    t = teacher().train()
+    setattr(t, attr, value)
+    return t
+
+
+DISPATCHED = [
+    ("hf_device_map", {"": "cpu"}),
+    ("is_loaded_in_4bit", True),
+    ("is_loaded_in_8bit", True),
+    ("is_quantized", True),
+]
+
+
+@pytest.mark.parametrize(("attr", "value"), DISPATCHED, ids=[a for a, _ in DISPATCHED])
+def test_a_dispatched_or_quantized_teacher_is_not_moved(attr, value, monkeypatch):
+    """`.to()` raises on 4/8-bit models and would undo a `device_map` dispatch: such a teacher stays put."""
+    t = _dispatched(attr, value)
+    monkeypatch.setattr(t, "to", lambda *a, **k: pytest.fail(".to() was called on a placed teacher"))
+    placed = place_teacher(t, _accelerator(DistributedType.MULTI_CPU))
+    assert placed is t and not t.training
+    assert not any(p.requires_grad for p in t.parameters())
+
+
+@pytest.mark.parametrize("kind", [DistributedType.FSDP, DistributedType.DEEPSPEED])
+def test_a_dispatched_teacher_cannot_be_sharded(kind):
+    t = _dispatched("hf_device_map", {"bert": 0, "classifier": 1})
+    with pytest.raises(ValueError, match="device_map"):
+        place_teacher(t, _accelerator(kind, stage=3))
+
+
+def test_input_device_is_the_first_device_of_the_map():
+    assert teacher_input_device(teacher()) is None  # an ordinary teacher follows the student
+    t = _dispatched("hf_device_map", {"bert.embeddings": "cpu", "bert.encoder": "disk", "classifier": "cpu"})
+    assert teacher_input_device(t) == torch.device("cpu")
+    t = _dispatched("hf_device_map", {"bert.embeddings": "disk", "bert.encoder": 0})
+    assert teacher_input_device(t) == torch.device("cuda", 0)
+    assert teacher_input_device(_dispatched("is_loaded_in_4bit", True)) == torch.device("cpu")  # its weights'
+
+
+def test_training_with_a_dispatched_teacher(tmp_path, monkeypatch):
+    """The trainer never moves such a teacher, feeds it inputs on its device, and trains (logits and features)."""
+    t = _dispatched("hf_device_map", {"": "cpu"})
+    moved = []
+    monkeypatch.setattr(t, "to", lambda *a, **k: moved.append((a, k)))
+    a = args(tmp_path, max_steps=3, distill_terms=["loss=hidden_mse,layers=uniform"])
+    trainer = DistillationTrainer(model=bert(2), teacher_model=t, args=a, train_dataset=token_dataset(32),
+                                  data_collator=collate)
+    assert trainer.teacher is t and not t.training
+    trainer.train()
+    assert moved == []
+    logged = [e for e in trainer.state.log_history if "loss" in e]
+    assert len(logged) == 3 and all(e["loss"] == e["loss"] and e["loss_hidden"] > 0 for e in logged)

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -21,15 +22,18 @@ RECIPES = ROOT / "recipes"
 WORDS = ("the a movie film is was good bad great awful fun dull plot acting story it not very and but "
          "love hate boring funny sad best worst of to in this that with".split())
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+NLI_TEACHER_CLASSES = ["not_entailment", "entailment"]
 
 
-def _tiny_bert(folder: Path, tokenizer, layers: int, hidden: int, heads: int, seed: int, mlm: bool = False) -> None:
+def _tiny_bert(folder: Path, tokenizer, layers: int, hidden: int, heads: int, seed: int, mlm: bool = False,
+               class_names: list[str] | None = None) -> None:
     from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification
 
     torch.manual_seed(seed)
+    labels = {"num_labels": 2} if class_names is None else {
+        "id2label": dict(enumerate(class_names)), "label2id": {n: i for i, n in enumerate(class_names)}}
     cfg = BertConfig(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers,
-                     num_attention_heads=heads, intermediate_size=2 * hidden, max_position_embeddings=64,
-                     num_labels=2)
+                     num_attention_heads=heads, intermediate_size=2 * hidden, max_position_embeddings=64, **labels)
     model = (BertForMaskedLM if mlm else BertForSequenceClassification)(cfg)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -37,7 +41,10 @@ def _tiny_bert(folder: Path, tokenizer, layers: int, hidden: int, heads: int, se
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory) -> dict[str, Path]:
-    """Tiny teacher (4 layers, hidden 32, 4 heads), data files and a corpus."""
+    """Tiny teachers (4 layers, hidden 32, 4 heads; `nli_teacher` names its classes), data files and a corpus.
+
+    The GLUE-style files carry string labels as GLUE distributes them: RTE (index, sentence1, sentence2, label)
+    and QNLI (index, question, sentence, label) with entailment / not_entailment."""
     from transformers import BertTokenizer
 
     tmp = tmp_path_factory.mktemp("recipes")
@@ -48,6 +55,8 @@ def env(tmp_path_factory) -> dict[str, Path]:
     assert len(tok) == len(SPECIAL) + len(WORDS)
     _tiny_bert(tmp / "teacher", tok, layers=4, hidden=32, heads=4, seed=0)
     _tiny_bert(tmp / "mlm_teacher", tok, layers=4, hidden=32, heads=4, seed=0, mlm=True)
+    # Not the sorted order of the names: ids taken from a sorted label set would contradict this teacher.
+    _tiny_bert(tmp / "nli_teacher", tok, layers=4, hidden=32, heads=4, seed=0, class_names=NLI_TEACHER_CLASSES)
     g = torch.Generator().manual_seed(0)
 
     def sentence() -> str:
@@ -59,9 +68,17 @@ def env(tmp_path_factory) -> dict[str, Path]:
         (tmp / f"sst_{name}.tsv").write_text("\n".join(lines) + "\n")
         pair = ["sentence1\tsentence2\tlabel"] + [f"{sentence()}\t{sentence()}\t{i % 2}" for i in range(rows)]
         (tmp / f"pair_{name}.tsv").write_text("\n".join(pair) + "\n")
+        nli = ("entailment", "not_entailment")
+        rte = ["index\tsentence1\tsentence2\tlabel"] + [f"{i}\t{sentence()}\t{sentence()}\t{nli[i % 2]}"
+                                                         for i in range(rows)]
+        (tmp / f"rte_{name}.tsv").write_text("\n".join(rte) + "\n")
+        qnli = ["index\tquestion\tsentence\tlabel"] + [f"{i}\t{sentence()}\t{sentence()}\t{nli[i % 3 > 0]}"
+                                                        for i in range(rows)]
+        (tmp / f"qnli_{name}.tsv").write_text("\n".join(qnli) + "\n")
     corpus = tmp / "corpus.raw"
     corpus.write_text("\n".join(" = Title = " if i % 10 == 0 else sentence() * 3 for i in range(60)) + "\n")
-    return {"tmp": tmp, "teacher": tmp / "teacher", "mlm_teacher": tmp / "mlm_teacher", "corpus": corpus}
+    return {"tmp": tmp, "teacher": tmp / "teacher", "mlm_teacher": tmp / "mlm_teacher", "corpus": corpus,
+            "nli_teacher": tmp / "nli_teacher"}
 
 
 def run(recipe: str, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -73,13 +90,15 @@ def run(recipe: str, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProces
                           capture_output=True, text=True, timeout=300)
 
 
-def common_flags(env, out: Path, task: str = "sst") -> list[str]:
-    flags = ["--teacher", env["teacher"], "--output_dir", out, "--train_file", env["tmp"] / f"{task}_train.tsv",
+def common_flags(env, out: Path, task: str = "sst", teacher: str = "teacher") -> list[str]:
+    flags = ["--teacher", env[teacher], "--output_dir", out, "--train_file", env["tmp"] / f"{task}_train.tsv",
              "--validation_file", env["tmp"] / f"{task}_validation.tsv", "--per_device_train_batch_size", "8",
              "--num_train_epochs", "1", "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true",
              "--bf16", "false", "--logging_steps", "1", "--cache_dir", env["tmp"] / "cache"]
-    if task == "pair":
+    if task in ("pair", "rte"):
         flags += ["--text_column", "sentence1", "--text_pair_column", "sentence2"]
+    if task == "qnli":
+        flags += ["--text_column", "question", "--text_pair_column", "sentence"]
     return flags
 
 
@@ -212,6 +231,151 @@ def test_distilbert_general_mlm(env, tmp_path, has_head):
     assert (out / "general" / "config.json").is_file() and (out / "results.json").is_file()
 
 
+# ------------------------------------------------------------------------- string labels (GLUE files as shipped)
+
+
+def check_teacher_labels(out: Path, names: list[str]) -> None:
+    """The saved student numbers its classes as the teacher does, and results.json says how."""
+    config = json.loads((out / "config.json").read_text())
+    assert config["id2label"] == {str(i): n for i, n in enumerate(names)}
+    assert config["label2id"] == {n: i for i, n in enumerate(names)}
+    assert json.loads((out / "results.json").read_text())["id2label"] == {str(i): n for i, n in enumerate(names)}
+
+
+def test_distilbert_rte_string_labels(env, tmp_path):
+    out = tmp_path / "out"
+    proc = run("distilbert", "--config", RECIPES / "configs" / "distilbert_pair.yaml",
+               *common_flags(env, out, "rte", teacher="nli_teacher"), "--student_layers", "0", "2",
+               "--max_length", "32")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    check_results(out)
+    check_teacher_labels(out, NLI_TEACHER_CLASSES)
+    assert "'entailment' -> 1" in proc.stdout and "'not_entailment' -> 0" in proc.stdout
+
+
+def test_tinybert_rte_string_labels_augmented(env, tmp_path):
+    """Augmented copies keep their string label, which maps through the teacher like the original rows."""
+    out = tmp_path / "out"
+    proc = run("tinybert", "--config", RECIPES / "configs" / "tinybert_pair.yaml",
+               *common_flags(env, out, "rte", teacher="nli_teacher"), "--student", "", "--student_num_layers", "2",
+               "--student_hidden_size", "16", "--student_num_heads", "4", "--student_intermediate_size", "32",
+               "--hidden_layer_map", "0:0;1:2;2:4", "--attention_layer_map", "1:2;2:4", "--max_length", "32",
+               "--augment_mlm", env["mlm_teacher"], "--augment_n", "1", "--augment_rows", "4",
+               "--intermediate_epochs", "1", "--num_train_epochs", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = check_results(out)
+    assert results["augmented_rows"] > 48
+    check_teacher_labels(out, NLI_TEACHER_CLASSES)
+
+
+def test_minilm_qnli_string_labels_with_kd(env, tmp_path):
+    out = tmp_path / "out"
+    proc = run("minilm", "--config", RECIPES / "configs" / "minilm_pair.yaml",
+               *common_flags(env, out, "qnli", teacher="nli_teacher"), "--student", "", "--student_layers", "0", "2",
+               "--kd_weight", "0.5", "--task_weight", "0.5", "--max_length", "32")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    check_results(out)
+    check_teacher_labels(out, NLI_TEACHER_CLASSES)
+    assert "loss_kd" in proc.stdout + proc.stderr
+
+
+def test_minilm_without_teacher_numbers_string_labels_in_sorted_order(env, tmp_path):
+    """Plain fine-tuning (no teacher to agree with): the sorted names number the classes, as stated on stdout."""
+    out = tmp_path / "out"
+    flags = [f for f in common_flags(env, out, "rte") if f != "--teacher" and f != env["teacher"]]
+    proc = run("minilm", "--config", RECIPES / "configs" / "minilm_pair.yaml", *flags, "--teacher", "",
+               "--general_teacher", env["teacher"], "--student", env["teacher"], "--kd_weight", "0",
+               "--max_length", "32", "--evaluate_teacher", "false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "sorted order" in proc.stdout
+    check_teacher_labels(out, ["entailment", "not_entailment"])
+
+
+def test_class_names_name_the_classes_of_a_teacher_without_names(env, tmp_path):
+    """A teacher saved with LABEL_0/LABEL_1 only: string labels are refused until class_names gives its order."""
+    out = tmp_path / "out"
+    flags = ["--config", RECIPES / "configs" / "distilbert_pair.yaml", *common_flags(env, out, "rte"),
+             "--student_layers", "0", "2", "--max_length", "32"]
+    refused = run("distilbert", *flags)
+    one_line_error(refused, "class_names", "LABEL_0", "'entailment'", "'not_entailment'")
+    proc = run("distilbert", *flags, "--class_names", "entailment", "not_entailment")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    check_results(out)
+    check_teacher_labels(out, ["entailment", "not_entailment"])
+
+
+def one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
+    """As a user sees a refusal: exit code 2, one `error:` line naming what is wrong, last, and no traceback
+    (data loading and model loading print progress bars on stderr before it)."""
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    errors = [x for x in lines if x.startswith("error:")]
+    assert len(errors) == 1 and lines[-1] == errors[0], proc.stderr[-3000:]
+    for needle in needles:
+        assert needle in errors[0], (needle, errors[0])
+    return errors[0]
+
+
+def test_unknown_string_label_is_refused(env, tmp_path):
+    """MNLI's `contradiction` in the validation file of a 2-class (RTE) teacher: refused, naming both sides."""
+    text = (env["tmp"] / "rte_validation.tsv").read_text().splitlines()
+    text[3] = text[3].rsplit("\t", 1)[0] + "\tcontradiction"
+    (tmp_path / "validation.tsv").write_text("\n".join(text) + "\n")
+    proc = run("distilbert", "--config", RECIPES / "configs" / "distilbert_pair.yaml",
+               *common_flags(env, tmp_path / "out", "rte", teacher="nli_teacher"), "--student_layers", "0", "2",
+               "--validation_file", tmp_path / "validation.tsv")
+    one_line_error(proc, "'contradiction'", "validation", "'not_entailment'", "'entailment'")
+    assert not (tmp_path / "out" / "results.json").exists()
+
+
+@pytest.mark.parametrize("recipe", ["tinybert", "minilm"])
+def test_out_of_range_integer_label_is_refused(env, tmp_path, recipe):
+    """Label 2 for a 2-class teacher is refused with its value before anything trains."""
+    lines = (env["tmp"] / "sst_train.tsv").read_text().splitlines()
+    lines[5] = lines[5].rsplit("\t", 1)[0] + "\t2"
+    (tmp_path / "train.tsv").write_text("\n".join(lines) + "\n")
+    proc = run(recipe, *common_flags(env, tmp_path / "out"), "--train_file", tmp_path / "train.tsv",
+               "--student_layers", "0", "2")
+    one_line_error(proc, "label 2", "2 labels", "train")
+
+
+def _common(monkeypatch):
+    import importlib
+
+    monkeypatch.syspath_prepend(str(RECIPES))
+    return importlib.import_module("common")
+
+
+def test_task_labels_map_through_the_teacher(monkeypatch):
+    """MNLI's three names map to the teacher's ids (its order, its capitals); a Hub ClassLabel column maps by
+    name too; without a teacher the sorted names number the classes; integer labels stay as they are."""
+    import datasets
+    from transformers import BertConfig
+
+    common = _common(monkeypatch)
+    data = common.DataArguments(text_column="premise", text_pair_column="hypothesis")
+    teacher = types.SimpleNamespace(config=BertConfig(id2label={0: "CONTRADICTION", 1: "NEUTRAL", 2: "ENTAILMENT"},
+                                                      label2id={"CONTRADICTION": 0, "NEUTRAL": 1, "ENTAILMENT": 2}))
+    mnli = datasets.Dataset.from_dict({"label": ["neutral", "entailment", "contradiction", "entailment"]})
+    labels = common.task_labels(mnli, None, data, teacher)
+    assert labels.lookup == {"contradiction": 0, "neutral": 1, "entailment": 2}
+    assert labels.id2label == {0: "CONTRADICTION", 1: "NEUTRAL", 2: "ENTAILMENT"}
+    names = datasets.ClassLabel(names=["entailment", "neutral", "contradiction"])  # the Hub's glue/mnli order
+    hub = datasets.Dataset.from_dict({"label": [0, 1, 2]}, features=datasets.Features({"label": names}))
+    assert common.task_labels(hub, None, data, teacher).lookup == {0: 2, 1: 1, 2: 0}
+    alone = common.task_labels(mnli, None, data, None)
+    assert alone.id2label == {0: "contradiction", 1: "entailment", 2: "neutral"}
+    ints = datasets.Dataset.from_dict({"label": [2, 0, 1]})
+    assert common.task_labels(ints, None, data, teacher).lookup == {0: 0, 1: 1, 2: 2}
+
+    class Tok:
+        def __call__(self, text, pair, truncation, max_length):
+            return {"input_ids": [[1]] * len(text)}
+
+    rows = datasets.Dataset.from_dict({"premise": ["a"] * 4, "hypothesis": ["b"] * 4, "label": mnli["label"]})
+    assert common.tokenize_task(rows, Tok(), data, labels)["labels"] == [1, 2, 0, 2]
+
+
 def _recipe_main(recipe: str, argv: list, monkeypatch):
     """Run a recipe's main() in this process (parsing only: these calls exit before anything loads)."""
     import importlib
@@ -229,7 +393,8 @@ def test_help_lists_every_option(recipe, monkeypatch, capsys):
     assert _recipe_main(recipe, ["--help"], monkeypatch) == 0
     out = capsys.readouterr().out
     for flag in ("--config", "--teacher", "--student_layers", "--train_file", "--text_pair_column", "--max_length",
-                 "--corpus_files", "--temperature", "--kd_weight", "--distill_terms", "--learning_rate", "--bf16"):
+                 "--corpus_files", "--temperature", "--kd_weight", "--distill_terms", "--learning_rate", "--bf16",
+                 "--class_names"):
         assert flag in out, flag
     specific = {"distilbert": "--mlm_smoothing", "tinybert": "--augment_n", "minilm": "--relation_heads"}[recipe]
     assert specific in out
