@@ -95,8 +95,9 @@ class DistillationArguments(TrainingArguments):
         metadata={
             "help": "Intermediate-layer terms. Each is `key=value` pairs separated by commas on the "
             "command line, or a mapping in YAML/JSON. Keys: loss (hidden_mse, cosine_loss, "
-            "attention_score_mse, relation_kl, pkd_loss), layers (uniform, last, or student:teacher "
-            "pairs separated by `;`, layer 0 being the embeddings), weight, name, and for relation_kl: "
+            "attention_score_mse, relation_kl, pkd_loss, incremental_mse), layers (uniform, last, or "
+            "student:teacher pairs separated by `;`, layer 0 being the embeddings), weight, name, and for "
+            "relation_kl: "
             "relations (qq, kk, vv, qk separated by `;`) and relation_heads. Example: "
             "`loss=hidden_mse,layers=uniform,weight=1`. Default: none, or the preset's terms; an empty list "
             "(`[]` in YAML or Python) removes the preset's terms."
