@@ -118,6 +118,8 @@ class DistillationTrainer(Trainer):
 
         self._head = static_head(self.model)
         self._causal = self._head is Head.CAUSAL_LM
+        # The label tensor of token-level heads (counted positions, `kd_token_mask="labels"`).
+        self._token_labels = self.label_names[0] if len(self.label_names or []) == 1 else "labels"
         self._step = StepCounts()
         if self.args.kd_weight > 0:
             check_kd_loss(self._head, self.args.kd_loss)
@@ -226,7 +228,7 @@ class DistillationTrainer(Trainer):
         token-level terms over the whole step (hf_distill.normalise)."""
         batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
         counts = sum(
-            (batch_counts(b, "labels", self.args.kd_token_mask, self._causal) for b in batch_samples),
+            (batch_counts(b, self._token_labels, self.args.kd_token_mask, self._causal) for b in batch_samples),
             torch.zeros(len(COUNT_KINDS), dtype=torch.float64),
         )
         processes = self.accelerator.num_processes if self.args.average_tokens_across_devices else 1
@@ -247,7 +249,7 @@ class DistillationTrainer(Trainer):
         mask = inputs.get("attention_mask")
         # In the training loop, token-level means are rescaled to the whole optimizer step's mean.
         step_mean = model.training and self._step.take()
-        local = batch_counts(inputs, "labels", self.args.kd_token_mask, self._causal) if step_mean else None
+        local = batch_counts(inputs, self._token_labels, self.args.kd_token_mask, self._causal) if step_mean else None
         if self.intermediate is not None:
             # Term weights are re-read every step, like kd_weight and temperature, so callbacks
             # (hf_distill.callbacks) can change them; a term of weight 0 is neither captured nor computed.
@@ -274,14 +276,18 @@ class DistillationTrainer(Trainer):
         }
         taps = self.intermediate.student_taps if (distill and self.intermediate) else None
         s_out, s_feats = forward(model, s_kwargs, taps)
-        head = runtime_head(model, heads_mod._logits(s_out) if self._head is None else None, inputs.get("labels"))
+        head = runtime_head(
+            model, heads_mod._logits(s_out) if self._head is None else None, inputs.get(self._token_labels)
+        )
 
         components: dict[str, torch.Tensor] = {}
         weights: dict[str, float] = {}
         if want_task:
             task = self._task_loss(s_out, inputs, head, num_items_in_batch, step_mean)
             if step_mean and head in (Head.TOKEN, Head.CAUSAL_LM) and not self.compute_loss_func:
-                task = task * self._step.scale("labels", float(local[COUNT_KINDS.index("labels")]))
+                count = float(local[COUNT_KINDS.index("labels")])
+                # A micro-batch without a counted label adds nothing (a model's own mean over no tokens is NaN).
+                task = task * self._step.scale("labels", count) if count > 0 else heads_mod._logits(s_out).sum() * 0
             components["task"] = task
             weights["task"] = self.args.task_weight if distill else 1.0
         if distill:
@@ -328,7 +334,7 @@ class DistillationTrainer(Trainer):
             return value
         if self.label_smoother is not None and "labels" in inputs:
             return self.label_smoother(out, inputs["labels"], shift_labels=head is Head.CAUSAL_LM).float()
-        labels = inputs.get("labels")
+        labels = inputs.get(self._token_labels)
         loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
         if loss is not None:
             return loss.float()
@@ -402,8 +408,9 @@ class DistillationTrainer(Trainer):
             if s.dim() == 3:
                 if head is Head.CAUSAL_LM:
                     s, teachers = s[:, :-1], [_shift(t) for t in teachers]
-                mask = kd_positions(inputs.get("attention_mask"), inputs.get("labels"), self.args.kd_token_mask,
-                                    head is Head.CAUSAL_LM)
+                labels = inputs.get(self._token_labels)
+                causal = head is Head.CAUSAL_LM
+                mask = kd_positions(inputs.get("attention_mask"), labels, self.args.kd_token_mask, causal)
             elif head is Head.QUESTION_ANSWERING and inputs.get("attention_mask") is not None:
                 # Span logits are distributions over positions: padding is no candidate answer, for either model.
                 real = inputs["attention_mask"] != 0

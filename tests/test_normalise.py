@@ -116,3 +116,42 @@ def test_step_counts_scale_and_are_used_up_by_the_steps_micro_batches():
     assert step.take() and step.take() and not step.take()
     assert step.scale("tokens", 3) == pytest.approx(3 * 2 / 10)
     assert step.scale("pairs", 3) == 0.0  # nothing counted in the whole step: the term contributes nothing
+
+
+def test_token_labels_under_another_name_are_counted(tmp_path):
+    """label_names=["tags"] for a token head: the task term is counted over `tags`, not silently zeroed."""
+    data = _labelled_rows(16).rename_column("labels", "tags")
+
+    def collator(features):
+        batch = _labelled_collate([{"input_ids": f["input_ids"], "labels": f["tags"]} for f in features])
+        batch["tags"] = batch.pop("labels")
+        return batch
+
+    class TagsMLM(BertForMaskedLM):
+        def forward(self, input_ids=None, attention_mask=None, tags=None, **kw):
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, labels=tags, **kw)
+
+    torch.manual_seed(0)
+    student = TagsMLM(bert_config(layers=2))
+    trainer = DistillationTrainer(model=student, teacher_model=_mlm(1, 3),
+                                  args=args(tmp_path, max_steps=1, per_device_train_batch_size=8,
+                                            label_names=["tags"]),
+                                  train_dataset=data, data_collator=collator)
+    trainer.train()
+    log = next(r for r in trainer.state.log_history if "loss" in r)
+    assert log["loss_task"] > 1.0  # an MLM loss over 120 ids, not 0
+
+
+def test_a_micro_batch_without_counted_labels_adds_nothing(tmp_path):
+    """Rows whose labels are all -100: the model's own mean over no tokens is NaN; the term must add 0 instead."""
+    rows = _labelled_rows(8).to_list()
+    for r in rows:
+        r["labels"] = [-100] * len(r["labels"])
+    trainer = DistillationTrainer(model=_mlm(0, 2), teacher_model=_mlm(1, 3),
+                                  args=args(tmp_path, max_steps=1, per_device_train_batch_size=4,
+                                            gradient_accumulation_steps=2),
+                                  train_dataset=Dataset.from_list(rows), data_collator=_labelled_collate)
+    trainer.train()
+    log = next(r for r in trainer.state.log_history if "loss" in r)
+    assert log["loss_task"] == 0.0 and log["loss_kd"] > 0
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
