@@ -165,7 +165,17 @@ class FeatureTaps:
             self._split = (q_width, kv_width, kv_width)
             for i in sorted(request.q | request.k | request.v):
                 kinds = tuple(kind for kind in ("q", "k", "v") if i in getattr(request, kind))
-                self._targets.append((self._module(blocks[i - 1], family.qkv, role), kinds, i))
+                fused = self._module(blocks[i - 1], family.qkv, role)
+                # nn.Linear says out_features, transformers' Conv1D (GPT-2) nf
+                width = getattr(fused, "out_features", getattr(fused, "nf", None))
+                if width is not None and width != sum(self._split):
+                    raise ValueError(
+                        f"The {role}'s fused projection {family.qkv!r} is {width} wide, but num_heads * head_dim "
+                        f"+ 2 * num_kv_heads * head_dim = {q_width} + 2 * {kv_width}: its config "
+                        f"({family.num_kv_heads_field}, {family.head_dim_field}) does not describe it. "
+                        + REGISTER_HINT
+                    )
+                self._targets.append((fused, kinds, i))
         else:
             for kind, path in (("q", family.query), ("k", family.key), ("v", family.value)):
                 for i in sorted(getattr(request, kind)):

@@ -8,12 +8,13 @@ import math
 
 import pytest
 import torch
+from datasets import Dataset
 from decoder_models import DECODERS, ROTARY, decoder, lm_batch
-from helpers import bert
+from helpers import args, bert, collate, flat_params
 
-from hf_distill import losses
+from hf_distill import DistillationTrainer, losses
 from hf_distill.intermediate import IntermediateDistiller
-from hf_distill.taps import FeatureTaps, TapRequest, attention_scores, expand_kv, model_info
+from hf_distill.taps import FeatureTaps, ModelInfo, TapRequest, attention_scores, expand_kv, model_info
 from hf_distill.terms import parse_terms
 
 
@@ -231,3 +232,56 @@ def test_relation_heads_must_divide_the_qkv_width_not_the_hidden_size():
     with pytest.raises(ValueError, match="relation_heads=3 does not divide the student's Q/K/V width 64"):
         IntermediateDistiller(parse_terms(["loss=relation_kl,layers=last,relations=qq,relation_heads=3"]),
                               student, teacher, "none")
+
+
+def test_fused_projection_that_the_config_does_not_describe_is_refused():
+    model = decoder("phi3")
+    model.config.num_key_value_heads = 4  # now Q + 2 K/V would be 96 wide; qkv_proj is 64
+    with pytest.raises(ValueError, match=r"fused projection 'self_attn.qkv_proj' is 64 wide.*32 \+ 2 \* 32"):
+        FeatureTaps(model, TapRequest(q={1}))
+
+
+def test_cached_teacher_with_decoder_student_gets_the_cache_error():
+    student = decoder("llama", layers=2)
+    cached = ModelInfo(num_layers=3, hidden_size=32, num_heads=4, family=None, model_type="llama")
+    with pytest.raises(ValueError, match="hf_distill.cache does not store"):
+        IntermediateDistiller(parse_terms(["loss=attention_score_mse,layers=last"]), student, cached, "none")
+
+
+def _lm_rows(n=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        length = int(torch.randint(3, 12, (1,), generator=g))
+        rows.append({"input_ids": torch.randint(3, 128, (length,), generator=g).tolist()})
+    return Dataset.from_list(rows)
+
+
+def _lm_collate(features):
+    batch = collate(features)
+    batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    return batch
+
+
+def test_decoder_terms_under_gradient_accumulation_match_one_big_batch(tmp_path):
+    """Causal attention scores are normalised by the step's (query, key <= query) pairs: two micro-batches of
+    different lengths give the big batch's update and logged values."""
+    terms = ["loss=hidden_mse,layers=uniform,name=hidden", "loss=attention_score_mse,layers=uniform,name=attention",
+             "loss=relation_kl,layers=last,relations=qk;vv,name=relation"]
+    common = dict(max_steps=2, optim="sgd", learning_rate=0.5, distill_terms=terms, kd_weight=0.5, task_weight=0.5)
+    runs = []
+    for name, extra in (("big", dict(per_device_train_batch_size=8)),
+                        ("acc", dict(per_device_train_batch_size=4, gradient_accumulation_steps=2))):
+        trainer = DistillationTrainer(model=decoder("llama", layers=2, seed=0).train(),
+                                      teacher_model=decoder("llama", layers=4, seed=1),
+                                      args=args(tmp_path / name, **common, **extra), train_dataset=_lm_rows(),
+                                      data_collator=_lm_collate)
+        trainer.train()
+        runs.append(trainer)
+    big, acc = runs
+    torch.testing.assert_close(flat_params(acc.model), flat_params(big.model), atol=1e-6, rtol=0)
+    logs = [[r for r in t.state.log_history if "loss" in r] for t in (big, acc)]
+    assert logs[0] and all("loss_attention" in r and r["loss_attention"] > 0 for r in logs[0])
+    for a, b in zip(*logs, strict=True):
+        for key in ("loss", "loss_hidden", "loss_attention", "loss_relation_qk", "loss_relation_vv"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5), key
