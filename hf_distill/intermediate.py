@@ -16,7 +16,9 @@ grouped-query attention K/V are repeated to the query head count, as the model d
 relations are formed. attention_score_mse compares the model's real pre-softmax scores: Q and K are
 rotated with the captured rotary cos/sin first. Relation terms (MiniLM/MiniLMv2) use the projections
 before the rotary embedding, as MiniLM-style relations on decoders commonly do: relations of Q/K/V
-content, not of positions.
+content, not of positions. Sliding-window blocks (Mistral, Gemma-2, Qwen with layer_types) are accepted for
+these terms only while the batch is no longer than the window (then they attend like full-causal blocks);
+a longer batch is refused with an error rather than compared against attention the model never computes.
 """
 
 from __future__ import annotations
@@ -196,6 +198,7 @@ class IntermediateDistiller:
                     losses.pkd_loss(self._project(s.hidden[a][:, 0], a), t.hidden[b][:, 0]) for a, b in pairs
                 )
             elif term.loss == "attention_score_mse":
+                _check_windows(term, pairs, si, ti, s.q, mask)
                 out[term.name] = sum(
                     losses.attention_score_mse(
                         attention_scores(s.q[a], s.k[a], sh, _kv(si), s.rope),
@@ -206,6 +209,7 @@ class IntermediateDistiller:
                     for a, b in pairs
                 )
             else:
+                _check_windows(term, pairs, si, ti, s.q if s.q else s.v, mask)
                 for rel in term.relations:
                     x, y = rel[0], rel[1]
                     out[f"{term.name}_{rel}"] = sum(
@@ -216,6 +220,22 @@ class IntermediateDistiller:
                         for a, b in pairs
                     )
         return out
+
+
+def _check_windows(term: DistillTerm, pairs, s: ModelInfo, t: ModelInfo, feats: dict, mask) -> None:
+    """Attention/relation terms assume full causal attention; a sliding-window block sees only its last
+    `window` keys, so a longer batch would compare something the model never computes: refuse it."""
+    length = mask.shape[1] if mask is not None else next(iter(feats.values())).shape[1]
+    for info, role, layers in ((s, "student", [a for a, _ in pairs]), (t, "teacher", [b for _, b in pairs])):
+        for layer in layers:
+            window = info.windows[layer - 1] if info.windows is not None else None
+            if window is not None and length > window:
+                raise ValueError(
+                    f"distill_terms[{term.name}] ({term.loss}): block {layer} of the {role} uses sliding-window "
+                    f"attention (window {window}) and the batch has {length} tokens, but attention and relation "
+                    f"terms assume full causal attention. Use sequences of at most {window} tokens, or map the "
+                    "term to full-attention layers (config.layer_types)."
+                )
 
 
 def _qkv(feats: Features, kind: str, layer: int, info: ModelInfo) -> torch.Tensor:

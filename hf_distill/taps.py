@@ -56,6 +56,9 @@ class ModelInfo:
     num_kv_heads: int | None = None
     head_dim: int | None = None
     causal: bool = False
+    # Per block (0-based), the sliding-window size of its attention, None for full attention; None when no
+    # block slides (Mistral/Phi-3 `sliding_window`, Gemma-2/Qwen `layer_types`).
+    windows: tuple[int | None, ...] | None = None
 
     @property
     def q_width(self) -> int | None:
@@ -83,6 +86,14 @@ def model_info(model: nn.Module) -> ModelInfo:
     head_dim = getattr(config, dim_field, None) if dim_field else None
     if head_dim is None and hidden is not None and heads:
         head_dim = hidden // heads
+    window = getattr(config, "sliding_window", None) if family is not None and family.causal else None
+    windows = None
+    if window is not None and num_layers is not None:
+        types = getattr(config, "layer_types", None)
+        if isinstance(types, (list, tuple)) and len(types) == num_layers:
+            windows = tuple(window if kind == "sliding_attention" else None for kind in types)
+        else:  # Mistral, Phi-3: one window for every layer
+            windows = (window,) * num_layers
     return ModelInfo(
         num_layers=num_layers,
         hidden_size=hidden,
@@ -92,6 +103,7 @@ def model_info(model: nn.Module) -> ModelInfo:
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         causal=bool(family is not None and family.causal),
+        windows=windows,
     )
 
 

@@ -285,3 +285,30 @@ def test_decoder_terms_under_gradient_accumulation_match_one_big_batch(tmp_path)
     for a, b in zip(*logs, strict=True):
         for key in ("loss", "loss_hidden", "loss_attention", "loss_relation_qk", "loss_relation_vv"):
             assert b[key] == pytest.approx(a[key], rel=1e-5), key
+
+
+def test_sliding_window_blocks_refuse_batches_longer_than_the_window():
+    # Gemma-2 layer_types: sliding, full, sliding; window 4 < the batch's 7 tokens
+    student, teacher = decoder("gemma2", layers=3, sliding_window=4), decoder("gemma2", layers=3, seed=1)
+    assert model_info(student).windows == (4, None, 4)
+    batch = _inputs(lm_batch())
+    cases = (("loss=attention_score_mse,layers=1:1,name=att", True),
+             ("loss=attention_score_mse,layers=2:2,name=att", False),
+             ("loss=relation_kl,layers=3:3,relations=vv,name=rel", True))
+    for term, bad in cases:
+        dist = IntermediateDistiller(parse_terms([term]), student, teacher, "none")
+        with torch.no_grad():
+            _, s = dist.student_taps.run(student, batch)
+            _, t = dist.teacher_taps.run(teacher, batch)
+        if bad:
+            with pytest.raises(ValueError, match="block [13] of the student uses sliding-window attention .window 4."):
+                dist.losses(s, t, batch["attention_mask"])
+        else:
+            assert torch.isfinite(dist.losses(s, t, batch["attention_mask"])["att"])
+    short = {k: v[:, :4] for k, v in batch.items()}  # no longer than the window: sliding = full causal
+    dist = IntermediateDistiller(parse_terms([cases[0][0]]), student, teacher, "none")
+    with torch.no_grad():
+        _, s = dist.student_taps.run(student, short)
+        _, t = dist.teacher_taps.run(teacher, short)
+    assert torch.isfinite(dist.losses(s, t, short["attention_mask"])["att"])
+    assert model_info(decoder("mistral", layers=2, sliding_window=16)).windows == (16, 16)
