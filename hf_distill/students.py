@@ -390,9 +390,10 @@ def _block_importance(
         raise TypeError("calibration_batches must be an iterable of batches (dicts), not a single batch.")
     device = next(model.parameters()).device
     sums = torch.zeros(len(blocks), dtype=torch.float64)
+    counts = torch.zeros(len(blocks), dtype=torch.int64)
     inputs: dict[int, torch.Tensor] = {}
     current: dict[str, torch.Tensor | None] = {"real": None}
-    num_tokens, num_batches = 0, 0
+    num_batches = 0
 
     def pre_hook(index):
         def hook(_module, args, kwargs):
@@ -407,6 +408,7 @@ def _block_importance(
             real = current["real"]
             cos = cos.flatten() if real is None else cos[real]
             sums[index] += cos.double().sum().cpu()
+            counts[index] += cos.numel()
 
         return hook
 
@@ -427,8 +429,6 @@ def _block_importance(
                 batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
                 mask = batch.get("attention_mask")
                 current["real"] = mask.bool() if isinstance(mask, torch.Tensor) else None
-                ids = batch.get("input_ids", batch.get("inputs_embeds"))
-                num_tokens += int(current["real"].sum()) if current["real"] is not None else int(ids.shape[:2].numel())
                 num_batches += 1
                 model(**batch)
     finally:
@@ -437,6 +437,7 @@ def _block_importance(
         model.train(was_training)
     if num_batches == 0:
         raise ValueError("calibration_batches is empty; give at least one batch of real text to score the blocks.")
+    num_tokens = int(counts[0])
     if num_tokens == 0:
         raise ValueError(
             "The calibration batches have no real tokens (attention_mask is 0 everywhere); block importance is a "

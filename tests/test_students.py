@@ -1,4 +1,5 @@
-"""Tests for hf_distill.students: layer-extracted and shrunk students for the registered encoder families."""
+"""Tests for hf_distill.students: layer-extracted, shrunk and depth-pruned students for the registered encoder and
+decoder families."""
 
 from __future__ import annotations
 
