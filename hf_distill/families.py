@@ -10,6 +10,12 @@ Another family takes one call:
     register_family("my-encoder", layers="blocks", embeddings=("embed",), query="attn.q", key="attn.k",
                     value="attn.v", num_layers_field="n_layer", hidden_size_field="d_model",
                     num_heads_field="n_head", intermediate_size_field="d_ff")
+
+A decoder with a fused Q|K|V projection, grouped-query attention and rotary positions:
+
+    register_family("my-decoder", layers="layers", embeddings=("embed_tokens",), qkv="self_attn.Wqkv",
+                    num_kv_heads_field="num_key_value_heads", head_dim_field="head_dim", rotary="rotary_emb",
+                    final_norm="norm", causal=True)
 """
 
 from __future__ import annotations
