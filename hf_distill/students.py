@@ -128,7 +128,10 @@ def _check_layers(layers: Sequence[int], num_teacher_layers: int) -> list[int]:
 
 
 def from_teacher(teacher: PreTrainedModel, layers: Sequence[int]) -> PreTrainedModel:
-    """Student of the teacher's class keeping only ``layers`` (0-based, strictly increasing).
+    """Student of the teacher's class keeping only the blocks ``layers`` (0-based, strictly increasing): encoder
+    layers, or decoder layers of a causal LM (its final norm, rotary embedding and ``lm_head`` are kept, tied to
+    the input embeddings exactly when the teacher's are; per-layer config lists such as ``layer_types`` follow
+    the kept layers).
 
     The student is built fresh from the reduced config, exactly as ``from_pretrained`` would build it (so
     per-layer state such as ``layer_idx`` is renumbered and tied weights are tied), then filled from the
