@@ -2,13 +2,20 @@
 
 One entry per `config.model_type` serves both the feature taps (hooks on the embedding output, block
 outputs and Q/K/V projections) and the student builders (which layers to copy, which config fields hold
-the sizes). Paths are dotted, relative to `model.base_model` for `layers`/`embeddings` and to one block for
-`query`/`key`/`value`, so one entry covers the base model and every task head. Another family takes one call:
+the sizes). Paths are dotted, relative to `model.base_model` for `layers`/`embeddings`/`rotary`/`final_norm` and
+to one block for `query`/`key`/`value`/`qkv`, so one entry covers the base model and every task head.
+Another family takes one call:
 
     from hf_distill.families import register_family
     register_family("my-encoder", layers="blocks", embeddings=("embed",), query="attn.q", key="attn.k",
                     value="attn.v", num_layers_field="n_layer", hidden_size_field="d_model",
                     num_heads_field="n_head", intermediate_size_field="d_ff")
+
+A decoder with a fused Q|K|V projection, grouped-query attention and rotary positions:
+
+    register_family("my-decoder", layers="layers", embeddings=("embed_tokens",), qkv="self_attn.Wqkv",
+                    num_kv_heads_field="num_key_value_heads", head_dim_field="head_dim", rotary="rotary_emb",
+                    final_norm="norm", causal=True)
 """
 
 from __future__ import annotations
@@ -40,13 +47,26 @@ class Family:
     intermediate_size_field: str = "intermediate_size"
     per_layer_fields: tuple[str, ...] = PER_LAYER_FIELDS
     follows_hidden_size: tuple[str, ...] = ()
+    # Decoders. `qkv`: one fused projection whose output is Q|K|V concatenated (GPT-2 `c_attn`, Phi-3
+    # `qkv_proj`), split into num_heads*head_dim, num_kv_heads*head_dim, num_kv_heads*head_dim; when set,
+    # `query`/`key`/`value` are ignored. `rotary`: the module (relative to model.base_model) whose output is
+    # the rotary (cos, sin) applied to Q and K after the projections. `final_norm`: the module whose output is
+    # the last entry of `output_hidden_states` (transformers 5 returns it after the final norm). `causal`: a
+    # query never attends to a later key, so attention/relation terms mask future keys.
+    qkv: str | None = None
+    num_kv_heads_field: str | None = None
+    head_dim_field: str | None = None
+    rotary: str | None = None
+    final_norm: str | None = None
+    causal: bool = False
 
 
 FAMILIES: dict[str, Family] = {}
 
 REGISTER_HINT = (
     "Register the family with hf_distill.families.register_family(model_type, layers=..., embeddings=(...,), "
-    "query=..., key=..., value=...), giving paths relative to model.base_model (see that module's docstring)."
+    "query=..., key=..., value=...) (or qkv=... for a fused projection), giving paths relative to "
+    "model.base_model (see that module's docstring)."
 )
 
 
@@ -88,4 +108,37 @@ register_family(
     hidden_size_field="dim",
     num_heads_field="n_heads",
     intermediate_size_field="hidden_dim",
+)
+
+# Decoder-only causal LMs (transformers 5 layout: model.layers, model.embed_tokens, model.norm, model.rotary_emb).
+# The embedding module's output is hidden_states[0] (Gemma's sqrt(hidden) scaling lives inside its
+# `embed_tokens` in transformers 5); the last hidden state is the final norm's output, as `output_hidden_states`.
+_DECODER = {
+    "embeddings": ("embed_tokens",),
+    "query": "self_attn.q_proj",
+    "key": "self_attn.k_proj",
+    "value": "self_attn.v_proj",
+    "num_kv_heads_field": "num_key_value_heads",
+    "head_dim_field": "head_dim",
+    "rotary": "rotary_emb",
+    "final_norm": "norm",
+    "causal": True,
+}
+for _model_type in ("llama", "mistral", "qwen2", "gemma", "gemma2"):
+    register_family(_model_type, "layers", **_DECODER)
+# Qwen3 normalises Q and K per head (q_norm/k_norm) before the rotary embedding: those are its real Q and K.
+register_family("qwen3", "layers", **{**_DECODER, "query": "self_attn.q_norm", "key": "self_attn.k_norm"})
+register_family("phi3", "layers", **{**_DECODER, "qkv": "self_attn.qkv_proj"})
+# GPT-2: learned absolute positions (no rotary), added in the model forward: hidden_states[0] is `drop`'s output.
+register_family(
+    "gpt2",
+    "h",
+    embeddings=("drop",),
+    qkv="attn.c_attn",
+    num_layers_field="n_layer",
+    hidden_size_field="n_embd",
+    num_heads_field="n_head",
+    intermediate_size_field="n_inner",
+    final_norm="ln_f",
+    causal=True,
 )

@@ -9,6 +9,16 @@ Term weights are read again at every step (`set_weights`, called by the trainer 
 so callbacks can schedule them or switch stages; a term of weight 0 costs nothing: its features are not
 captured on either model and its loss is not computed. The terms themselves (losses, layers) are fixed
 when the trainer is built, because the projections and the optimizer depend on them.
+
+Decoders (causal families in hf_distill.families): attention and relation terms never let a query see a
+later key (future keys are masked in relation softmaxes and left out of attention_score_mse). Under
+grouped-query attention K/V are repeated to the query head count, as the model does, before scores or
+relations are formed. attention_score_mse compares the model's real pre-softmax scores: Q and K are
+rotated with the captured rotary cos/sin first. Relation terms (MiniLM/MiniLMv2) use the projections
+before the rotary embedding, as MiniLM-style relations on decoders commonly do: relations of Q/K/V
+content, not of positions. Sliding-window blocks (Mistral, Gemma-2, Qwen with layer_types) are accepted for
+these terms only while the batch is no longer than the window (then they attend like full-causal blocks);
+a longer batch is refused with an error rather than compared against attention the model never computes.
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ from torch import nn
 from . import layer_map, losses
 from .collators import TEACHER_PREFIX
 from .projections import Projections
-from .taps import Features, FeatureTaps, ModelInfo, TapRequest, attention_scores, model_info
+from .taps import Features, FeatureTaps, ModelInfo, TapRequest, attention_scores, expand_kv, model_info
 from .terms import DistillTerm, check_incremental_pairs, parse_terms
 
 
@@ -64,6 +74,7 @@ class IntermediateDistiller:
                     t_req.hidden.add(lt)
             elif feature == "attention":
                 _need_heads(s, t, what)
+                _same_causality(s, t, what)
                 if s.num_heads != t.num_heads:
                     raise ValueError(
                         f"{what}: attention_score_mse compares scores head by head, but the student has "
@@ -155,9 +166,11 @@ class IntermediateDistiller:
     def count_kinds(self) -> dict[str, str | None]:
         """Per component, the positions its value is a mean over (hf_distill.normalise): real tokens for
         hidden_mse/cosine_loss/incremental_mse (a sum of hidden_mse means), real (query, key) pairs for
-        attention_score_mse, None for the per-row terms (relation_kl averages per example, pkd_loss per row)."""
+        attention_score_mse (key <= query on decoders), None for the per-row terms (relation_kl averages per
+        example, pkd_loss per row)."""
+        pairs = "causal_pairs" if self.student_info.causal and self.teacher_info.causal else "pairs"
         kinds = {"hidden_mse": "tokens", "cosine_loss": "tokens", "incremental_mse": "tokens",
-                 "attention_score_mse": "pairs"}
+                 "attention_score_mse": pairs}
         return {n: kinds.get(t.loss) for t, _, _ in self.bound for n in t.component_names()}
 
     def weights(self) -> dict[str, float]:
@@ -175,7 +188,9 @@ class IntermediateDistiller:
         """One value per component of the active terms, each summed over the term's layer pairs (as
         TinyBERT sums layers)."""
         out: dict[str, torch.Tensor] = {}
-        sh, th = self.student_info.num_heads, self.teacher_info.num_heads
+        si, ti = self.student_info, self.teacher_info
+        sh, th = si.num_heads, ti.num_heads
+        causal = si.causal and ti.causal
         active = self.active
         for term, pairs, heads in self.bound:
             if term.name not in active:
@@ -194,18 +209,24 @@ class IntermediateDistiller:
                     losses.pkd_loss(self._project(s.hidden[a][:, 0], a), t.hidden[b][:, 0]) for a, b in pairs
                 )
             elif term.loss == "attention_score_mse":
+                _check_windows(term, pairs, si, ti, s.q, mask)
                 out[term.name] = sum(
                     losses.attention_score_mse(
-                        attention_scores(s.q[a], s.k[a], sh), attention_scores(t.q[b], t.k[b], th), mask
+                        attention_scores(s.q[a], s.k[a], sh, _kv(si), s.rope),
+                        attention_scores(t.q[b], t.k[b], th, _kv(ti), t.rope),
+                        mask,
+                        causal=causal,
                     )
                     for a, b in pairs
                 )
             else:
+                _check_windows(term, pairs, si, ti, s.q if s.q else s.v, mask)
                 for rel in term.relations:
                     x, y = rel[0], rel[1]
                     out[f"{term.name}_{rel}"] = sum(
                         losses.relation_kl(
-                            getattr(s, x)[a], getattr(s, y)[a], getattr(t, x)[b], getattr(t, y)[b], heads, mask
+                            _qkv(s, x, a, si), _qkv(s, y, a, si), _qkv(t, x, b, ti), _qkv(t, y, b, ti), heads, mask,
+                            causal=causal,
                         )
                         for a, b in pairs
                     )
@@ -217,6 +238,30 @@ def incremental_targets(hidden: dict[int, torch.Tensor], layers: list[int]) -> l
     layer but the top one, and `F_T(l_top)` itself (differences in float32, as teacher features may be bf16)."""
     diffs = [hidden[lo].float() - hidden[hi].float() for lo, hi in zip(layers, layers[1:])]
     return [*diffs, hidden[layers[-1]]]
+
+
+def _check_windows(term: DistillTerm, pairs, s: ModelInfo, t: ModelInfo, feats: dict, mask) -> None:
+    """Attention/relation terms assume full causal attention; a sliding-window block sees only its last
+    `window` keys, so a longer batch would compare something the model never computes: refuse it."""
+    length = mask.shape[1] if mask is not None else next(iter(feats.values())).shape[1]
+    for info, role, layers in ((s, "student", [a for a, _ in pairs]), (t, "teacher", [b for _, b in pairs])):
+        for layer in layers:
+            window = info.windows[layer - 1] if info.windows is not None else None
+            if window is not None and length > window:
+                raise ValueError(
+                    f"distill_terms[{term.name}] ({term.loss}): block {layer} of the {role} uses sliding-window "
+                    f"attention (window {window}) and the batch has {length} tokens, but attention and relation "
+                    f"terms assume full causal attention. Use sequences of at most {window} tokens, or map the "
+                    "term to full-attention layers (config.layer_types)."
+                )
+
+
+def _qkv(feats: Features, kind: str, layer: int, info: ModelInfo) -> torch.Tensor:
+    """Q, or K/V repeated to the query head count under grouped-query attention (pre-rotary)."""
+    x = getattr(feats, kind)[layer]
+    if kind == "q" or _kv(info) == info.num_heads:
+        return x
+    return expand_kv(x, info.num_heads, _kv(info))
 
 
 def _union(requests) -> TapRequest:
@@ -238,8 +283,25 @@ def _need_heads(s: ModelInfo, t: ModelInfo, what: str) -> None:
         raise ValueError(f"{what}: both configs must define num_attention_heads.")
 
 
+def _same_causality(s: ModelInfo, t: ModelInfo, what: str) -> None:
+    # Without a registered family (or for a cached teacher) Q/K/V cannot be captured; that error comes later.
+    if s.family is not None and t.family is not None and s.causal != t.causal:
+        causal, other = ("student", "teacher") if s.causal else ("teacher", "student")
+        raise ValueError(
+            f"{what}: the {causal} is a causal decoder ({s.model_type if s.causal else t.model_type}) and the "
+            f"{other} is not; attention and relation terms compare a query's keys, which a decoder restricts "
+            "to earlier tokens. Distil these terms between two decoders (or two encoders), or use hidden-state "
+            "terms only."
+        )
+
+
+def _kv(info: ModelInfo) -> int | None:
+    return info.num_kv_heads or info.num_heads
+
+
 def _relation_heads(term: DistillTerm, s: ModelInfo, t: ModelInfo, what: str) -> int:
     _need_heads(s, t, what)
+    _same_causality(s, t, what)
     heads = term.relation_heads
     if heads is None:
         if s.num_heads != t.num_heads:
@@ -250,9 +312,12 @@ def _relation_heads(term: DistillTerm, s: ModelInfo, t: ModelInfo, what: str) ->
             )
         heads = s.num_heads
     for info, role in ((s, "student"), (t, "teacher")):
-        if info.hidden_size % heads:
+        # Q/K/V are num_heads * head_dim wide (K/V once repeated to the query heads); that is the hidden size
+        # except where head_dim is set apart from it (Gemma).
+        width = info.q_width
+        if width % heads:
             raise ValueError(
-                f"{what}: relation_heads={heads} does not divide the {role}'s hidden size {info.hidden_size}. "
-                "Choose a number of relation heads that divides both hidden sizes."
+                f"{what}: relation_heads={heads} does not divide the {role}'s Q/K/V width {width} "
+                f"(num_attention_heads * head_dim). Choose a number of relation heads that divides both widths."
             )
     return heads

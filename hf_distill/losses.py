@@ -425,18 +425,28 @@ def cosine_loss(
 
 
 def attention_score_mse(
-    student_scores: torch.Tensor, teacher_scores: torch.Tensor, mask: torch.Tensor | None = None
+    student_scores: torch.Tensor,
+    teacher_scores: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    causal: bool = False,
 ) -> torch.Tensor:
     """Squared error of pre-softmax attention scores ``(B, H, T, T)``, averaged over real pairs.
 
     TinyBERT's attention loss, but the mean runs only over (batch, head, query, key) entries whose query
     and key are both real, so the value does not depend on how much padding the batch has (TinyBERT
     instead zeroes scores below -100 and averages over every entry). Entries at real pairs must be
-    finite: causal models should pass scores whose masked future entries are equal in both models.
+    finite. ``causal=True`` (decoders) also leaves out every key later than its query: the mean runs over
+    real pairs with key <= query.
     """
     _check_same_shape("attention_score_mse", student_scores, teacher_scores)
     s = student_scores.float()
     t = teacher_scores.float()
+    if causal:
+        if s.dim() != 4 or s.shape[-1] != s.shape[-2]:
+            raise ValueError(f"attention_score_mse: causal scores must be (B, H, T, T), got {tuple(s.shape)}")
+        if mask is None:
+            mask = torch.ones(s.shape[0], s.shape[-1], dtype=torch.bool, device=s.device)
     if mask is None:
         sq = (s - t).square()
         return sq.sum() / max(sq.numel(), 1)
@@ -445,21 +455,39 @@ def attention_score_mse(
             f"attention_score_mse: scores must be (B, H, T, T) when a mask is given, got {tuple(s.shape)}"
         )
     real = _real_positions(mask, torch.Size((s.shape[0], s.shape[-1])), s.device, "attention_score_mse")
-    pair = (real[:, :, None] & real[:, None, :]).unsqueeze(1).expand_as(s)
+    pair = real[:, :, None] & real[:, None, :]
+    if causal:
+        pair = pair & _causal_keys(s.shape[-1], s.device)
+    pair = pair.unsqueeze(1).expand_as(s)
     zero = torch.zeros((), dtype=s.dtype, device=s.device)
     diff = torch.where(pair, s, zero) - torch.where(pair, t, zero)
     return diff.square().sum() / pair.sum().clamp_min(1)
 
 
-def _relation_log_probs(a: torch.Tensor, b: torch.Tensor, num_heads: int, keys: torch.Tensor | None):
-    """``log_softmax(a_h b_h^T / sqrt(d_h))`` per head, ``(B, H, T, T)``, with padded keys at -inf."""
+def _causal_keys(length: int, device: torch.device) -> torch.Tensor:
+    """``(T, T)`` with True where the key (column) is not later than the query (row)."""
+    return torch.ones(length, length, dtype=torch.bool, device=device).tril()
+
+
+def _relation_log_probs(
+    a: torch.Tensor, b: torch.Tensor, num_heads: int, keys: torch.Tensor | None, causal: bool = False
+):
+    """``log_softmax(a_h b_h^T / sqrt(d_h))`` per head, ``(B, H, T, T)``, with padded (and, causal, future)
+    keys at -inf."""
     batch, length, dim = a.shape
     head_dim = dim // num_heads
     a_h = a.reshape(batch, length, num_heads, head_dim).transpose(1, 2)
     b_h = b.reshape(batch, length, num_heads, head_dim).transpose(1, 2)
     scores = a_h @ b_h.transpose(-1, -2) / math.sqrt(head_dim)
-    if keys is not None:
-        scores = scores.masked_fill(~keys[:, None, None, :], float("-inf"))
+    allowed = None if keys is None else keys[:, None, None, :]
+    if causal:
+        future_ok = _causal_keys(length, a.device)
+        # the diagonal stays allowed so a padded query's (ignored) row is never all -inf
+        allowed = future_ok if allowed is None else (allowed & future_ok) | torch.eye(
+            length, dtype=torch.bool, device=a.device
+        )
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
     return F.log_softmax(scores, dim=-1)
 
 
@@ -470,6 +498,8 @@ def relation_kl(
     teacher_b: torch.Tensor,
     num_heads: int,
     mask: torch.Tensor | None = None,
+    *,
+    causal: bool = False,
 ) -> torch.Tensor:
     """KL between teacher and student self-relation distributions (MiniLM / MiniLMv2).
 
@@ -478,7 +508,8 @@ def relation_kl(
     student and teacher hidden sizes may differ. ``KL(R_teacher || R_student)`` is summed over keys,
     averaged over heads and the real queries of each example, then over the examples that have at least
     one real token. MiniLM: attention = ``(Q, K)`` with the model's heads and value relation = ``(V, V)``;
-    MiniLMv2: ``(Q, Q) + (K, K) + (V, V)`` with a chosen number of relation heads.
+    MiniLMv2: ``(Q, Q) + (K, K) + (V, V)`` with a chosen number of relation heads. ``causal=True``
+    (decoders): a query's relation runs only over keys not later than itself.
     """
     for name, x in (
         ("student_a", student_a),
@@ -513,10 +544,10 @@ def relation_kl(
     # an example without real tokens keeps all keys so its (ignored) rows stay finite
     keys = None if real is None else real | ~real.any(-1, keepdim=True)
     log_q = _relation_log_probs(
-        _zero_padding(student_a.float(), real), _zero_padding(student_b.float(), real), num_heads, keys
+        _zero_padding(student_a.float(), real), _zero_padding(student_b.float(), real), num_heads, keys, causal
     )
     log_p = _relation_log_probs(
-        _zero_padding(teacher_a.float(), real), _zero_padding(teacher_b.float(), real), num_heads, keys
+        _zero_padding(teacher_a.float(), real), _zero_padding(teacher_b.float(), real), num_heads, keys, causal
     )
     p = log_p.exp()
     per_query = torch.where(p > 0, p * (log_p - log_q), 0.0).sum(-1)  # (B, H, T)

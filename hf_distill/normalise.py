@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
-COUNT_KINDS = ("tokens", "pairs", "labels", "kd")
+COUNT_KINDS = ("tokens", "pairs", "labels", "kd", "causal_pairs")
 """tokens: real tokens (hidden states, cosine); pairs: real (query, key) pairs (attention scores); labels: the
-positions the task loss counts; kd: the positions the token-level KD term counts."""
+positions the task loss counts; kd: the positions the token-level KD term counts; causal_pairs: real (query,
+key) pairs with the key not after the query (attention scores of decoders)."""
 
 
 def _positions_shape(batch: dict[str, Any]) -> tuple[int, int] | None:
@@ -65,13 +66,16 @@ def batch_counts(batch: dict[str, Any], label_name: str, kd_mode: str, causal: b
     if mask is not None:
         per_row = (mask != 0).sum(-1).double()
         tokens, pairs = per_row.sum(), per_row.square().sum()
+        causal_pairs = (per_row * (per_row + 1) / 2).sum()
     else:
         tokens, pairs = torch.tensor(float(b * t)), torch.tensor(float(b * t * t))
+        causal_pairs = torch.tensor(float(b * t * (t + 1) // 2))
     lab = label_positions(labels, causal)
     n_labels = lab.sum() if lab is not None else torch.tensor(0.0)
     kd = kd_positions(mask, labels, kd_mode, causal)
     n_kd = kd.sum() if kd is not None else torch.tensor(float(b * (t - 1 if causal else t)))
-    return torch.stack([torch.as_tensor(x, dtype=torch.float64).cpu() for x in (tokens, pairs, n_labels, n_kd)])
+    counts = (tokens, pairs, n_labels, n_kd, causal_pairs)
+    return torch.stack([torch.as_tensor(x, dtype=torch.float64).cpu() for x in counts])
 
 
 class StepCounts:

@@ -7,12 +7,20 @@ Two ways to make a student:
   layers ``[0, 2, 4, 7, 9, 11]``; the benchmarks use a 3-layer student from layers ``[0, 2, 4]``.
 * :func:`shrink` builds a randomly initialised model of the same family, head and label space with a smaller
   depth / width (TinyBERT's general student: 4 layers, hidden 312, 12 heads, FFN 1200).
+* :func:`prune_depth` keeps the teacher's most important blocks, importance being how much a block changes its
+  input (ShortGPT's Block Influence, Men et al. 2024; Minitron's depth pruning, Muralidharan et al. 2024), and
+  copies them as :func:`from_teacher` does.
+
+Decoder-only causal LMs (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma-2, Phi-3, GPT-2) work with all three: the
+final norm, rotary embedding, ``lm_head`` (tied or not) and per-layer config lists (``layer_types``) are kept
+right, and ``shrink`` handles grouped-query attention (``num_key_value_heads``) and ``head_dim``.
 
 Both record their provenance in ``student.config.distillation`` so that it survives ``save_pretrained`` and a
 model card can cite the teacher later.
 
 Model families come from the shared registry in :mod:`hf_distill.families` (BERT, RoBERTa, XLM-RoBERTa,
-CamemBERT, ELECTRA and DistilBERT are registered); ``register_family`` is re-exported here for convenience::
+CamemBERT, ELECTRA, DistilBERT and the decoders above are registered); ``register_family`` is re-exported here
+for convenience::
 
     from hf_distill.students import register_family
 
@@ -23,7 +31,8 @@ from __future__ import annotations
 
 import copy
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,7 +42,16 @@ from transformers import AutoModel, PreTrainedConfig, PreTrainedModel
 from . import families
 from .families import Family, register_family
 
-__all__ = ["encoder_layers", "from_teacher", "get_family", "register_family", "shrink"]
+__all__ = [
+    "DepthPruning",
+    "block_importance",
+    "encoder_layers",
+    "from_teacher",
+    "get_family",
+    "prune_depth",
+    "register_family",
+    "shrink",
+]
 
 def get_family(config: PreTrainedConfig) -> Family:
     """Registry lookup with an error that says how to register the missing family."""
@@ -110,7 +128,10 @@ def _check_layers(layers: Sequence[int], num_teacher_layers: int) -> list[int]:
 
 
 def from_teacher(teacher: PreTrainedModel, layers: Sequence[int]) -> PreTrainedModel:
-    """Student of the teacher's class keeping only ``layers`` (0-based, strictly increasing).
+    """Student of the teacher's class keeping only the blocks ``layers`` (0-based, strictly increasing): encoder
+    layers, or decoder layers of a causal LM (its final norm, rotary embedding and ``lm_head`` are kept, tied to
+    the input embeddings exactly when the teacher's are; per-layer config lists such as ``layer_types`` follow
+    the kept layers).
 
     The student is built fresh from the reduced config, exactly as ``from_pretrained`` would build it (so
     per-layer state such as ``layer_idx`` is renumbered and tied weights are tied), then filled from the
@@ -175,6 +196,7 @@ def shrink(
     num_attention_heads: int,
     intermediate_size: int,
     *,
+    num_key_value_heads: int | None = None,
     model_class: Any = None,
     seed: int | None = None,
     **config_overrides: Any,
@@ -186,6 +208,11 @@ def shrink(
     field. The model class is the teacher's class when given a model, ``AutoModel`` when given a config, or
     ``model_class`` (an ``AutoModelFor...`` or a concrete class) when passed. Weights come from the model's
     own ``_init_weights``; ``seed`` makes them reproducible without touching the caller's global RNG state.
+
+    Decoders with grouped-query attention: ``num_key_value_heads`` defaults to the teacher's when it divides
+    ``num_attention_heads`` (and to ``num_attention_heads`` when the teacher has as many K/V heads as heads);
+    ``head_dim`` follows ``hidden_size // num_attention_heads`` unless the teacher set it apart from its own
+    ratio (Gemma), in which case the teacher's value is kept (override it with ``head_dim=...``).
     """
     if isinstance(teacher_or_config, PreTrainedModel):
         teacher_config = teacher_or_config.config
@@ -210,7 +237,16 @@ def shrink(
     for name, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}.")
-    if hidden_size % num_attention_heads:
+    head_dim_field = family.head_dim_field
+    head_dim_field = head_dim_field if head_dim_field and hasattr(teacher_config, head_dim_field) else None
+    teacher_heads = getattr(teacher_config, family.num_heads_field)
+    teacher_head_dim = getattr(teacher_config, head_dim_field, None) if head_dim_field else None
+    # A head_dim equal to the teacher's hidden / heads is derived and follows the new sizes; any other is explicit.
+    explicit_head_dim = teacher_head_dim is not None and teacher_head_dim != (
+        getattr(teacher_config, family.hidden_size_field) // teacher_heads
+    )
+    keep_head_dim = explicit_head_dim or (head_dim_field is not None and head_dim_field in config_overrides)
+    if hidden_size % num_attention_heads and not keep_head_dim:
         raise ValueError(
             f"hidden_size ({hidden_size}) must be divisible by num_attention_heads ({num_attention_heads}); "
             f"e.g. use num_attention_heads={_largest_divisor_at_most(hidden_size, num_attention_heads)}."
@@ -225,6 +261,8 @@ def shrink(
         family.num_heads_field: "num_attention_heads",
         family.intermediate_size_field: "intermediate_size",
     }
+    if family.num_kv_heads_field:
+        size_fields[family.num_kv_heads_field] = "num_key_value_heads"
     for key in overrides:
         if key in size_fields:
             raise ValueError(
@@ -258,6 +296,10 @@ def shrink(
             family.intermediate_size_field: intermediate_size,
         }
     )
+    kv_sizes = _kv_heads(family, teacher_config, num_attention_heads, num_key_value_heads)
+    values.update(kv_sizes)
+    if head_dim_field is not None and not keep_head_dim:
+        values[head_dim_field] = hidden_size // num_attention_heads
     values.update(overrides)
     extra = {}
     if teacher_config._attn_implementation is not None:
@@ -275,5 +317,161 @@ def shrink(
         return _build(model_class, config)
 
 
+def _kv_heads(
+    family: Family, config: PreTrainedConfig, num_heads: int, num_kv_heads: int | None
+) -> dict[str, int]:
+    """The student's K/V head count under grouped-query attention (empty for families without one)."""
+    field = family.num_kv_heads_field
+    if field is None or not hasattr(config, field):
+        if num_kv_heads is not None:
+            raise ValueError(
+                f"num_key_value_heads={num_kv_heads} given, but {config.model_type} has no grouped-query attention "
+                "(every head has its own K and V); leave num_key_value_heads unset."
+            )
+        return {}
+    if num_kv_heads is None:
+        teacher_kv = getattr(config, field) or getattr(config, family.num_heads_field)
+        if teacher_kv == getattr(config, family.num_heads_field):
+            return {field: num_heads}  # multi-head attention stays multi-head
+        if num_heads % teacher_kv:
+            raise ValueError(
+                f"The teacher's num_key_value_heads ({teacher_kv}) does not divide num_attention_heads "
+                f"({num_heads}); pass num_key_value_heads= a divisor of {num_heads}, e.g. "
+                f"num_key_value_heads={_largest_divisor_at_most(num_heads, teacher_kv)}."
+            )
+        return {field: teacher_kv}
+    if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads < 1:
+        raise ValueError(f"num_key_value_heads must be a positive int, got {num_kv_heads!r}.")
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_key_value_heads ({num_kv_heads}) must divide num_attention_heads ({num_heads}): each K/V head "
+            "serves a whole group of query heads."
+        )
+    return {field: num_kv_heads}
+
+
 def _largest_divisor_at_most(n: int, limit: int) -> int:
     return next(d for d in range(min(n, limit), 0, -1) if n % d == 0)
+
+
+# --------------------------------------------------------------------------------------------- depth pruning
+
+
+@dataclass(frozen=True)
+class DepthPruning:
+    """What :func:`prune_depth` measured and decided.
+
+    `scores[i]` is block i's importance, ``1 - mean cos(input, output)`` over the real tokens of the
+    calibration data (0: the block leaves its input's direction unchanged, a candidate for removal); `kept`
+    and `removed` are teacher block indices in order; `num_tokens` is how many tokens the mean ran over.
+    """
+
+    scores: list[float]
+    kept: list[int]
+    removed: list[int]
+    num_tokens: int
+
+
+def block_importance(model: PreTrainedModel, calibration_batches: Iterable[Mapping[str, Any]]) -> list[float]:
+    """Per block, ``1 - mean cosine similarity`` between its input and output hidden states over real tokens.
+
+    ShortGPT's Block Influence (Men et al. 2024), the depth criterion of Minitron (Muralidharan et al. 2024).
+    Hooks read each block's own input and output, so a final norm (which transformers puts into the last
+    entry of ``output_hidden_states`` on decoders) never enters the score. Real tokens are those with
+    ``attention_mask != 0`` (every token without a mask). The model runs in eval mode without gradients (its
+    mode is restored); sums are float64, so equal data give equal scores.
+    """
+    scores, _ = _block_importance(model, calibration_batches)
+    return scores
+
+
+def _block_importance(
+    model: PreTrainedModel, calibration_batches: Iterable[Mapping[str, Any]]
+) -> tuple[list[float], int]:
+    blocks = encoder_layers(model)
+    if isinstance(calibration_batches, Mapping):
+        raise TypeError("calibration_batches must be an iterable of batches (dicts), not a single batch.")
+    device = next(model.parameters()).device
+    sums = torch.zeros(len(blocks), dtype=torch.float64)
+    counts = torch.zeros(len(blocks), dtype=torch.int64)
+    inputs: dict[int, torch.Tensor] = {}
+    current: dict[str, torch.Tensor | None] = {"real": None}
+    num_batches = 0
+
+    def pre_hook(index):
+        def hook(_module, args, kwargs):
+            inputs[index] = args[0] if args else kwargs["hidden_states"]
+
+        return hook
+
+    def post_hook(index):
+        def hook(_module, _args, output):
+            out = output[0] if isinstance(output, tuple) else output
+            cos = torch.nn.functional.cosine_similarity(inputs.pop(index).float(), out.float(), dim=-1)
+            real = current["real"]
+            cos = cos.flatten() if real is None else cos[real]
+            sums[index] += cos.double().sum().cpu()
+            counts[index] += cos.numel()
+
+        return hook
+
+    handles = []
+    was_training = model.training
+    try:
+        for i, block in enumerate(blocks):
+            handles.append(block.register_forward_pre_hook(pre_hook(i), with_kwargs=True))
+            handles.append(block.register_forward_hook(post_hook(i)))
+        model.eval()
+        with torch.no_grad():
+            for n, batch in enumerate(calibration_batches):
+                if not isinstance(batch, Mapping):
+                    raise TypeError(
+                        f"calibration batch {n} must be a dict of model inputs (input_ids, attention_mask, ...), "
+                        f"got {type(batch).__name__}."
+                    )
+                batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+                mask = batch.get("attention_mask")
+                current["real"] = mask.bool() if isinstance(mask, torch.Tensor) else None
+                num_batches += 1
+                model(**batch)
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    if num_batches == 0:
+        raise ValueError("calibration_batches is empty; give at least one batch of real text to score the blocks.")
+    num_tokens = int(counts[0])
+    if num_tokens == 0:
+        raise ValueError(
+            "The calibration batches have no real tokens (attention_mask is 0 everywhere); block importance is a "
+            "mean over real tokens."
+        )
+    return (1.0 - sums / num_tokens).tolist(), num_tokens
+
+
+def prune_depth(
+    teacher: PreTrainedModel, num_layers: int, calibration_batches: Iterable[Mapping[str, Any]]
+) -> tuple[PreTrainedModel, DepthPruning]:
+    """A student of ``num_layers`` blocks: the teacher's most important ones (:func:`block_importance`), in
+    their original order, copied bit-exactly by :func:`from_teacher`.
+
+    Ties keep the earlier block. Returns the student and a :class:`DepthPruning` with the scores and the
+    kept / removed blocks; the scores are also recorded in ``student.config.distillation``
+    (``block_importance``) so the model card can cite them.
+    """
+    if not isinstance(teacher, PreTrainedModel):
+        raise TypeError(f"teacher must be a transformers PreTrainedModel, got {type(teacher).__name__}.")
+    total = len(encoder_layers(teacher))
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int):
+        raise TypeError(f"num_layers must be an int, got {num_layers!r}.")
+    if not 1 <= num_layers <= total:
+        raise ValueError(f"num_layers must be between 1 and {total} (the teacher's block count), got {num_layers}.")
+    scores, num_tokens = _block_importance(teacher, calibration_batches)
+    ranked = sorted(range(total), key=lambda i: (-scores[i], i))
+    kept = sorted(ranked[:num_layers])
+    student = from_teacher(teacher, kept)
+    student.config.distillation.update(
+        {"init": "prune_depth", "block_importance": scores, "calibration_tokens": num_tokens}
+    )
+    report = DepthPruning(scores=scores, kept=kept, removed=sorted(ranked[num_layers:]), num_tokens=num_tokens)
+    return student, report

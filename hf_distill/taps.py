@@ -41,13 +41,31 @@ def _get(root: nn.Module, path: str) -> nn.Module | None:
 
 @dataclass
 class ModelInfo:
-    """Shape facts about a model that the losses and validators need."""
+    """Shape facts about a model that the losses and validators need.
+
+    `num_kv_heads` is below `num_heads` under grouped-query attention (K and V are `num_kv_heads * head_dim`
+    wide, Q `num_heads * head_dim`); `head_dim` may differ from hidden_size / num_heads (Gemma). `causal`: a
+    query never attends to a later key (decoders).
+    """
 
     num_layers: int | None
     hidden_size: int | None
     num_heads: int | None
     family: Family | None
     model_type: str | None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    causal: bool = False
+    # Per block (0-based), the sliding-window size of its attention, None for full attention; None when no
+    # block slides (Mistral/Phi-3 `sliding_window`, Gemma-2/Qwen `layer_types`).
+    windows: tuple[int | None, ...] | None = None
+
+    @property
+    def q_width(self) -> int | None:
+        """Width of the captured Q (and of K/V once repeated to the query heads)."""
+        if self.num_heads is None or self.head_dim is None:
+            return self.hidden_size
+        return self.num_heads * self.head_dim
 
 
 def model_info(model: nn.Module) -> ModelInfo:
@@ -60,12 +78,32 @@ def model_info(model: nn.Module) -> ModelInfo:
         blocks = _get(getattr(inner, "base_model", inner), family.layers)
         if blocks is not None:
             num_layers = len(blocks)
+    hidden = getattr(config, "hidden_size", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv_field = family.num_kv_heads_field if family is not None else None
+    kv_heads = (getattr(config, kv_field, None) if kv_field else None) or heads
+    dim_field = family.head_dim_field if family is not None else None
+    head_dim = getattr(config, dim_field, None) if dim_field else None
+    if head_dim is None and hidden is not None and heads:
+        head_dim = hidden // heads
+    window = getattr(config, "sliding_window", None) if family is not None and family.causal else None
+    windows = None
+    if window is not None and num_layers is not None:
+        types = getattr(config, "layer_types", None)
+        if isinstance(types, (list, tuple)) and len(types) == num_layers:
+            windows = tuple(window if kind == "sliding_attention" else None for kind in types)
+        else:  # Mistral, Phi-3: one window for every layer
+            windows = (window,) * num_layers
     return ModelInfo(
         num_layers=num_layers,
-        hidden_size=getattr(config, "hidden_size", None),
-        num_heads=getattr(config, "num_attention_heads", None),
+        hidden_size=hidden,
+        num_heads=heads,
         family=family,
         model_type=model_type,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        causal=bool(family is not None and family.causal),
+        windows=windows,
     )
 
 
@@ -84,12 +122,18 @@ class TapRequest:
 
 @dataclass
 class Features:
-    """What one forward pass left behind: `hidden[i]` is hidden_states[i], `q[i]` block i's query, ..."""
+    """What one forward pass left behind: `hidden[i]` is hidden_states[i], `q[i]` block i's query, ...
+
+    Q/K/V are the projections as `(B, T, heads * head_dim)` (K/V with the model's K/V heads), *before* any
+    rotary position embedding; `rope` is the model's rotary `(cos, sin)` when it has one and Q or K was
+    captured, so `attention_scores` can rotate them as the model does.
+    """
 
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
     q: dict[int, torch.Tensor] = field(default_factory=dict)
     k: dict[int, torch.Tensor] = field(default_factory=dict)
     v: dict[int, torch.Tensor] = field(default_factory=dict)
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class FeatureTaps:
@@ -98,7 +142,8 @@ class FeatureTaps:
     def __init__(self, model: nn.Module, request: TapRequest, role: str = "model") -> None:
         self.request = request
         self.info = model_info(model)
-        self._targets: list[tuple[nn.Module, str, int]] = []
+        self._targets: list[tuple[nn.Module, str | tuple[str, ...], int]] = []
+        self._split: tuple[int, int, int] | None = None
         # Without a registered family, hidden states still come from `output_hidden_states`.
         self.use_hidden_states_output = False
         if not request:
@@ -121,11 +166,41 @@ class FeatureTaps:
                 if emb is None:
                     raise ValueError(f"The {role} has none of the modules {family.embeddings}. " + REGISTER_HINT)
                 self._targets.append((emb, "hidden", 0))
+            elif i == len(blocks) and family.final_norm is not None:
+                # output_hidden_states ends with the final norm's output on decoders (transformers 5).
+                self._targets.append((self._module(base, family.final_norm, role), "hidden", i))
             else:
                 self._targets.append((blocks[i - 1], "hidden", i))
-        for kind, path in (("q", family.query), ("k", family.key), ("v", family.value)):
-            for i in sorted(getattr(request, kind)):
-                self._targets.append((blocks[i - 1].get_submodule(path), kind, i))
+        if family.qkv is not None:
+            info = self.info
+            q_width, kv_width = info.num_heads * info.head_dim, info.num_kv_heads * info.head_dim
+            self._split = (q_width, kv_width, kv_width)
+            for i in sorted(request.q | request.k | request.v):
+                kinds = tuple(kind for kind in ("q", "k", "v") if i in getattr(request, kind))
+                fused = self._module(blocks[i - 1], family.qkv, role)
+                # nn.Linear says out_features, transformers' Conv1D (GPT-2) nf
+                width = getattr(fused, "out_features", getattr(fused, "nf", None))
+                if width is not None and width != sum(self._split):
+                    raise ValueError(
+                        f"The {role}'s fused projection {family.qkv!r} is {width} wide, but num_heads * head_dim "
+                        f"+ 2 * num_kv_heads * head_dim = {q_width} + 2 * {kv_width}: its config "
+                        f"({family.num_kv_heads_field}, {family.head_dim_field}) does not describe it. "
+                        + REGISTER_HINT
+                    )
+                self._targets.append((fused, kinds, i))
+        else:
+            for kind, path in (("q", family.query), ("k", family.key), ("v", family.value)):
+                for i in sorted(getattr(request, kind)):
+                    self._targets.append((self._module(blocks[i - 1], path, role), kind, i))
+        if family.rotary is not None and (request.q or request.k):
+            self._targets.append((self._module(base, family.rotary, role), "rope", 0))
+
+    @staticmethod
+    def _module(root: nn.Module, path: str, role: str) -> nn.Module:
+        module = _get(root, path)
+        if module is None:
+            raise ValueError(f"The {role} has no module {path!r} under {type(root).__name__}. " + REGISTER_HINT)
+        return module
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[Features]:
@@ -134,16 +209,33 @@ class FeatureTaps:
         handles = []
         try:
             for module, kind, i in self._targets:
-                store = getattr(feats, kind)
-
-                def hook(_m, _inp, out, store=store, i=i):
-                    store[i] = out[0] if isinstance(out, tuple) else out
-
-                handles.append(module.register_forward_hook(hook))
+                handles.append(module.register_forward_hook(self._hook(feats, kind, i)))
             yield feats
         finally:
             for h in handles:
                 h.remove()
+
+    def _hook(self, feats: Features, kind: str | tuple[str, ...], i: int):
+        if kind == "rope":
+            def store_rope(_m, _inp, out):
+                feats.rope = (out[0], out[1])
+
+            return store_rope
+        if isinstance(kind, tuple):  # a fused Q|K|V projection: keep the requested slices
+            def store_slices(_m, _inp, out):
+                for name, part in zip(("q", "k", "v"), out.split(self._split, dim=-1), strict=True):
+                    if name in kind:
+                        getattr(feats, name)[i] = part
+
+            return store_slices
+        store = getattr(feats, kind)
+
+        def hook(_m, _inp, out):
+            out = out[0] if isinstance(out, tuple) else out
+            # per-head modules (Qwen3's q_norm/k_norm) return (B, T, heads, head_dim)
+            store[i] = out.flatten(2) if kind != "hidden" and out.dim() == 4 else out
+
+        return hook
 
     def run(self, model: nn.Module, kwargs: dict) -> tuple[object, Features]:
         """One forward pass with the hooks attached: the model's outputs and the captured features."""
@@ -170,14 +262,57 @@ def forward(model: nn.Module, kwargs: dict, taps: FeatureTaps | None = None) -> 
     return (model(**kwargs), None) if taps is None else taps.run(model, kwargs)
 
 
-def attention_scores(q: torch.Tensor, k: torch.Tensor, num_heads: int) -> torch.Tensor:
+def _rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The rotary embedding as transformers applies it (rotate_half; a partial rotary dim rotates the first
+    `cos.shape[-1]` features of each head and passes the rest, as Phi-3)."""
+    cos, sin = (r.float().unsqueeze(1) for r in rope)  # (B|1, 1, T, rot)
+    rot = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    half = x_rot.shape[-1] // 2
+    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
+
+
+def expand_kv(x: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """K or V `(B, T, num_kv_heads * d)` repeated to `(B, T, num_heads * d)`: query head j reads K/V head
+    `j // (num_heads / num_kv_heads)`, as transformers' `repeat_kv` under grouped-query attention."""
+    if num_kv_heads == num_heads:
+        return x
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_kv_heads={num_kv_heads} does not divide num_heads={num_heads}")
+    b, t, width = x.shape
+    rep = num_heads // num_kv_heads
+    return x.view(b, t, num_kv_heads, 1, width // num_kv_heads).expand(-1, -1, -1, rep, -1).reshape(b, t, width * rep)
+
+
+def attention_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Pre-softmax scores (B, H, T, T) = Q_h K_hᵀ / sqrt(d_h), from (B, T, D) projections, in float32.
 
-    This is what TinyBERT distils (its modified BERT returns the scores before the softmax). Padding is
-    not added here: the losses mask padded queries and keys instead.
+    This is what TinyBERT distils (its modified BERT returns the scores before the softmax). Under
+    grouped-query attention K has `num_kv_heads` heads and is repeated to the `num_heads` query heads, as the
+    model does. With `rope` (the model's rotary cos/sin, `Features.rope`) Q and K are rotated first, so the
+    scores are the model's own (Llama-style decoders); without it they are scores of the raw projections.
+    Gemma-2's `query_pre_attn_scalar` scaling and logit soft-capping are not applied: the scale is always
+    1/sqrt(head_dim). Neither padding nor the causal mask is added here: the losses exclude padded and
+    (with `causal=True`) future keys instead.
     """
     b, t, d = q.shape
     dh = d // num_heads
+    kv = num_kv_heads or num_heads
+    if k.shape[-1] != kv * dh:
+        raise ValueError(
+            f"attention_scores: k has width {k.shape[-1]}, expected num_kv_heads * head_dim = {kv} * {dh}"
+        )
     qh = q.float().view(b, t, num_heads, dh).transpose(1, 2)
-    kh = k.float().view(b, k.shape[1], num_heads, dh).transpose(1, 2)
+    kh = k.float().view(b, k.shape[1], kv, dh).transpose(1, 2)
+    if rope is not None:
+        qh, kh = _rotate(qh, rope), _rotate(kh, rope)
+    if kv != num_heads:
+        kh = kh.repeat_interleave(num_heads // kv, dim=1)
     return qh @ kh.transpose(-1, -2) * dh**-0.5

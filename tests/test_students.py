@@ -1,9 +1,13 @@
-"""Tests for hf_distill.students: layer-extracted and shrunk students for the registered encoder families."""
+"""Tests for hf_distill.students: layer-extracted, shrunk and depth-pruned students for the registered encoder and
+decoder families."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from decoder_models import DECODERS, decoder, lm_batch
 from transformers import (
     AutoModel,
     AutoModelForMaskedLM,
@@ -22,7 +26,7 @@ from transformers import (
 )
 
 from hf_distill import families
-from hf_distill.students import from_teacher, register_family, shrink
+from hf_distill.students import DepthPruning, block_importance, from_teacher, prune_depth, register_family, shrink
 
 VOCAB = 100
 TEACHER_LAYERS = 6
@@ -433,3 +437,184 @@ def test_shrink_rejects_bad_arguments(family, kwargs, match):
 def test_shrink_rejects_non_models():
     with pytest.raises(TypeError, match="PreTrainedModel or PreTrainedConfig"):
         shrink({"model_type": "bert"}, 2, 16, 4, 32)
+
+
+# --------------------------------------------------------------------------------------------- decoders
+
+
+def _blocks(model):
+    return model.base_model.get_submodule(families.get_family(model.config.model_type).layers)
+
+
+def _prefix(model) -> str:
+    return next(name for name, m in model.named_modules() if m is _blocks(model)) + "."
+
+
+def _expected_student_state(teacher, kept: list[int]) -> dict[str, torch.Tensor]:
+    prefix, new = _prefix(teacher), {old: i for i, old in enumerate(kept)}
+    out = {}
+    for key, value in teacher.state_dict().items():
+        if key.startswith(prefix):
+            old, _, rest = key[len(prefix) :].partition(".")
+            if int(old) not in new:
+                continue
+            key = f"{prefix}{new[int(old)]}.{rest}"
+        out[key] = value
+    return out
+
+
+@pytest.mark.parametrize("family", DECODERS)
+def test_from_teacher_decoder_copies_layers_norms_head_and_config(family, tmp_path):
+    teacher = decoder(family, layers=3)
+    student = from_teacher(teacher, [0, 2])
+    assert type(student) is type(teacher) and len(_blocks(student)) == 2
+    assert student.config.num_hidden_layers == 2
+    assert_state_equal(clone_state(student), _expected_student_state(teacher, [0, 2]))
+    teacher_types = getattr(teacher.config, "layer_types", None)
+    if teacher_types is not None:  # Gemma-2 / Qwen: sliding vs full attention per layer follows the layer
+        assert student.config.layer_types == [teacher_types[0], teacher_types[2]]
+    tied = teacher.config.tie_word_embeddings
+    out, emb = student.get_output_embeddings().weight, student.get_input_embeddings().weight
+    assert (out.data_ptr() == emb.data_ptr()) == tied
+    # the student runs: forward with a loss, backward; and it saves and reloads to the same outputs
+    batch = lm_batch()
+    student.train()
+    student(**batch).loss.backward()
+    assert all(p.grad is not None for p in student.parameters() if p.requires_grad)
+    student.eval().save_pretrained(tmp_path)
+    reloaded = type(teacher).from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(**batch).logits, student(**batch).logits)
+    # all layers: the very same model
+    full = from_teacher(teacher, [0, 1, 2])
+    with torch.no_grad():
+        assert torch.equal(full(**batch).logits, teacher(**batch).logits)
+
+
+def test_from_teacher_decoder_keeps_an_untied_head_untied():
+    teacher = decoder("llama", layers=3, tie_word_embeddings=False)
+    student = from_teacher(teacher, [1])
+    assert student.lm_head.weight.data_ptr() != student.model.embed_tokens.weight.data_ptr()
+    assert torch.equal(student.lm_head.weight, teacher.lm_head.weight)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "phi3", "gpt2"])
+def test_shrink_decoder_runs_with_smaller_heads_and_kv_heads(family):
+    teacher = decoder(family, layers=3)
+    student = shrink(teacher, 2, 16, 4, 32, seed=0)
+    cfg = student.config
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads) == (2, 16, 4)
+    if family != "gpt2":
+        # GQA teacher (4 heads, 2 kv heads): the student keeps 2 kv heads; head_dim follows hidden / heads
+        assert (cfg.num_key_value_heads, cfg.head_dim) == (2, 4)
+        attn = student.model.layers[0].self_attn
+        k_width = attn.qkv_proj.weight.shape[0] - 16 - 8 if family == "phi3" else attn.k_proj.weight.shape[0]
+        assert k_width == 2 * 4
+        if getattr(cfg, "layer_types", None) is not None:
+            assert len(cfg.layer_types) == 2
+    student(**lm_batch()).loss.backward()
+    if family != "gpt2":
+        gqa = shrink(teacher, 2, 16, 4, 32, num_key_value_heads=1)
+        assert gqa.config.num_key_value_heads == 1
+
+
+def test_shrink_decoder_refuses_kv_heads_that_do_not_divide_heads():
+    teacher = decoder("llama", layers=2)  # 4 heads, 2 kv heads
+    with pytest.raises(ValueError, match=r"num_key_value_heads \(2\).*num_attention_heads \(3\).*num_key_value_heads="):
+        shrink(teacher, 2, 24, 3, 32)
+    with pytest.raises(ValueError, match=r"num_key_value_heads \(3\) must divide num_attention_heads \(4\)"):
+        shrink(teacher, 2, 16, 4, 32, num_key_value_heads=3)
+    with pytest.raises(ValueError, match="gpt2 has no grouped-query attention"):
+        shrink(decoder("gpt2", layers=2), 2, 16, 4, 32, num_key_value_heads=2)
+
+
+def test_shrink_keeps_an_explicit_head_dim():
+    # head_dim set apart from hidden / heads (Gemma: 256 with 3072 / 16 = 192) stays as the teacher set it
+    teacher = decoder("gemma", layers=2, head_dim=16)
+    student = shrink(teacher, 1, 24, 3, 32, num_key_value_heads=1)
+    assert student.config.head_dim == 16
+    student(**lm_batch()).loss.backward()
+
+
+# --------------------------------------------------------------------------------------------- prune_depth
+
+
+def _calibration(n=2):
+    return [lm_batch(b=3, t=7, seed=s) for s in range(n)]
+
+
+def _hand_importance(model, batches) -> list[float]:
+    """1 - mean cosine(hidden_states[i], hidden_states[i + 1]) over real tokens, from output_hidden_states of a
+    copy whose final norm is the identity (transformers returns the last hidden state after it)."""
+    plain = copy.deepcopy(model).eval()
+    final_norm = families.get_family(plain.config.model_type).final_norm
+    if final_norm is not None:
+        parent, _, name = final_norm.rpartition(".")
+        setattr(plain.base_model.get_submodule(parent) if parent else plain.base_model, name, torch.nn.Identity())
+    sums, count = None, 0
+    with torch.no_grad():
+        for batch in batches:
+            hs = plain(**batch, output_hidden_states=True).hidden_states
+            real = batch["attention_mask"].bool()
+            cos = torch.stack([torch.nn.functional.cosine_similarity(hs[i], hs[i + 1], dim=-1)[real]
+                               for i in range(len(hs) - 1)])
+            sums = cos.double().sum(-1) if sums is None else sums + cos.double().sum(-1)
+            count += int(real.sum())
+    return (1 - sums / count).tolist()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt2"])
+def test_prune_depth_keeps_the_most_important_blocks_bit_exactly(family):
+    teacher = decoder(family, layers=4)
+    batches = _calibration()
+    student, report = prune_depth(teacher, 2, batches)
+    assert isinstance(report, DepthPruning)
+    assert report.scores == pytest.approx(_hand_importance(teacher, batches), rel=1e-5, abs=1e-7)
+    ranked = sorted(range(4), key=lambda i: -report.scores[i])
+    assert report.kept == sorted(ranked[:2]) and report.removed == sorted(ranked[2:])
+    assert report.num_tokens == sum(int(b["attention_mask"].sum()) for b in batches)
+    assert student.config.num_hidden_layers == 2
+    assert_state_equal(clone_state(student), _expected_student_state(teacher, report.kept))
+    assert student.config.distillation["init"] == "prune_depth"
+    assert student.config.distillation["block_importance"] == report.scores
+    student.train()
+    student(**batches[0]).loss.backward()
+    # deterministic: the same calibration data gives the same scores, bit for bit
+    assert block_importance(teacher, batches) == report.scores
+    assert teacher.training is False  # the teacher's mode is restored
+
+
+def test_prune_depth_works_for_encoders():
+    teacher = make_teacher("bert", "seq")
+    batch = inputs()
+    student, report = prune_depth(teacher, 1, [batch])
+    n = teacher.config.num_hidden_layers
+    hs = teacher.eval()(**batch, output_hidden_states=True).hidden_states
+    real = batch["attention_mask"].bool()
+    want = [1 - torch.nn.functional.cosine_similarity(hs[i], hs[i + 1], dim=-1)[real].double().mean().item()
+            for i in range(n)]
+    assert report.scores == pytest.approx(want, rel=1e-5, abs=1e-7)
+    assert report.kept == [max(range(n), key=lambda i: want[i])]
+    assert_state_equal(clone_state(student), _expected_student_state(teacher, report.kept))
+
+
+@pytest.mark.parametrize(
+    ("num_layers", "batches", "error", "match"),
+    [
+        (0, "ok", ValueError, r"num_layers must be between 1 and 3"),
+        (4, "ok", ValueError, r"num_layers must be between 1 and 3"),
+        (True, "ok", TypeError, "num_layers must be an int"),
+        (2, [], ValueError, "calibration_batches is empty"),
+        (2, "pad", ValueError, "no real tokens"),
+        (2, ["not a dict"], TypeError, "calibration batch 0 must be a dict"),
+    ],
+)
+def test_prune_depth_refuses_bad_input(num_layers, batches, error, match):
+    teacher = decoder("llama", layers=3)
+    if batches == "ok":
+        batches = _calibration(1)
+    elif batches == "pad":
+        batch = lm_batch()
+        batches = [{**batch, "attention_mask": torch.zeros_like(batch["attention_mask"])}]
+    with pytest.raises(error, match=match):
+        prune_depth(teacher, num_layers, batches)
