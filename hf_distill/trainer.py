@@ -140,6 +140,10 @@ class DistillationTrainer(Trainer):
         self.data_collator = TeacherOutputsCollator(self.data_collator)
         self.tracker = ComponentTracker()
         self._check_teacher_columns(self.train_dataset)
+        if self.args.eval_with_teacher and self.eval_dataset is not None:
+            evals = self.eval_dataset if isinstance(self.eval_dataset, dict) else {"eval": self.eval_dataset}
+            for name, data in evals.items():
+                self._check_teacher_columns(data, f"evaluation ({name})")
 
     def _chunk_size(self) -> int | None:
         """Tokens per chunk for the causal-LM loss (hf_distill.chunked), or None for whole logits.
@@ -207,16 +211,23 @@ class DistillationTrainer(Trainer):
         return KeepTeacherColumnsCollator(data_collator, self._signature_columns, description=description,
                                           model_name=type(self.model).__name__)
 
-    def _check_teacher_columns(self, dataset) -> None:
+    def _check_teacher_columns(self, dataset, which: str = "train") -> None:
         if dataset is None:
             return
         names, first = self._first_row(dataset, needed=self.teacher is None)
+        cached_logits = [c for c in names if c.startswith(LOGITS_COLUMN) or c.startswith(TOPK_VALUES_COLUMN)]
+        if cached_logits and self._head is Head.QUESTION_ANSWERING:
+            raise ValueError(
+                f"The {which} dataset carries cached teacher logits ({', '.join(cached_logits)}), but a question-"
+                "answering student compares start and end logits, which hf_distill.cache does not store: drop those "
+                "columns and let the teacher run."
+            )
         for name in [c for c in names if c == LOGITS_COLUMN or c.startswith(f"{LOGITS_COLUMN}_")]:
             width = torch.as_tensor(first[name]).shape[-1]
             num_labels = _num_labels(self.model)
             if num_labels is not None and width != num_labels:
                 raise ValueError(
-                    f"The train dataset's {name} have width {width} but the student has {num_labels} "
+                    f"The {which} dataset's {name} have width {width} but the student has {num_labels} "
                     "labels. Recompute the cached logits with a teacher of the same label set, or drop the column."
                 )
         if LOGITS_COLUMN not in names and self.teacher is None and self.args.kd_weight > 0:
@@ -224,13 +235,13 @@ class DistillationTrainer(Trainer):
             if not topk or self.args.kd_loss == "mse":
                 raise ValueError(
                     "kd_weight > 0 needs teacher logits: pass teacher_model, or add a `teacher_logits` column "
-                    "to the train dataset (see hf_distill.cache; cached top-k logits serve kd_loss kl/soft_ce)."
+                    f"to the {which} dataset (see hf_distill.cache; cached top-k logits serve kd_loss kl/soft_ce)."
                 )
         if self.teacher is None and self.intermediate is not None:
             missing = sorted(self.intermediate.teacher_request.hidden - cached_hidden_layers(names))
             if missing:
                 raise ValueError(
-                    f"distill_terms need teacher hidden states {missing}, which the train dataset does not carry "
+                    f"distill_terms need teacher hidden states {missing}, which the {which} dataset does not carry "
                     "(teacher_hidden_<i> columns): pass teacher_model, or cache them with "
                     f"hf_distill.cache.cache_teacher_outputs(..., hidden_layers={missing})."
                 )
@@ -308,6 +319,13 @@ class DistillationTrainer(Trainer):
         has_labels = bool(names) and all(inputs.get(n) is not None for n in names)
         want_task = has_labels and (not distill or self.args.task_weight > 0)
         own_task = (self.label_smoother is not None or self.compute_loss_func is not None) and "labels" in inputs
+        if model.training and self.args.task_weight > 0 and self.args.label_names is not None and not has_labels:
+            missing = [n for n in names if inputs.get(n) is None]
+            raise ValueError(
+                f"label_names={names} but the training batch has no {missing} (its keys: {sorted(inputs)}), so the "
+                "task term (task_weight > 0) cannot be computed. Name the batch's label keys in label_names, or set "
+                "task_weight=0 to train on the teacher alone."
+            )
         # Teacher first: the student's backward then follows its own forward while its activations are still
         # in the CPU caches; run after the student, the teacher's forward evicts them (3-5% of a logit-KD step
         # on the benchmark CPU, benchmarks/speed.py).
@@ -373,10 +391,13 @@ class DistillationTrainer(Trainer):
                 "Set eval_with_teacher=True to evaluate the distillation loss on unlabeled data."
             )
         loss = sum(weights[k] * v for k, v in components.items())
-        if model.training:
+        if step_mean:  # steps of the training loop only: a compute_loss call outside it is not logged
             self.tracker.add(components)
         if return_outputs:
             outputs = s_out if isinstance(s_out, dict) else {"logits": heads_mod._logits(s_out)}
+            if taps is not None and "output_hidden_states" in taps.forward_kwargs():
+                # hidden states asked for the loss only: they must not reach predictions or compute_metrics
+                outputs = {k: v for k, v in outputs.items() if k != "hidden_states"}
             return loss, outputs
         return loss
 
