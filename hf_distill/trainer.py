@@ -391,7 +391,7 @@ class DistillationTrainer(Trainer):
                 "Set eval_with_teacher=True to evaluate the distillation loss on unlabeled data."
             )
         loss = sum(weights[k] * v for k, v in components.items())
-        if step_mean:  # steps of the training loop only: a compute_loss call outside it is not logged
+        if model.training:
             self.tracker.add(components)
         if return_outputs:
             outputs = s_out if isinstance(s_out, dict) else {"logits": heads_mod._logits(s_out)}
@@ -552,6 +552,11 @@ class DistillationTrainer(Trainer):
         return losses.logit_kd_loss(kind, s, t, T, mask=mask, beta=self.args.jsd_beta)
 
     # ------------------------------------------------------------------ logging
+
+    def train(self, *args: Any, **kwargs: Any):
+        # Components of compute_loss calls made before training (by hand, in train mode) are not the run's.
+        self.tracker = ComponentTracker()
+        return super().train(*args, **kwargs)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and self.tracker:
