@@ -284,17 +284,29 @@ def detect_method(summary: dict[str, Any]) -> str:
     return "logit-kd"
 
 
+def _is_metric(name: str) -> bool:
+    """A quality metric, not a loss or timing; `name` may carry an eval set's prefix (`b_loss`, `b_runtime`)."""
+    return not any(name == k or name.endswith(f"_{k}") for k in _NOT_METRICS)
+
+
 def latest_eval_metrics(log_history: list[dict[str, Any]]) -> tuple[dict[str, float], int | None]:
-    """The last evaluation's metrics (without the `eval_` prefix, loss and timings) and its step."""
+    """The last evaluation's metrics (without the `eval_` prefix, losses and timings) and its step; with several
+    evaluation sets (`eval_dataset={"a": ..., "b": ...}`, one log entry each) those of every set at that step."""
+    metrics: dict[str, float] = {}
+    step = None
     for entry in reversed(log_history or []):
-        metrics = {
+        found = {
             k[len("eval_") :]: float(v)
             for k, v in entry.items()
-            if k.startswith("eval_") and _number(v) and k[len("eval_") :] not in _NOT_METRICS
+            if k.startswith("eval_") and _number(v) and _is_metric(k[len("eval_") :])
         }
-        if metrics:
-            return metrics, entry.get("step")
-    return {}, None
+        if not found:
+            continue
+        if step is not None and entry.get("step") != step:
+            break
+        step = entry.get("step")
+        metrics = {**found, **metrics}
+    return metrics, step
 
 
 def find_trainer_state(folder: str | os.PathLike) -> Path | None:

@@ -107,3 +107,16 @@ def test_nothing_to_plot_is_an_error(tmp_path):
     state.write_text(json.dumps({"global_step": 2, "log_history": [{"eval_loss": 0.5, "step": 2}]}))
     with pytest.raises(ValueError, match="logs no loss"):
         plot_loss_components(state, tmp_path / "x.png")
+
+
+def test_latest_eval_metrics_merge_every_eval_set_and_drop_prefixed_losses_and_timings():
+    from hf_distill.report import latest_eval_metrics
+
+    history = [
+        {"eval_a_accuracy": 0.1, "step": 1},
+        {"loss": 0.5, "step": 2},
+        {"eval_a_accuracy": 0.7, "eval_a_loss": 0.3, "eval_a_runtime": 1.0, "step": 2},
+        {"eval_b_accuracy": 0.9, "eval_b_loss": 0.2, "eval_b_samples_per_second": 9.0, "step": 2},
+    ]
+    assert latest_eval_metrics(history) == ({"a_accuracy": 0.7, "b_accuracy": 0.9}, 2)
+    assert latest_eval_metrics([{"eval_accuracy": 0.5, "eval_loss": 0.1, "step": 3}]) == ({"accuracy": 0.5}, 3)
