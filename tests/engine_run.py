@@ -5,7 +5,7 @@ attention term; the student has the teacher's width, so no projection is needed 
 DeepSpeed). Rank 0 writes `result.json`: the student's full parameters (gathered from shards), losses, how the
 models were wrapped, per-rank teacher and student parameter bytes, peak memory per rank and wall time, so that
 tests/test_engines.py and benchmarks/distributed.py can compare the run with a single-process one.
-Optionally pushes the model with its card to a Hub endpoint (`--push_to`), on every rank, as a user would.
+`--push_to REPO` pushes the student and its card to the Hub at HF_ENDPOINT (tests/hub_server.py) afterwards.
 """
 
 from __future__ import annotations
@@ -76,9 +76,10 @@ def run(out: Path, engine: str, per_device_batch: int, steps: int, use_cpu: bool
         "peak_memory_bytes": peak_memory_bytes(acc.device),
     }
     ranks = acc.gather_for_metrics([rank], use_gather_object=True)
-    if push_to:
-        trainer.args.hub_model_id = "user/engine-student"
-        trainer.push_to_hub(commit_message="engine run")
+    if push_to:  # every rank calls it, as a user's script does: the save is a collective under ZeRO-3 / FSDP
+        trainer.args.hub_model_id = push_to
+        trainer.evaluate_teacher(token_dataset(6, seed=1))  # every rank: the card's teacher column
+        trainer.push_to_hub(commit_message="engine run", finetuned_from="local-teacher")
     result = {
         "engine": engine,
         "distributed_type": acc.distributed_type.value,
@@ -109,7 +110,7 @@ if __name__ == "__main__":
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--gpu", action="store_true", help="train on the accelerator (default: use_cpu=True)")
     p.add_argument("--deepspeed_config", default=None)
-    p.add_argument("--push_to", default=None, help="a Hub endpoint (HF_ENDPOINT) to push the student to")
+    p.add_argument("--push_to", default=None, help="a repo id to push the student to (Hub at HF_ENDPOINT)")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
