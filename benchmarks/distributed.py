@@ -174,10 +174,14 @@ def main() -> None:
                       "student_bytes": reference["ranks"][0]["student_bytes"], "steps": reference["steps"]},
         "runs": runs,
         "notes": [
-            "FSDP on a CPU: accelerate (1.15) sets DistributedType.FSDP only for GPU-like distributed types, so with "
-            "use_cpu=True the Trainer (transformers 5.24) ran fsdp=... as MULTI_CPU DDP (full copies per rank); "
-            "hf_distill now refuses that (placement.check_engine), the error above. FSDP2 fully_shard of the "
-            "teacher itself works on CPU/gloo (tests/test_placement.py); the Trainer cannot shard the student there.",
+            "FSDP1 on a CPU is refused by accelerate itself (FullyShardedDataParallelPlugin.__post_init__ finds "
+            "no GPU-like device: the error above). FSDP2 passes that check, but accelerate (1.15) sets "
+            "DistributedType.FSDP only for GPU-like distributed types, so with use_cpu=True the Trainer "
+            "(transformers 5.24) silently trained fsdp=... as MULTI_CPU DDP: before this change the FSDP2 row ran, "
+            "student wrapped in DistributedDataParallel, the whole teacher (165256 B) and student (96904 B) on each "
+            "rank. hf_distill now refuses that (placement.check_engine): the FSDP2 error above. FSDP2 fully_shard "
+            "of the teacher itself works on CPU/gloo (tests/test_placement.py); the Trainer cannot shard the "
+            "student there.",
             "ZeRO-3 on a CPU: DeepSpeed selects its CPU accelerator and JIT-builds a shared-memory comm op on "
             "first use (needs a C++ compiler; cached in ~/.cache/torch_extensions); the template's CPU-offloaded "
             "AdamW also JIT-builds cpu_adam (minutes, once).",

@@ -11,7 +11,9 @@ made from the Trainer's accelerator state, never by the user:
 | DeepSpeed ZeRO-0/1/2       | a frozen replica on each rank's device           | all of it               |
 
 A sharded teacher gathers each block's parameters for its forward and frees them afterwards (FSDP
-`reshard_after_forward`, ZeRO-3 partitioning), so a teacher larger than one device's memory fits.
+`reshard_after_forward`, ZeRO-3 partitioning), so a teacher larger than one device's memory fits. It takes the
+student's engine settings (offload, mixed precision, prefetch, mesh; ZeRO-3 buckets sized by its own width).
+FSDP needs GPUs (accelerate runs it as DDP on a CPU, which `check_engine` refuses); ZeRO-3 also runs on CPUs.
 
 A teacher its loader already placed (loaded with `device_map`, so `hf_device_map` is set, or quantised to 4/8
 bits) stays where it is: `.to()` raises on a quantised model and would undo a dispatch. The trainer feeds it
