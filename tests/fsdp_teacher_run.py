@@ -2,7 +2,8 @@
 
 Run by tests/test_placement.py through torchrun. The Trainer only enables FSDP on accelerators (on a CPU
 accelerate would run it as DDP, which DistillationTrainer refuses), so this exercises hf_distill's sharding
-of the teacher directly: outputs and tapped features must equal the replica's, while each rank holds only its shard of the parameters.
+of the teacher directly: outputs and tapped features must equal the replica's, while each rank holds only
+its shard of the parameters.
 """
 
 from __future__ import annotations
