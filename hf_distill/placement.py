@@ -11,7 +11,9 @@ made from the Trainer's accelerator state, never by the user:
 | DeepSpeed ZeRO-0/1/2       | a frozen replica on each rank's device           | all of it               |
 
 A sharded teacher gathers each block's parameters for its forward and frees them afterwards (FSDP
-`reshard_after_forward`, ZeRO-3 partitioning), so a teacher larger than one device's memory fits.
+`reshard_after_forward`, ZeRO-3 partitioning), so a teacher larger than one device's memory fits. It takes the
+student's engine settings (offload, mixed precision, prefetch, mesh; ZeRO-3 buckets sized by its own width).
+FSDP needs GPUs (accelerate runs it as DDP on a CPU, which `check_engine` refuses); ZeRO-3 also runs on CPUs.
 
 A teacher its loader already placed (loaded with `device_map`, so `hf_device_map` is set, or quantised to 4/8
 bits) stays where it is: `.to()` raises on a quantised model and would undo a dispatch. The trainer feeds it
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from typing import Any
 
 import torch
@@ -61,42 +64,92 @@ def place_teacher(teacher: nn.Module, accelerator: Any) -> nn.Module:
         return teacher
     if mode == FSDP_SHARDED:
         if getattr(accelerator, "is_fsdp2", False):
-            return shard_fsdp2(teacher)
+            return _shard_fsdp2_like_student(teacher, accelerator)
         return _wrap_fsdp1(teacher, accelerator)
     if mode == ZERO3_SHARDED:
         return _zero3_engine(teacher, accelerator)
     return teacher.to(accelerator.device)
 
 
-def shard_fsdp2(teacher: nn.Module, mesh: Any = None) -> nn.Module:
+def check_engine(args: Any, accelerator: Any) -> None:
+    """Refuse an FSDP or DeepSpeed request that the accelerator did not honour.
+
+    accelerate turns FSDP on only on GPUs and other accelerators: on a CPU (`use_cpu=True`, or no GPU) a
+    Trainer given `fsdp=...` silently trains as DDP, every rank holding the whole student and teacher."""
+    kind = accelerator.distributed_type
+    wants_fsdp = bool(getattr(args, "fsdp", None)) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if wants_fsdp and kind != DistributedType.FSDP:
+        raise ValueError(
+            f"fsdp={args.fsdp!r} (or ACCELERATE_USE_FSDP) was requested, but accelerate runs this job as "
+            f"{kind.value} on {accelerator.device}: it enables FSDP only on GPUs and other accelerators, so on a CPU "
+            "(use_cpu=True or no GPU found) the run would silently train as DDP with a full copy of the student "
+            "and the teacher per process. Run on GPUs, drop `fsdp`, or use DeepSpeed ZeRO-3 (which runs on CPUs)."
+        )
+    wants_deepspeed = bool(getattr(args, "deepspeed", None))
+    if wants_deepspeed and kind != DistributedType.DEEPSPEED:
+        raise ValueError(
+            f"deepspeed={args.deepspeed!r} was requested, but accelerate runs this job as {kind.value}: the "
+            "DeepSpeed config would be ignored. Launch with a DeepSpeed-enabled accelerate config or drop `deepspeed`."
+        )
+
+
+def shard_fsdp2(teacher: nn.Module, mesh: Any = None, **fully_shard_kwargs: Any) -> nn.Module:
     """FSDP2 (`fully_shard`) on every block, then on the whole teacher, parameters resharded after forward.
 
     Blocks come from the family registry; a family it does not know is sharded as one unit (still 1/N of the
-    memory at rest, but the whole teacher is gathered during its forward)."""
+    memory at rest, but the whole teacher is gathered during its forward). `fully_shard_kwargs` (offload and
+    mixed-precision policies) come from the student's FSDP plugin."""
     from torch.distributed.fsdp import fully_shard
 
     inner = unwrap(teacher)
     family = get_family(getattr(getattr(inner, "config", None), "model_type", None))
     if family is not None:
         for block in getattr(inner, "base_model", inner).get_submodule(family.layers):
-            fully_shard(block, mesh=mesh, reshard_after_forward=True)
-    fully_shard(teacher, mesh=mesh, reshard_after_forward=True)
+            fully_shard(block, mesh=mesh, reshard_after_forward=True, **fully_shard_kwargs)
+    fully_shard(teacher, mesh=mesh, reshard_after_forward=True, **fully_shard_kwargs)
     return teacher
 
 
-def _wrap_fsdp1(teacher: nn.Module, accelerator: Any) -> nn.Module:
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+def _fsdp_mesh(accelerator: Any) -> Any:
+    """The FSDP sub-mesh accelerate shards the student over (None: the default process group)."""
+    mesh = getattr(accelerator, "torch_device_mesh", None)
+    config = getattr(accelerator, "parallelism_config", None)
+    if mesh is None or config is None:
+        return None
+    return mesh[tuple(config.fsdp_dim_names)]
+
+
+def _shard_fsdp2_like_student(teacher: nn.Module, accelerator: Any) -> nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     plugin = accelerator.state.fsdp_plugin
+    kwargs = {"mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy()}
+    if plugin.cpu_offload is not None:
+        kwargs["offload_policy"] = plugin.cpu_offload
+    return shard_fsdp2(teacher, mesh=_fsdp_mesh(accelerator), **kwargs)
+
+
+def _wrap_fsdp1(teacher: nn.Module, accelerator: Any) -> nn.Module:
+    """FSDP1-wrap the teacher with the student's settings, from a copy of the plugin: `set_auto_wrap_policy`
+    binds the policy to the model's layer classes in place, which would wrap the student with the teacher's."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    plugin = copy.copy(accelerator.state.fsdp_plugin)
     plugin.set_auto_wrap_policy(teacher)
-    return FSDP(
-        teacher,
-        sharding_strategy=plugin.sharding_strategy,
-        auto_wrap_policy=plugin.auto_wrap_policy,
-        mixed_precision=plugin.mixed_precision_policy,
-        device_id=accelerator.device,
-        use_orig_params=True,
-    )
+    kwargs = {
+        "sharding_strategy": plugin.sharding_strategy or plugin.reshard_after_forward,
+        "cpu_offload": plugin.cpu_offload,
+        "auto_wrap_policy": plugin.auto_wrap_policy,
+        "mixed_precision": plugin.mixed_precision_policy,
+        "forward_prefetch": plugin.forward_prefetch,
+        "limit_all_gathers": plugin.limit_all_gathers,
+        "device_id": accelerator.device,
+        "use_orig_params": True,
+    }
+    mesh = _fsdp_mesh(accelerator)
+    if mesh is not None:
+        kwargs["device_mesh"] = mesh
+    return FSDP(teacher, **kwargs)
 
 
 def _zero_stage(accelerator: Any) -> int | None:
@@ -105,37 +158,87 @@ def _zero_stage(accelerator: Any) -> int | None:
     return config.get("zero_optimization", {}).get("stage")
 
 
-def zero3_inference_config(train_config: dict[str, Any]) -> dict[str, Any]:
+def model_hidden_size(model: nn.Module) -> int | None:
+    """The width HF's DeepSpeed integration sizes ZeRO-3 buckets by (`hidden_size`, or the largest of
+    `hidden_sizes`, also under `text_config`)."""
+    config = getattr(unwrap(model), "config", None)
+    for cfg in (config, getattr(config, "text_config", None)):
+        if getattr(cfg, "hidden_size", None):
+            return int(cfg.hidden_size)
+        if getattr(cfg, "hidden_sizes", None):
+            return int(max(cfg.hidden_sizes))
+    return None
+
+
+_HIDDEN_SIZED = {
+    "reduce_bucket_size": lambda h: h * h,
+    "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+    "stage3_param_persistence_threshold": lambda h: 10 * h,
+}
+
+
+def _drop_auto(config: dict[str, Any]) -> dict[str, Any]:
+    """The config without its remaining "auto" values (DeepSpeed then uses its defaults)."""
+    return {k: _drop_auto(v) if isinstance(v, dict) else v for k, v in config.items() if v != "auto"}
+
+
+def zero3_inference_config(
+    train_config: dict[str, Any], hidden_size: int | None = None, mixed_precision: str = "no"
+) -> dict[str, Any]:
     """The DeepSpeed config of a frozen ZeRO-3 teacher, derived from the student's: same precision, batch
-    sizes and stage-3 partitioning, no optimizer or scheduler (nothing is trained), no offload of gradients."""
+    sizes and stage-3 partitioning, no optimizer or scheduler (nothing is trained), no offload of gradients.
+
+    The teacher's engine is built in the trainer's `__init__`, before the Trainer fills the model-dependent
+    "auto" values (in `train()`, from the student), so the three sized by the hidden width are filled here from
+    the TEACHER's `hidden_size` as HF does; `fp16`/`bf16` "auto" follow `mixed_precision`; any other "auto" is
+    dropped (DeepSpeed's default): deepspeed.initialize would get the string."""
     config = copy.deepcopy(train_config)
     for key in ("optimizer", "scheduler", "gradient_clipping"):
         config.pop(key, None)
     zero = dict(config.get("zero_optimization", {}))
     zero["stage"] = 3
     zero.pop("offload_optimizer", None)
+    for key, size in _HIDDEN_SIZED.items():
+        if zero.get(key) == "auto":
+            if hidden_size is None:
+                raise ValueError(
+                    f"zero_optimization.{key} is 'auto' in the DeepSpeed config, which is sized by the teacher's "
+                    "hidden_size, but the teacher's config has neither hidden_size nor hidden_sizes. Set it to a "
+                    "number in the DeepSpeed config."
+                )
+            zero[key] = size(hidden_size)
     config["zero_optimization"] = zero
-    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
-        if config.get(key) == "auto":
-            config.pop(key)
+    for key, enabled in (("fp16", mixed_precision == "fp16"), ("bf16", mixed_precision == "bf16")):
+        if isinstance(config.get(key), dict) and config[key].get("enabled") == "auto":
+            config[key] = {**config[key], "enabled": enabled}
+    config = _drop_auto(config)
     config.setdefault("train_micro_batch_size_per_gpu", 1)
+    config.pop("train_batch_size", None)  # must equal micro batch x accumulation x world size; derived instead
     return config
 
 
 def _zero3_engine(teacher: nn.Module, accelerator: Any) -> nn.Module:
     import deepspeed
 
-    config = zero3_inference_config(accelerator.state.deepspeed_plugin.deepspeed_config)
+    config = zero3_inference_config(
+        accelerator.state.deepspeed_plugin.deepspeed_config,
+        model_hidden_size(teacher),
+        str(getattr(accelerator, "mixed_precision", "no")),
+    )
     engine, *_ = deepspeed.initialize(model=teacher, config=config)
     engine.eval()
     return engine
 
 
 def local_parameter_bytes(model: nn.Module) -> int:
-    """Bytes of the parameters this rank actually holds (a shard for DTensor parameters)."""
+    """Bytes of the parameters this rank owns: a DTensor's local shard (FSDP2), a flat parameter's shard
+    (FSDP1), a ZeRO-3 parameter's partition (`ds_tensor`), else the whole tensor."""
     total = 0
     for p in model.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
+        if hasattr(p, "ds_tensor"):
+            local = p.ds_tensor
+        else:
+            local = p.to_local() if hasattr(p, "to_local") else p
         total += local.numel() * local.element_size()
     return total
 
@@ -180,10 +283,12 @@ def teacher_input_device(teacher: nn.Module) -> torch.device | None:
 
 __all__ = [
     "FSDP_SHARDED",
+    "check_engine",
     "REPLICA",
     "ZERO3_SHARDED",
     "is_placed_by_loader",
     "local_parameter_bytes",
+    "model_hidden_size",
     "place_teacher",
     "send_teacher_outputs",
     "shard_fsdp2",

@@ -28,7 +28,7 @@ from .collators import TEACHER_PREFIX, KeepTeacherColumnsCollator, TeacherOutput
 from .heads import Head, check_kd_loss, head_logits, runtime_head, static_head
 from .intermediate import IntermediateDistiller
 from .normalise import COUNT_KINDS, StepCounts, batch_counts, kd_positions
-from .placement import place_teacher, send_teacher_outputs, teacher_input_device
+from .placement import check_engine, place_teacher, send_teacher_outputs, teacher_input_device
 from .taps import forward, unwrap
 from .teacher import load_teacher, shared_base_teacher, shares_parameters, validate_pair
 from .tracking import ComponentTracker
@@ -91,6 +91,7 @@ class DistillationTrainer(Trainer):
         self.shared_base = bool(teachers) and shares_parameters(teachers[0], self.model)
         if any(shares_parameters(t, self.model) for t in teachers[1:]):
             raise ValueError("Only the first teacher may share its parameters with the student (self-distillation).")
+        check_engine(self.args, self.accelerator)  # an FSDP/DeepSpeed request accelerate ignored (CPU): refused
         # Frozen, eval mode, and replicated or sharded as the accelerator's mode requires (hf_distill.placement).
         self.teachers = [
             t if (i == 0 and self.shared_base) else place_teacher(t, self.accelerator) for i, t in enumerate(teachers)
@@ -609,7 +610,7 @@ class DistillationTrainer(Trainer):
         weight decay on their weights only (never on biases, as the Trainer does for the model)."""
         optimizer = super().create_optimizer(model)
         proj = self._projections()
-        in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        in_optimizer = {id(p) for g in getattr(optimizer, "param_groups", ()) for p in g["params"]}  # DummyOptim: none
         if proj is not None and not any(id(p) in in_optimizer for p in proj.parameters()):
             decay = set(self.get_decay_parameter_names(proj))
             lr = self.args.projection_lr or self.args.learning_rate

@@ -1,8 +1,9 @@
 """Shard a teacher with FSDP2 over 2 CPU processes (gloo) and compare it with the unsharded teacher.
 
-Run by tests/test_placement.py through torchrun. The Trainer only enables FSDP on accelerators (on CPU it
-falls back to DDP), so this exercises hf_distill's sharding of the teacher directly: outputs and tapped
-features must equal the replica's, while each rank holds only its shard of the parameters.
+Run by tests/test_placement.py through torchrun. The Trainer only enables FSDP on accelerators (on a CPU
+accelerate would run it as DDP, which DistillationTrainer refuses), so this exercises hf_distill's sharding
+of the teacher directly: outputs and tapped features must equal the replica's, while each rank holds only
+its shard of the parameters.
 """
 
 from __future__ import annotations

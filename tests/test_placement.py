@@ -13,13 +13,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 from accelerate.utils import DistributedType
-from helpers import args, bert, collate, teacher, token_dataset
+from helpers import args, bert, collate, distilbert, teacher, token_dataset
 
 from hf_distill import DistillationTrainer
 from hf_distill.placement import (
     FSDP_SHARDED,
     REPLICA,
     ZERO3_SHARDED,
+    check_engine,
     local_parameter_bytes,
     place_teacher,
     teacher_input_device,
@@ -148,3 +149,102 @@ def test_training_with_a_dispatched_teacher(tmp_path, monkeypatch):
     assert moved == []
     logged = [e for e in trainer.state.log_history if "loss" in e]
     assert len(logged) == 3 and all(e["loss"] == e["loss"] and e["loss_hidden"] > 0 for e in logged)
+
+
+# ---------------------------------------------------------------------- engines: configs and refusals
+
+TEMPLATE = Path(__file__).parent / "configs" / "zero3_hf_template.json"
+
+
+def _autos(config, path=""):
+    """Every key path whose value is still "auto"."""
+    found = []
+    for key, value in config.items():
+        if isinstance(value, dict):
+            found += _autos(value, f"{path}{key}.")
+        elif value == "auto":
+            found.append(path + key)
+    return found
+
+
+def test_zero3_template_autos_are_filled_from_the_teachers_width():
+    """HF's ZeRO-3 template leaves the hidden-size-based buckets "auto" until train(); the teacher's engine is
+    built before, so they are sized here from the teacher (HF's formulas) and no "auto" reaches DeepSpeed."""
+    template = json.loads(TEMPLATE.read_text())
+    config = zero3_inference_config(template, hidden_size=48, mixed_precision="bf16")
+    zero = config["zero_optimization"]
+    assert zero["reduce_bucket_size"] == 48 * 48
+    assert zero["stage3_prefetch_bucket_size"] == int(0.9 * 48 * 48)
+    assert zero["stage3_param_persistence_threshold"] == 10 * 48
+    assert zero["offload_param"] == {"device": "cpu", "pin_memory": True} and "offload_optimizer" not in zero
+    assert config["bf16"]["enabled"] is True and config["fp16"]["enabled"] is False
+    assert _autos(config) == []
+    assert config["train_micro_batch_size_per_gpu"] == 1 and "train_batch_size" not in config
+    assert _autos(template)  # the template itself is untouched
+
+
+def test_zero3_teacher_engine_gets_the_teachers_config(monkeypatch):
+    """The path place_teacher takes under ZeRO-3, with the template as the accelerator's config."""
+    seen = {}
+
+    def initialize(model, config):
+        seen.update(config=config, model=model)
+        return SimpleNamespace(eval=lambda: None), None, None, None
+
+    monkeypatch.setitem(sys.modules, "deepspeed", SimpleNamespace(initialize=initialize))
+    acc = _accelerator(DistributedType.DEEPSPEED, stage=3)
+    acc.state.deepspeed_plugin.deepspeed_config = json.loads(TEMPLATE.read_text())
+    acc.mixed_precision = "no"
+    t = teacher(hidden=48, heads=4)
+    place_teacher(t, acc)
+    assert seen["model"] is t and _autos(seen["config"]) == []
+    assert seen["config"]["zero_optimization"]["reduce_bucket_size"] == 48 * 48
+    assert seen["config"]["fp16"]["enabled"] is False and seen["config"]["bf16"]["enabled"] is False
+
+
+def test_zero3_auto_bucket_without_a_hidden_size_is_refused():
+    with pytest.raises(ValueError, match="reduce_bucket_size.*hidden_size"):
+        zero3_inference_config(json.loads(TEMPLATE.read_text()), hidden_size=None)
+
+
+def test_fsdp1_teacher_leaves_the_students_wrap_policy_alone(monkeypatch):
+    """The teacher (BERT blocks) is wrapped from a copy of the plugin: the student (DistilBERT) is then wrapped
+    with its own layer classes, and the teacher honours offload, prefetch and all-gather limits."""
+    import torch.distributed.fsdp as fsdp
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from transformers.models.bert.modeling_bert import BertEmbeddings, BertLayer
+
+    wrapped = {}
+    monkeypatch.setattr(fsdp, "FullyShardedDataParallel", lambda module, **kw: wrapped.update(kw) or module)
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=1, auto_wrap_policy="transformer_based_wrap", cpu_offload=True, forward_prefetch=True,
+        limit_all_gathers=False,
+    )
+    acc = SimpleNamespace(distributed_type=DistributedType.FSDP, is_fsdp2=False, device=torch.device("cpu"),
+                          state=SimpleNamespace(fsdp_plugin=plugin))
+    place_teacher(teacher(), acc)
+    assert wrapped["auto_wrap_policy"].keywords["transformer_layer_cls"] == {BertLayer, BertEmbeddings}
+    assert wrapped["cpu_offload"].offload_params is True
+    assert wrapped["forward_prefetch"] is True and wrapped["limit_all_gathers"] is False
+    assert plugin.auto_wrap_policy is transformer_auto_wrap_policy and plugin.transformer_cls_names_to_wrap is None
+    plugin.set_auto_wrap_policy(distilbert())  # what accelerate does when it prepares the student
+    assert plugin.auto_wrap_policy.keywords["transformer_layer_cls"] == set()  # DistilBERT names no block class
+
+
+@pytest.mark.parametrize(
+    ("requested", "kind", "match"),
+    [
+        ({"fsdp": "full_shard auto_wrap"}, DistributedType.MULTI_CPU, "fsdp=.*silently train as DDP"),
+        ({"fsdp": [], "deepspeed": "ds.json"}, DistributedType.MULTI_CPU, "deepspeed=.*ignored"),
+    ],
+)
+def test_an_engine_accelerate_did_not_enable_is_refused(requested, kind, match):
+    """accelerate enables FSDP only on GPUs: with use_cpu on 2 processes the Trainer would train as DDP
+    (benchmarks/results/distributed.md); one process is already refused by transformers."""
+    acc = SimpleNamespace(distributed_type=kind, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=match):
+        check_engine(SimpleNamespace(**{"fsdp": None, "deepspeed": None, **requested}), acc)
+    check_engine(SimpleNamespace(fsdp=None, deepspeed=None), acc)  # plain DDP is fine
+    check_engine(SimpleNamespace(fsdp=requested.get("fsdp"), deepspeed=None),
+                 SimpleNamespace(distributed_type=DistributedType.FSDP, device=acc.device))

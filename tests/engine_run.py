@@ -1,0 +1,117 @@
+"""Train a tiny student through DistillationTrainer.train() under one engine (DDP, FSDP1, FSDP2, ZeRO-3).
+
+Run under torchrun / `accelerate launch` (2 processes) or directly (1 process). Logit KD plus a hidden and an
+attention term; the student has the teacher's width, so no projection is needed (refused under FSDP and
+DeepSpeed). Rank 0 writes `result.json`: the student's full parameters (gathered from shards), losses, how the
+models were wrapped, per-rank teacher and student parameter bytes, peak memory per rank and wall time, so that
+tests/test_engines.py and benchmarks/distributed.py can compare the run with a single-process one.
+`--push_to REPO` pushes the student and its card to the Hub at HF_ENDPOINT (tests/hub_server.py) afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from helpers import args, bert, collate, teacher, token_dataset  # noqa: E402
+
+from hf_distill import DistillationTrainer  # noqa: E402
+from hf_distill.placement import local_parameter_bytes  # noqa: E402
+
+TERMS = ["loss=hidden_mse,layers=uniform", "loss=attention_score_mse,layers=uniform"]
+
+
+def engine_kwargs(engine: str, deepspeed_config: str | None) -> dict:
+    """The TrainingArguments fields that select `engine`."""
+    if engine == "fsdp1":
+        return {"fsdp": "full_shard auto_wrap", "fsdp_config": {"version": 1, "use_orig_params": True}}
+    if engine == "fsdp2":
+        return {"fsdp": "full_shard auto_wrap", "fsdp_config": {"version": 2}}
+    if engine == "zero3":
+        return {"deepspeed": deepspeed_config}
+    return {}
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """This process's peak: the accelerator's allocated peak, or the resident set size on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run(out: Path, engine: str, per_device_batch: int, steps: int, use_cpu: bool = True,
+        deepspeed_config: str | None = None, push_to: str | None = None, width: int = 32) -> dict:
+    a = args(
+        out,
+        per_device_train_batch_size=per_device_batch,
+        max_steps=steps,
+        optim="sgd",
+        learning_rate=0.5,
+        use_cpu=use_cpu,
+        distill_terms=TERMS,
+        kd_weight=0.5,
+        task_weight=0.5,
+        **engine_kwargs(engine, deepspeed_config),
+    )
+    t = teacher(hidden=width, heads=4)
+    trainer = DistillationTrainer(
+        model=bert(2, hidden=width), teacher_model=t, args=a, train_dataset=token_dataset(8 * steps),
+        data_collator=collate,
+    )
+    start = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - start
+    acc = trainer.accelerator
+    state = acc.get_state_dict(trainer.model_wrapped)  # gathers FSDP / ZeRO-3 shards (on rank 0)
+    rank = {
+        "teacher_bytes": local_parameter_bytes(trainer.teacher),
+        "student_bytes": local_parameter_bytes(trainer.model_wrapped),
+        "peak_memory_bytes": peak_memory_bytes(acc.device),
+    }
+    ranks = acc.gather_for_metrics([rank], use_gather_object=True)
+    if push_to:  # every rank calls it, as a user's script does: the save is a collective under ZeRO-3 / FSDP
+        trainer.args.hub_model_id = push_to
+        trainer.evaluate_teacher(token_dataset(6, seed=1))  # every rank: the card's teacher column
+        trainer.push_to_hub(commit_message="engine run", finetuned_from="local-teacher")
+    result = {
+        "engine": engine,
+        "distributed_type": acc.distributed_type.value,
+        "world_size": acc.num_processes,
+        "device": str(acc.device),
+        "steps": trainer.state.global_step,
+        "terms": ["kd", *TERMS],
+        "student": torch.cat([v.detach().reshape(-1).float().cpu() for _, v in sorted(state.items())]).tolist()
+        if acc.is_main_process else [],
+        "logs": [r for r in trainer.state.log_history if "loss" in r],
+        "teacher_type": type(trainer.teacher).__name__,
+        "wrapped_type": type(trainer.model_wrapped).__name__,
+        "ranks": ranks,
+        "wall_s": wall,
+        "pushed": bool(push_to),
+    }
+    if acc.is_main_process:
+        (out / "result.json").write_text(json.dumps(result))
+    acc.wait_for_everyone()
+    return result
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("out", type=Path)
+    p.add_argument("--engine", choices=["ddp", "fsdp1", "fsdp2", "zero3"], default="ddp")
+    p.add_argument("--per_device_batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--gpu", action="store_true", help="train on the accelerator (default: use_cpu=True)")
+    p.add_argument("--deepspeed_config", default=None)
+    p.add_argument("--push_to", default=None, help="a repo id to push the student to (Hub at HF_ENDPOINT)")
+    a = p.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    run(a.out, a.engine, a.per_device_batch, a.steps, not a.gpu, a.deepspeed_config, a.push_to)

@@ -1,0 +1,58 @@
+"""DistillationTrainer.train() end to end under DeepSpeed ZeRO-3 on 2 CPU processes (gloo), then push_to_hub.
+
+`accelerate launch --config_file` starts tests/engine_run.py; the student must equal a single-process run,
+each rank must hold about half of the teacher and of the student, and the push from every rank must complete
+(the ZeRO-3 save gathers the shards: a rank skipping it would deadlock the others). FSDP needs a GPU
+(accelerate runs it as DDP on a CPU, which hf_distill.placement.check_engine refuses): see
+benchmarks/distributed_gpu.sh. DeepSpeed is a dev dependency; its first run on a machine JIT-builds a small
+shared-memory op (seconds with a C++ compiler; cached in ~/.cache/torch_extensions).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import engine_run
+import pytest
+import torch
+from hub_server import FakeHub
+
+pytestmark = pytest.mark.distributed
+CONFIGS = Path(__file__).parent / "configs"
+
+
+def test_zero3_on_two_cpu_processes_matches_one_and_pushes(tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    root = str(Path(__file__).parents[1])  # this checkout's hf_distill, not an installed one
+    with FakeHub() as hub:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": hub.endpoint,
+               "HF_TOKEN": "hf_test", "HF_HUB_DISABLE_XET": "1",
+               "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(CONFIGS / "accelerate_zero3_cpu.yaml"), "--main_process_port", port, engine_run.__file__,
+               str(tmp_path / "zero3"), "--engine", "zero3", "--per_device_batch", "4",
+               "--deepspeed_config", str(CONFIGS / "zero3_auto_no_optimizer.json"), "--push_to", "user/zero3-student"]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        repo = hub.repos["user/zero3-student"]
+    zero3 = json.loads((tmp_path / "zero3" / "result.json").read_text())
+    single = engine_run.run(tmp_path / "single", "ddp", per_device_batch=8, steps=3)
+    assert (zero3["distributed_type"], zero3["world_size"], zero3["steps"]) == ("DEEPSPEED", 2, 3)
+    assert zero3["teacher_type"] == zero3["wrapped_type"] == "DeepSpeedEngine"
+    torch.testing.assert_close(torch.tensor(zero3["student"]), torch.tensor(single["student"]), atol=1e-5, rtol=0)
+    for a, b in zip(zero3["logs"], single["logs"], strict=True):
+        for key in ("loss_kd", "loss_hidden", "loss_attention"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4), key
+    full_teacher, full_student = single["ranks"][0]["teacher_bytes"], single["ranks"][0]["student_bytes"]
+    for rank in zero3["ranks"]:  # a partition each (odd-sized tensors round up)
+        assert rank["teacher_bytes"] <= 0.55 * full_teacher and rank["student_bytes"] <= 0.55 * full_student
+    files = repo["revisions"]["main"]
+    assert "model.safetensors" in files and "README.md" in files
+    assert b"teacher" in files["README.md"].lower()
