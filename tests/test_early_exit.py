@@ -276,3 +276,41 @@ def test_from_pretrained_of_a_plain_model_folder_is_refused(tmp_path):
     helpers.teacher().save_pretrained(tmp_path / "plain")
     with pytest.raises(ValueError, match="not an early-exit model"):
         EarlyExitModel.from_pretrained(Path(tmp_path / "plain"))
+
+
+# ---------------------------------------------------------------------- the recipe
+
+
+def test_fastbert_recipe_end_to_end(tmp_path):
+    """recipes/fastbert.py on a tiny teacher: branches trained, speed sweep written, speed 0 == teacher."""
+    import os
+    import subprocess
+    import sys
+
+    from hub_server import VOCAB_WORDS
+
+    tok = tiny_tokenizer(tmp_path / "teacher")
+    model = helpers.teacher(seed=4, vocab_size=len(tok))
+    model.save_pretrained(tmp_path / "teacher")
+    tok.save_pretrained(tmp_path / "teacher")
+    for name, n in (("train.tsv", 48), ("validation.tsv", 24)):
+        lines = ["sentence\tlabel"] + [f"{VOCAB_WORDS[i % len(VOCAB_WORDS)]} {VOCAB_WORDS[(3 * i) % 7]}\t{i % 2}"
+                                       for i in range(n)]
+        (tmp_path / name).write_text("\n".join(lines) + "\n")
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(root / "recipes" / "fastbert.py"), "--config",
+           str(root / "recipes" / "configs" / "fastbert_sst2.yaml"), "--teacher", str(tmp_path / "teacher"),
+           "--train_file", str(tmp_path / "train.tsv"), "--validation_file", str(tmp_path / "validation.tsv"),
+           "--max_train_rows", "48", "--max_steps", "3", "--logging_steps", "1", "--bf16", "false",
+           "--per_device_train_batch_size", "16", "--speeds", "0.0", "0.5", "1.0", "--output_dir", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((out / "results.json").read_text())
+    assert [r["speed"] for r in res["sweep"]] == [0.0, 0.5, 1.0]
+    assert res["sweep"][0]["matches_teacher"] and res["sweep"][0]["flops_ratio"] == 1.0
+    assert res["sweep"][0]["exit_histogram"] == [0, 0, 0, 24]
+    assert res["sweep"][2]["mean_exit_layer"] < 4  # speed 1: every row whose branch is not exactly uniform leaves
+    assert all("loss_exit_3" in h for h in res["distill_logs"])
+    assert (out / BRANCH_FILE).is_file() and EarlyExitModel.from_pretrained(out).num_exits == 4
