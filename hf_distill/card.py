@@ -38,6 +38,7 @@ METHODS = {  # tag -> (what the card calls it, BibTeX keys)
         "intermediate-feature distillation with FitNets-style hints (Romero et al., 2015)",
         ["romero2015fitnets"],
     ),
+    "fastbert": ("FastBERT self-distilled early exits (Liu et al., 2020)", ["liu2020fastbert"]),
 }
 
 BIBTEX = {
@@ -95,6 +96,12 @@ BIBTEX = {
                and Gatta, Carlo and Bengio, Yoshua},
   booktitle = {International Conference on Learning Representations (ICLR)},
   year      = {2015}
+}""",
+    "liu2020fastbert": """@inproceedings{liu2020fastbert,
+  title={FastBERT: a Self-distilling BERT with Adaptive Inference Time},
+  author={Liu, Weijie and Zhou, Peng and Zhao, Zhe and Wang, Zhiruo and Deng, Haotang and Ju, Qi},
+  booktitle={Proceedings of the 58th Annual Meeting of the Association for Computational Linguistics},
+  year={2020}
 }""",
 }
 
@@ -170,6 +177,7 @@ def model_card(report: DistillationReport) -> Any:
         _made(report),
         _comparison(report),
         _training(report),
+        _early_exit(report),
         _usage(report),
         _citation(report),
         f"Distilled with hf_distill {__version__}.",
@@ -387,6 +395,27 @@ def _training(r: DistillationReport) -> str:
     if r.loss_plot:
         parts.append(f"![Loss components against training steps]({r.loss_plot})")
     return "## Training\n\n" + "\n\n".join(parts) if parts else ""
+
+
+def _early_exit(r: DistillationReport) -> str:
+    """Speed-accuracy table of an early-exit model (hf_distill.early_exit): one row per exit threshold."""
+    if not r.early_exit:
+        return ""
+    e = r.early_exit
+    parts = [f"Early exits after each of the {e.get('num_exits')} blocks (FastBERT); load with "
+             "`hf_distill.early_exit.EarlyExitModel.from_pretrained` (the backbone alone loads with AutoModel...)."]
+    rows = e.get("sweep") or []
+    if rows:
+        lines = ["| speed | accuracy | mean exit layer | speed-up (batch 1) | FLOPs ratio |",
+                 "| --- | --- | --- | --- | --- |"]
+        for row in rows:
+            b1 = row.get("speedup_b1")
+            lines.append(f"| {row['speed']:g} | {_pct(row['accuracy'])} | {row['mean_exit_layer']:.2f} | "
+                         f"{'' if b1 is None else f'{b1:.2f}x'} | {row['flops_ratio']:.2f} |")
+        parts.append("\n".join(lines))
+    if e.get("plot"):
+        parts.append(f"![Accuracy against speed-up]({e['plot']})")
+    return "## Early exit\n\n" + "\n\n".join(parts)
 
 
 def _usage(r: DistillationReport) -> str:

@@ -22,6 +22,8 @@ MODEL_FILES = (
     "model.safetensors",
     "adapter_config.json",
     "adapter_model.safetensors",
+    "early_exit_config.json",  # hf_distill.early_exit branches, beside the unchanged backbone
+    "early_exit.safetensors",
 )
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -74,8 +76,8 @@ def upload_files(folder: str | os.PathLike) -> list[str]:
 
     if CARD_FILE in names:
         files.append(CARD_FILE)
-        if LOSS_PLOT in names and LOSS_PLOT in (folder / CARD_FILE).read_text(encoding="utf-8"):
-            files.append(LOSS_PLOT)
+        card = (folder / CARD_FILE).read_text(encoding="utf-8")
+        files += [p for p in (LOSS_PLOT, "early_exit.png") if p in names and p in card]
     return files
 
 

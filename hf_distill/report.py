@@ -81,6 +81,7 @@ class DistillationReport:
     training: dict[str, Any] = field(default_factory=dict)
     loss_plot: str | None = None  # file name, relative to the student folder
     adapter: dict[str, Any] = field(default_factory=dict)  # a PEFT student: type, rank, targets, base model
+    early_exit: dict[str, Any] = field(default_factory=dict)  # hf_distill.early_exit: exits, speed sweep, plot
 
     # ------------------------------------------------------------------ (de)serialisation
 

@@ -386,6 +386,10 @@ class DistillationTrainer(Trainer):
                             terms[name] = value * self._step.scale(kinds[name], count)
                 components.update(terms)
                 weights.update(self.intermediate.weights())
+        if distill:  # a student that distils into itself (hf_distill.early_exit) returns its own terms
+            own = s_out.get("distill_losses") if isinstance(s_out, dict) else getattr(s_out, "distill_losses", None)
+            for name, value in (own or {}).items():
+                components[name], weights[name] = value, 1.0
         if not components:
             raise ValueError(
                 "Nothing to compute a loss from: the batch has no labels and distillation is off for it. "

@@ -1,0 +1,316 @@
+"""Early exit (FastBERT): branches, self-distillation through DistillationTrainer, adaptive inference, saving."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import helpers
+import pytest
+import torch
+from hub_server import FakeHub, tiny_tokenizer
+from safetensors.torch import load_file
+from test_hub import online
+from torch import nn
+from transformers import AutoModelForSequenceClassification, BertForMaskedLM
+
+from hf_distill import DistillationTrainer, families
+from hf_distill.early_exit import (
+    BRANCH_CONFIG_FILE,
+    BRANCH_FILE,
+    PLOT_FILE,
+    EarlyExitModel,
+    ExitBranch,
+    uncertainty,
+)
+
+
+def batch(n: int = 8, seed: int = 0) -> dict[str, torch.Tensor]:
+    b = helpers.collate(helpers.token_dataset(n, seed=seed).to_list())
+    b.pop("labels")
+    return b
+
+
+def wrapped(layers: int = 4, seed: int = 1) -> EarlyExitModel:
+    model = helpers.teacher(layers=layers, seed=seed)
+    model.eval()
+    return EarlyExitModel(model)
+
+
+class ByLength(nn.Module):
+    """A fake branch whose prediction is a function of each row's length (rows are identified by length)."""
+
+    def __init__(self, table: dict[int, torch.Tensor], num_labels: int = 2) -> None:
+        super().__init__()
+        self.table, self.num_labels = table, num_labels
+
+    def forward(self, hidden, attention_mask):
+        lengths = attention_mask.sum(-1).tolist()
+        return torch.stack([self.table.get(n, torch.zeros(self.num_labels)) for n in lengths])
+
+
+def block_batch_sizes(model: EarlyExitModel) -> tuple[dict[int, list[int]], list]:
+    seen: dict[int, list[int]] = {i: [] for i in range(model.num_exits)}
+    handles = []
+    for i, block in enumerate(model._blocks):
+        def hook(_m, args, kwargs, _i=i):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            seen[_i].append(hidden.shape[0])
+        handles.append(block.register_forward_pre_hook(hook, with_kwargs=True))
+    return seen, handles
+
+
+# ---------------------------------------------------------------------- branches
+
+
+def test_branch_shape_and_padding_mask():
+    torch.manual_seed(0)
+    branch = ExitBranch(hidden_size=32, num_labels=3)
+    hidden = torch.randn(4, 7, 32)
+    mask = torch.ones(4, 7, dtype=torch.long)
+    mask[:, 5:] = 0
+    out = branch(hidden, mask)
+    assert out.shape == (4, 3)
+    changed_pad = hidden.clone()
+    changed_pad[:, 5:] += 100.0
+    torch.testing.assert_close(branch(changed_pad, mask), out)  # padded keys are masked out
+    changed_real = hidden.clone()
+    changed_real[:, 3] += 1.0
+    assert not torch.allclose(branch(changed_real, mask), out)
+    assert branch.down.out_features == 128 and branch.attention.num_heads == 2  # FastBERT's sizes
+
+
+def test_one_branch_per_block_but_the_last_and_frozen_backbone():
+    model = wrapped(layers=4)
+    assert model.num_exits == 4 and len(model.branches) == 3
+    assert not any(p.requires_grad for p in model.model.parameters())
+    model.train()
+    assert not model.model.training and model.branches[0].training  # the teacher never drops out
+    out = model(**batch())
+    assert [t.shape for t in out.exit_logits] == [(8, 2)] * 3
+    assert sorted(out.distill_losses) == ["exit_1", "exit_2", "exit_3"]
+    torch.testing.assert_close(out.loss, sum(out.distill_losses.values()))
+    out.loss.backward()
+    assert all(p.grad is not None for p in model.branches.parameters())
+    assert all(p.grad is None for p in model.model.parameters())
+
+
+# ---------------------------------------------------------------------- adaptive inference
+
+
+@pytest.mark.parametrize("make", [helpers.teacher, helpers.distilbert])
+def test_speed_zero_reproduces_the_model_exactly(make):
+    model = make(seed=3)
+    model.eval()
+    ee = EarlyExitModel(model)
+    b = batch(16)
+    res = ee.exit_forward(speed=0.0, **b)
+    assert torch.equal(res.logits, model(**b).logits)
+    assert res.exit_layer.tolist() == [ee.num_exits] * 16
+    assert ee.exit_forward(**b).logits.equal(res.logits)  # no rule: same
+
+
+def test_exited_rows_are_removed_from_later_blocks():
+    ee = wrapped(layers=4)
+    b = batch(8)
+    lengths = b["attention_mask"].sum(-1)
+    short = lengths <= int(lengths.median())
+    confident = torch.tensor([10.0, -10.0])
+    ee.branches[0] = ByLength({int(n): confident for n in lengths[short].tolist()})
+    seen, handles = block_batch_sizes(ee)
+    try:
+        res = ee.exit_forward(speed=0.5, **b)
+    finally:
+        for h in handles:
+            h.remove()
+    n_short = int(short.sum())
+    assert 0 < n_short < 8
+    assert seen == {0: [8], 1: [8 - n_short], 2: [8 - n_short], 3: [8 - n_short]}
+    assert res.exit_layer[short].tolist() == [1] * n_short
+    assert res.exit_layer[~short].tolist() == [4] * (8 - n_short)
+    torch.testing.assert_close(res.logits[short], confident.expand(n_short, 2))
+    # The rows that stayed get the full model's logits: their masks were sliced along with them.
+    full = ee.model(**b).logits
+    torch.testing.assert_close(res.logits[~short], full[~short], atol=1e-5, rtol=1e-5)
+
+
+def test_all_rows_leaving_stops_the_forward():
+    ee = wrapped(layers=4)
+    seen, handles = block_batch_sizes(ee)
+    try:
+        res = ee.exit_forward(speed=1.0, **batch(8))  # an untrained branch is never certain: uncertainty < 1
+    finally:
+        for h in handles:
+            h.remove()
+    assert res.exit_layer.tolist() == [1] * 8
+    assert seen == {0: [8], 1: [], 2: [], 3: []}
+
+
+def test_patience_rule_on_a_hand_built_case():
+    ee = wrapped(layers=4)
+    b = batch(8)
+    lengths = b["attention_mask"].sum(-1).tolist()
+    assert len(set(lengths[:3])) == 3
+    a, c = torch.tensor([5.0, 0.0]), torch.tensor([0.0, 5.0])
+    # Per row, the argmax at branches 1, 2, 3: row0 0,0,0; row1 0,1,1; row2 0,1,0.
+    plan = {lengths[0]: (a, a, a), lengths[1]: (a, c, c), lengths[2]: (a, c, a)}
+    for i in range(3):
+        ee.branches[i] = ByLength({n: p[i] for n, p in plan.items()})
+    three = {k: v[:3] for k, v in b.items()}
+    assert ee.exit_forward(patience=1, **three).exit_layer.tolist() == [2, 3, 4]
+    assert ee.exit_forward(patience=2, **three).exit_layer.tolist() == [3, 4, 4]
+    assert ee.exit_forward(patience=3, **three).exit_layer.tolist() == [4, 4, 4]
+
+
+def test_uncertainty_is_normalised_entropy():
+    u = uncertainty(torch.tensor([[0.0, 0.0, 0.0], [100.0, 0.0, 0.0]]))
+    torch.testing.assert_close(u, torch.tensor([1.0, 0.0]), atol=1e-6, rtol=0)
+
+
+def test_predict_is_pipeline_shaped(tmp_path):
+    tok = tiny_tokenizer(tmp_path / "tok")
+    model = helpers.teacher(seed=2)
+    model.config.vocab_size = len(tok)
+    ee = EarlyExitModel(model)
+    out = ee.predict(["good movie", "not a great film at all"], tok, speed=0.0)
+    assert [sorted(o) for o in out] == [["exit_layer", "label", "score"]] * 2
+    assert all(o["exit_layer"] == 4 and o["label"] in ("LABEL_0", "LABEL_1") for o in out)
+    assert all(0.5 <= o["score"] <= 1.0 for o in out)
+
+
+# ---------------------------------------------------------------------- training through DistillationTrainer
+
+
+def test_self_distillation_through_the_trainer_on_unlabeled_rows(tmp_path):
+    ee = wrapped(layers=3)
+    frozen = helpers.flat_params(ee.model).clone()
+    branches = helpers.flat_params(ee.branches).clone()
+    rows = helpers.token_dataset(32).remove_columns("label")  # unlabeled
+    trainer = DistillationTrainer(
+        model=ee, args=helpers.args(tmp_path, kd_weight=0.0, max_steps=4, learning_rate=1e-2),
+        train_dataset=rows, data_collator=helpers.collate,
+    )
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert logs and all("loss_exit_1" in h and "loss_exit_2" in h for h in logs)
+    for h in logs:
+        assert h["loss"] == pytest.approx(h["loss_exit_1"] + h["loss_exit_2"], rel=1e-4)
+    assert torch.equal(helpers.flat_params(ee.model), frozen)
+    assert not torch.equal(helpers.flat_params(ee.branches), branches)
+
+
+# ---------------------------------------------------------------------- saving and publishing
+
+
+def test_save_and_load_round_trip(tmp_path):
+    ee = wrapped(layers=4)
+    with torch.no_grad():
+        for p in ee.branches.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    ee.save_pretrained(tmp_path / "m")
+    names = {p.name for p in (tmp_path / "m").iterdir()}
+    assert {"config.json", "model.safetensors", BRANCH_FILE, BRANCH_CONFIG_FILE} <= names
+    assert not any(k.startswith("branches") for k in load_file(str(tmp_path / "m" / "model.safetensors")))
+    alone = AutoModelForSequenceClassification.from_pretrained(tmp_path / "m")
+    assert torch.equal(helpers.flat_params(alone), helpers.flat_params(ee.model))
+    back = EarlyExitModel.from_pretrained(tmp_path / "m")
+    assert torch.equal(helpers.flat_params(back), helpers.flat_params(ee))
+    b = batch(8)
+    for x, y in zip(back(**b).exit_logits, ee(**b).exit_logits):
+        torch.testing.assert_close(x, y)
+
+
+def test_push_to_hub_uploads_branches_and_card(tmp_path):
+    ee = wrapped(layers=4)
+    plot = tmp_path / "plot.png"
+    plot.write_bytes(b"\x89PNG fake")
+    sweep = [{"speed": 0.0, "accuracy": 0.9, "mean_exit_layer": 4.0, "speedup_b1": 1.0, "flops_ratio": 1.0},
+             {"speed": 0.5, "accuracy": 0.88, "mean_exit_layer": 1.7, "speedup_b1": 2.3, "flops_ratio": 0.45}]
+    with FakeHub() as hub, pytest.MonkeyPatch.context() as mp:
+        online(mp, hub.endpoint)
+        ee.push_to_hub("fake-user/fastbert", tmp_path / "out", sweep=sweep, plot=plot)
+    files = hub.files("fake-user/fastbert")
+    assert {"config.json", "model.safetensors", BRANCH_FILE, BRANCH_CONFIG_FILE, "README.md", PLOT_FILE} == set(files)
+    card = files["README.md"].decode()
+    assert "## Early exit" in card and "| 0.5 | 88.0% | 1.70 | 2.30x | 0.45 |" in card
+    assert f"]({PLOT_FILE})" in card and "liu2020fastbert" in card
+    down = tmp_path / "down"
+    down.mkdir()
+    for name, data in files.items():
+        (down / name).write_bytes(data)
+    assert json.loads((down / BRANCH_CONFIG_FILE).read_text())["num_exits"] == 4
+    back = EarlyExitModel.from_pretrained(down)
+    assert torch.equal(helpers.flat_params(back), helpers.flat_params(ee))
+
+
+# ---------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"speed": -0.1}, "speed must be in"), ({"speed": 1.5}, "speed must be in"),
+     ({"patience": 0}, "patience must be an integer >= 1"), ({"patience": 1.5}, "patience must be"),
+     ({"speed": 0.5, "patience": 2}, "either speed")],
+)
+def test_bad_rule_is_refused(kwargs, match):
+    ee = wrapped()
+    with pytest.raises(ValueError, match=match):
+        ee.exit_forward(**kwargs, **batch(2))
+
+
+def test_unregistered_family_is_refused(monkeypatch):
+    monkeypatch.delitem(families.FAMILIES, "bert")
+    with pytest.raises(ValueError, match="'bert' is not a registered family.*register_family"):
+        EarlyExitModel(helpers.teacher())
+
+
+def test_non_classification_heads_are_refused():
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match="single-label sequence classifier"):
+        EarlyExitModel(BertForMaskedLM(helpers.bert_config()))
+    with pytest.raises(ValueError, match="single-label sequence classifier"):
+        EarlyExitModel(helpers.bert(labels=1, problem_type="regression"))
+
+
+def test_from_pretrained_of_a_plain_model_folder_is_refused(tmp_path):
+    helpers.teacher().save_pretrained(tmp_path / "plain")
+    with pytest.raises(ValueError, match="not an early-exit model"):
+        EarlyExitModel.from_pretrained(Path(tmp_path / "plain"))
+
+
+# ---------------------------------------------------------------------- the recipe
+
+
+def test_fastbert_recipe_end_to_end(tmp_path):
+    """recipes/fastbert.py on a tiny teacher: branches trained, speed sweep written, speed 0 == teacher."""
+    import os
+    import subprocess
+    import sys
+
+    from hub_server import VOCAB_WORDS
+
+    tok = tiny_tokenizer(tmp_path / "teacher")
+    model = helpers.teacher(seed=4, vocab_size=len(tok))
+    model.save_pretrained(tmp_path / "teacher")
+    tok.save_pretrained(tmp_path / "teacher")
+    for name, n in (("train.tsv", 48), ("validation.tsv", 24)):
+        lines = ["sentence\tlabel"] + [f"{VOCAB_WORDS[i % len(VOCAB_WORDS)]} {VOCAB_WORDS[(3 * i) % 7]}\t{i % 2}"
+                                       for i in range(n)]
+        (tmp_path / name).write_text("\n".join(lines) + "\n")
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(root / "recipes" / "fastbert.py"), "--config",
+           str(root / "recipes" / "configs" / "fastbert_sst2.yaml"), "--teacher", str(tmp_path / "teacher"),
+           "--train_file", str(tmp_path / "train.tsv"), "--validation_file", str(tmp_path / "validation.tsv"),
+           "--max_train_rows", "48", "--max_steps", "3", "--logging_steps", "1", "--bf16", "false",
+           "--per_device_train_batch_size", "16", "--speeds", "0.0", "0.5", "1.0", "--output_dir", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((out / "results.json").read_text())
+    assert [r["speed"] for r in res["sweep"]] == [0.0, 0.5, 1.0]
+    assert res["sweep"][0]["matches_teacher"] and res["sweep"][0]["flops_ratio"] == 1.0
+    assert res["sweep"][0]["exit_histogram"] == [0, 0, 0, 24]
+    assert res["sweep"][2]["mean_exit_layer"] < 4  # speed 1: every row whose branch is not exactly uniform leaves
+    assert all("loss_exit_3" in h for h in res["distill_logs"])
+    assert (out / BRANCH_FILE).is_file() and EarlyExitModel.from_pretrained(out).num_exits == 4
