@@ -400,9 +400,10 @@ class DistillationTrainer(Trainer):
             self.tracker.add(components)
         if return_outputs:
             outputs = s_out if isinstance(s_out, dict) else {"logits": heads_mod._logits(s_out)}
+            loss_only = {"distill_losses"}  # a self-distilling student's terms are not predictions
             if taps is not None and "output_hidden_states" in taps.forward_kwargs():
-                # hidden states asked for the loss only: they must not reach predictions or compute_metrics
-                outputs = {k: v for k, v in outputs.items() if k != "hidden_states"}
+                loss_only.add("hidden_states")  # asked for the loss only: never for predictions or compute_metrics
+            outputs = {k: v for k, v in outputs.items() if k not in loss_only}
             return loss, outputs
         return loss
 

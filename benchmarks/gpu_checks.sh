@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Every GPU check of this repository in one call, for a lent GPU machine (device tool), about 6 minutes:
+#   1. benchmarks/causal_lm_gpu.py      chunked vs whole-logits KD loss memory at H 4096, V 128,256 (issue #14)
+#   2. the CUDA tests                   tests/test_mixed_precision.py, tests/test_chunked.py on the GPU machine
+#   3. benchmarks/distributed_gpu.sh    ZeRO-3 and FSDP2 through DistillationTrainer.train(), world_size 1 (#13)
+# The machine has torch but not datasets/deepspeed, and an older transformers: carry wheels in .gpuwheels
+# (see benchmarks/README.md, "GPU checks") and they are installed offline first. Results go to $OUT (or
+# benchmarks/results when OUT is unset); each step has its own time limit so one slow step cannot eat the rest.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/results}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+log="$OUT/gpu_checks.log"
+{
+  date -u
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  if [[ -d .gpuwheels ]]; then
+    $PY -m pip install -q --no-index --find-links .gpuwheels datasets deepspeed "transformers==5.24.0" \
+      "huggingface_hub==2.4.0" liger-kernel 2>&1 | tail -3
+  fi
+  $PY -c "import torch, transformers, accelerate, datasets; print('torch', torch.__version__, 'transformers', \
+transformers.__version__, 'accelerate', accelerate.__version__, 'datasets', datasets.__version__)"
+} >"$log" 2>&1
+
+step() {  # name, seconds, command...
+  local name=$1 limit=$2; shift 2
+  local start=$(date +%s)
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  echo "$name: rc=$? in $(( $(date +%s) - start )) s" >>"$log"
+}
+step causal_lm_gpu 150 $PY benchmarks/causal_lm_gpu.py --out "$OUT"
+step cuda_tests 150 $PY -m pytest -q -p no:cacheprovider tests/test_mixed_precision.py tests/test_chunked.py
+step distributed_gpu 200 env PYTHON=$PY bash benchmarks/distributed_gpu.sh
+cp benchmarks/results/distributed_gpu.json "$OUT/" 2>/dev/null
+cat "$log"
