@@ -60,6 +60,16 @@ class DistillationArguments(TrainingArguments):
             "Jensen-Shannon divergence of GKD, Agarwal et al. 2024, with `jsd_beta`)." + _GIVEN_WINS.format("kl")
         },
     )
+    kd_chunk_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Causal LMs: tokens per chunk when the KD term and the student's cross-entropy are computed from "
+            "the last hidden states through each LM head a chunk at a time, so no full (batch, length, vocabulary) "
+            "logits tensor exists (hf_distill.chunked; same loss and gradients). Unset: 1024 wherever that is "
+            "possible for a causal-LM student (otherwise whole logits, with a log line); set: refused where it "
+            "cannot be honoured. Must be > 0."
+        },
+    )
     jsd_beta: float = field(
         default=0.5,
         metadata={
@@ -202,6 +212,11 @@ class DistillationArguments(TrainingArguments):
             raise ValueError(
                 f"DistillationArguments.jsd_beta must be in [0, 1] (0 = forward KL, 1 = reverse KL), got "
                 f"{self.jsd_beta!r}."
+            )
+        if self.kd_chunk_size is not None and (isinstance(self.kd_chunk_size, bool) or self.kd_chunk_size <= 0):
+            raise ValueError(
+                f"DistillationArguments.kd_chunk_size must be a positive number of tokens, got {self.kd_chunk_size!r}. "
+                "Leave it unset for the default."
             )
         if self.projection not in PROJECTION_KINDS:
             raise ValueError(

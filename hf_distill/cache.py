@@ -466,7 +466,12 @@ def _logits_of(out: Any) -> torch.Tensor:
         return out
     value = out.get("logits") if isinstance(out, dict) else getattr(out, "logits", None)
     if value is None:
-        raise ValueError("The teacher's output has no `logits`: use logits=False and cache hidden_layers only.")
+        fields = ", ".join(k for k in (out.keys() if isinstance(out, dict) else []) if k != "loss")
+        raise ValueError(
+            f"The teacher's output has no `logits` (it has {fields or 'other fields'}): only heads with one logits "
+            "tensor can be cached (question-answering teachers, with start and end logits, must run online). Use "
+            "logits=False to cache hidden_layers only."
+        )
     return value
 
 
@@ -490,11 +495,14 @@ def _cast(array: np.ndarray, store: str) -> np.ndarray:
 def _compute(teacher, dataset, folder, batch_size, collator, logits, top_k, layers, dtype, device, progress,
              meta, settings, logits_column, accepted, inputs) -> datasets.Dataset:
     inner = unwrap(teacher)
+    # The training collator sees whole rows, as in training (it may read labels or ids); the default one pads
+    # only the columns the teacher reads. Either way only those columns are hashed into the cache key.
+    columns = [c for c in dataset.column_names if not c.startswith(TEACHER_PREFIX)] if collator else inputs
     if collator is None:
         collator = _pad_collate(getattr(getattr(inner, "config", None), "pad_token_id", None) or 0)
     taps = FeatureTaps(teacher, TapRequest(hidden=set(layers)), "teacher") if layers else None
     store = _STORE_DTYPES[dtype]
-    source = dataset.select_columns(inputs)
+    source = dataset.select_columns(columns)
 
     folder.parent.mkdir(parents=True, exist_ok=True)
     if folder.exists():  # unreadable or incomplete (checked by the caller): replace it

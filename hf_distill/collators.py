@@ -64,9 +64,26 @@ class TeacherOutputsCollator:
         batch = self.base([{k: v for k, v in f.items() if not k.startswith(TEACHER_PREFIX)} for f in features])
         ids = batch.get("input_ids")
         length = ids.shape[1] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
+        mask = batch.get("attention_mask")
         for k, vals in teacher.items():
-            batch[k] = pad_stack(vals, length, self.padding_side)
+            placed = _place_on_real_tokens(vals, mask) if length is not None else None
+            batch[k] = placed if placed is not None else pad_stack(vals, length, self.padding_side)
         return batch
+
+
+def _place_on_real_tokens(values: list[torch.Tensor], mask: Any) -> torch.Tensor | None:
+    """Token-level cached outputs (one row per real token) put back where the batch's attention mask has its real
+    tokens, so left, right or any other padding lines up; None when the values are not per-real-token rows."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or values[0].dim() < 2:
+        return None
+    real = mask != 0
+    counts = real.sum(-1).tolist()
+    if any(v.shape[0] != n for v, n in zip(values, counts, strict=True)):
+        return None
+    out = values[0].new_zeros((len(values), mask.shape[1], *values[0].shape[1:]))
+    for i, v in enumerate(values):
+        out[i, real[i]] = v
+    return out
 
 
 class KeepTeacherColumnsCollator(RemoveColumnsCollator):

@@ -88,23 +88,32 @@ def _default_id2label(id2label: dict) -> bool:
     return all(str(v) == f"LABEL_{k}" for k, v in id2label.items())
 
 
-def validate_pair(student: nn.Module, teacher: nn.Module, args) -> None:
-    """Refuse teacher/student pairs whose outputs or inputs cannot be compared."""
+def validate_pair(student: nn.Module, teacher: nn.Module, args, tokenizer=None) -> int | None:
+    """Refuse teacher/student pairs whose outputs or inputs cannot be compared.
+
+    Returns the number of leading vocabulary ids the token-level logits are compared on when the two vocabulary
+    sizes differ but the tokenizer is shared (sizes of one family padded differently, e.g. 151,936 vs 152,064),
+    else None."""
     s_cfg = getattr(unwrap(student), "config", None)
     t_cfg = getattr(unwrap(teacher), "config", None)
     if s_cfg is None or t_cfg is None:
-        return
+        return None
+    from .heads import Head, static_head
+
+    s_kind, t_kind = static_head(student), static_head(teacher)
+    if s_kind is Head.CAUSAL_LM and t_kind is not Head.CAUSAL_LM and args.kd_weight > 0:
+        raise ValueError(
+            f"The student is a causal LM but the teacher is a {type(unwrap(teacher)).__name__}: next-token logits "
+            "can only be distilled from a causal-LM teacher. Load the teacher with AutoModelForCausalLM."
+        )
+    shared = None
     s_vocab, t_vocab = getattr(s_cfg, "vocab_size", None), getattr(t_cfg, "vocab_size", None)
-    if s_vocab is not None and t_vocab is not None:
+    if s_vocab is not None and t_vocab is not None and s_vocab != t_vocab:
         get_head = getattr(unwrap(student), "get_output_embeddings", None)
         token_level = get_head is not None and get_head() is not None
-        if token_level and args.kd_weight > 0 and s_vocab != t_vocab:
-            raise ValueError(
-                f"Vocabulary sizes differ (student {s_vocab}, teacher {t_vocab}), so token-level logits cannot "
-                "be compared. Use the teacher's tokenizer and vocabulary for the student (students.shrink or "
-                "students.from_teacher keep it)."
-            )
-        if s_vocab > t_vocab:
+        if token_level and args.kd_weight > 0:
+            shared = _shared_vocabulary(s_cfg, t_cfg, teacher, tokenizer)
+        elif s_vocab > t_vocab:
             raise ValueError(
                 f"The student's vocabulary ({s_vocab}) is larger than the teacher's ({t_vocab}): the teacher "
                 "is fed the student's input ids and would index past its embedding table. Give both models "
@@ -124,3 +133,49 @@ def validate_pair(student: nn.Module, teacher: nn.Module, args) -> None:
                     f"The teacher's labels {t_map} and the student's {s_map} differ in names or order, so logit "
                     "k would not mean the same class. Give the student the teacher's id2label/label2id."
                 )
+    return shared
+
+
+def _shared_vocabulary(s_cfg, t_cfg, teacher: nn.Module, tokenizer) -> int:
+    """The ids both models can compare when their vocabulary sizes differ: only with one tokenizer."""
+    s_vocab, t_vocab = s_cfg.vocab_size, t_cfg.vocab_size
+    sizes = f"Vocabulary sizes differ (student {s_vocab}, teacher {t_vocab})"
+    if tokenizer is None or not hasattr(tokenizer, "get_vocab"):
+        raise ValueError(
+            f"{sizes}, so token-level logits can be compared only if both models use one tokenizer (then on their "
+            "shared first ids). Pass the student's tokenizer as processing_class so that this can be checked, or "
+            "use the teacher's vocabulary for the student (students.shrink / from_teacher keep it)."
+        )
+    t_tokenizer = _teacher_tokenizer(teacher)
+    if t_tokenizer is not None and t_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(
+            f"{sizes} and the teacher's tokenizer ({getattr(t_tokenizer, 'name_or_path', '?')}) is not the "
+            "student's: the same id means different tokens, so their logits cannot be compared. Distil with one "
+            "tokenizer (cross-tokenizer distillation is not supported)."
+        )
+    shared = min(s_vocab, t_vocab)
+    if len(tokenizer) > shared:
+        raise ValueError(
+            f"{sizes} and the tokenizer has {len(tokenizer)} tokens, more than the smaller model knows: use a "
+            "tokenizer that fits both models' vocabularies."
+        )
+    special = ("bos_token_id", "eos_token_id", "pad_token_id")
+    if t_tokenizer is None and any(getattr(s_cfg, k, None) != getattr(t_cfg, k, None) for k in special):
+        raise ValueError(
+            f"{sizes} and the configs disagree on {', '.join(special)}: the models look tokenized differently. "
+            "Distil with one tokenizer (save it with the teacher so that it can be compared)."
+        )
+    return shared
+
+
+def _teacher_tokenizer(teacher: nn.Module):
+    """The tokenizer saved beside a teacher loaded from a local folder, if any (never a Hub lookup)."""
+    path = getattr(getattr(unwrap(teacher), "config", None), "_name_or_path", "") or ""
+    if not os.path.isdir(path):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        return None

@@ -18,9 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel, Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.utils import logging
 
+from . import chunked, losses
 from . import heads as heads_mod
-from . import losses
 from .arguments import DistillationArguments, as_distillation_arguments
 from .cache import LOGITS_COLUMN, TOPK_INDICES_COLUMN, TOPK_VALUES_COLUMN, cached_hidden_layers, cached_teacher_info
 from .collators import TEACHER_PREFIX, KeepTeacherColumnsCollator, TeacherOutputsCollator
@@ -33,6 +34,9 @@ from .teacher import load_teacher, shared_base_teacher, shares_parameters, valid
 from .tracking import ComponentTracker
 
 PROJECTIONS_FILE = "distill_projections.pt"
+# Tokens per LM-head chunk for causal LMs by default: (1024, V) float32 logits are 0.5 GB at V = 128k.
+DEFAULT_CHUNK = 1024
+logger = logging.get_logger(__name__)
 # Span logits at padded positions: far below any real logit, finite so no inf - inf appears in the losses.
 _NO_POSITION = -1e9
 
@@ -107,8 +111,8 @@ class DistillationTrainer(Trainer):
             if self.intermediate.projections is not None:
                 self.intermediate.projections.to(self.args.device)
                 self.add_callback(_ClearProjectionGradients(self.intermediate.projections))
-        for teacher in self.teachers:
-            validate_pair(self.model, teacher, self.args)
+        shared_vocab = [validate_pair(self.model, t, self.args, tokenizer=self.processing_class) for t in self.teachers]
+        self._shared_vocab = min((v for v in shared_vocab if v is not None), default=None)
         if len(self.teachers) > 1 and self.args.kd_weight > 0 and self.args.kd_loss == "mse":
             if self.args.multi_teacher == "probs":
                 raise ValueError(
@@ -126,12 +130,58 @@ class DistillationTrainer(Trainer):
             for t in self.teachers:
                 check_kd_loss(static_head(t), self.args.kd_loss, "the teacher")
         self._check_projection_optimizer()
+        self._chunk = self._chunk_size()
+        if self._chunk is not None:
+            self._s_logits_fn = chunked.logits_fn(self.model)
+            self._t_logits_fn = chunked.logits_fn(self.teacher) if self.teacher is not None else None
 
         self._student_params = _forward_params(self.model)
         self._teacher_params = _forward_params(self.teacher) if self.teacher is not None else set()
         self.data_collator = TeacherOutputsCollator(self.data_collator)
         self.tracker = ComponentTracker()
         self._check_teacher_columns(self.train_dataset)
+        if self.args.eval_with_teacher and self.eval_dataset is not None:
+            evals = self.eval_dataset if isinstance(self.eval_dataset, dict) else {"eval": self.eval_dataset}
+            for name, data in evals.items():
+                self._check_teacher_columns(data, f"evaluation ({name})")
+
+    def _chunk_size(self) -> int | None:
+        """Tokens per chunk for the causal-LM loss (hf_distill.chunked), or None for whole logits.
+
+        `kd_chunk_size=None` (the default) chunks wherever the result is provably the same: a causal-LM student and
+        teacher whose logits hf_distill can rebuild from their last hidden states, one teacher (or cached dense
+        logits), no label smoothing or compute_loss_func (they need the full logits). A value set by the user
+        where chunking cannot be honoured is refused."""
+        asked = self.args.kd_chunk_size
+        why = None
+        if self._head is not Head.CAUSAL_LM:
+            why = "the student is not a causal LM"
+        elif len(self.teachers) > 1:
+            why = "several teachers are combined"
+        elif self.shared_base:
+            why = "the teacher is the student's own base (adapters off)"
+        elif self.label_smoother is not None or self.compute_loss_func is not None:
+            why = "label_smoothing_factor or compute_loss_func needs the student's full logits"
+        elif not chunked.supports_hidden_only(self.model) or (
+            self.teacher is not None and not chunked.supports_hidden_only(self.teacher)
+        ):
+            why = "the model's forward has no `logits_to_keep` argument"
+        if why is None:
+            try:
+                chunked.check_logits_fn(self.model, unwrap(self.model).config.vocab_size, "student")
+                if self.teacher is not None:
+                    chunked.check_logits_fn(self.teacher, unwrap(self.teacher).config.vocab_size, "teacher")
+            except ValueError as err:
+                if asked is not None:
+                    raise
+                why = str(err)
+        if why is not None:
+            if asked is not None:
+                raise ValueError(f"kd_chunk_size={asked} cannot be honoured: {why}. Leave kd_chunk_size unset.")
+            if self._head is Head.CAUSAL_LM:
+                logger.warning("Causal-LM logits are computed whole (not in chunks): %s.", why)
+            return None
+        return asked if asked is not None else DEFAULT_CHUNK
 
     def _student_accepts(self, name: str) -> bool:
         return name in self._student_params or "**" in self._student_params
@@ -161,16 +211,23 @@ class DistillationTrainer(Trainer):
         return KeepTeacherColumnsCollator(data_collator, self._signature_columns, description=description,
                                           model_name=type(self.model).__name__)
 
-    def _check_teacher_columns(self, dataset) -> None:
+    def _check_teacher_columns(self, dataset, which: str = "train") -> None:
         if dataset is None:
             return
         names, first = self._first_row(dataset, needed=self.teacher is None)
+        cached_logits = [c for c in names if c.startswith(LOGITS_COLUMN) or c.startswith(TOPK_VALUES_COLUMN)]
+        if cached_logits and self._head is Head.QUESTION_ANSWERING:
+            raise ValueError(
+                f"The {which} dataset carries cached teacher logits ({', '.join(cached_logits)}), but a question-"
+                "answering student compares start and end logits, which hf_distill.cache does not store: drop those "
+                "columns and let the teacher run."
+            )
         for name in [c for c in names if c == LOGITS_COLUMN or c.startswith(f"{LOGITS_COLUMN}_")]:
             width = torch.as_tensor(first[name]).shape[-1]
             num_labels = _num_labels(self.model)
             if num_labels is not None and width != num_labels:
                 raise ValueError(
-                    f"The train dataset's {name} have width {width} but the student has {num_labels} "
+                    f"The {which} dataset's {name} have width {width} but the student has {num_labels} "
                     "labels. Recompute the cached logits with a teacher of the same label set, or drop the column."
                 )
         if LOGITS_COLUMN not in names and self.teacher is None and self.args.kd_weight > 0:
@@ -178,13 +235,13 @@ class DistillationTrainer(Trainer):
             if not topk or self.args.kd_loss == "mse":
                 raise ValueError(
                     "kd_weight > 0 needs teacher logits: pass teacher_model, or add a `teacher_logits` column "
-                    "to the train dataset (see hf_distill.cache; cached top-k logits serve kd_loss kl/soft_ce)."
+                    f"to the {which} dataset (see hf_distill.cache; cached top-k logits serve kd_loss kl/soft_ce)."
                 )
         if self.teacher is None and self.intermediate is not None:
             missing = sorted(self.intermediate.teacher_request.hidden - cached_hidden_layers(names))
             if missing:
                 raise ValueError(
-                    f"distill_terms need teacher hidden states {missing}, which the train dataset does not carry "
+                    f"distill_terms need teacher hidden states {missing}, which the {which} dataset does not carry "
                     "(teacher_hidden_<i> columns): pass teacher_model, or cache them with "
                     f"hf_distill.cache.cache_teacher_outputs(..., hidden_layers={missing})."
                 )
@@ -262,42 +319,62 @@ class DistillationTrainer(Trainer):
         has_labels = bool(names) and all(inputs.get(n) is not None for n in names)
         want_task = has_labels and (not distill or self.args.task_weight > 0)
         own_task = (self.label_smoother is not None or self.compute_loss_func is not None) and "labels" in inputs
+        if model.training and self.args.task_weight > 0 and self.args.label_names is not None and not has_labels:
+            missing = [n for n in names if inputs.get(n) is None]
+            raise ValueError(
+                f"label_names={names} but the training batch has no {missing} (its keys: {sorted(inputs)}), so the "
+                "task term (task_weight > 0) cannot be computed. Name the batch's label keys in label_names, or set "
+                "task_weight=0 to train on the teacher alone."
+            )
         # Teacher first: the student's backward then follows its own forward while its activations are still
         # in the CPU caches; run after the student, the teacher's forward evicts them (3-5% of a logit-KD step
         # on the benchmark CPU, benchmarks/speed.py).
+        # Causal LMs in training: logits a chunk of tokens at a time from the last hidden states (hf_distill.chunked).
+        chunks = self._chunk if (model.training and distill and TOPK_VALUES_COLUMN not in cached) else None
         if distill:
-            t_views, t_feats = self._teacher_outputs(inputs, cached)
+            t_views, t_feats, t_hidden = self._teacher_outputs(inputs, cached, hidden_only=chunks is not None)
             if self.args.kd_weight > 0:  # every teacher's logits, the first one's included
                 extra = [self._extra_teacher_views(i, inputs, cached) for i in range(1, len(self.teachers))]
                 all_t_views = [t_views, *extra]
-        student_labels = want_task and not own_task
+        student_labels = want_task and not own_task and chunks is None
         s_kwargs = {
             k: v for k, v in inputs.items() if self._student_accepts(k) and (k not in names or student_labels)
         }
+        if chunks is not None:
+            s_kwargs = chunked.hidden_only_kwargs(s_kwargs)
         taps = self.intermediate.student_taps if (distill and self.intermediate) else None
         s_out, s_feats = forward(model, s_kwargs, taps)
-        head = runtime_head(
+        head = Head.CAUSAL_LM if chunks is not None else runtime_head(
             model, heads_mod._logits(s_out) if self._head is None else None, inputs.get(self._token_labels)
         )
+        token_level = head in (Head.TOKEN, Head.CAUSAL_LM)
+        if distill and self.args.kd_weight > 0:
+            check_kd_loss(head, self.args.kd_loss)
+
+        task = kd = None
+        if chunks is not None:
+            kd, task = self._chunked_terms(s_out, t_views[0], t_hidden, inputs, want_task, chunks)
+        else:
+            if want_task:
+                task = self._task_loss(s_out, inputs, head, num_items_in_batch, step_mean)
+            if distill and self.args.kd_weight > 0:
+                kd = self._kd_loss(head, head_logits(s_out, head), all_t_views, inputs)
 
         components: dict[str, torch.Tensor] = {}
         weights: dict[str, float] = {}
-        if want_task:
-            task = self._task_loss(s_out, inputs, head, num_items_in_batch, step_mean)
-            if step_mean and head in (Head.TOKEN, Head.CAUSAL_LM) and not self.compute_loss_func:
+        if task is not None:
+            if step_mean and token_level and not self.compute_loss_func:
                 count = float(local[COUNT_KINDS.index("labels")])
                 # A micro-batch without a counted label adds nothing (a model's own mean over no tokens is NaN).
-                task = task * self._step.scale("labels", count) if count > 0 else heads_mod._logits(s_out).sum() * 0
+                task = task * self._step.scale("labels", count) if count > 0 else _zero_like_graph(s_out)
             components["task"] = task
             weights["task"] = self.args.task_weight if distill else 1.0
+        if kd is not None:
+            if step_mean and token_level:
+                kd = kd * self._step.scale("kd", float(local[COUNT_KINDS.index("kd")]))
+            components["kd"] = kd
+            weights["kd"] = self.args.kd_weight
         if distill:
-            if self.args.kd_weight > 0:
-                check_kd_loss(head, self.args.kd_loss)
-                kd_scale = None
-                if step_mean:
-                    kd_scale = self._step.scale("kd", float(local[COUNT_KINDS.index("kd")]))
-                components["kd"] = self._kd_loss(head, head_logits(s_out, head), all_t_views, inputs, kd_scale)
-                weights["kd"] = self.args.kd_weight
             if self.intermediate is not None:
                 terms = self.intermediate.losses(s_feats, t_feats, mask)
                 if step_mean:
@@ -314,10 +391,13 @@ class DistillationTrainer(Trainer):
                 "Set eval_with_teacher=True to evaluate the distillation loss on unlabeled data."
             )
         loss = sum(weights[k] * v for k, v in components.items())
-        if model.training:
+        if step_mean:  # steps of the training loop only: a compute_loss call outside it is not logged
             self.tracker.add(components)
         if return_outputs:
             outputs = s_out if isinstance(s_out, dict) else {"logits": heads_mod._logits(s_out)}
+            if taps is not None and "output_hidden_states" in taps.forward_kwargs():
+                # hidden states asked for the loss only: they must not reach predictions or compute_metrics
+                outputs = {k: v for k, v in outputs.items() if k != "hidden_states"}
             return loss, outputs
         return loss
 
@@ -352,9 +432,23 @@ class DistillationTrainer(Trainer):
             logits, labels = logits[:, :-1], labels[:, 1:]
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
 
-    def _teacher_outputs(self, inputs: dict[str, Any], cached: dict[str, torch.Tensor]):
-        """Teacher logits (one per compared output, see hf_distill.heads) and features: from the batch's
-        cached columns when possible, else a forward."""
+    def _chunked_terms(self, s_out, t_logits, t_hidden, inputs: dict[str, Any], want_task: bool, chunk: int):
+        """KD and the student's cross-entropy of a causal LM from hidden states, chunk by chunk (local means)."""
+        labels = inputs.get(self._token_labels)
+        kd_fn = None
+        if self.args.kd_weight > 0:
+            kd_fn = chunked.dense_kd(self.args.kd_loss, self.args.temperature, self.args.jsd_beta)
+        kd_mask = kd_positions(inputs.get("attention_mask"), labels, self.args.kd_token_mask, causal=True)
+        teacher = self._t_logits_fn if t_hidden is not None else (t_logits[:, :-1] if t_logits is not None else None)
+        return chunked.chunked_kd_and_ce(
+            chunked.last_hidden(s_out), self._s_logits_fn, teacher, t_hidden, kd_mask,
+            labels[:, 1:] if want_task and labels is not None else None, kd_fn, chunk, self._shared_vocab,
+        )
+
+    def _teacher_outputs(self, inputs: dict[str, Any], cached: dict[str, torch.Tensor], hidden_only: bool = False):
+        """Teacher logits (one per compared output, see hf_distill.heads), features and, with `hidden_only`
+        (chunked causal LMs), the last hidden state instead of logits: from the batch's cached columns when
+        possible, else a forward."""
         t_logits = cached.get(LOGITS_COLUMN)
         if t_logits is None and self.args.kd_loss != "mse" and TOPK_VALUES_COLUMN in cached:
             t_logits = (cached[TOPK_VALUES_COLUMN], cached[TOPK_INDICES_COLUMN])  # sparse: kl/soft_ce take it
@@ -362,21 +456,28 @@ class DistillationTrainer(Trainer):
         need_logits = self.args.kd_weight > 0 and t_logits is None
         need_features = self.intermediate is not None and t_feats is None
         if not (need_logits or need_features):  # everything cached (or nothing needed): no teacher forward
-            return [t_logits], t_feats
+            return [t_logits], t_feats, None
         if self.teacher is None:
             raise ValueError(
                 "This batch lacks cached teacher outputs the losses need (teacher_logits or top-k columns, "
                 "teacher_hidden_<i>) and no teacher_model was given."
             )
         taps = self.intermediate.teacher_taps if need_features else None
-        t_out, t_feats = self._run_teacher(self.teacher, inputs, taps)
+        hidden_only = hidden_only and need_logits
+        t_out, t_feats = self._run_teacher(self.teacher, inputs, taps, hidden_only=hidden_only)
+        if hidden_only:
+            return [None], t_feats, chunked.last_hidden(t_out)
         if t_logits is not None:
-            return [t_logits], t_feats
-        return (head_logits(t_out, self._head or Head.SEQUENCE) if self.args.kd_weight > 0 else [None]), t_feats
+            return [t_logits], t_feats, None
+        return (head_logits(t_out, self._head or Head.SEQUENCE) if self.args.kd_weight > 0 else [None]), t_feats, None
 
-    def _run_teacher(self, teacher: nn.Module, inputs: dict[str, Any], taps=None, labels: bool = False):
+    def _run_teacher(
+        self, teacher: nn.Module, inputs: dict[str, Any], taps=None, labels: bool = False, hidden_only: bool = False
+    ):
         label_names = set(self.label_names or []) | {"labels"}
         t_kwargs = {k: v for k, v in inputs.items() if (labels or k not in label_names) and k in self._teacher_params}
+        if hidden_only:
+            t_kwargs = chunked.hidden_only_kwargs(t_kwargs)
         shared = self.shared_base and teacher is self.teacher
         # A teacher loaded with device_map or quantised stays where its loader put it (hf_distill.placement):
         # its inputs go to its first device, its outputs come back to the student's.
@@ -398,7 +499,7 @@ class DistillationTrainer(Trainer):
             return [cached[f"{LOGITS_COLUMN}_{i}"]]
         return head_logits(self._run_teacher(self.teachers[i], inputs)[0], self._head or Head.SEQUENCE)
 
-    def _kd_loss(self, head: Head, s_views: list, t_views: list[list], inputs: dict[str, Any], scale) -> torch.Tensor:
+    def _kd_loss(self, head: Head, s_views: list, t_views: list[list], inputs: dict[str, Any]) -> torch.Tensor:
         """Logit distillation of each compared output (the mean of start and end for QA), from one or several
         teachers; token-level logits are shifted for causal LMs and averaged over `kd_token_mask` positions."""
         values = []
@@ -416,8 +517,10 @@ class DistillationTrainer(Trainer):
                 real = inputs["attention_mask"] != 0
                 s = s.float().masked_fill(~real, _NO_POSITION)
                 teachers = [t.float().masked_fill(~real, _NO_POSITION) for t in teachers]
-            value = self._combine_teachers(head, s, teachers, mask)
-            values.append(value * scale if (scale is not None and s.dim() == 3) else value)
+            if s.dim() == 3 and self._shared_vocab is not None:  # padded vocabularies: the ids both models know
+                v = self._shared_vocab
+                s, teachers = s[..., :v], [t if isinstance(t, tuple) else t[..., :v] for t in teachers]
+            values.append(self._combine_teachers(head, s, teachers, mask))
         return sum(values) / len(values)
 
     def _combine_teachers(self, head: Head, s: torch.Tensor, t_logits: list, mask) -> torch.Tensor:
@@ -741,6 +844,12 @@ def _forward_params(model: nn.Module | None) -> set[str]:
     if not isinstance(inner, PreTrainedModel) and any(p.kind == p.VAR_KEYWORD for p in params.values()):
         names.add("**")
     return names
+
+
+def _zero_like_graph(out: Any) -> torch.Tensor:
+    """A zero that keeps the loss connected to the student's graph."""
+    value = heads_mod._logits(out) if not isinstance(out, dict) or "logits" in out else None
+    return value.float().sum() * 0 if value is not None else torch.zeros(())
 
 
 def _plain_task_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -566,3 +566,55 @@ if __name__ == "__main__":
     target = Path(sys.argv[1])
     target.mkdir(parents=True, exist_ok=True)
     _worker_run(target, Path(sys.argv[2]), per_device_batch=4)
+
+
+# ---------------------------------------------------------------- padding side, collators, heads
+
+
+def _left_collate(features):
+    """Left padding (decoders batch this way), with MLM-style labels read from the rows' `label` column."""
+    length = max(len(f["input_ids"]) for f in features)
+    ids = torch.zeros(len(features), length, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, f in enumerate(features):
+        n = len(f["input_ids"])
+        ids[i, length - n :] = torch.as_tensor(f["input_ids"])
+        mask[i, length - n :] = 1
+    labels = ids.masked_fill(mask == 0, -100)
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    batch["row_label"] = torch.tensor([int(f["label"]) for f in features])  # reads a column the teacher does not
+    return batch
+
+
+def test_token_level_cache_lines_up_with_left_padding(tmp_path):
+    """Cached rows hold only real tokens; they must land on the batch's real tokens whatever its padding side."""
+    data = token_dataset(8)
+    student, teacher = _mlm(0), _mlm(1)
+
+    def first_kd(teacher_model, rows):
+        trainer = DistillationTrainer(model=copy.deepcopy(student), teacher_model=teacher_model,
+                                      args=args(tmp_path / "run", max_steps=1, per_device_train_batch_size=8),
+                                      train_dataset=rows, data_collator=_left_collate)
+        trainer.train()
+        return next(r for r in trainer.state.log_history if "loss" in r)["loss_kd"]
+
+    cached = cache_teacher_outputs(teacher, data, cache_dir=tmp_path / "c", collator=_left_collate, progress=False)
+    online = first_kd(teacher, data)
+    assert first_kd(None, cached) == pytest.approx(online, rel=1e-5)
+    assert first_kd(None, [dict(r) for r in cached]) == pytest.approx(online, rel=1e-5)
+
+
+def test_question_answering_teachers_cannot_be_cached_and_say_so(tmp_path):
+    from transformers import BertForQuestionAnswering
+
+    qa = BertForQuestionAnswering(bert_config(layers=2))
+    with pytest.raises(ValueError, match="question-answering teachers"):
+        cache_teacher_outputs(qa, token_dataset(4).remove_columns("label"), cache_dir=tmp_path, progress=False)
+
+
+def test_eval_set_without_cached_columns_is_refused_before_training(tmp_path):
+    data = token_dataset(8)
+    cached = cache_teacher_outputs(make_teacher(), data, cache_dir=tmp_path / "c", progress=False)
+    with pytest.raises(ValueError, match=r"evaluation \(eval\) dataset"):
+        DistillationTrainer(model=bert(2), teacher_model=None, args=args(tmp_path, eval_with_teacher=True),
+                            train_dataset=cached, eval_dataset=data, data_collator=collate)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -185,3 +186,25 @@ def test_user_optimizer_alone_gets_the_projections_and_a_scheduler_over_every_gr
     assert all(id(p) in in_opt for p in trainer.intermediate.projections.parameters())
     assert len(trainer.lr_scheduler.base_lrs) == len(opt.param_groups)
     assert not torch.equal(proj_before, flat_params(trainer.intermediate.projections))
+
+
+def test_label_names_missing_from_the_batch_are_refused_while_the_task_term_is_on(tmp_path):
+    trainer = _trainer(tmp_path, label_names=["label"])  # the collator emits `labels`
+    with pytest.raises(ValueError, match=r"label_names=\['label'\]"):
+        trainer.train()
+
+
+def test_hidden_states_asked_for_the_loss_never_reach_predictions(tmp_path):
+    """An unregistered family captures hidden states through output_hidden_states: predict() must not see them."""
+    from transformers import AlbertConfig, AlbertForSequenceClassification
+
+    torch.manual_seed(0)
+    student = AlbertForSequenceClassification(AlbertConfig(
+        vocab_size=120, embedding_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    data = token_dataset(8)
+    trainer = _trainer(tmp_path, student=student, data=data, eval_with_teacher=True,
+                       distill_terms=["loss=hidden_mse,layers=0:0;2:4"])
+    assert trainer.intermediate.student_taps.use_hidden_states_output
+    predictions = trainer.predict(data).predictions
+    assert isinstance(predictions, np.ndarray) and predictions.shape == (8, 2)

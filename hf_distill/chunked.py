@@ -1,0 +1,166 @@
+"""Token-level distillation of causal LMs without a full `(B, T, V)` logits tensor.
+
+With a real vocabulary (32k-256k ids) the logits, not the model, dominate a KD step's memory: one float32
+`(B, T, V)` tensor for each model, a softmax of each, and their gradients. Following the chunked losses of
+Liger-Kernel and the "compute the LM head per chunk" trick of memory-efficient SFT, the models here return only
+their last hidden states (`logits_to_keep` selects no position), and the counted positions go through each LM
+head `kd_chunk_size` tokens at a time: the teacher's chunk under `no_grad`, the student's inside a checkpoint, so
+its chunk logits are recomputed in backward instead of kept. The student's own cross-entropy is taken in the same
+pass, so its full logits never exist either. Values and gradients equal the unchunked computation (tested to
+1e-5); the price is one extra LM-head matmul per token for each model in backward.
+
+Logits are rebuilt from the last hidden state by the model's output embedding plus the post-processing some
+families apply (`final_logit_softcapping`: Gemma-2/3; `logit_scale`: Cohere; `logits_scaling`: Granite);
+`check_logits_fn` verifies the rebuild against the model's own logits once, so an unknown post-processing is
+refused rather than distilled wrongly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from . import losses
+from .taps import unwrap
+
+NO_LOGITS = "logits_to_keep"
+
+
+def supports_hidden_only(model: nn.Module) -> bool:
+    """True when the model's forward can skip its LM head (`logits_to_keep`), as transformers' causal LMs do."""
+    import inspect
+
+    inner = unwrap(model)
+    return NO_LOGITS in inspect.signature(inner.forward).parameters
+
+
+def logits_fn(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Hidden states -> logits as the model computes them (LM head, then the family's post-processing)."""
+    inner = unwrap(model)
+    head = inner.get_output_embeddings()
+    if head is None:
+        raise ValueError(f"{type(inner).__name__} has no output embeddings (LM head) to compute logits in chunks.")
+    config = inner.config
+    cap = getattr(config, "final_logit_softcapping", None)
+    scale = getattr(inner, "logit_scale", None)
+    scale = scale if isinstance(scale, int | float) else None
+    divide = getattr(config, "logits_scaling", None)
+
+    def fn(hidden: torch.Tensor) -> torch.Tensor:
+        z = head(hidden)
+        if scale is not None:
+            z = z * scale
+        if divide is not None:
+            z = z / divide
+        if cap is not None:
+            z = torch.tanh(z / cap) * cap
+        return z
+
+    return fn
+
+
+@torch.no_grad()
+def check_logits_fn(model: nn.Module, vocab_size: int, role: str) -> None:
+    """Compare `logits_fn` with the model's own logits on two tokens; refuse a model whose logits differ."""
+    inner = unwrap(model)
+    device = next(inner.parameters()).device
+    ids = torch.tensor([[1, min(2, vocab_size - 1)]], device=device)
+    was_training = inner.training
+    inner.eval()
+    try:
+        out = inner(input_ids=ids, output_hidden_states=True)
+        rebuilt = logits_fn(model)(out.hidden_states[-1])
+    finally:
+        inner.train(was_training)
+    if not torch.allclose(rebuilt.float(), out.logits.float(), atol=1e-4, rtol=1e-4):
+        raise ValueError(
+            f"The {role} ({type(inner).__name__}) computes its logits in a way hf_distill cannot rebuild from its last "
+            "hidden state, so they cannot be computed in chunks. Set kd_chunk_size=None and use a model whose "
+            "logits are its LM head's output (with softcapping, logit_scale or logits_scaling)."
+        )
+
+
+def hidden_only_kwargs(kwargs: dict) -> dict:
+    """Forward arguments that make a causal LM return its hidden states and no logits."""
+    return {**kwargs, NO_LOGITS: torch.empty(0, dtype=torch.long), "output_hidden_states": True}
+
+
+def last_hidden(out) -> torch.Tensor:
+    hidden = out.get("hidden_states") if isinstance(out, dict) else getattr(out, "hidden_states", None)
+    if not hidden:
+        raise ValueError("The model returned no hidden_states with output_hidden_states=True.")
+    return hidden[-1]
+
+
+def chunked_kd_and_ce(
+    s_hidden: torch.Tensor,
+    student_logits: Callable[[torch.Tensor], torch.Tensor],
+    teacher: torch.Tensor | Callable[[torch.Tensor], torch.Tensor] | None,
+    t_hidden: torch.Tensor | None,
+    kd_mask: torch.Tensor | None,
+    labels: torch.Tensor | None,
+    kd: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+    chunk_size: int,
+    vocab: int | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Next-token KD (mean over `kd_mask` positions) and cross-entropy (mean over `labels != -100`).
+
+    `s_hidden`/`t_hidden` are `(B, T, H)` last hidden states; position t is compared with token t+1, so the
+    inputs are the shifted views: `kd_mask` and `labels` are `(B, T-1)`. `teacher` is either the teacher's
+    logits function (with `t_hidden`) or cached dense logits `(B, T-1, V)`. `kd(s, t)` returns the mean divergence
+    of `(n, V)` rows. `vocab` cuts both models' logits to the ids they share (padded vocabularies of one family).
+    Returns `(kd, ce)`, each None when not asked for.
+    """
+    s = s_hidden[:, :-1]
+    b, t = s.shape[:2]
+    kd_rows = torch.ones(b, t, dtype=torch.bool, device=s.device) if kd_mask is None else kd_mask.bool()
+    ce_rows = labels != -100 if labels is not None else torch.zeros_like(kd_rows)
+    if kd is None:
+        kd_rows = torch.zeros_like(kd_rows)
+    rows = kd_rows | ce_rows
+    s_rows = s[rows]
+    t_source = None
+    if kd is not None:
+        t_source = t_hidden[:, :-1][rows] if t_hidden is not None else teacher[rows]
+    is_kd, is_ce = kd_rows[rows], ce_rows[rows]
+    targets = labels[rows] if labels is not None else None
+    n_kd, n_ce = int(is_kd.sum()), int(is_ce.sum())
+
+    def one_chunk(h: torch.Tensor, t_part, kd_part: torch.Tensor, ce_part: torch.Tensor, y) -> torch.Tensor:
+        z = student_logits(h).float()
+        z = z[:, :vocab] if vocab is not None else z
+        kd_sum = z.new_zeros(())
+        ce_sum = z.new_zeros(())
+        if kd is not None and bool(kd_part.any()):
+            with torch.no_grad():
+                tz = teacher(t_part) if t_hidden is not None else t_part
+                tz = tz.float()[:, :vocab] if vocab is not None else tz.float()
+            kd_sum = kd(z[kd_part], tz[kd_part]) * kd_part.sum()
+        if y is not None and bool(ce_part.any()):
+            ce_sum = F.cross_entropy(z[ce_part], y[ce_part], reduction="sum")
+        return torch.stack([kd_sum, ce_sum])
+
+    total = s_rows.new_zeros(2, dtype=torch.float32)
+    for start in range(0, s_rows.shape[0], chunk_size):
+        part = slice(start, start + chunk_size)
+        t_part = t_source[part] if t_source is not None else None
+        y = targets[part] if targets is not None else None
+        total = total + checkpoint(one_chunk, s_rows[part], t_part, is_kd[part], is_ce[part], y, use_reentrant=False)
+    if s_rows.shape[0] == 0:  # keep the graph connected to the student when nothing is counted
+        total = total + s_hidden.sum() * 0
+    kd_value = total[0] / max(n_kd, 1) if kd is not None else None
+    ce_value = total[1] / max(n_ce, 1) if labels is not None else None
+    return kd_value, ce_value
+
+
+def dense_kd(kind: str, temperature: float, beta: float) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The logit KD objective named `kind` on `(n, V)` rows (mean over rows)."""
+
+    def fn(s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return losses.logit_kd_loss(kind, s, t, temperature, beta=beta)
+
+    return fn
