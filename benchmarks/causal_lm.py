@@ -7,8 +7,9 @@
   with `recipes/configs/causal_lm_wikitext.yaml` (run unless `benchmarks/runs/causal_lm/results.json` exists, or
   with `--force`);
 - memory: peak memory of ONE KD step (teacher forward + student forward/backward, `kd_loss=jsd`) with and without
-  `kd_chunk_size`, at V = 32,000 and 128,256, tiny Llama models (hidden 64, 2 layers), 4 x 1,024 tokens; each case
-  in a fresh process, peak RSS (ru_maxrss) minus the RSS just before the step;
+  `kd_chunk_size` (naive = whole logits, the trainer's path where chunking is impossible), at V = 32,000 and
+  128,256, tiny Llama models (hidden 64, 2 layers), 4 x 1,024 tokens; each case in a fresh process, peak RSS
+  (ru_maxrss) minus the RSS just before the step;
 - trl: `DistillationTrainer(kd_loss=jsd, jsd_beta=0.5)` vs TRL's `GKDTrainer(lmbda=0, beta=0.5)` (off-policy, same
   loss, T = 1) on the recipe's teacher and pruned student and the same batches: median s/step after warm-up and
   peak RSS of the training, each side in its own process, alternated in pairs.
@@ -108,12 +109,16 @@ def memory_child(vocab: int, chunk: int | None, batch: int, seq: int) -> dict:
     teacher, student = tiny_llama(vocab, 0), tiny_llama(vocab, 1)
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-    extra = {} if chunk is None else {"kd_chunk_size": chunk}
     args = DistillationArguments(output_dir="/tmp/hf_distill_causal_mem", kd_loss="jsd", jsd_beta=0.5,
                                  temperature=1.0, kd_weight=1.0, task_weight=1.0, use_cpu=True, report_to="none",
-                                 per_device_train_batch_size=batch, **extra)
+                                 per_device_train_batch_size=batch, kd_chunk_size=chunk)
     trainer = DistillationTrainer(model=student, teacher_model=teacher, args=args)
     trainer.current_gradient_accumulation_steps = 1  # set by train(); training_step divides by it
+    if chunk is None:
+        # kd_chunk_size unset means "chunk where possible" (1024 tokens); the naive path is the trainer with whole
+        # logits, which it takes wherever chunking is impossible: forced here through its private switch.
+        trainer._chunk = None
+    assert trainer._chunk == chunk, (trainer._chunk, chunk)
     before = rss_mb()
     peak_before = peak_mb()
     t0 = time.perf_counter()
@@ -135,7 +140,8 @@ def memory(batch: int, seq: int) -> dict:
             print("memory", json.dumps(r), flush=True)
     ratios = {}
     for vocab in VOCABS:
-        naive, chunked = (next(r for r in rows if r["vocab"] == vocab and r["kd_chunk_size"] == c) for c in (None, CHUNK))
+        naive, chunked = (next(r for r in rows if r["vocab"] == vocab and r["kd_chunk_size"] == c)
+                          for c in (None, CHUNK))
         if "step_peak_mb" in naive and "step_peak_mb" in chunked:
             ratios[str(vocab)] = chunked["step_peak_mb"] / naive["step_peak_mb"]
     return {"rows": rows, "chunked_over_naive": ratios, "batch": batch, "seq": seq, "hidden": 64, "layers": 2}
