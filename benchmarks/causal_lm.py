@@ -130,20 +130,23 @@ def memory_child(vocab: int, chunk: int | None, batch: int, seq: int) -> dict:
             "loss": float(loss), "step_s": seconds}
 
 
-def memory(batch: int, seq: int) -> dict:
-    rows = []
-    for vocab in VOCABS:
-        for chunk in (None, CHUNK):
-            r = run_child("--memory-child", str(vocab), str(chunk or 0), str(batch), str(seq))
-            r.update(vocab=vocab, kd_chunk_size=chunk)
-            rows.append(r)
-            print("memory", json.dumps(r), flush=True)
+def memory(batch: int, seq: int, cases: list[tuple[int, int | None]], previous: dict | None) -> dict:
+    """Each (V, chunk) case in a fresh process; rows of earlier runs at the same tokens are kept for other cases."""
+    tokens = batch * seq
+    rows = [r for r in (previous or {}).get("rows", []) if r.get("tokens", tokens) == tokens
+            and (r["vocab"], r["kd_chunk_size"]) not in cases]
+    for vocab, chunk in cases:
+        r = run_child("--memory-child", str(vocab), str(chunk or 0), str(batch), str(seq))
+        r.update(vocab=vocab, kd_chunk_size=chunk, tokens=tokens, load=os.getloadavg(),
+                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+        rows.append(r)
+        print("memory", json.dumps(r), flush=True)
+    rows.sort(key=lambda r: (r["vocab"], r["kd_chunk_size"] or 0))
     ratios = {}
     for vocab in VOCABS:
-        naive, chunked = (next(r for r in rows if r["vocab"] == vocab and r["kd_chunk_size"] == c)
-                          for c in (None, CHUNK))
-        if "step_peak_mb" in naive and "step_peak_mb" in chunked:
-            ratios[str(vocab)] = chunked["step_peak_mb"] / naive["step_peak_mb"]
+        found = {r["kd_chunk_size"]: r for r in rows if r["vocab"] == vocab and "step_peak_mb" in r}
+        if None in found and CHUNK in found:
+            ratios[str(vocab)] = found[CHUNK]["step_peak_mb"] / found[None]["step_peak_mb"]
     return {"rows": rows, "chunked_over_naive": ratios, "batch": batch, "seq": seq, "hidden": 64, "layers": 2}
 
 
@@ -197,11 +200,12 @@ def trl_child(side: str, teacher_path: str, kept: list[int], blocks: int, batch:
             "peak_rss_mb": peak_mb() - before, "rss_before_mb": before, "train_loss": out.training_loss}
 
 
-def trl_section(pairs: int, steps: int, warmup: int, batch: int) -> dict:
+def trl_section(pairs: int, steps: int, warmup: int, batch: int, teacher: str | None, kept: list[int] | None) -> dict:
     import importlib.metadata as md
 
-    r = json.loads((RUN_DIR / "results.json").read_text())
-    teacher, kept = r["teacher"], r["kept_blocks"]
+    if teacher is None:
+        r = json.loads((RUN_DIR / "results.json").read_text())
+        teacher, kept = r["teacher"], r["kept_blocks"]
     runs = []
     for i in range(pairs):
         order = ("ours", "trl") if i % 2 == 0 else ("trl", "ours")
@@ -291,6 +295,10 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=3, help="trl: alternated process pairs")
     p.add_argument("--steps", type=int, default=8, help="trl: steps per process")
     p.add_argument("--warmup", type=int, default=2, help="trl: steps left out of the median")
+    p.add_argument("--cases", default=",".join(f"{v}:{c}" for v in VOCABS for c in (0, CHUNK)),
+                   help="memory: V:chunk cases to run (chunk 0 = whole logits); other cases keep earlier rows")
+    p.add_argument("--trl-teacher", default=None, help="trl: teacher folder (default: the recipe run's teacher)")
+    p.add_argument("--trl-kept", default=None, help="trl: teacher blocks the student keeps, e.g. 0,2,4")
     p.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
     p.add_argument("--trl-child", nargs=7, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -318,11 +326,14 @@ def main() -> None:
         if name == "quality":
             sec = quality(a.force)
         elif name == "memory":
-            sec = memory(a.batch, a.seq)
+            cases = [(int(v), int(c) or None) for v, c in (x.split(":") for x in a.cases.split(","))]
+            sec = memory(a.batch, a.seq, cases, data.get("memory"))
         else:
-            sec = trl_section(a.pairs, a.steps, a.warmup, batch=8)
+            kept = [int(k) for k in a.trl_kept.split(",")] if a.trl_kept else None
+            sec = trl_section(a.pairs, a.steps, a.warmup, 8, a.trl_teacher, kept)
         sec["meta"] = {**meta, "load_after": os.getloadavg(), "seconds": time.time() - t0}
-        data[name] = sec
+        # Re-read: another invocation (another section) may have written the file meanwhile.
+        data = {**(json.loads(path.read_text()) if path.is_file() else {}), "machine": data["machine"], name: sec}
         write_report(data)
     print((RESULTS / "causal_lm.md").read_text())
 
