@@ -242,8 +242,9 @@ def write_report(data: dict) -> None:
         sec = data.get(name)
         if not sec:
             continue
-        lines += [f"## {name}", "", f"Command: `{sec['meta']['command']}`, {sec['meta']['date']}, load before / "
-                  f"after: {sec['meta']['load_before']} / {sec['meta']['load_after']}.", ""]
+        meta = sec.get("meta") or {}
+        lines += [f"## {name}", "", f"Command: `{meta.get('command')}`, {meta.get('date')}, load before / "
+                  f"after: {meta.get('load_before')} / {meta.get('load_after')}.", ""]
         if name == "quality":
             lines += ["| model | params | held-out perplexity |", "| --- | ---: | ---: |",
                       f"| teacher | {sec['teacher_params']:,} | {sec['teacher_perplexity']:.2f} |",
