@@ -433,3 +433,88 @@ def test_invalid_value_is_one_line(tmp_path, monkeypatch, capsys):
     assert _recipe_main("distilbert", ["--config", config], monkeypatch) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and "temperature" in err and len(err.splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------------------------ causal LM
+
+
+def _causal_corpus(path: Path, lines: int, seed: int) -> Path:
+    g = torch.Generator().manual_seed(seed)
+    text = [" ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (12,), generator=g)) + " ."
+            for _ in range(lines)]
+    path.write_text(" = Title = \n" + "\n".join(text) + "\n")
+    return path
+
+
+def _causal_flags(tmp: Path, out: Path) -> list:
+    """Tiny everything: a 2-layer hidden-32 teacher on a 300-token BPE, 16-token blocks, 2 steps per student."""
+    return ["--config", RECIPES / "configs" / "causal_lm_wikitext.yaml", "--output_dir", out,
+            "--train_file", _causal_corpus(tmp / "train.raw", 40, 0),
+            "--eval_file", _causal_corpus(tmp / "test.raw", 8, 1),
+            "--teacher_cache_dir", tmp / "teachers", "--vocab_size", "300", "--teacher_layers", "2",
+            "--teacher_hidden_size", "32", "--teacher_heads", "4", "--teacher_kv_heads", "2",
+            "--teacher_intermediate_size", "64", "--teacher_epochs", "1", "--teacher_batch_size", "8",
+            "--block_size", "16", "--max_train_blocks", "16", "--max_eval_blocks", "4", "--calibration_batches", "1",
+            "--per_device_train_batch_size", "8", "--logging_steps", "1", "--disable_tqdm", "true"]
+
+
+def test_causal_lm_recipe_trains_teacher_prunes_distils_and_compares(tmp_path):
+    out = tmp_path / "out"
+    proc = run("causal_lm", *_causal_flags(tmp_path, out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["teacher_layers"] == 2 and results["student_layers"] == 1 and len(results["kept_blocks"]) == 1
+    assert results["params"] < results["teacher_params"] and results["train_steps"] == results["baseline_steps"] == 2
+    assert results["distillation"]["kd_loss"] == "jsd" and results["distillation"]["jsd_beta"] == 0.5
+    for key in ("teacher_perplexity", "perplexity", "baseline_perplexity"):
+        assert 1.0 < results[key] < 1e4, (key, results[key])
+    ratio = results["perplexity"] / results["baseline_perplexity"]
+    assert results["kd_over_baseline_perplexity"] == pytest.approx(ratio)
+    # The KD run really distilled: its logged loss has a KD part; the baseline's run did not (kd_weight 0).
+    assert "loss_kd" in proc.stdout + proc.stderr
+    assert (out / "model.safetensors").is_file() and (out / "baseline" / "model.safetensors").is_file()
+    teacher = Path(results["teacher"])
+    assert teacher.parent == tmp_path / "teachers" and (teacher / "tokenizer.json").is_file()
+
+    # Same settings: the trained teacher is reused; --teacher loads a given one (tokenizer and model) instead.
+    again = run("causal_lm", *_causal_flags(tmp_path, tmp_path / "again"), "--run_baseline", "false")
+    assert again.returncode == 0 and f"teacher: reusing {teacher}" in again.stdout, again.stderr[-3000:]
+    given = run("causal_lm", *_causal_flags(tmp_path, tmp_path / "given"), "--teacher", teacher,
+                "--run_baseline", "false", "--teacher_cache_dir", tmp_path / "unused")
+    assert given.returncode == 0, given.stderr[-3000:]
+    assert json.loads((tmp_path / "given" / "results.json").read_text())["teacher_perplexity"] == pytest.approx(
+        results["teacher_perplexity"])
+    assert not (tmp_path / "unused").exists()
+
+
+def test_causal_lm_bad_kd_loss_is_one_line(tmp_path):
+    proc = run("causal_lm", *_causal_flags(tmp_path, tmp_path / "out"), "--kd_loss", "mse")
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "kd_loss" in lines[0], proc.stderr[-2000:]
+
+
+def test_causal_lm_readme_example_runs(tmp_path, monkeypatch):
+    """The SFT example of recipes/README.md, run as written on a tiny Llama teacher: prompt tokens are masked."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    text = (RECIPES / "README.md").read_text()
+    code = text.split("<!-- causal-lm-example -->\n```python\n", 1)[1].split("```", 1)[0]
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.train_from_iterator([" ".join(WORDS)] * 4, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="</s>", pad_token="</s>")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(tmp_path / "t")
+    tok.save_pretrained(tmp_path / "t")
+    monkeypatch.chdir(tmp_path)
+    pairs = [(f"Question {i}: is the movie good?", "the plot was fun" if i % 2 else "it was dull") for i in range(8)]
+    scope = {"teacher_path": str(tmp_path / "t"), "pairs": pairs}
+    exec(compile(code, "recipes/README.md", "exec"), scope)
+    assert scope["student"].config.num_hidden_layers == 2 and len(scope["pruning"].kept) == 2
+    prompt_len = len(scope["tok"](pairs[0][0])["input_ids"])
+    assert scope["rows"][0]["labels"][:prompt_len] == [-100] * prompt_len
+    assert scope["rows"][0]["labels"][prompt_len:] == scope["rows"][0]["input_ids"][prompt_len:]
+    assert (tmp_path / "out").is_dir()

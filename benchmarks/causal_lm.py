@@ -1,0 +1,343 @@
+"""Causal-LM distillation: quality, memory of chunked logits, speed against TRL's GKD (issue #14). Not part of CI.
+
+    python benchmarks/causal_lm.py                          # all sections
+    python benchmarks/causal_lm.py --only memory,trl        # some of them (quality, memory, trl)
+
+- quality: teacher, KD student and CE-only student perplexities on held-out text, from `recipes/causal_lm.py`
+  with `recipes/configs/causal_lm_wikitext.yaml` (run unless `benchmarks/runs/causal_lm/results.json` exists, or
+  with `--force`);
+- memory: peak memory of ONE KD step (teacher forward + student forward/backward, `kd_loss=jsd`) with and without
+  `kd_chunk_size` (naive = whole logits, the trainer's path where chunking is impossible), at V = 32,000 and
+  128,256, tiny Llama models (hidden 64, 2 layers), 4 x 1,024 tokens; each case in a fresh process, peak RSS
+  (ru_maxrss) minus the RSS just before the step;
+- trl: `DistillationTrainer(kd_loss=jsd, jsd_beta=0.5)` vs TRL's `GKDTrainer(lmbda=0, beta=0.5)` (off-policy, same
+  loss, T = 1) on the recipe's teacher and pruned student and the same batches: median s/step after warm-up and
+  peak RSS of the training, each side in its own process, alternated in pairs.
+
+Writes `benchmarks/results/causal_lm.{json,md}`; sections not run keep their previous results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results"
+RUN_DIR = HERE / "runs" / "causal_lm"
+CONFIG = ROOT / "recipes" / "configs" / "causal_lm_wikitext.yaml"
+SECTIONS = ("quality", "memory", "trl")
+VOCABS = (32_000, 128_256)
+CHUNK = 512
+TARGETS = {"chunked_over_naive_peak_128k": 0.35, "ours_over_trl_step_time": 1.0, "ours_over_trl_peak_rss": 1.0}
+
+
+def rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def child_env() -> dict[str, str]:
+    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def run_child(*args: str, timeout: int = 1200) -> dict:
+    proc = subprocess.run([sys.executable, __file__, *args], cwd=ROOT, env=child_env(), capture_output=True,
+                          text=True, timeout=timeout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        return {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1], "returncode": proc.returncode}
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+# ---------------------------------------------------------------------------------------------- quality
+
+
+def quality(force: bool) -> dict:
+    results = RUN_DIR / "results.json"
+    command = [sys.executable, "recipes/causal_lm.py", "--config", str(CONFIG.relative_to(ROOT)),
+               "--output_dir", str(RUN_DIR.relative_to(ROOT)), "--disable_tqdm", "true"]
+    if force or not results.is_file():
+        subprocess.run(command, cwd=ROOT, env=child_env(), check=True)
+    r = json.loads(results.read_text())
+    return {
+        "command": r["command"], "teacher_perplexity": r["teacher_perplexity"], "kd_perplexity": r["perplexity"],
+        "ce_only_perplexity": r["baseline_perplexity"], "kd_over_ce_only": r["kd_over_baseline_perplexity"],
+        "teacher_params": r["teacher_params"], "student_params": r["params"], "kept_blocks": r["kept_blocks"],
+        "train_blocks": r["train_blocks"], "eval_blocks": r["eval_blocks"], "block_size": r["block_size"],
+        "steps": r["train_steps"], "kd_train_s": r["train_runtime_s"], "ce_train_s": r.get("baseline_train_runtime_s"),
+        "wall_s": r["wall_s"], "teacher_training": r.get("teacher_training"), "eval_file": r["eval_file"],
+        "train_file": r["train_file"],
+    }
+
+
+# ----------------------------------------------------------------------------------------------- memory
+
+
+def tiny_llama(vocab: int, seed: int, layers: int = 2, hidden: int = 64):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=1024, tie_word_embeddings=True))
+
+
+def memory_child(vocab: int, chunk: int | None, batch: int, seq: int) -> dict:
+    """One KD step (Trainer.training_step: teacher forward, student forward, loss, backward) in this process."""
+    import torch
+
+    from hf_distill import DistillationArguments, DistillationTrainer
+
+    torch.set_num_threads(2)
+    teacher, student = tiny_llama(vocab, 0), tiny_llama(vocab, 1)
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    args = DistillationArguments(output_dir="/tmp/hf_distill_causal_mem", kd_loss="jsd", jsd_beta=0.5,
+                                 temperature=1.0, kd_weight=1.0, task_weight=1.0, use_cpu=True, report_to="none",
+                                 per_device_train_batch_size=batch, kd_chunk_size=chunk)
+    trainer = DistillationTrainer(model=student, teacher_model=teacher, args=args)
+    trainer.current_gradient_accumulation_steps = 1  # set by train(); training_step divides by it
+    if chunk is None:
+        # kd_chunk_size unset means "chunk where possible" (1024 tokens); the naive path is the trainer with whole
+        # logits, which it takes wherever chunking is impossible: forced here through its private switch.
+        trainer._chunk = None
+    assert trainer._chunk == chunk, (trainer._chunk, chunk)
+    before = rss_mb()
+    peak_before = peak_mb()
+    t0 = time.perf_counter()
+    loss = trainer.training_step(student, inputs)
+    seconds = time.perf_counter() - t0
+    peak = peak_mb()
+    return {"vocab": vocab, "kd_chunk_size": chunk, "tokens": batch * seq, "rss_before_mb": before,
+            "peak_mb": peak, "peak_before_step_mb": peak_before, "step_peak_mb": peak - before,
+            "loss": float(loss), "step_s": seconds}
+
+
+def memory(batch: int, seq: int, cases: list[tuple[int, int | None]], previous: dict | None) -> dict:
+    """Each (V, chunk) case in a fresh process; rows of earlier runs at the same tokens are kept for other cases."""
+    tokens = batch * seq
+    rows = [r for r in (previous or {}).get("rows", []) if r.get("tokens", tokens) == tokens
+            and (r["vocab"], r["kd_chunk_size"]) not in cases]
+    for vocab, chunk in cases:
+        r = run_child("--memory-child", str(vocab), str(chunk or 0), str(batch), str(seq))
+        r.update(vocab=vocab, kd_chunk_size=chunk, tokens=tokens, load=os.getloadavg(),
+                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+        rows.append(r)
+        print("memory", json.dumps(r), flush=True)
+    rows.sort(key=lambda r: (r["vocab"], r["kd_chunk_size"] or 0))
+    ratios = {}
+    for vocab in VOCABS:
+        found = {r["kd_chunk_size"]: r for r in rows if r["vocab"] == vocab and "step_peak_mb" in r}
+        if None in found and CHUNK in found:
+            ratios[str(vocab)] = found[CHUNK]["step_peak_mb"] / found[None]["step_peak_mb"]
+    return {"rows": rows, "chunked_over_naive": ratios, "batch": batch, "seq": seq, "hidden": 64, "layers": 2}
+
+
+# -------------------------------------------------------------------------------------------------- trl
+
+
+def trl_child(side: str, teacher_path: str, kept: list[int], blocks: int, batch: int, steps: int, warmup: int) -> dict:
+    """Train the pruned student `steps` steps with one side's trainer; per-step times from a callback."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, default_data_collator
+
+    sys.path.insert(0, str(ROOT / "recipes"))
+    from causal_lm import blocks as make_blocks
+
+    from hf_distill import students
+
+    torch.set_num_threads(2)
+    tok = AutoTokenizer.from_pretrained(teacher_path)
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_path)
+    student = students.from_teacher(teacher, kept)
+    text = (ROOT.parent / "shared" / "data" / "wikitext2" / "wiki.valid.raw").read_text(encoding="utf-8")
+    train = make_blocks(text, tok, 128, blocks)
+    times: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            times.append(time.perf_counter() - self.t0)
+
+    common = dict(output_dir=f"/tmp/hf_distill_causal_trl_{side}", max_steps=steps, per_device_train_batch_size=batch,
+                  learning_rate=1e-4, lr_scheduler_type="constant", logging_steps=10_000, save_strategy="no",
+                  report_to="none", use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0)
+    if side == "ours":
+        from hf_distill import DistillationArguments, DistillationTrainer
+
+        args = DistillationArguments(kd_loss="jsd", jsd_beta=0.5, temperature=1.0, kd_weight=1.0, task_weight=0.0,
+                                     **common)
+        trainer = DistillationTrainer(model=student, teacher_model=teacher, args=args, train_dataset=train,
+                                      data_collator=default_data_collator, processing_class=tok, callbacks=[Clock()])
+    else:
+        from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+        args = GKDConfig(lmbda=0.0, beta=0.5, temperature=1.0, seq_kd=False, max_length=128, **common)
+        trainer = GKDTrainer(model=student, teacher_model=teacher, args=args, train_dataset=train,
+                             data_collator=default_data_collator, processing_class=tok, callbacks=[Clock()])
+    before = rss_mb()
+    out = trainer.train()
+    return {"side": side, "step_s": statistics.median(times[warmup:]), "times": times,
+            "peak_rss_mb": peak_mb() - before, "rss_before_mb": before, "train_loss": out.training_loss}
+
+
+def trl_section(pairs: int, steps: int, warmup: int, batch: int, teacher: str | None, kept: list[int] | None) -> dict:
+    import importlib.metadata as md
+
+    if teacher is None:
+        r = json.loads((RUN_DIR / "results.json").read_text())
+        teacher, kept = r["teacher"], r["kept_blocks"]
+    runs = []
+    for i in range(pairs):
+        order = ("ours", "trl") if i % 2 == 0 else ("trl", "ours")
+        for side in order:
+            res = run_child("--trl-child", side, teacher, ",".join(map(str, kept)), str(steps * batch), str(batch),
+                            str(steps), str(warmup))
+            res.update(side=side, pair=i, load=os.getloadavg())
+            runs.append(res)
+            print("trl", json.dumps({k: v for k, v in res.items() if k != "times"}), flush=True)
+    summary = {}
+    for side in ("ours", "trl"):
+        ok = [x for x in runs if x["side"] == side and "step_s" in x]
+        if ok:
+            summary[side] = {"median_step_s": statistics.median(x["step_s"] for x in ok),
+                             "median_peak_rss_mb": statistics.median(x["peak_rss_mb"] for x in ok)}
+    ratios = {}
+    if len(summary) == 2:
+        ratios = {"step_time": summary["ours"]["median_step_s"] / summary["trl"]["median_step_s"],
+                  "peak_rss": summary["ours"]["median_peak_rss_mb"] / summary["trl"]["median_peak_rss_mb"]}
+    return {"runs": runs, "summary": summary, "ours_over_trl": ratios, "teacher": teacher, "kept_blocks": kept,
+            "batch": batch, "seq": 128, "steps": steps, "warmup": warmup, "pairs": pairs,
+            "versions": {p: md.version(p) for p in ("trl", "transformers", "torch")}}
+
+
+# ----------------------------------------------------------------------------------------------- report
+
+
+def write_report(data: dict) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "causal_lm.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
+    lines = ["# Causal-LM distillation (issue #14)", "",
+             f"Written by `benchmarks/causal_lm.py`; see its docstring for the method. Machine: {data['machine']}.", ""]
+    for name in SECTIONS:
+        sec = data.get(name)
+        if not sec:
+            continue
+        meta = sec.get("meta") or {}
+        lines += [f"## {name}", "", f"Command: `{meta.get('command')}`, {meta.get('date')}, load before / "
+                  f"after: {meta.get('load_before')} / {meta.get('load_after')}.", ""]
+        if name == "quality":
+            lines += ["| model | params | held-out perplexity |", "| --- | ---: | ---: |",
+                      f"| teacher | {sec['teacher_params']:,} | {sec['teacher_perplexity']:.2f} |",
+                      f"| KD student (JSD beta 0.5 + CE) | {sec['student_params']:,} | {sec['kd_perplexity']:.2f} |",
+                      f"| CE-only student | {sec['student_params']:,} | {sec['ce_only_perplexity']:.2f} |", "",
+                      f"KD / CE-only perplexity: **{sec['kd_over_ce_only']:.3f}**. Student = teacher blocks "
+                      f"{sec['kept_blocks']}; {sec['steps']} steps each on {sec['train_blocks']} blocks of "
+                      f"{sec['block_size']} tokens of `{sec['train_file']}`; perplexity on the first "
+                      f"{sec['eval_blocks']} blocks of `{sec['eval_file']}`. Recipe: `{sec['command']}`.", ""]
+        elif name == "memory":
+            lines += [f"One KD step (jsd + CE), tiny Llama (hidden 64, 2 layers), {sec['batch']} x {sec['seq']} "
+                      "tokens, fp32; step peak = ru_maxrss after the step minus RSS before it, fresh process each.",
+                      "", "| V | kd_chunk_size | step peak MiB | step s |", "| ---: | ---: | ---: | ---: |"]
+            for r in sec["rows"]:
+                peak = f"{r['step_peak_mb']:.0f}" if "step_peak_mb" in r else f"failed: {r.get('error')}"
+                step = f"{r['step_s']:.2f}" if "step_s" in r else ""
+                lines.append(f"| {r['vocab']:,} | {r['kd_chunk_size'] or 'off'} | {peak} | {step} |")
+            for v, ratio in sec["chunked_over_naive"].items():
+                target = f" (target <= {TARGETS['chunked_over_naive_peak_128k']}: " \
+                         f"{'met' if ratio <= TARGETS['chunked_over_naive_peak_128k'] else 'not met'})" \
+                    if v == "128256" else ""
+                lines.append(f"\nchunked / naive step peak at V = {int(v):,}: **{ratio:.3f}**{target}")
+            lines.append("")
+        elif name == "trl":
+            lines += [f"Same teacher ({sec['teacher']}), student (blocks {sec['kept_blocks']}), batches "
+                      f"({sec['batch']} x {sec['seq']} tokens), `max_steps={sec['steps']}`, median s/step after "
+                      f"{sec['warmup']} warm-up steps; {sec['pairs']} alternated process pairs. Versions: "
+                      f"{sec['versions']}.", "", "| side | median s/step | median peak RSS MiB |",
+                      "| --- | ---: | ---: |"]
+            for side, s in sec["summary"].items():
+                lines.append(f"| {side} | {s['median_step_s']:.3f} | {s['median_peak_rss_mb']:.0f} |")
+            for r in sec["runs"]:
+                if "error" in r:
+                    lines.append(f"\n{r['side']} failed: `{r['error']}`")
+            if sec["ours_over_trl"]:
+                st, pm = sec["ours_over_trl"]["step_time"], sec["ours_over_trl"]["peak_rss"]
+                lines += ["", f"ours / TRL: step time **{st:.3f}** (target <= 1: {'met' if st <= 1 else 'not met'}), "
+                          f"peak RSS **{pm:.3f}** (target < 1: {'met' if pm < 1 else 'not met'})."]
+            lines.append("")
+    (RESULTS / "causal_lm.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections: quality, memory, trl")
+    p.add_argument("--force", action="store_true", help="quality: rerun the recipe even if results exist")
+    p.add_argument("--batch", type=int, default=4, help="memory: sequences per step")
+    p.add_argument("--seq", type=int, default=1024, help="memory: tokens per sequence")
+    p.add_argument("--pairs", type=int, default=3, help="trl: alternated process pairs")
+    p.add_argument("--steps", type=int, default=8, help="trl: steps per process")
+    p.add_argument("--warmup", type=int, default=2, help="trl: steps left out of the median")
+    p.add_argument("--cases", default=",".join(f"{v}:{c}" for v in VOCABS for c in (0, CHUNK)),
+                   help="memory: V:chunk cases to run (chunk 0 = whole logits); other cases keep earlier rows")
+    p.add_argument("--trl-teacher", default=None, help="trl: teacher folder (default: the recipe run's teacher)")
+    p.add_argument("--trl-kept", default=None, help="trl: teacher blocks the student keeps, e.g. 0,2,4")
+    p.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
+    p.add_argument("--trl-child", nargs=7, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.memory_child:
+        v, c, b, s = map(int, a.memory_child)
+        print("RESULT " + json.dumps(memory_child(v, c or None, b, s)))
+        return
+    if a.trl_child:
+        side, teacher, kept, blocks, batch, steps, warmup = a.trl_child
+        res = trl_child(side, teacher, [int(k) for k in kept.split(",")], int(blocks), int(batch), int(steps),
+                        int(warmup))
+        print("RESULT " + json.dumps(res))
+        return
+    only = [s.strip() for s in a.only.split(",") if s.strip()]
+    unknown = sorted(set(only) - set(SECTIONS))
+    if unknown:
+        p.error(f"--only: unknown section(s) {', '.join(unknown)}; known: {', '.join(SECTIONS)}")
+    path = RESULTS / "causal_lm.json"
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    data["machine"] = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}"
+    for name in only:
+        meta = {"command": " ".join(shlex.quote(x) for x in ["python", "benchmarks/causal_lm.py", *sys.argv[1:]]),
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_before": os.getloadavg()}
+        t0 = time.time()
+        if name == "quality":
+            sec = quality(a.force)
+        elif name == "memory":
+            cases = [(int(v), int(c) or None) for v, c in (x.split(":") for x in a.cases.split(","))]
+            sec = memory(a.batch, a.seq, cases, data.get("memory"))
+        else:
+            kept = [int(k) for k in a.trl_kept.split(",")] if a.trl_kept else None
+            sec = trl_section(a.pairs, a.steps, a.warmup, 8, a.trl_teacher, kept)
+        sec["meta"] = {**meta, "load_after": os.getloadavg(), "seconds": time.time() - t0}
+        # Re-read: another invocation (another section) may have written the file meanwhile.
+        data = {**(json.loads(path.read_text()) if path.is_file() else {}), "machine": data["machine"], name: sec}
+        write_report(data)
+    print((RESULTS / "causal_lm.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
