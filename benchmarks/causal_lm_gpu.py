@@ -61,7 +61,7 @@ def ours_chunked(x: dict, ce: bool, chunk: int) -> torch.Tensor:
 
 
 def liger(x: dict, module) -> torch.Tensor:
-    return module(x["s_hidden"], x["s_weight"], x["t_hidden"], x["t_weight"])
+    return module(x["s_hidden"], x["s_weight"], x["t_hidden"], x["t_weight"], None)  # no shift labels: all tokens
 
 
 def measure(name: str, fn, x: dict, repeats: int) -> dict:
@@ -115,10 +115,12 @@ def main() -> None:
         from liger_kernel.transformers import LigerFusedLinearJSD
 
         module = LigerFusedLinearJSD(jsd_beta=0.5, temperature=1.0)
-        rows.append(measure("liger fused linear JSD jsd", lambda x: liger(x, module), x, a.repeats))
         liger_note = None
+        rows.append(measure("liger fused linear JSD jsd", lambda x: liger(x, module), x, a.repeats))
     except ImportError as err:
         liger_note = f"liger-kernel not installed: {err}"
+    except Exception as err:  # a Liger API change must not lose our rows
+        liger_note = f"liger-kernel failed: {type(err).__name__}: {str(err)[:300]}"
     data = {"tokens": a.tokens, "hidden": a.hidden, "vocab": a.vocab, "chunk": a.chunk, "dtype": "bfloat16",
             "device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows, "liger": liger_note,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),

@@ -16,8 +16,8 @@ log="$OUT/gpu_checks.log"
   date -u
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   if [[ -d .gpuwheels ]]; then
-    $PY -m pip install -q --no-index --find-links .gpuwheels datasets deepspeed "transformers==5.24.0" \
-      "huggingface_hub==2.4.0" liger-kernel 2>&1 | tail -3
+    # --no-deps: every wheel the image lacks is in the folder; the rest (pyarrow, pandas, triton, ...) is there.
+    $PY -m pip install -q --no-index --no-deps .gpuwheels/*.whl 2>&1 | tail -3
   fi
   $PY -c "import torch, transformers, accelerate, datasets; print('torch', torch.__version__, 'transformers', \
 transformers.__version__, 'accelerate', accelerate.__version__, 'datasets', datasets.__version__)"
@@ -30,6 +30,11 @@ step() {  # name, seconds, command...
   echo "$name: rc=$? in $(( $(date +%s) - start )) s" >>"$log"
 }
 step causal_lm_gpu 150 $PY benchmarks/causal_lm_gpu.py --out "$OUT"
+for chunk in ${EXTRA_CHUNKS:-}; do  # other chunk sizes, to choose the default (results in $OUT/chunk<N>/)
+  mkdir -p "$OUT/chunk$chunk"
+  step "chunk$chunk/causal_lm_gpu" 120 $PY benchmarks/causal_lm_gpu.py --out "$OUT/chunk$chunk" --chunk "$chunk"
+  rm -f "$OUT/chunk$chunk/causal_lm_gpu.json" "$OUT/chunk$chunk/causal_lm_gpu.log"
+done
 step cuda_tests 150 $PY -m pytest -q -p no:cacheprovider tests/test_mixed_precision.py tests/test_chunked.py
 step distributed_gpu 200 env PYTHON=$PY bash benchmarks/distributed_gpu.sh
 cp benchmarks/results/distributed_gpu.json "$OUT/" 2>/dev/null

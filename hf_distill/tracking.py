@@ -18,6 +18,9 @@ class ComponentTracker:
     def __bool__(self) -> bool:
         return bool(self._sums)
 
+    def reset(self) -> None:
+        self._sums, self._counts = {}, {}
+
     def add(self, components: dict[str, torch.Tensor]) -> None:
         for name, value in components.items():
             v = value.detach().float()

@@ -561,7 +561,7 @@ class DistillationTrainer(Trainer):
 
     def train(self, *args: Any, **kwargs: Any):
         # Components of compute_loss calls made before training (by hand, in train mode) are not the run's.
-        self.tracker = ComponentTracker()
+        self.tracker.reset()
         return super().train(*args, **kwargs)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
