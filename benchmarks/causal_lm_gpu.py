@@ -94,7 +94,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--vocab", type=int, default=128_256)
-    p.add_argument("--chunk", type=int, default=1024)
+    p.add_argument("--chunk", type=int, default=512)  # the library default (DEFAULT_CHUNK)
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--out", default=str(HERE / "results"))
     a = p.parse_args()

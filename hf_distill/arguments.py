@@ -65,7 +65,7 @@ class DistillationArguments(TrainingArguments):
         metadata={
             "help": "Causal LMs: tokens per chunk when the KD term and the student's cross-entropy are computed from "
             "the last hidden states through each LM head a chunk at a time, so no full (batch, length, vocabulary) "
-            "logits tensor exists (hf_distill.chunked; same loss and gradients). Unset: 1024 wherever that is "
+            "logits tensor exists (hf_distill.chunked; same loss and gradients). Unset: 512 wherever that is "
             "possible for a causal-LM student (otherwise whole logits, with a log line); set: refused where it "
             "cannot be honoured. Must be > 0."
         },

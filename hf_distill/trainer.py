@@ -34,8 +34,10 @@ from .teacher import load_teacher, shared_base_teacher, shares_parameters, valid
 from .tracking import ComponentTracker
 
 PROJECTIONS_FILE = "distill_projections.pt"
-# Tokens per LM-head chunk for causal LMs by default: (1024, V) float32 logits are 0.5 GB at V = 128k.
-DEFAULT_CHUNK = 1024
+# Tokens per LM-head chunk for causal LMs by default: at H = 4096, V = 128,256 and 8,192 tokens the KD + CE loss
+# peaks at 9.4 GB with 512 (5.3 GB with 256, 17.6 GB with 1024, 122 GB whole) on an H200
+# (benchmarks/results/causal_lm_gpu.md).
+DEFAULT_CHUNK = 512
 logger = logging.get_logger(__name__)
 # Span logits at padded positions: far below any real logit, finite so no inf - inf appears in the losses.
 _NO_POSITION = -1e9

@@ -128,7 +128,7 @@ def test_trainer_update_with_tiny_chunks_equals_one_chunk(tmp_path):
 def test_causal_lm_students_chunk_by_default(tmp_path):
     trainer = DistillationTrainer(model=_llama(0), teacher_model=_llama(1), args=args(tmp_path),
                                   train_dataset=_sft_rows(4), data_collator=_sft_collate)
-    assert trainer._chunk == 1024
+    assert trainer._chunk == 512
 
 
 @pytest.mark.parametrize("value", [0, -4])
