@@ -9,6 +9,8 @@ from transformers import (
     BertForSequenceClassification,
     DistilBertConfig,
     DistilBertForSequenceClassification,
+    LlamaConfig,
+    LlamaForCausalLM,
 )
 
 from hf_distill import DistillationArguments
@@ -85,6 +87,35 @@ def collate(features: list[dict]) -> dict:
     batch = {"input_ids": ids, "attention_mask": mask}
     if "label" in features[0]:
         batch["labels"] = torch.tensor([f["label"] for f in features])
+    return batch
+
+
+def llama(seed=0, layers=2, vocab=VOCAB, **kw) -> LlamaForCausalLM:
+    """A tiny Llama (grouped-query attention: 4 heads, 2 key/value heads)."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **kw)
+    return LlamaForCausalLM(cfg)
+
+
+def sft_rows(n=8, seed=3) -> Dataset:
+    """Prompt + completion rows whose prompt is masked with -100 in `labels`: only the completion is learnt."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        prompt, completion = int(torch.randint(2, 6, (1,), generator=g)), int(torch.randint(2, 7, (1,), generator=g))
+        ids = torch.randint(5, VOCAB, (prompt + completion,), generator=g).tolist()
+        rows.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
+    return Dataset.from_list(rows)
+
+
+def labelled_collate(features: list[dict]) -> dict:
+    """Right padding of rows with token-level `labels` (padded with -100)."""
+    batch = collate([{"input_ids": f["input_ids"]} for f in features])
+    labels = torch.full_like(batch["input_ids"], -100)
+    for i, f in enumerate(features):
+        labels[i, : len(f["labels"])] = torch.tensor(f["labels"])
+    batch["labels"] = labels
     return batch
 
 

@@ -7,26 +7,16 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from datasets import Dataset
-from helpers import VOCAB, args, bert, collate
+from helpers import VOCAB, args, bert, labelled_collate, llama, sft_rows
 from transformers import (
     CohereConfig,
     CohereForCausalLM,
     Gemma2Config,
     Gemma2ForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
     PreTrainedTokenizerFast,
 )
 
 from hf_distill import DistillationTrainer, chunked, losses
-
-
-def _llama(seed, layers=2, vocab=VOCAB, **kw):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **kw)
-    return LlamaForCausalLM(cfg)
 
 
 def _gemma2(seed):
@@ -55,7 +45,7 @@ def _batch(seed=0, b=3, t=9):
     return ids, mask, labels
 
 
-@pytest.mark.parametrize("make", [_llama, _gemma2, _cohere], ids=["llama", "gemma2-softcap", "cohere-logit_scale"])
+@pytest.mark.parametrize("make", [llama, _gemma2, _cohere], ids=["llama", "gemma2-softcap", "cohere-logit_scale"])
 @pytest.mark.parametrize(("kind", "beta"), [("kl", 0.5), ("jsd", 0.3), ("reverse_kl", 0.5)])
 def test_chunked_loss_and_gradients_equal_whole_logits(make, kind, beta):
     student, teacher = make(0), make(1)
@@ -88,46 +78,27 @@ def test_chunked_loss_and_gradients_equal_whole_logits(make, kind, beta):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
-def _sft_rows(n=8):
-    g = torch.Generator().manual_seed(3)
-    rows = []
-    for _ in range(n):
-        prompt, completion = int(torch.randint(2, 6, (1,), generator=g)), int(torch.randint(2, 7, (1,), generator=g))
-        ids = torch.randint(5, VOCAB, (prompt + completion,), generator=g).tolist()
-        rows.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
-    return Dataset.from_list(rows)
-
-
-def _sft_collate(features):
-    batch = collate([{"input_ids": f["input_ids"]} for f in features])
-    labels = torch.full_like(batch["input_ids"], -100)
-    for i, f in enumerate(features):
-        labels[i, : len(f["labels"])] = torch.tensor(f["labels"])
-    batch["labels"] = labels
-    return batch
-
-
 def _run(tmp_path, student, teacher, **kw):
     trainer = DistillationTrainer(model=student, teacher_model=teacher,
                                   args=args(tmp_path, max_steps=1, per_device_train_batch_size=8, optim="sgd",
                                             learning_rate=0.5, kd_loss="jsd", **kw),
-                                  train_dataset=_sft_rows(8), data_collator=_sft_collate)
+                                  train_dataset=sft_rows(8), data_collator=labelled_collate)
     trainer.train()
     return trainer
 
 
 def test_trainer_update_with_tiny_chunks_equals_one_chunk(tmp_path):
     """Chunks of 3 tokens give the same SGD update as one chunk holding every token."""
-    a = _run(tmp_path / "a", _llama(0), _llama(1, layers=3), kd_chunk_size=3)
-    b = _run(tmp_path / "b", _llama(0), _llama(1, layers=3), kd_chunk_size=10_000)
+    a = _run(tmp_path / "a", llama(0), llama(1, layers=3), kd_chunk_size=3)
+    b = _run(tmp_path / "b", llama(0), llama(1, layers=3), kd_chunk_size=10_000)
     assert a._chunk == 3 and b._chunk == 10_000
     for pa, pb in zip(a.model.parameters(), b.model.parameters(), strict=True):
         torch.testing.assert_close(pa, pb, atol=1e-6, rtol=0)
 
 
 def test_causal_lm_students_chunk_by_default(tmp_path):
-    trainer = DistillationTrainer(model=_llama(0), teacher_model=_llama(1), args=args(tmp_path),
-                                  train_dataset=_sft_rows(4), data_collator=_sft_collate)
+    trainer = DistillationTrainer(model=llama(0), teacher_model=llama(1), args=args(tmp_path),
+                                  train_dataset=sft_rows(4), data_collator=labelled_collate)
     assert trainer._chunk == 512
 
 
@@ -140,17 +111,17 @@ def test_kd_chunk_size_must_be_positive(tmp_path, value):
 def test_kd_chunk_size_that_cannot_be_honoured_is_refused(tmp_path):
     with pytest.raises(ValueError, match="not a causal LM"):
         DistillationTrainer(model=bert(2), teacher_model=bert(2, seed=1), args=args(tmp_path, kd_chunk_size=8),
-                            train_dataset=_sft_rows(4), data_collator=_sft_collate)
+                            train_dataset=sft_rows(4), data_collator=labelled_collate)
     with pytest.raises(ValueError, match="label_smoothing_factor"):
-        DistillationTrainer(model=_llama(0), teacher_model=_llama(1),
+        DistillationTrainer(model=llama(0), teacher_model=llama(1),
                             args=args(tmp_path, kd_chunk_size=8, label_smoothing_factor=0.1),
-                            train_dataset=_sft_rows(4), data_collator=_sft_collate)
+                            train_dataset=sft_rows(4), data_collator=labelled_collate)
 
 
 def test_causal_student_with_a_classification_teacher_is_refused(tmp_path):
     with pytest.raises(ValueError, match="causal-LM teacher"):
-        DistillationTrainer(model=_llama(0), teacher_model=bert(2), args=args(tmp_path),
-                            train_dataset=_sft_rows(4), data_collator=_sft_collate)
+        DistillationTrainer(model=llama(0), teacher_model=bert(2), args=args(tmp_path),
+                            train_dataset=sft_rows(4), data_collator=labelled_collate)
 
 
 # ---------------------------------------------------------------- vocabularies
@@ -170,16 +141,16 @@ WORDS = [f"w{i}" for i in range(100)]
 
 def test_padded_vocabularies_of_one_tokenizer_compare_their_shared_ids(tmp_path):
     tokenizer = _tokenizer(WORDS)  # 102 tokens: fits both models
-    student, teacher = _llama(0, vocab=VOCAB), _llama(1, vocab=VOCAB + 16)
+    student, teacher = llama(0, vocab=VOCAB), llama(1, vocab=VOCAB + 16)
     s0, t0 = copy.deepcopy(student), copy.deepcopy(teacher)
     teacher.save_pretrained(tmp_path / "teacher")
     tokenizer.save_pretrained(tmp_path / "teacher")
     trainer = DistillationTrainer(model=student, teacher_model=str(tmp_path / "teacher"),
                                   args=args(tmp_path, max_steps=1, per_device_train_batch_size=8, temperature=1.0),
-                                  train_dataset=_sft_rows(8), data_collator=_sft_collate, processing_class=tokenizer)
+                                  train_dataset=sft_rows(8), data_collator=labelled_collate, processing_class=tokenizer)
     assert trainer._shared_vocab == VOCAB
     trainer.train()
-    batch = _sft_collate([_sft_rows(8)[i] for i in range(8)])
+    batch = labelled_collate([sft_rows(8)[i] for i in range(8)])
     with torch.no_grad():
         s = s0(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         t = t0(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -190,18 +161,19 @@ def test_padded_vocabularies_of_one_tokenizer_compare_their_shared_ids(tmp_path)
 
 
 def test_different_tokenizers_are_refused(tmp_path):
-    teacher = _llama(1, vocab=VOCAB + 16)
+    teacher = llama(1, vocab=VOCAB + 16)
     teacher.save_pretrained(tmp_path / "teacher")
     _tokenizer([f"x{i}" for i in range(100)]).save_pretrained(tmp_path / "teacher")
     with pytest.raises(ValueError, match="tokenizer"):
-        DistillationTrainer(model=_llama(0), teacher_model=str(tmp_path / "teacher"), args=args(tmp_path),
-                            train_dataset=_sft_rows(4), data_collator=_sft_collate, processing_class=_tokenizer(WORDS))
+        DistillationTrainer(model=llama(0), teacher_model=str(tmp_path / "teacher"), args=args(tmp_path),
+                            train_dataset=sft_rows(4), data_collator=labelled_collate,
+                            processing_class=_tokenizer(WORDS))
 
 
 def test_different_vocabulary_sizes_without_a_tokenizer_are_refused(tmp_path):
     with pytest.raises(ValueError, match="processing_class"):
-        DistillationTrainer(model=_llama(0), teacher_model=_llama(1, vocab=VOCAB + 16), args=args(tmp_path),
-                            train_dataset=_sft_rows(4), data_collator=_sft_collate)
+        DistillationTrainer(model=llama(0), teacher_model=llama(1, vocab=VOCAB + 16), args=args(tmp_path),
+                            train_dataset=sft_rows(4), data_collator=labelled_collate)
 
 
 # ---------------------------------------------------------------- PEFT
@@ -210,11 +182,11 @@ def test_different_vocabulary_sizes_without_a_tokenizer_are_refused(tmp_path):
 def test_lora_causal_student_trains_adapters_only_with_chunks(tmp_path):
     from peft import LoraConfig, get_peft_model
 
-    base = _llama(0)
+    base = llama(0)
     student = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
     frozen = {n: p.detach().clone() for n, p in student.named_parameters() if not p.requires_grad}
     lora = {n: p.detach().clone() for n, p in student.named_parameters() if p.requires_grad}
-    trainer = _run(tmp_path, student, _llama(1), kd_chunk_size=4)
+    trainer = _run(tmp_path, student, llama(1), kd_chunk_size=4)
     assert trainer._chunk == 4
     for n, p in trainer.model.named_parameters():
         if n in frozen:

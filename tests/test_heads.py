@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from datasets import Dataset
-from helpers import VOCAB, args, bert, bert_config, collate, token_dataset
+from helpers import VOCAB, args, bert, bert_config, collate, labelled_collate, llama, sft_rows, token_dataset
 from helpers import teacher as make_teacher
-from transformers import BertForQuestionAnswering, LlamaConfig, LlamaForCausalLM
+from transformers import BertForQuestionAnswering
 
 from hf_distill import DistillationTrainer, losses
 
@@ -172,44 +172,21 @@ def test_multi_label_refuses_jsd_like_losses_only_where_undefined(tmp_path):
 
 
 def _llama(seed, layers=2):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    model = LlamaForCausalLM(cfg)
-    if seed == 1:
+    model = llama(seed, layers)
+    if seed == 1:  # a confident teacher
         with torch.no_grad():
             model.lm_head.weight.mul_(10.0)
     return model
-
-
-def _sft_rows(n=8):
-    """Prompt tokens masked with -100 in `labels`: only the completion is learnt and distilled."""
-    g = torch.Generator().manual_seed(3)
-    rows = []
-    for _ in range(n):
-        prompt, completion = int(torch.randint(2, 6, (1,), generator=g)), int(torch.randint(2, 7, (1,), generator=g))
-        ids = torch.randint(5, VOCAB, (prompt + completion,), generator=g).tolist()
-        rows.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
-    return Dataset.from_list(rows)
-
-
-def _sft_collate(features):
-    batch = collate([{"input_ids": f["input_ids"]} for f in features])
-    labels = torch.full_like(batch["input_ids"], -100)
-    for i, f in enumerate(features):
-        labels[i, : len(f["labels"])] = torch.tensor(f["labels"])
-    batch["labels"] = labels
-    return batch
 
 
 @pytest.mark.parametrize("token_mask", ["labels", "attention"])
 def test_causal_lm_distils_next_token_logits_on_counted_positions(tmp_path, token_mask):
     student, teacher = _llama(0), _llama(1, layers=3)
     s0, t0 = copy.deepcopy(student), copy.deepcopy(teacher)
-    data = _sft_rows(8)
-    trainer = _train(tmp_path, student, teacher, data, _sft_collate, per_device_train_batch_size=8,
+    data = sft_rows(8)
+    trainer = _train(tmp_path, student, teacher, data, labelled_collate, per_device_train_batch_size=8,
                      kd_token_mask=token_mask, temperature=1.0)
-    batch = _sft_collate([data[i] for i in range(8)])
+    batch = labelled_collate([data[i] for i in range(8)])
     with torch.no_grad():
         s = s0(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
         t = t0(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 from datasets import Dataset
-from helpers import VOCAB, args, bert, bert_config, collate, flat_params, token_dataset
+from helpers import VOCAB, args, bert, bert_config, collate, flat_params, labelled_collate, llama, token_dataset
 from helpers import teacher as make_teacher
-from transformers import BertForMaskedLM, LlamaConfig, LlamaForCausalLM
+from transformers import BertForMaskedLM
 
 from hf_distill import DistillationTrainer
 from hf_distill.normalise import COUNT_KINDS, StepCounts, batch_counts
@@ -32,25 +32,9 @@ def _labelled_rows(n=32, seed=0, causal=False):
     return Dataset.from_list(rows)
 
 
-def _labelled_collate(features):
-    batch = collate([{"input_ids": f["input_ids"]} for f in features])
-    labels = torch.full_like(batch["input_ids"], -100)
-    for i, f in enumerate(features):
-        labels[i, : len(f["labels"])] = torch.tensor(f["labels"])
-    batch["labels"] = labels
-    return batch
-
-
 def _mlm(seed, layers):
     torch.manual_seed(seed)
     return BertForMaskedLM(bert_config(layers=layers))
-
-
-def _llama(seed, layers):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    return LlamaForCausalLM(cfg)
 
 
 def _pair(tmp_path, make_student, make_teacher_, data, collator, **kw):
@@ -85,14 +69,14 @@ def test_intermediate_terms_of_different_lengths_match_one_big_batch(tmp_path):
 
 @pytest.mark.parametrize("token_mask", ["labels", "attention"])
 def test_masked_lm_kd_and_task_loss_match_one_big_batch(tmp_path, token_mask):
-    big, acc = _pair(tmp_path, lambda: _mlm(0, 2), lambda: _mlm(1, 3), _labelled_rows(32), _labelled_collate,
+    big, acc = _pair(tmp_path, lambda: _mlm(0, 2), lambda: _mlm(1, 3), _labelled_rows(32), labelled_collate,
                      kd_token_mask=token_mask)
     _assert_same(big, acc, ("loss", "loss_kd", "loss_task"))
 
 
 def test_causal_lm_kd_and_task_loss_match_one_big_batch(tmp_path):
-    big, acc = _pair(tmp_path, lambda: _llama(0, 2), lambda: _llama(1, 3), _labelled_rows(32, causal=True),
-                     _labelled_collate, kd_token_mask="labels")
+    big, acc = _pair(tmp_path, lambda: llama(0, 2), lambda: llama(1, 3), _labelled_rows(32, causal=True),
+                     labelled_collate, kd_token_mask="labels")
     _assert_same(big, acc, ("loss", "loss_kd", "loss_task"))
 
 
@@ -124,7 +108,7 @@ def test_token_labels_under_another_name_are_counted(tmp_path):
     data = _labelled_rows(16).rename_column("labels", "tags")
 
     def collator(features):
-        batch = _labelled_collate([{"input_ids": f["input_ids"], "labels": f["tags"]} for f in features])
+        batch = labelled_collate([{"input_ids": f["input_ids"], "labels": f["tags"]} for f in features])
         batch["tags"] = batch.pop("labels")
         return batch
 
@@ -151,7 +135,7 @@ def test_a_micro_batch_without_counted_labels_adds_nothing(tmp_path):
     trainer = DistillationTrainer(model=_mlm(0, 2), teacher_model=_mlm(1, 3),
                                   args=args(tmp_path, max_steps=1, per_device_train_batch_size=4,
                                             gradient_accumulation_steps=2),
-                                  train_dataset=Dataset.from_list(rows), data_collator=_labelled_collate)
+                                  train_dataset=Dataset.from_list(rows), data_collator=labelled_collate)
     trainer.train()
     log = next(r for r in trainer.state.log_history if "loss" in r)
     assert log["loss_task"] == 0.0 and log["loss_kd"] > 0
