@@ -36,6 +36,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 __all__ = [
     "FEATURE_LOSSES",
@@ -236,29 +237,86 @@ def reverse_kl(
     return temperature**2 * _mean_over_positions(per_item, real)
 
 
-def _log_mixture_ratio(x: torch.Tensor, w: float, w_rest: float) -> torch.Tensor:
-    """``log(w_rest + w * exp(x))`` elementwise, ``w + w_rest = 1``: exactly 0 at ``x = 0``, finite for finite x.
+def _log_mixture_terms(d: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log(M/P)`` and ``log(M/Q)`` from ``d = log Q - log P``, with ``M = beta*P + (1-beta)*Q``.
 
-    This is the mixture ``logsumexp(log(1 - w), log(w) + x)`` relative to one of its components. Near
-    ``x = 0`` it is evaluated as ``log1p(w * expm1(x))``, which is exact at agreement (a plain float32
-    logsumexp leaves ~1e-7 there, times ``T**2``); far from 0 the logsumexp form keeps full precision
-    when the mixture is tiny. ``x > 0`` uses ``x + (the same with 1 - w at -x)`` so ``exp`` never
-    overflows. Each branch sees only inputs from its own range, so no inf/NaN reaches the gradient. Both
-    weights are passed because ``1 - w`` rounds to 0 for tiny ``beta`` while ``log(w_rest)`` must not.
+    Both share one term: ``log(M/P) = relu(d) + c`` and ``log(M/Q) = relu(-d) + c`` with
+    ``c = log(r + w*exp(-|d|))``, ``(w, r) = (1-beta, beta)`` where ``d <= 0`` and ``(beta, 1-beta)``
+    elsewhere. Near agreement ``c = log1p(w*expm1(-|d|))``, exactly 0 at ``d = 0`` (a float32 logsumexp
+    leaves ~1e-7 there, times ``T**2``); far from it ``log(r + w*exp(-|d|))`` keeps ``log(beta)`` when
+    ``1 - beta`` rounds to 1. ``exp`` only sees ``-|d| <= 0``, so nothing overflows, and ``d = +-inf`` (a
+    class with zero mass on one side) gives inf only in the term that zero mass multiplies.
+    """
+    neg = d <= 0
+    w = torch.where(neg, d.new_tensor(1.0 - beta), d.new_tensor(beta))
+    r = torch.where(neg, d.new_tensor(beta), d.new_tensor(1.0 - beta))
+    a = -d.abs()
+    y = w * torch.expm1(a)  # in [-w, 0]
+    near = y > -0.5
+    c = torch.where(near, torch.log1p(torch.where(near, y, 0.0)), torch.log(r + w * torch.exp(a)))
+    return d.clamp(min=0) + c, (-d).clamp(min=0) + c
+
+
+class _GeneralizedJSD(torch.autograd.Function):
+    """Per-item ``beta*KL(P||M) + (1-beta)*KL(Q||M)`` from log-probabilities, with a closed-form backward.
+
+    Autograd through the forward would keep about ten ``(N, C)`` intermediates and walk them back (15x
+    the time of :func:`kl_div` on CPU at 4,096 x 32,000). The gradient has a closed form instead,
+    ``dL/dlog Q = -(1-beta) * Q * log(M/Q)`` and ``dL/dlog P = -beta * P * log(M/P)``, so only the two
+    log-probability tensors (which ``log_softmax`` keeps anyway) are saved. Both passes walk the rows in
+    blocks of about :data:`_JSD_BLOCK` elements: the twenty-odd elementwise steps then stay in cache
+    instead of streaming ``(N, C)`` temporaries through memory.
     """
 
-    def nonpositive(z: torch.Tensor, weight: float, rest: float) -> torch.Tensor:  # z <= 0
-        y = weight * torch.expm1(z)  # in [-weight, 0]
-        near = y > -0.5
-        small = torch.log1p(torch.where(near, y, -0.5))
-        large = torch.logaddexp(torch.full_like(z, math.log(rest)), z + math.log(weight))
-        return torch.where(near, small, large)
+    @staticmethod
+    def forward(ctx, log_p: torch.Tensor, log_q: torch.Tensor, beta: float) -> torch.Tensor:
+        ctx.beta = beta
+        ctx.save_for_backward(log_p, log_q)
+        flat_p, flat_q = log_p.reshape(-1, log_p.shape[-1]), log_q.reshape(-1, log_q.shape[-1])
+        out = flat_p.new_empty(flat_p.shape[0])
+        for rows in _row_blocks(flat_p):
+            p_term, q_term = _jsd_terms(flat_p[rows], flat_q[rows], beta)
+            out[rows] = -(p_term + q_term).sum(-1)
+        return out.reshape(log_p.shape[:-1])
 
-    negative = x <= 0
-    zero = torch.zeros((), dtype=x.dtype, device=x.device)
-    at_neg = nonpositive(torch.where(negative, x, zero), w, w_rest)
-    at_pos = x + nonpositive(torch.where(negative, zero, -x), w_rest, w)
-    return torch.where(negative, at_neg, at_pos)
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        log_p, log_q = ctx.saved_tensors
+        flat_p, flat_q = log_p.reshape(-1, log_p.shape[-1]), log_q.reshape(-1, log_q.shape[-1])
+        g = -grad.reshape(-1, 1)
+        want_p, want_q = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_p = torch.empty_like(flat_p) if want_p else None
+        grad_q = torch.empty_like(flat_q) if want_q else None
+        for rows in _row_blocks(flat_p):
+            p_term, q_term = _jsd_terms(flat_p[rows], flat_q[rows], ctx.beta)
+            if want_p:
+                grad_p[rows] = g[rows] * p_term
+            if want_q:
+                grad_q[rows] = g[rows] * q_term
+        return (
+            grad_p.reshape(log_p.shape) if want_p else None,
+            grad_q.reshape(log_q.shape) if want_q else None,
+            None,
+        )
+
+
+_JSD_BLOCK = 1 << 18  # elements per block of rows: 1 MiB of float32, a few blocks fit in L2
+
+
+def _row_blocks(x: torch.Tensor):
+    step = max(1, _JSD_BLOCK // max(1, x.shape[-1]))
+    for start in range(0, x.shape[0], step):
+        yield slice(start, start + step)
+
+
+def _jsd_terms(log_p: torch.Tensor, log_q: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``beta * P * log(M/P)`` and ``(1-beta) * Q * log(M/Q)``, 0 where that probability is 0."""
+    m_over_p, m_over_q = _log_mixture_terms(log_q - log_p, beta)
+    p, q = log_p.exp(), log_q.exp()
+    p_term = torch.where(p > 0, (beta * p) * m_over_p, 0.0)
+    q_term = torch.where(q > 0, ((1.0 - beta) * q) * m_over_q, 0.0)
+    return p_term, q_term
 
 
 def generalized_jsd(
@@ -275,7 +333,7 @@ def generalized_jsd(
     exactly :func:`kl_div` (forward) and ``beta = 1`` exactly :func:`reverse_kl`; the interior tends to
     them only after dividing by ``beta`` (resp. ``1 - beta``), since ``JSD(beta) ~ beta * KL(P || Q)``.
     ``beta = 0.5`` is the symmetric JSD. ``M`` is never formed in probability space: ``log(M/P)`` and
-    ``log(M/Q)`` come from the log-ratio ``log Q - log P`` (see :func:`_log_mixture_ratio`), so the value
+    ``log(M/Q)`` come from the log-ratio ``log Q - log P`` (see :func:`_log_mixture_terms`), so the value
     is exactly 0 at agreement and stable for any logits. Items, masks and top-k ``(values, indices)``
     teachers (both sides renormalised over the k ids) as in :func:`kl_div`.
     """
@@ -286,13 +344,7 @@ def generalized_jsd(
     if beta == 1.0:
         return reverse_kl(student_logits, teacher_logits, temperature, mask)
     log_p, log_q, real = _log_probs("generalized_jsd", student_logits, teacher_logits, temperature, mask)
-    log_ratio = log_q - log_p
-    # log(M/P) = log(beta + (1-beta) Q/P);  log(M/Q) = log((1-beta) + beta P/Q)
-    log_m_over_p = _log_mixture_ratio(log_ratio, 1.0 - beta, beta)
-    log_m_over_q = _log_mixture_ratio(-log_ratio, beta, 1.0 - beta)
-    kl_p_m = -(log_p.exp() * log_m_over_p).sum(-1)
-    kl_q_m = -(log_q.exp() * log_m_over_q).sum(-1)
-    per_item = beta * kl_p_m + (1.0 - beta) * kl_q_m
+    per_item = _GeneralizedJSD.apply(log_p, log_q, beta)
     return temperature**2 * _mean_over_positions(per_item, real)
 
 
