@@ -48,6 +48,8 @@ def _accelerate_zero3() -> list[str]:
             str(CONFIGS / "accelerate_zero3_cpu.yaml"), "--main_process_port", _port()]
 
 
+NARROW = 16  # a student narrower than the teacher's 32 trains a projection
+
 RUNS = {
     # name: (launcher, engine, extra args of tests/engine_run.py, what the student is compared with)
     "DDP": (_torchrun, "ddp", [], "sgd"),
@@ -57,6 +59,9 @@ RUNS = {
         _accelerate_zero3, "zero3", ["--deepspeed_config", str(CONFIGS / "zero3_auto_no_optimizer.json")], "sgd"),
     "ZeRO-3 (HF template: DeepSpeed AdamW + WarmupLR, CPU offload)": (
         _accelerate_zero3, "zero3", ["--deepspeed_config", str(CONFIGS / "zero3_hf_template.json")], None),
+    "ZeRO-3 + projection (student width 16, projection in the engine)": (
+        _accelerate_zero3, "zero3",
+        ["--deepspeed_config", str(CONFIGS / "zero3_auto_no_optimizer.json"), "--student_width", str(NARROW)], "sgd"),
 }
 
 
@@ -67,8 +72,9 @@ def _error(log: str) -> str:
     return found[-1].strip() if found else log.strip().splitlines()[-1] if log.strip() else "no output"
 
 
-def run_one(name: str, out: Path, reference: dict) -> dict:
+def run_one(name: str, out: Path, references: dict) -> dict:
     launcher, engine, extra, compare = RUNS[name]
+    reference = references[NARROW if "--student_width" in extra else None]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     cmd = [*launcher(), str(TESTS / "engine_run.py"), str(out), "--engine", engine, "--per_device_batch", "4",
@@ -81,9 +87,12 @@ def run_one(name: str, out: Path, reference: dict) -> dict:
     if proc.returncode != 0:
         return {**row, "ran": "no", "where": "CPU, 2 processes (gloo)", "error": _error(proc.stdout + proc.stderr)}
     result = json.loads((out / "result.json").read_text())
-    diff = None
+    diff = proj_diff = None
     if compare:
         diff = (torch.tensor(result["student"]) - torch.tensor(reference["student"])).abs().max().item()
+        if reference["projections"]:
+            proj_diff = (torch.tensor(result["projections"]) - torch.tensor(reference["projections"])).abs().max()
+            proj_diff = proj_diff.item()
     return {
         **row,
         "ran": "yes",
@@ -96,6 +105,7 @@ def run_one(name: str, out: Path, reference: dict) -> dict:
         "teacher_type": result["teacher_type"],
         "student_wrapped_type": result["wrapped_type"],
         "max_abs_diff_vs_single_process": diff,
+        "projection_max_abs_diff_vs_single_process": proj_diff,
         "compared_with": "1 process, DDP-free, SGD, same global batch" if compare else
         "not compared: DeepSpeed's AdamW and WarmupLR from the template (the single run uses the Trainer's SGD)",
         "teacher_bytes_per_rank": [r["teacher_bytes"] for r in result["ranks"]],
@@ -114,7 +124,8 @@ def _markdown(report: dict) -> str:
         f"- date: {report['date']}; machine: {report['machine']}; load before: {report['loadavg_before']}, "
         f"after: {report['loadavg_after']}",
         f"- versions: {report['versions']}",
-        f"- model: tiny BERT teacher (4 layers, width 32) -> BERT student (2 layers, width 32, no projection), "
+        f"- model: tiny BERT teacher (4 layers, width 32) -> BERT student (2 layers, width 32, no projection; "
+        f"width {NARROW} with a shared projection in the row that says so), "
         f"{STEPS} steps, 2 x 4 rows per step, terms: {', '.join(report['terms'])}",
         f"- single-process reference: teacher {report['reference']['teacher_bytes']} B, student "
         f"{report['reference']['student_bytes']} B of parameters",
@@ -125,10 +136,12 @@ def _markdown(report: dict) -> str:
     ]
     for r in report["runs"]:
         if r["ran"] == "yes":
-            diff = r["max_abs_diff_vs_single_process"]
+            diff, proj = r["max_abs_diff_vs_single_process"], r.get("projection_max_abs_diff_vs_single_process")
+            shown = f"{diff:.2e}" if diff is not None else r["compared_with"]
+            if proj is not None:
+                shown += f" (projection {proj:.2e})"
             lines.append(
-                f"| {r['engine']} | yes | {r['where']} | {r['distributed_type']} | "
-                f"{f'{diff:.2e}' if diff is not None else r['compared_with']} | "
+                f"| {r['engine']} | yes | {r['where']} | {r['distributed_type']} | {shown} | "
                 f"{', '.join(map(str, r['teacher_bytes_per_rank']))} | "
                 f"{', '.join(map(str, r['student_bytes_per_rank']))} | "
                 f"{', '.join(f'{b / 2**20:.0f}' for b in r['peak_memory_bytes_per_rank (max RSS)'])} | "
@@ -160,7 +173,8 @@ def main() -> None:
     load_before = Path("/proc/loadavg").read_text().strip()
     with tempfile.TemporaryDirectory() as tmp:
         reference = engine_run.run(Path(tmp) / "single", "ddp", per_device_batch=8, steps=STEPS)
-        runs = [run_one(name, Path(tmp) / f"run{i}", reference) for i, name in enumerate(RUNS)]
+        narrow = engine_run.run(Path(tmp) / "single16", "ddp", per_device_batch=8, steps=STEPS, student_width=NARROW)
+        runs = [run_one(name, Path(tmp) / f"run{i}", {None: reference, NARROW: narrow}) for i, name in enumerate(RUNS)]
     report = {
         "command": "python benchmarks/distributed.py",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

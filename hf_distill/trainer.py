@@ -34,6 +34,8 @@ from .teacher import load_teacher, shared_base_teacher, shares_parameters, valid
 from .tracking import ComponentTracker
 
 PROJECTIONS_FILE = "distill_projections.pt"
+# Under DeepSpeed the projections ride inside the engine as this submodule of the student while train() runs.
+PROJECTIONS_ATTR = "hf_distill_projections"
 # Tokens per LM-head chunk for causal LMs by default: at H = 4096, V = 128,256 and 8,192 tokens the KD + CE loss
 # peaks at 9.4 GB with 512 (5.3 GB with 256, 17.6 GB with 1024, 122 GB whole) on an H200
 # (benchmarks/results/causal_lm_gpu.md).
@@ -113,7 +115,8 @@ class DistillationTrainer(Trainer):
             self.intermediate = IntermediateDistiller(terms, self.model, source, self.args.projection)
             if self.intermediate.projections is not None:
                 self.intermediate.projections.to(self.args.device)
-                self.add_callback(_ClearProjectionGradients(self.intermediate.projections))
+                if not self._projections_in_engine():
+                    self.add_callback(_ClearProjectionGradients(self.intermediate.projections))
         shared_vocab = [validate_pair(self.model, t, self.args, tokenizer=self.processing_class) for t in self.teachers]
         self._shared_vocab = min((v for v in shared_vocab if v is not None), default=None)
         if len(self.teachers) > 1 and self.args.kd_weight > 0 and self.args.kd_loss == "mse":
@@ -564,7 +567,8 @@ class DistillationTrainer(Trainer):
     def train(self, *args: Any, **kwargs: Any):
         # Components of compute_loss calls made before training (by hand, in train mode) are not the run's.
         self.tracker.reset()
-        return super().train(*args, **kwargs)
+        with self._projections_attached():
+            return super().train(*args, **kwargs)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and self.tracker:
@@ -583,25 +587,63 @@ class DistillationTrainer(Trainer):
     def _projections(self) -> nn.Module | None:
         return self.intermediate.projections if self.intermediate is not None else None
 
+    def _projections_in_engine(self) -> bool:
+        """DeepSpeed owns the gradients, clipping and optimizer state of what it prepares (partitioned under
+        ZeRO), so the projections are prepared with the student as one of its submodules. DDP keeps them
+        beside the model and averages their gradients itself: a DDP module must give every parameter a
+        gradient in each backward (or find unused ones from its forward outputs), which projections used only
+        by the loss, or idle in a stage without hidden terms, would break."""
+        from accelerate.utils import DistributedType
+
+        return self._projections() is not None and self.accelerator.distributed_type == DistributedType.DEEPSPEED
+
+    @contextlib.contextmanager
+    def _projections_attached(self):
+        """While train() runs under DeepSpeed, the projections are a submodule of the student, so the engine
+        prepares, partitions, reduces, clips and checkpoints them with it; afterwards the student is bare again
+        (`trainer.model.save_pretrained` writes the student only)."""
+        if not self._projections_in_engine() or PROJECTIONS_ATTR in self.model._modules:
+            yield
+            return
+        self.model.add_module(PROJECTIONS_ATTR, self._projections())
+        try:
+            yield
+        finally:
+            self.model._modules.pop(PROJECTIONS_ATTR, None)
+
+    def _attached(self) -> bool:
+        return PROJECTIONS_ATTR in getattr(self.model, "_modules", {})
+
     def _check_projection_optimizer(self) -> None:
         """Projections are created with the trainer, so an optimizer and scheduler built by the user before it
         cannot know them: the optimizer gets them as a new group, but a scheduler built earlier would leave that
         group's learning rate unscheduled, so that case is refused. Engines that own the gradients of the model
-        they prepared (FSDP, DeepSpeed) would neither clip nor reduce them: refused too, until the projections
-        are prepared with the student."""
+        they prepared: DeepSpeed gets them inside the student (`_projections_attached`); FSDP is refused, since
+        sharded projections used outside the student's forward have not been run under it anywhere."""
         proj = self._projections()
         if proj is None:
             return
         from accelerate.utils import DistributedType
 
-        if self.accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        widths = (
+            f"Projections (student width {self.intermediate.student_info.hidden_size} -> teacher width "
+            f"{self.intermediate.teacher_info.hidden_size})"
+        )
+        if self.accelerator.distributed_type == DistributedType.FSDP:
             raise ValueError(
-                f"Projections (student width {self.intermediate.student_info.hidden_size} -> teacher width "
-                f"{self.intermediate.teacher_info.hidden_size}) are not supported under "
-                f"{self.accelerator.distributed_type.value} yet: their gradients would be neither clipped nor "
-                "reduced with the student's. Use DDP, or give the student the teacher's hidden size so that no "
-                "projection is needed."
+                f"{widths} are not supported under FSDP yet: they are used by the loss, outside the student's "
+                "forward, where FSDP has resharded its parameters. Use DeepSpeed or DDP, or give the student the "
+                "teacher's hidden size so that no projection is needed."
             )
+        if self._projections_in_engine():
+            ds_config = self.accelerator.state.deepspeed_plugin.deepspeed_config
+            if "optimizer" in ds_config and self.args.projection_lr is not None:
+                raise ValueError(
+                    f"projection_lr={self.args.projection_lr} cannot be honoured: the DeepSpeed config builds its "
+                    "own optimizer (its 'optimizer' section), with one learning rate for the student and the "
+                    f"{widths.lower()}. Remove projection_lr, or remove the config's 'optimizer' section so that "
+                    "the Trainer builds the optimizer (then projection_lr applies)."
+                )
         if self.optimizer is not None and self.lr_scheduler is not None:
             in_optimizer = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
             if not all(id(p) in in_optimizer for p in proj.parameters()):
@@ -617,6 +659,12 @@ class DistillationTrainer(Trainer):
         weight decay on their weights only (never on biases, as the Trainer does for the model)."""
         optimizer = super().create_optimizer(model)
         proj = self._projections()
+        if proj is not None and self._attached():
+            # Under DeepSpeed the Trainer saw them as the student's: take them out of its groups, add ours below.
+            ids = {id(p) for p in proj.parameters()}
+            for group in optimizer.param_groups:
+                group["params"] = [p for p in group["params"] if id(p) not in ids]
+            optimizer.param_groups[:] = [g for g in optimizer.param_groups if g["params"]]
         in_optimizer = {id(p) for g in getattr(optimizer, "param_groups", ()) for p in g["params"]}  # DummyOptim: none
         if proj is not None and not any(id(p) in in_optimizer for p in proj.parameters()):
             decay = set(self.get_decay_parameter_names(proj))
@@ -631,7 +679,7 @@ class DistillationTrainer(Trainer):
         loss = super().training_step(model, inputs, num_items_in_batch)
         proj = self._projections()
         n = self.accelerator.num_processes
-        if proj is not None and n > 1 and self.accelerator.sync_gradients:
+        if proj is not None and not self._attached() and n > 1 and self.accelerator.sync_gradients:
             # DDP averages the student's gradients in the last micro-batch's backward; the projections live
             # outside the wrapped model, so they are averaged here, before clipping and the optimizer step.
             for p in proj.parameters():
@@ -643,7 +691,7 @@ class DistillationTrainer(Trainer):
     def _clip_grad_norm(self, model):
         """Clip the student and the projections together (TinyBERT clips `fit_dense` with the model)."""
         proj = self._projections()
-        if proj is None:
+        if proj is None or self._attached():  # attached: already among the model's parameters
             return super()._clip_grad_norm(model)
         params = [*model.parameters(), *proj.parameters()]
         return self.accelerator.clip_grad_norm_(params, self.args.max_grad_norm)
@@ -651,14 +699,23 @@ class DistillationTrainer(Trainer):
     def _get_grad_norm(self, model, grad_norm=None):
         """The logged `grad_norm` counts the projections too."""
         proj = self._projections()
-        if grad_norm is None and proj is not None:
+        if grad_norm is None and proj is not None and not self._attached():
             grad_norm = self.accelerator.clip_grad_norm_([*model.parameters(), *proj.parameters()], float("inf"))
         return super()._get_grad_norm(model, grad_norm=grad_norm)
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """The student's files never hold the projections, also when DeepSpeed gathered them with it."""
+        if self._attached():
+            if state_dict is None:
+                state_dict = self.model.state_dict()
+            state_dict = {k: v for k, v in state_dict.items() if not k.startswith(PROJECTIONS_ATTR + ".")}
+        super()._save(output_dir, state_dict=state_dict)
 
     def _save_checkpoint(self, model, trial) -> None:
         super()._save_checkpoint(model, trial)
         proj = self.intermediate.projections if self.intermediate else None
-        if proj is not None and self.args.should_save:
+        # Attached (DeepSpeed): the engine's own checkpoint holds them, partitioned like the student.
+        if proj is not None and not self._attached() and self.args.should_save:
             folder = os.path.join(self._get_output_dir(trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
             torch.save(proj.state_dict(), os.path.join(folder, PROJECTIONS_FILE))
 
@@ -799,7 +856,7 @@ class DistillationTrainer(Trainer):
         from .hub import push_checkpoint
 
         proj = self.intermediate.projections if self.intermediate else None
-        if proj is not None and self.args.should_save:
+        if proj is not None and not self._attached() and self.args.should_save:
             torch.save(proj.state_dict(), os.path.join(checkpoint_folder, PROJECTIONS_FILE))
         push_checkpoint(self, checkpoint_folder)
 

@@ -1,16 +1,19 @@
 """Train a tiny student through DistillationTrainer.train() under one engine (DDP, FSDP1, FSDP2, ZeRO-3).
 
 Run under torchrun / `accelerate launch` (2 processes) or directly (1 process). Logit KD plus a hidden and an
-attention term; the student has the teacher's width, so no projection is needed (refused under FSDP and
-DeepSpeed). Rank 0 writes `result.json`: the student's full parameters (gathered from shards), losses, how the
-models were wrapped, per-rank teacher and student parameter bytes, peak memory per rank and wall time, so that
-tests/test_engines.py and benchmarks/distributed.py can compare the run with a single-process one.
+attention term; by default the student has the teacher's width, `--student_width 16` makes it narrower, so a
+projection is trained too (DDP and DeepSpeed; refused under FSDP). Rank 0 writes `result.json`: the student's
+full parameters (gathered from shards) and the projections', losses, how the models were wrapped, per-rank
+teacher and student parameter bytes, peak memory per rank and wall time, so that tests/test_engines.py and
+benchmarks/distributed.py can compare the run with a single-process one. `--resume_check` saves a checkpoint at
+step 2 and, after the run, resumes a fresh trainer from it: its final student and projections are recorded too.
 `--push_to REPO` pushes the student and its card to the Hub at HF_ENDPOINT (tests/hub_server.py) afterwards.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -47,8 +50,27 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def run(out: Path, engine: str, per_device_batch: int, steps: int, use_cpu: bool = True,
-        deepspeed_config: str | None = None, push_to: str | None = None, width: int = 32) -> dict:
+def flat_state(state: dict) -> list[float]:
+    return torch.cat([v.detach().reshape(-1).float().cpu() for _, v in sorted(state.items())]).tolist()
+
+
+def projection_values(trainer: DistillationTrainer) -> list[float]:
+    """The projections' parameters, gathered from their ZeRO-3 partitions (every rank must call it)."""
+    proj = trainer.intermediate.projections if trainer.intermediate else None
+    if proj is None:
+        return []
+    params = list(proj.parameters())
+    gather = contextlib.nullcontext()
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+
+        gather = deepspeed.zero.GatheredParameters(params)
+    with gather:
+        return torch.cat([p.detach().reshape(-1).float().cpu() for p in params]).tolist()
+
+
+def make_trainer(out: Path, engine: str, per_device_batch: int, steps: int, use_cpu: bool,
+                 deepspeed_config: str | None, width: int, student_width: int | None, save_steps: int | None):
     a = args(
         out,
         per_device_train_batch_size=per_device_batch,
@@ -59,18 +81,37 @@ def run(out: Path, engine: str, per_device_batch: int, steps: int, use_cpu: bool
         distill_terms=TERMS,
         kd_weight=0.5,
         task_weight=0.5,
+        **({"save_strategy": "steps", "save_steps": save_steps} if save_steps else {}),
         **engine_kwargs(engine, deepspeed_config),
     )
     t = teacher(hidden=width, heads=4)
-    trainer = DistillationTrainer(
-        model=bert(2, hidden=width), teacher_model=t, args=a, train_dataset=token_dataset(8 * steps),
+    return DistillationTrainer(
+        model=bert(2, hidden=student_width or width), teacher_model=t, args=a, train_dataset=token_dataset(8 * steps),
         data_collator=collate,
     )
+
+
+def run(out: Path, engine: str, per_device_batch: int, steps: int, use_cpu: bool = True,
+        deepspeed_config: str | None = None, push_to: str | None = None, width: int = 32,
+        student_width: int | None = None, resume_check: bool = False) -> dict:
+    setup = (engine, per_device_batch, steps, use_cpu, deepspeed_config, width, student_width)
+    trainer = make_trainer(out, *setup, save_steps=2 if resume_check else None)
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
     acc = trainer.accelerator
     state = acc.get_state_dict(trainer.model_wrapped)  # gathers FSDP / ZeRO-3 shards (on rank 0)
+    projections = projection_values(trainer)
+    resumed = {}
+    if resume_check:  # a fresh trainer (new engine) continues from checkpoint-2 to the same last step
+        again = make_trainer(out, *setup, save_steps=None)
+        again.train(resume_from_checkpoint=str(out / "out" / "checkpoint-2"))
+        again_state = acc.get_state_dict(again.model_wrapped)
+        resumed = {
+            "student": flat_state(again_state) if acc.is_main_process else [],
+            "projections": projection_values(again),
+            "checkpoint_files": sorted(os.listdir(out / "out" / "checkpoint-2")) if acc.is_main_process else [],
+        }
     rank = {
         "teacher_bytes": local_parameter_bytes(trainer.teacher),
         "student_bytes": local_parameter_bytes(trainer.model_wrapped),
@@ -88,8 +129,10 @@ def run(out: Path, engine: str, per_device_batch: int, steps: int, use_cpu: bool
         "device": str(acc.device),
         "steps": trainer.state.global_step,
         "terms": ["kd", *TERMS],
-        "student": torch.cat([v.detach().reshape(-1).float().cpu() for _, v in sorted(state.items())]).tolist()
-        if acc.is_main_process else [],
+        "student": flat_state(state) if acc.is_main_process else [],
+        "student_keys": sorted(state) if acc.is_main_process else [],
+        "projections": projections,
+        "resumed": resumed,
         "logs": [r for r in trainer.state.log_history if "loss" in r],
         "teacher_type": type(trainer.teacher).__name__,
         "wrapped_type": type(trainer.model_wrapped).__name__,
@@ -112,10 +155,13 @@ if __name__ == "__main__":
     p.add_argument("--gpu", action="store_true", help="train on the accelerator (default: use_cpu=True)")
     p.add_argument("--deepspeed_config", default=None)
     p.add_argument("--push_to", default=None, help="a repo id to push the student to (Hub at HF_ENDPOINT)")
+    p.add_argument("--student_width", type=int, default=None, help="narrower than the teacher's 32: projections")
+    p.add_argument("--resume_check", action="store_true", help="checkpoint at step 2, then resume a fresh trainer")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
-    run(a.out, a.engine, a.per_device_batch, a.steps, not a.gpu, a.deepspeed_config, a.push_to)
+    run(a.out, a.engine, a.per_device_batch, a.steps, not a.gpu, a.deepspeed_config, a.push_to,
+        student_width=a.student_width, resume_check=a.resume_check)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

@@ -1,8 +1,10 @@
 """DistillationTrainer.train() end to end under DeepSpeed ZeRO-3 on 2 CPU processes (gloo), then push_to_hub.
 
-`accelerate launch --config_file` starts tests/engine_run.py; the student must equal a single-process run,
-each rank must hold about half of the teacher and of the student, and the push from every rank must complete
-(the ZeRO-3 save gathers the shards: a rank skipping it would deadlock the others). FSDP needs a GPU
+`accelerate launch --config_file` starts tests/engine_run.py with a student narrower than the teacher, so a
+projection trains inside the engine with it. The student and the projection must equal a single-process run,
+each rank must hold about half of the teacher and of the student, a fresh trainer resumed from the step-2
+checkpoint must end where the run ended, the student's files must hold no projection, and the push from every
+rank must complete (the ZeRO-3 save gathers the shards: a rank skipping it would deadlock the others). FSDP needs a GPU
 (accelerate runs it as DDP on a CPU, which hf_distill.placement.check_engine refuses): see
 benchmarks/distributed_gpu.sh. DeepSpeed is a dev dependency; its first run on a machine JIT-builds a small
 shared-memory op (seconds with a C++ compiler; cached in ~/.cache/torch_extensions).
@@ -21,6 +23,7 @@ import engine_run
 import pytest
 import torch
 from hub_server import FakeHub
+from safetensors import safe_open
 
 pytestmark = pytest.mark.distributed
 CONFIGS = Path(__file__).parent / "configs"
@@ -38,19 +41,35 @@ def test_zero3_on_two_cpu_processes_matches_one_and_pushes(tmp_path):
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                str(CONFIGS / "accelerate_zero3_cpu.yaml"), "--main_process_port", port, engine_run.__file__,
                str(tmp_path / "zero3"), "--engine", "zero3", "--per_device_batch", "4",
-               "--deepspeed_config", str(CONFIGS / "zero3_auto_no_optimizer.json"), "--push_to", "user/zero3-student"]
+               "--deepspeed_config", str(CONFIGS / "zero3_auto_no_optimizer.json"), "--push_to", "user/zero3-student",
+               "--student_width", "16", "--resume_check"]
         # A deadlock (e.g. a card evaluating a sharded teacher on rank 0) never ends; a slow, loaded machine does.
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         repo = hub.repos["user/zero3-student"]
     zero3 = json.loads((tmp_path / "zero3" / "result.json").read_text())
-    single = engine_run.run(tmp_path / "single", "ddp", per_device_batch=8, steps=3)
+    single = engine_run.run(tmp_path / "single", "ddp", per_device_batch=8, steps=3, student_width=16)
     assert (zero3["distributed_type"], zero3["world_size"], zero3["steps"]) == ("DEEPSPEED", 2, 3)
     assert zero3["teacher_type"] == zero3["wrapped_type"] == "DeepSpeedEngine"
     torch.testing.assert_close(torch.tensor(zero3["student"]), torch.tensor(single["student"]), atol=1e-5, rtol=0)
+    assert len(single["projections"]) == 16 * 32 + 32  # one shared Linear, 16 -> 32
+    torch.testing.assert_close(
+        torch.tensor(zero3["projections"]), torch.tensor(single["projections"]), atol=1e-5, rtol=0
+    )
     for a, b in zip(zero3["logs"], single["logs"], strict=True):
-        for key in ("loss_kd", "loss_hidden", "loss_attention"):
+        for key in ("loss_kd", "loss_hidden", "loss_attention", "grad_norm"):  # grad_norm counts the projection
             assert a[key] == pytest.approx(b[key], rel=1e-4), key
+    # resumed from checkpoint-2 by a fresh trainer: the engine's checkpoint restored the projection too
+    resumed = zero3["resumed"]
+    assert "global_step2" in resumed["checkpoint_files"] and "distill_projections.pt" not in resumed["checkpoint_files"]
+    torch.testing.assert_close(torch.tensor(resumed["student"]), torch.tensor(zero3["student"]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(resumed["projections"]), torch.tensor(zero3["projections"]), atol=1e-6, rtol=0
+    )
+    # the student's files hold the student only, during training (checkpoint) and after it
+    assert not any("projection" in k for k in zero3["student_keys"])
+    with safe_open(str(tmp_path / "zero3" / "out" / "checkpoint-2" / "model.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == zero3["student_keys"]
     full_teacher, full_student = single["ranks"][0]["teacher_bytes"], single["ranks"][0]["student_bytes"]
     for rank in zero3["ranks"]:  # a partition each (odd-sized tensors round up)
         assert rank["teacher_bytes"] <= 0.55 * full_teacher and rank["student_bytes"] <= 0.55 * full_student

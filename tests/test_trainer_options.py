@@ -4,6 +4,7 @@ gradient clipping and weight decay (with the projections a distillation run adds
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -166,6 +167,56 @@ def test_projection_biases_get_no_weight_decay(tmp_path):
         group = group_of[id(p)]
         assert group["lr"] == 1e-2
         assert group["weight_decay"] == (0.0 if name.endswith("bias") else 0.1), name
+
+
+def _as_if_under(trainer, kind, ds_config=None):
+    """The trainer's engine checks, run against an accelerator state of another engine (no launch needed)."""
+    from accelerate.utils import DistributedType
+
+    plugin = SimpleNamespace(deepspeed_config=ds_config or {})
+    trainer.accelerator = SimpleNamespace(distributed_type=getattr(DistributedType, kind),
+                                          state=SimpleNamespace(deepspeed_plugin=plugin))
+    return trainer
+
+
+def test_projections_under_fsdp_are_refused(tmp_path):
+    trainer = _as_if_under(_trainer(tmp_path, student=_narrow_student(), **TERMS), "FSDP")
+    with pytest.raises(ValueError, match=r"Projections \(student width 16 -> teacher width 32\).*FSDP"):
+        trainer._check_projection_optimizer()
+
+
+def test_projection_lr_with_a_deepspeed_optimizer_section_is_refused(tmp_path):
+    """DeepSpeed builds the optimizer of its config over the student and the projections alike."""
+    trainer = _trainer(tmp_path, student=_narrow_student(), projection_lr=1e-2, **TERMS)
+    _as_if_under(trainer, "DEEPSPEED", {"optimizer": {"type": "AdamW"}})
+    with pytest.raises(ValueError, match=r"projection_lr=0.01 cannot be honoured.*'optimizer' section"):
+        trainer._check_projection_optimizer()
+    trainer.args.projection_lr = None  # the config's learning rate for both: fine
+    trainer._check_projection_optimizer()
+    trainer.args.projection_lr = 1e-2  # no optimizer section: the Trainer's optimizer gets the projections' group
+    _as_if_under(trainer, "DEEPSPEED", {"zero_optimization": {"stage": 3}})
+    trainer._check_projection_optimizer()
+    assert trainer._projections_in_engine()
+
+
+def test_under_deepspeed_the_projections_get_their_own_groups_not_the_students(tmp_path):
+    """While attached to the student (DeepSpeed), the Trainer's groups would take the projections at the
+    student's learning rate: create_optimizer moves them into the projection groups."""
+    trainer = _trainer(tmp_path, student=_narrow_student(), projection_lr=1e-2, weight_decay=0.1, **TERMS)
+    _as_if_under(trainer, "DEEPSPEED", {"zero_optimization": {"stage": 3}})
+    proj = trainer.intermediate.projections
+    with trainer._projections_attached():
+        assert trainer.model.hf_distill_projections is proj
+        optimizer = trainer.create_optimizer()
+    assert not hasattr(trainer.model, "hf_distill_projections")  # the student is bare again
+    ids = {id(p) for p in proj.parameters()}
+    for group in optimizer.param_groups:
+        mine = [id(p) in ids for p in group["params"]]
+        assert all(mine) or not any(mine)  # never mixed with the student's parameters
+        if any(mine):
+            assert group["lr"] == 1e-2
+    placed = [p for g in optimizer.param_groups for p in g["params"] if id(p) in ids]
+    assert len(placed) == len(ids)  # each projection parameter exactly once
 
 
 def test_user_optimizer_and_scheduler_without_the_projections_are_refused(tmp_path):
