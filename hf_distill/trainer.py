@@ -102,6 +102,7 @@ class DistillationTrainer(Trainer):
         ]
         self.teacher = self.teachers[0] if self.teachers else None
         self.teacher_metrics: dict[str, float] = {}  # set by evaluate_teacher(), reported by the model card
+        self._pending_projections: dict | None = None  # gathered in _save_checkpoint for the save and its push
         terms = self.args.terms
         self.intermediate: IntermediateDistiller | None = None
         if terms:
@@ -605,11 +606,19 @@ class DistillationTrainer(Trainer):
         if not self._projections_in_engine() or PROJECTIONS_ATTR in self.model._modules:
             yield
             return
-        self.model.add_module(PROJECTIONS_ATTR, self._projections())
+        proj, engine = self._projections(), getattr(self, "deepspeed", None)
+        if engine is not None and not all(p in getattr(engine, "param_names", {}) for p in proj.parameters()):
+            raise RuntimeError(
+                "A DeepSpeed engine was built for this trainer before train() (by evaluate() or predict()), without "
+                "the projections, and the Trainer would train with that engine: the projections would be neither "
+                "partitioned nor optimised. Call train() before evaluating, or evaluate with a separate trainer."
+            )
+        student = self.model  # detach from this one even if the Trainer swaps self.model meanwhile
+        student.add_module(PROJECTIONS_ATTR, proj)
         try:
             yield
         finally:
-            self.model._modules.pop(PROJECTIONS_ATTR, None)
+            student._modules.pop(PROJECTIONS_ATTR, None)
 
     def _attached(self) -> bool:
         return PROJECTIONS_ATTR in getattr(self.model, "_modules", {})
@@ -705,25 +714,50 @@ class DistillationTrainer(Trainer):
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """The student's files never hold the projections, also when DeepSpeed gathered them with it."""
-        if self._attached():
+        if self._attached() and (state_dict is not None or self.args.should_save):
             if state_dict is None:
                 state_dict = self.model.state_dict()
             state_dict = {k: v for k, v in state_dict.items() if not k.startswith(PROJECTIONS_ATTR + ".")}
         super()._save(output_dir, state_dict=state_dict)
 
+    def _projection_file_state(self) -> dict | None:
+        """What `distill_projections.pt` gets, gathered from ZeRO-3 partitions (a collective: every rank calls
+        it); None when no file is written. Attached to the student (DeepSpeed), the engine's own checkpoint
+        holds them, unless `save_only_model` keeps the Trainer from writing that checkpoint."""
+        proj = self._projections()
+        if proj is None or (self._attached() and not self.args.save_only_model):
+            return None
+        params = list(proj.parameters())
+        gather = contextlib.nullcontext()
+        if any(hasattr(p, "ds_id") for p in params):
+            import deepspeed
+
+            gather = deepspeed.zero.GatheredParameters(params)
+        with gather:
+            return {k: v.detach().clone().cpu() for k, v in proj.state_dict().items()}
+
     def _save_checkpoint(self, model, trial) -> None:
-        super()._save_checkpoint(model, trial)
-        proj = self.intermediate.projections if self.intermediate else None
-        # Attached (DeepSpeed): the engine's own checkpoint holds them, partitioned like the student.
-        if proj is not None and not self._attached() and self.args.should_save:
-            folder = os.path.join(self._get_output_dir(trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-            torch.save(proj.state_dict(), os.path.join(folder, PROJECTIONS_FILE))
+        # Gathered before the Trainer's save, which may push the folder (see _push_from_checkpoint).
+        self._pending_projections = self._projection_file_state()
+        try:
+            super()._save_checkpoint(model, trial)
+            if self._pending_projections is not None and self.args.should_save:
+                folder = os.path.join(self._get_output_dir(trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+                torch.save(self._pending_projections, os.path.join(folder, PROJECTIONS_FILE))
+        finally:
+            self._pending_projections = None
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         super()._load_from_checkpoint(resume_from_checkpoint, model)
         proj = self.intermediate.projections if self.intermediate else None
         path = os.path.join(resume_from_checkpoint, PROJECTIONS_FILE)
         if proj is not None:
+            engine_files = any(n.startswith("global_step") for n in os.listdir(resume_from_checkpoint))
+            if not os.path.isfile(path) and engine_files:
+                raise FileNotFoundError(
+                    f"{resume_from_checkpoint} was written under DeepSpeed: its projections are in the engine's "
+                    "global_step*/ files, which only DeepSpeed reads. Resume it with the same DeepSpeed config."
+                )
             if not os.path.isfile(path):
                 raise FileNotFoundError(
                     f"{resume_from_checkpoint} has no {PROJECTIONS_FILE}: it was not written by a run with the "
@@ -855,9 +889,9 @@ class DistillationTrainer(Trainer):
         here first, or the pushed checkpoint (`hub_strategy` checkpoint/all_checkpoints) could not be resumed."""
         from .hub import push_checkpoint
 
-        proj = self.intermediate.projections if self.intermediate else None
-        if proj is not None and not self._attached() and self.args.should_save:
-            torch.save(proj.state_dict(), os.path.join(checkpoint_folder, PROJECTIONS_FILE))
+        state = getattr(self, "_pending_projections", None)
+        if state is not None and self.args.should_save:
+            torch.save(state, os.path.join(checkpoint_folder, PROJECTIONS_FILE))
         push_checkpoint(self, checkpoint_folder)
 
     def push_to_hub(

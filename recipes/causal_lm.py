@@ -10,8 +10,9 @@ Steps:
    `teacher_cache_dir/<hash of its settings and corpus>`, so a second run reuses it;
 2. the student: the teacher's most important `student_num_layers` blocks (default: half the depth), chosen by
    `students.prune_depth` on `calibration_batches` training blocks, copied bit-exactly;
-3. distillation: `kd_weight * JSD_beta(teacher || student) + task_weight * CE` on the training blocks
-   (labels = input_ids; position t is compared where token t+1 is predicted);
+3. distillation: `kd_weight * JSD_beta(teacher || student) + task_weight * CE` on the training blocks, or on
+   the first `student_train_blocks` of them (labels = input_ids; position t is compared where token t+1 is
+   predicted);
 4. the baseline: the same pruned student trained with CE only (`kd_weight 0`), same steps, data and seed;
 5. perplexity of the teacher and both students on the held-out file, written to `results.json`.
 
@@ -51,6 +52,10 @@ class CausalLMArguments:
     block_size: int = field(default=128, metadata={"help": "Tokens per training / evaluation block."})
     max_train_blocks: int | None = field(default=None, metadata={"help": "Use only the first N training blocks."})
     max_eval_blocks: int | None = field(default=None, metadata={"help": "Evaluate on the first N held-out blocks."})
+    student_train_blocks: int | None = field(
+        default=None, metadata={"help": "Distil (and train the CE-only baseline) on the first N training blocks only; "
+                                "the teacher trained here still sees all of them, as a real teacher has seen more "
+                                "text than the distillation set. Default: all."})
     student_num_layers: int | None = field(default=None, metadata={"help": "Student depth; default: half the "
                                                                    "teacher's (rounded up)."})
     calibration_batches: int = field(default=4, metadata={"help": "Training batches scoring the teacher's blocks."})
@@ -191,6 +196,10 @@ def main() -> None:
     results["teacher"] = teacher_path
     set_seed(args.seed)
     train = blocks(text, tokenizer, recipe.block_size, recipe.max_train_blocks)
+    if recipe.student_train_blocks is not None:
+        if recipe.student_train_blocks < 1:
+            fail(f"student_train_blocks must be >= 1, got {recipe.student_train_blocks}")
+        train = train.select(range(min(recipe.student_train_blocks, len(train))))
     valid = blocks(held_out, tokenizer, recipe.block_size, recipe.max_eval_blocks)
 
     # 2. The student: the teacher's most important blocks, scored on a few training batches.

@@ -219,6 +219,55 @@ def test_under_deepspeed_the_projections_get_their_own_groups_not_the_students(t
     assert len(placed) == len(ids)  # each projection parameter exactly once
 
 
+def test_an_engine_built_before_train_without_the_projections_is_refused(tmp_path):
+    """transformers reuses an engine that evaluate() built: it would train without the projections."""
+    trainer = _trainer(tmp_path, student=_narrow_student(), **TERMS)
+    _as_if_under(trainer, "DEEPSPEED", {"zero_optimization": {"stage": 3}})
+    trainer.deepspeed = SimpleNamespace(param_names={p: "x" for p in trainer.model.parameters()})
+    with pytest.raises(RuntimeError, match="engine was built for this trainer before train"):
+        trainer.train()
+    assert not hasattr(trainer.model, "hf_distill_projections")
+    # an engine of an earlier train() holds them: allowed (it is the one the Trainer continues with)
+    proj = list(trainer.intermediate.projections.parameters())
+    trainer.deepspeed.param_names.update({p: "hf_distill_projections.x" for p in proj})
+    with trainer._projections_attached():
+        assert trainer.model.hf_distill_projections is trainer.intermediate.projections
+
+
+def test_projections_detach_from_the_student_they_were_attached_to(tmp_path):
+    trainer = _trainer(tmp_path, student=_narrow_student(), **TERMS)
+    _as_if_under(trainer, "DEEPSPEED", {"zero_optimization": {"stage": 3}})
+    student = trainer.model
+    with pytest.raises(KeyError):
+        with trainer._projections_attached():
+            trainer.model = bert(2, hidden=16)  # e.g. a model_init run replacing the model
+            raise KeyError("boom")
+    assert not hasattr(student, "hf_distill_projections")
+
+
+def test_projection_file_under_deepspeed_only_when_the_engine_checkpoint_is_not_written(tmp_path):
+    """With save_only_model the Trainer writes no engine checkpoint: the projections get their own file."""
+    trainer = _trainer(tmp_path, student=_narrow_student(), **TERMS)
+    assert set(trainer._projection_file_state()) == {"maps.shared.weight", "maps.shared.bias"}  # DDP / 1 process
+    _as_if_under(trainer, "DEEPSPEED", {"zero_optimization": {"stage": 3}})
+    with trainer._projections_attached():
+        assert trainer._projection_file_state() is None  # inside the engine's global_step*/ files
+        trainer.args.save_only_model = True
+        state = trainer._projection_file_state()
+    assert torch.equal(state["maps.shared.weight"], trainer.intermediate.projections.maps["shared"].weight)
+
+
+def test_a_deepspeed_checkpoint_resumed_without_deepspeed_says_so(tmp_path):
+    trainer = _trainer(tmp_path, student=_narrow_student(), save_strategy="steps", save_steps=1, **TERMS)
+    trainer.train()
+    checkpoint = tmp_path / "out" / "checkpoint-1"
+    (checkpoint / "distill_projections.pt").unlink()
+    (checkpoint / "global_step1").mkdir()  # what a DeepSpeed run writes instead
+    again = _trainer(tmp_path, student=_narrow_student(), max_steps=2, **TERMS)
+    with pytest.raises(FileNotFoundError, match="written under DeepSpeed.*same DeepSpeed config"):
+        again.train(resume_from_checkpoint=str(checkpoint))
+
+
 def test_user_optimizer_and_scheduler_without_the_projections_are_refused(tmp_path):
     student = _narrow_student()
     opt = torch.optim.SGD(student.parameters(), lr=0.1)
