@@ -48,8 +48,11 @@ run() {  # name, launcher..., -- engine_run args...
   tail -c 20000 "$TMP/$name.log" >> "$OUT/distributed_gpu.log"
 }
 TORCHRUN=($PY -m torch.distributed.run --nproc_per_node 1 --master_port 29731)
+# The template's AdamW takes the Trainer's learning rate: 1e-3 (engine_run's default 0.5 is for its SGD comparisons).
 run zero3 timeout 150 "${TORCHRUN[@]}" tests/engine_run.py "$TMP/zero3" --engine zero3 --gpu --steps 20 \
-  --deepspeed_config tests/configs/zero3_hf_template.json --push_to user/zero3-gpu
+  --deepspeed_config tests/configs/zero3_hf_template.json --push_to user/zero3-gpu --learning_rate 1e-3
+run zero3_projection timeout 150 "${TORCHRUN[@]}" tests/engine_run.py "$TMP/zero3_projection" --engine zero3 --gpu \
+  --steps 20 --deepspeed_config tests/configs/zero3_auto_no_optimizer.json --student_width 16 --resume_check
 run fsdp2 timeout 120 "${TORCHRUN[@]}" tests/engine_run.py "$TMP/fsdp2" --engine fsdp2 --gpu --steps 20 \
   --push_to user/fsdp2-gpu
 kill "$HUB_PID"; wait "$HUB_PID" || true
@@ -60,11 +63,12 @@ from pathlib import Path
 tmp = Path(sys.argv[1])
 pushed = json.loads((tmp / "hub.json").read_text()) if (tmp / "hub.json").exists() else {}
 runs = []
-for name, repo in (("zero3", "user/zero3-gpu"), ("fsdp2", "user/fsdp2-gpu")):
+for name, repo in (("zero3", "user/zero3-gpu"), ("zero3_projection", None), ("fsdp2", "user/fsdp2-gpu")):
     f = tmp / name / "result.json"
     if not f.exists():
         log = (tmp / f"{name}.log").read_text().strip().splitlines()
-        err = [l for l in log if "Error" in l] or log[-1:]
+        # the rank's own exception, not the launcher's ChildFailedError that wraps it
+        err = [l for l in log if "Error" in l and "ChildFailedError" not in l] or log[-1:]
         runs.append({"engine": f"{name} (GPU)", "ran": "no", "where": "1 CUDA GPU", "error": err[-1] if err else ""})
         continue
     r = json.loads(f.read_text())
@@ -76,8 +80,11 @@ for name, repo in (("zero3", "user/zero3-gpu"), ("fsdp2", "user/fsdp2-gpu")):
         "teacher_bytes_per_rank": [x["teacher_bytes"] for x in r["ranks"]],
         "student_bytes_per_rank": [x["student_bytes"] for x in r["ranks"]],
         "peak_memory_bytes_per_rank": [x["peak_memory_bytes"] for x in r["ranks"]],
-        "train_wall_s": round(r["wall_s"], 2), "pushed_files": pushed.get(repo, []),
+        "train_wall_s": round(r["wall_s"], 2), "pushed_files": pushed.get(repo, []) if repo else None,
         "final_losses": {k: v for k, v in r["logs"][-1].items() if k.startswith("loss")},
+        "resumed_max_abs_diff": max((abs(a - b) for a, b in zip(r["resumed"]["student"] + r["resumed"]["projections"],
+                                                               r["student"] + r["projections"])), default=None)
+        if r.get("resumed") else None,
     })
 Path("benchmarks/results/distributed_gpu.json").write_text(json.dumps({"runs": runs}, indent=2) + "\n")
 print(json.dumps(runs, indent=1)[:3000])

@@ -6,7 +6,8 @@ projection is trained too (DDP and DeepSpeed; refused under FSDP). Rank 0 writes
 full parameters (gathered from shards) and the projections', losses, how the models were wrapped, per-rank
 teacher and student parameter bytes, peak memory per rank and wall time, so that tests/test_engines.py and
 benchmarks/distributed.py can compare the run with a single-process one. `--resume_check` saves a checkpoint at
-step 2 and, after the run, resumes a fresh trainer from it: its final student and projections are recorded too.
+step `steps - 1` and, after the run, resumes a fresh trainer from it: its final student and projections are
+recorded too.
 `--push_to REPO` pushes the student and its card to the Hub at HF_ENDPOINT (tests/hub_server.py) afterwards.
 """
 
@@ -70,13 +71,14 @@ def projection_values(trainer: DistillationTrainer) -> list[float]:
 
 
 def make_trainer(out: Path, engine: str, per_device_batch: int, steps: int, use_cpu: bool,
-                 deepspeed_config: str | None, width: int, student_width: int | None, save_steps: int | None):
+                 deepspeed_config: str | None, width: int, student_width: int | None, save_steps: int | None,
+                 learning_rate: float = 0.5):
     a = args(
         out,
         per_device_train_batch_size=per_device_batch,
         max_steps=steps,
         optim="sgd",
-        learning_rate=0.5,
+        learning_rate=learning_rate,
         use_cpu=use_cpu,
         distill_terms=TERMS,
         kd_weight=0.5,
@@ -93,9 +95,10 @@ def make_trainer(out: Path, engine: str, per_device_batch: int, steps: int, use_
 
 def run(out: Path, engine: str, per_device_batch: int, steps: int, use_cpu: bool = True,
         deepspeed_config: str | None = None, push_to: str | None = None, width: int = 32,
-        student_width: int | None = None, resume_check: bool = False) -> dict:
+        student_width: int | None = None, resume_check: bool = False, learning_rate: float = 0.5) -> dict:
     setup = (engine, per_device_batch, steps, use_cpu, deepspeed_config, width, student_width)
-    trainer = make_trainer(out, *setup, save_steps=2 if resume_check else None)
+    last_save = steps - 1  # the resumed trainer runs the last step again
+    trainer = make_trainer(out, *setup, save_steps=last_save if resume_check else None, learning_rate=learning_rate)
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
@@ -103,14 +106,15 @@ def run(out: Path, engine: str, per_device_batch: int, steps: int, use_cpu: bool
     state = acc.get_state_dict(trainer.model_wrapped)  # gathers FSDP / ZeRO-3 shards (on rank 0)
     projections = projection_values(trainer)
     resumed = {}
-    if resume_check:  # a fresh trainer (new engine) continues from checkpoint-2 to the same last step
-        again = make_trainer(out, *setup, save_steps=None)
-        again.train(resume_from_checkpoint=str(out / "out" / "checkpoint-2"))
+    if resume_check:  # a fresh trainer (new engine) continues from checkpoint-<steps - 1> to the same last step
+        again = make_trainer(out, *setup, save_steps=None, learning_rate=learning_rate)
+        again.train(resume_from_checkpoint=str(out / "out" / f"checkpoint-{last_save}"))
         again_state = acc.get_state_dict(again.model_wrapped)
         resumed = {
             "student": flat_state(again_state) if acc.is_main_process else [],
             "projections": projection_values(again),
-            "checkpoint_files": sorted(os.listdir(out / "out" / "checkpoint-2")) if acc.is_main_process else [],
+            "checkpoint_files": sorted(os.listdir(out / "out" / f"checkpoint-{last_save}"))
+            if acc.is_main_process else [],
         }
     rank = {
         "teacher_bytes": local_parameter_bytes(trainer.teacher),
@@ -157,11 +161,12 @@ if __name__ == "__main__":
     p.add_argument("--push_to", default=None, help="a repo id to push the student to (Hub at HF_ENDPOINT)")
     p.add_argument("--student_width", type=int, default=None, help="narrower than the teacher's 32: projections")
     p.add_argument("--resume_check", action="store_true", help="checkpoint at step 2, then resume a fresh trainer")
+    p.add_argument("--learning_rate", type=float, default=0.5, help="0.5 suits the SGD of the comparisons")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     run(a.out, a.engine, a.per_device_batch, a.steps, not a.gpu, a.deepspeed_config, a.push_to,
-        student_width=a.student_width, resume_check=a.resume_check)
+        student_width=a.student_width, resume_check=a.resume_check, learning_rate=a.learning_rate)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
