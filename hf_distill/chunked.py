@@ -139,9 +139,11 @@ def chunked_kd_and_ce(
             with torch.no_grad():
                 tz = teacher(t_part) if t_hidden is not None else t_part
                 tz = tz.float()[:, :vocab] if vocab is not None else tz.float()
-            kd_sum = kd(z[kd_part], tz[kd_part]) * kd_part.sum()
+            every = bool(kd_part.all())  # the usual case: no (n, V) copies of both sides
+            kd_sum = kd(z if every else z[kd_part], tz if every else tz[kd_part]) * kd_part.sum()
         if y is not None and bool(ce_part.any()):
-            ce_sum = F.cross_entropy(z[ce_part], y[ce_part], reduction="sum")
+            every = bool(ce_part.all())
+            ce_sum = F.cross_entropy(z if every else z[ce_part], y if every else y[ce_part], reduction="sum")
         return torch.stack([kd_sum, ce_sum])
 
     total = s_rows.new_zeros(2, dtype=torch.float32)
