@@ -57,8 +57,11 @@ def child_env() -> dict[str, str]:
 
 
 def run_child(*args: str, timeout: int = 1200) -> dict:
-    proc = subprocess.run([sys.executable, __file__, *args], cwd=ROOT, env=child_env(), capture_output=True,
-                          text=True, timeout=timeout)
+    try:
+        proc = subprocess.run([sys.executable, __file__, *args], cwd=ROOT, env=child_env(), capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"stopped at the {timeout} s time limit", "returncode": None}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         return {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1], "returncode": proc.returncode}
