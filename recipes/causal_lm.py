@@ -183,6 +183,8 @@ def main() -> None:
 
     if args.kd_loss not in ("jsd", "kl", "reverse_kl", "soft_ce"):
         fail(f"kd_loss must be a softmax loss (jsd, kl, reverse_kl, soft_ce) for a causal LM, got {args.kd_loss!r}")
+    if recipe.student_train_blocks is not None and recipe.student_train_blocks < 1:
+        fail(f"student_train_blocks must be >= 1 (or unset for every block), got {recipe.student_train_blocks}")
     text, held_out = read_text(recipe.train_file), read_text(recipe.eval_file)
     results = {"recipe": "causal_lm", "command": command_line(), "config": config,
                "train_file": recipe.train_file, "eval_file": recipe.eval_file}
@@ -197,8 +199,6 @@ def main() -> None:
     set_seed(args.seed)
     train = blocks(text, tokenizer, recipe.block_size, recipe.max_train_blocks)
     if recipe.student_train_blocks is not None:
-        if recipe.student_train_blocks < 1:
-            fail(f"student_train_blocks must be >= 1, got {recipe.student_train_blocks}")
         train = train.select(range(min(recipe.student_train_blocks, len(train))))
     valid = blocks(held_out, tokenizer, recipe.block_size, recipe.max_eval_blocks)
 

@@ -447,7 +447,8 @@ def _causal_corpus(path: Path, lines: int, seed: int) -> Path:
 
 
 def _causal_flags(tmp: Path, out: Path) -> list:
-    """Tiny everything: a 2-layer hidden-32 teacher on a 300-token BPE, 16-token blocks, 2 steps per student."""
+    """Tiny everything: a 2-layer hidden-32 teacher on a 300-token BPE and 16 blocks of 16 tokens; the students
+    distil on the first 8 blocks, 2 epochs of 1 step."""
     return ["--config", RECIPES / "configs" / "causal_lm_wikitext.yaml", "--output_dir", out,
             "--train_file", _causal_corpus(tmp / "train.raw", 40, 0),
             "--eval_file", _causal_corpus(tmp / "test.raw", 8, 1),
@@ -455,7 +456,8 @@ def _causal_flags(tmp: Path, out: Path) -> list:
             "--teacher_hidden_size", "32", "--teacher_heads", "4", "--teacher_kv_heads", "2",
             "--teacher_intermediate_size", "64", "--teacher_epochs", "1", "--teacher_batch_size", "8",
             "--block_size", "16", "--max_train_blocks", "16", "--max_eval_blocks", "4", "--calibration_batches", "1",
-            "--per_device_train_batch_size", "8", "--logging_steps", "1", "--disable_tqdm", "true"]
+            "--per_device_train_batch_size", "8", "--logging_steps", "1", "--disable_tqdm", "true",
+            "--student_train_blocks", "8", "--num_train_epochs", "2"]
 
 
 def test_causal_lm_recipe_trains_teacher_prunes_distils_and_compares(tmp_path):
@@ -465,6 +467,8 @@ def test_causal_lm_recipe_trains_teacher_prunes_distils_and_compares(tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert results["teacher_layers"] == 2 and results["student_layers"] == 1 and len(results["kept_blocks"]) == 1
     assert results["params"] < results["teacher_params"] and results["train_steps"] == results["baseline_steps"] == 2
+    # the teacher trained on every block, the students on the first student_train_blocks
+    assert results["teacher_training"]["train_blocks"] == 16 and results["train_blocks"] == 8
     assert results["distillation"]["kd_loss"] == "jsd" and results["distillation"]["jsd_beta"] == 0.5
     for key in ("teacher_perplexity", "perplexity", "baseline_perplexity"):
         assert 1.0 < results[key] < 1e4, (key, results[key])
@@ -491,6 +495,13 @@ def test_causal_lm_bad_kd_loss_is_one_line(tmp_path):
     proc = run("causal_lm", *_causal_flags(tmp_path, tmp_path / "out"), "--kd_loss", "mse")
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and "kd_loss" in lines[0], proc.stderr[-2000:]
+
+
+def test_causal_lm_bad_student_train_blocks_is_one_line(tmp_path):
+    proc = run("causal_lm", *_causal_flags(tmp_path, tmp_path / "out"), "--student_train_blocks", "0")
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "student_train_blocks" in lines[0], proc.stderr[-2000:]
+    assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
 def test_causal_lm_readme_example_runs(tmp_path, monkeypatch):
