@@ -243,17 +243,20 @@ def _log_mixture_terms(d: torch.Tensor, beta: float) -> tuple[torch.Tensor, torc
     Both share one term: ``log(M/P) = relu(d) + c`` and ``log(M/Q) = relu(-d) + c`` with
     ``c = log(r + w*exp(-|d|))``, ``(w, r) = (1-beta, beta)`` where ``d <= 0`` and ``(beta, 1-beta)``
     elsewhere. Near agreement ``c = log1p(w*expm1(-|d|))``, exactly 0 at ``d = 0`` (a float32 logsumexp
-    leaves ~1e-7 there, times ``T**2``); far from it ``log(r + w*exp(-|d|))`` keeps ``log(beta)`` when
-    ``1 - beta`` rounds to 1. ``exp`` only sees ``-|d| <= 0``, so nothing overflows, and ``d = +-inf`` (a
-    class with zero mass on one side) gives inf only in the term that zero mass multiplies.
+    leaves ~1e-7 there, times ``T**2``); far from it ``logaddexp(log r, log w - |d|)`` keeps ``log(beta)`` when
+    ``1 - beta`` rounds to 1 and when ``beta`` itself is below float32's range. ``exp`` only sees
+    ``-|d| <= 0``, so nothing overflows, and ``d = +-inf`` (a class with zero mass on one side) gives inf only
+    in the term that zero mass multiplies.
     """
     neg = d <= 0
     w = torch.where(neg, d.new_tensor(1.0 - beta), d.new_tensor(beta))
-    r = torch.where(neg, d.new_tensor(beta), d.new_tensor(1.0 - beta))
+    # the logs of the weights in double first: beta may be far below float32's range (1e-140), its log is not
+    log_beta, log_rest = d.new_tensor(math.log(beta)), d.new_tensor(math.log1p(-beta))
+    log_w, log_r = torch.where(neg, log_rest, log_beta), torch.where(neg, log_beta, log_rest)
     a = -d.abs()
     y = w * torch.expm1(a)  # in [-w, 0]
     near = y > -0.5
-    c = torch.where(near, torch.log1p(torch.where(near, y, 0.0)), torch.log(r + w * torch.exp(a)))
+    c = torch.where(near, torch.log1p(torch.where(near, y, 0.0)), torch.logaddexp(log_r, log_w + a))
     return d.clamp(min=0) + c, (-d).clamp(min=0) + c
 
 

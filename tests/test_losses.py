@@ -351,6 +351,17 @@ def test_jsd_closed_form_gradient_matches_float64_autograd(beta, sparse):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("beta", [1.3473632366886775e-140, 1e-300, 1e-45])
+def test_jsd_with_beta_below_float32_range_is_finite(beta):
+    """Found by hypothesis: beta = 1.35e-140 is 0 in float32, and exp(-800) too: log(0 + 0) was -inf, times 0."""
+    s, t = randn(2, 3, 5, seed=144, scale=400), randn(2, 3, 5, seed=145, scale=400)
+    s.requires_grad_(True)
+    loss = generalized_jsd(s, t, beta, 0.5)
+    (grad,) = torch.autograd.grad(loss, s)
+    assert torch.isfinite(loss) and loss >= 0 and torch.isfinite(grad).all()
+    assert generalized_jsd(t.clone(), t, beta, 0.5).item() == 0.0
+
+
 def test_jsd_row_blocks_do_not_change_value_or_gradient(monkeypatch):
     """The loss walks rows in cache-sized blocks; any block size gives the same numbers."""
     s, t = randn(3, 5, 11, seed=142, scale=3), randn(3, 5, 11, seed=143, scale=3)
