@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from helpers import args, bert, collate, flat_params, teacher, token_dataset  # noqa: E402
+from helpers import args, bert, collate, flat_params, leave_distributed_run, teacher, token_dataset  # noqa: E402
 
 from hf_distill import DistillationTrainer  # noqa: E402
 
@@ -68,11 +67,4 @@ if __name__ == "__main__":
     a.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     run(a.out, a.per_device_batch, a.intermediate)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    # The result is written and every rank is past the barrier. Skip the interpreter's teardown: under load a
-    # gloo rank can abort there ("terminate called without an active exception") after a correct run.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_distributed_run()

@@ -14,7 +14,6 @@ recorded too.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import resource
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from helpers import args, bert, collate, teacher, token_dataset  # noqa: E402
+from helpers import args, bert, collate, leave_distributed_run, teacher, token_dataset  # noqa: E402
 
 from hf_distill import DistillationTrainer  # noqa: E402
 from hf_distill.placement import local_parameter_bytes  # noqa: E402
@@ -57,17 +56,8 @@ def flat_state(state: dict) -> list[float]:
 
 def projection_values(trainer: DistillationTrainer) -> list[float]:
     """The projections' parameters, gathered from their ZeRO-3 partitions (every rank must call it)."""
-    proj = trainer.intermediate.projections if trainer.intermediate else None
-    if proj is None:
-        return []
-    params = list(proj.parameters())
-    gather = contextlib.nullcontext()
-    if any(hasattr(p, "ds_id") for p in params):
-        import deepspeed
-
-        gather = deepspeed.zero.GatheredParameters(params)
-    with gather:
-        return torch.cat([p.detach().reshape(-1).float().cpu() for p in params]).tolist()
+    state = trainer._projection_file_state()  # what a checkpoint's distill_projections.pt holds
+    return torch.cat([v.reshape(-1).float() for v in state.values()]).tolist() if state else []
 
 
 def make_trainer(out: Path, engine: str, per_device_batch: int, steps: int, use_cpu: bool,
@@ -167,11 +157,4 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     run(a.out, a.engine, a.per_device_batch, a.steps, not a.gpu, a.deepspeed_config, a.push_to,
         student_width=a.student_width, resume_check=a.resume_check, learning_rate=a.learning_rate)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Everything is written and every rank is past the barrier. Skip the interpreter's teardown: under load,
-    # DeepSpeed's CPU communication threads made it abort ("terminate called without an active exception").
-    os._exit(0)
+    leave_distributed_run()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from helpers import collate, teacher, token_dataset  # noqa: E402
+from helpers import collate, leave_distributed_run, teacher, token_dataset  # noqa: E402
 
 from hf_distill.placement import local_parameter_bytes, shard_fsdp2  # noqa: E402
 from hf_distill.taps import FeatureTaps, TapRequest  # noqa: E402
@@ -60,8 +59,4 @@ def main(out: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # The result is written and both ranks passed the barrier: skip the interpreter's teardown, which aborted a
-    # rank under load ("terminate called without an active exception") after everything was done.
-    os._exit(0)
+    leave_distributed_run()
