@@ -60,6 +60,17 @@ def ours_chunked(x: dict, ce: bool, chunk: int) -> torch.Tensor:
     return kd + ce_value if ce else kd
 
 
+def ours_fused(x: dict, ce: bool, chunk: int) -> torch.Tensor:
+    # the trainer's path on one GPU and under DDP: each chunk's gradient taken in the forward pass, no recompute
+    s = torch.cat([x["s_hidden"], x["s_hidden"][:1]])[None]
+    t = torch.cat([x["t_hidden"], x["t_hidden"][:1]])[None]
+    loss, _, _ = chunked.fused_kd_and_ce(
+        s, lambda h: h @ x["s_weight"].T, [x["s_weight"]], lambda h: h @ x["t_weight"].T, t, None,
+        x["labels"][None] if ce else None, chunked.dense_kd("jsd", 1.0, 0.5), chunk, kd_weight=1.0,
+        ce_weight=1.0 if ce else 0.0)
+    return loss
+
+
 def liger(x: dict, module) -> torch.Tensor:
     return module(x["s_hidden"], x["s_weight"], x["t_hidden"], x["t_weight"], None)  # no shift labels: all tokens
 
@@ -105,6 +116,8 @@ def main() -> None:
     for ce in (False, True):
         tag = "jsd+ce" if ce else "jsd"
         rows.append(measure(f"ours chunked ({a.chunk}) {tag}", lambda x, ce=ce: ours_chunked(x, ce, a.chunk), x,
+                            a.repeats))
+        rows.append(measure(f"ours fused chunks ({a.chunk}) {tag}", lambda x, ce=ce: ours_fused(x, ce, a.chunk), x,
                             a.repeats))
         try:
             rows.append(measure(f"naive whole logits {tag}", lambda x, ce=ce: naive(x, ce), x, a.repeats))

@@ -17,11 +17,13 @@ refused rather than distilled wrongly.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from . import losses
@@ -96,6 +98,42 @@ def last_hidden(out) -> torch.Tensor:
     return hidden[-1]
 
 
+def _counted_rows(s_hidden, teacher, t_hidden, kd_mask, labels, kd):
+    """The positions either term counts, gathered once: student states, teacher source, which term counts each
+    row, the next-token targets, and the two counts."""
+    s = s_hidden[:, :-1]
+    b, t = s.shape[:2]
+    kd_rows = torch.ones(b, t, dtype=torch.bool, device=s.device) if kd_mask is None else kd_mask.bool()
+    ce_rows = labels != -100 if labels is not None else torch.zeros_like(kd_rows)
+    if kd is None:
+        kd_rows = torch.zeros_like(kd_rows)
+    rows = kd_rows | ce_rows
+    t_source = None
+    if kd is not None:
+        t_source = t_hidden[:, :-1][rows] if t_hidden is not None else teacher[rows]
+    is_kd, is_ce = kd_rows[rows], ce_rows[rows]
+    targets = labels[rows] if labels is not None else None
+    return s[rows], t_source, is_kd, is_ce, targets, int(is_kd.sum()), int(is_ce.sum())
+
+
+def _chunk_sums(student_logits, teacher, from_hidden: bool, kd, vocab, h, t_part, kd_part, ce_part, y):
+    """`[KD sum, CE sum]` of one chunk of rows (the KD mean of the chunk times its KD rows)."""
+    z = student_logits(h).float()
+    z = z[:, :vocab] if vocab is not None else z
+    kd_sum = z.new_zeros(())
+    ce_sum = z.new_zeros(())
+    if kd is not None and bool(kd_part.any()):
+        with torch.no_grad():
+            tz = teacher(t_part) if from_hidden else t_part
+            tz = tz.float()[:, :vocab] if vocab is not None else tz.float()
+        every = bool(kd_part.all())  # the usual case: no (n, V) copies of both sides
+        kd_sum = kd(z if every else z[kd_part], tz if every else tz[kd_part]) * kd_part.sum()
+    if y is not None and bool(ce_part.any()):
+        every = bool(ce_part.all())
+        ce_sum = F.cross_entropy(z if every else z[ce_part], y if every else y[ce_part], reduction="sum")
+    return torch.stack([kd_sum, ce_sum])
+
+
 def chunked_kd_and_ce(
     s_hidden: torch.Tensor,
     student_logits: Callable[[torch.Tensor], torch.Tensor],
@@ -113,39 +151,13 @@ def chunked_kd_and_ce(
     inputs are the shifted views: `kd_mask` and `labels` are `(B, T-1)`. `teacher` is either the teacher's
     logits function (with `t_hidden`) or cached dense logits `(B, T-1, V)`. `kd(s, t)` returns the mean divergence
     of `(n, V)` rows. `vocab` cuts both models' logits to the ids they share (padded vocabularies of one family).
-    Returns `(kd, ce)`, each None when not asked for.
+    Returns `(kd, ce)`, each None when not asked for. Each chunk runs inside a checkpoint (its logits are
+    recomputed in backward), so the two values may be used in any way; :func:`fused_kd_and_ce` saves the
+    recomputation when their weights are known in advance.
     """
-    s = s_hidden[:, :-1]
-    b, t = s.shape[:2]
-    kd_rows = torch.ones(b, t, dtype=torch.bool, device=s.device) if kd_mask is None else kd_mask.bool()
-    ce_rows = labels != -100 if labels is not None else torch.zeros_like(kd_rows)
-    if kd is None:
-        kd_rows = torch.zeros_like(kd_rows)
-    rows = kd_rows | ce_rows
-    s_rows = s[rows]
-    t_source = None
-    if kd is not None:
-        t_source = t_hidden[:, :-1][rows] if t_hidden is not None else teacher[rows]
-    is_kd, is_ce = kd_rows[rows], ce_rows[rows]
-    targets = labels[rows] if labels is not None else None
-    n_kd, n_ce = int(is_kd.sum()), int(is_ce.sum())
-
-    def one_chunk(h: torch.Tensor, t_part, kd_part: torch.Tensor, ce_part: torch.Tensor, y) -> torch.Tensor:
-        z = student_logits(h).float()
-        z = z[:, :vocab] if vocab is not None else z
-        kd_sum = z.new_zeros(())
-        ce_sum = z.new_zeros(())
-        if kd is not None and bool(kd_part.any()):
-            with torch.no_grad():
-                tz = teacher(t_part) if t_hidden is not None else t_part
-                tz = tz.float()[:, :vocab] if vocab is not None else tz.float()
-            every = bool(kd_part.all())  # the usual case: no (n, V) copies of both sides
-            kd_sum = kd(z if every else z[kd_part], tz if every else tz[kd_part]) * kd_part.sum()
-        if y is not None and bool(ce_part.any()):
-            every = bool(ce_part.all())
-            ce_sum = F.cross_entropy(z if every else z[ce_part], y if every else y[ce_part], reduction="sum")
-        return torch.stack([kd_sum, ce_sum])
-
+    s_rows, t_source, is_kd, is_ce, targets, n_kd, n_ce = _counted_rows(s_hidden, teacher, t_hidden, kd_mask,
+                                                                         labels, kd)
+    one_chunk = functools.partial(_chunk_sums, student_logits, teacher, t_hidden is not None, kd, vocab)
     total = s_rows.new_zeros(2, dtype=torch.float32)
     for start in range(0, s_rows.shape[0], chunk_size):
         part = slice(start, start + chunk_size)
@@ -157,6 +169,84 @@ def chunked_kd_and_ce(
     kd_value = total[0] / max(n_kd, 1) if kd is not None else None
     ce_value = total[1] / max(n_ce, 1) if labels is not None else None
     return kd_value, ce_value
+
+
+class _Precomputed(torch.autograd.Function):
+    """A scalar whose gradients with respect to `inputs` were computed in the forward pass already."""
+
+    @staticmethod
+    def forward(ctx, value: torch.Tensor, grads: list, *inputs: torch.Tensor) -> torch.Tensor:
+        ctx.grads = grads
+        return value.clone()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g: torch.Tensor):
+        return (None, None, *(None if grad is None else grad * g.to(grad.dtype) for grad in ctx.grads))
+
+
+def fused_kd_and_ce(
+    s_hidden: torch.Tensor,
+    student_logits: Callable[[torch.Tensor], torch.Tensor],
+    params: list[torch.Tensor],
+    teacher: torch.Tensor | Callable[[torch.Tensor], torch.Tensor] | None,
+    t_hidden: torch.Tensor | None,
+    kd_mask: torch.Tensor | None,
+    labels: torch.Tensor | None,
+    kd: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+    chunk_size: int,
+    vocab: int | None = None,
+    kd_weight: float = 1.0,
+    ce_weight: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`kd_weight * KD + ce_weight * CE` with its gradient taken chunk by chunk during the forward pass.
+
+    The same KD and CE as :func:`chunked_kd_and_ce`, but each chunk's logits are computed once: right after a
+    chunk's loss, its gradient with respect to the chunk's hidden states and to `params` (the LM head's trainable
+    parameters) is taken and kept (`(n, H)` and the parameters' size), and the logits are dropped. The backward
+    pass only scales those gradients, so neither model's LM head runs again (Liger-Kernel's fused linear losses
+    do the same). The price is that the gradient is fixed in the forward pass: the result is one scalar with
+    the weights given here, plus the detached KD and CE means for logging. Parameters the chunk loss uses must
+    all be in `params` (or be frozen): the LM head's own trainable parameters are.
+    Returns `(loss, kd, ce)`; `kd`/`ce` are None when not asked for.
+    """
+    s_rows, t_source, is_kd, is_ce, targets, n_kd, n_ce = _counted_rows(s_hidden, teacher, t_hidden, kd_mask,
+                                                                         labels, kd)
+    one_chunk = functools.partial(_chunk_sums, student_logits, teacher, t_hidden is not None, kd, vocab)
+    coef = torch.tensor([kd_weight / max(n_kd, 1), ce_weight / max(n_ce, 1)], device=s_rows.device)
+    states = s_rows.detach()
+    grad_states = torch.zeros_like(states) if s_rows.requires_grad else None
+    grad_params = [torch.zeros_like(p) for p in params]
+    sums = states.new_zeros(2, dtype=torch.float32)
+    for start in range(0, states.shape[0], chunk_size):
+        part = slice(start, start + chunk_size)
+        h = states[part].detach().requires_grad_(grad_states is not None)
+        t_part = t_source[part] if t_source is not None else None
+        y = targets[part] if targets is not None else None
+        with torch.enable_grad():
+            pair = one_chunk(h, t_part, is_kd[part], is_ce[part], y)
+            wrt = ([h] if grad_states is not None else []) + list(params)
+            if wrt and pair.requires_grad:
+                grads = list(torch.autograd.grad((pair * coef).sum(), wrt, allow_unused=True))
+                if grad_states is not None:
+                    grad_states[part] = grads.pop(0)
+                for acc, grad in zip(grad_params, grads, strict=True):
+                    if grad is not None:
+                        acc += grad
+        sums += pair.detach()
+    value = (sums * coef).sum()
+    loss = _Precomputed.apply(value, [grad_states, *grad_params], s_rows, *params)
+    if s_rows.shape[0] == 0:  # keep the graph connected to the student when nothing is counted
+        loss = loss + s_hidden.sum() * 0
+    kd_value = sums[0] / max(n_kd, 1) if kd is not None else None
+    ce_value = sums[1] / max(n_ce, 1) if labels is not None else None
+    return loss, kd_value, ce_value
+
+
+def head_parameters(model: nn.Module) -> list[torch.Tensor]:
+    """The trainable parameters of the model's LM head (the ones :func:`fused_kd_and_ce` differentiates)."""
+    head = unwrap(model).get_output_embeddings()
+    return [p for p in head.parameters() if p.requires_grad]
 
 
 def dense_kd(kind: str, temperature: float, beta: float) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

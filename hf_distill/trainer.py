@@ -358,9 +358,16 @@ class DistillationTrainer(Trainer):
         if distill and self.args.kd_weight > 0:
             check_kd_loss(head, self.args.kd_loss)
 
-        task = kd = None
+        task = kd = fused = None
         if chunks is not None:
-            kd, task = self._chunked_terms(s_out, t_views[0], t_hidden, inputs, want_task, chunks)
+            scales = None
+            if step_mean:  # the step-mean factors, known before the loss: the fused path bakes them in
+                counts = {k: float(local[COUNT_KINDS.index(k)]) for k in ("labels", "kd")}
+                scales = {k: self._step.scale(k, c) if c > 0 else 0.0 for k, c in counts.items()}
+            kd, task, fused = self._chunked_terms(s_out, t_views[0], t_hidden, inputs, want_task, chunks, scales)
+            if scales is not None:  # the logged values get the same factors as below
+                kd = kd * scales["kd"] if kd is not None else None
+                task = task * scales["labels"] if task is not None else None
         else:
             if want_task:
                 task = self._task_loss(s_out, inputs, head, num_items_in_batch, step_mean)
@@ -370,14 +377,14 @@ class DistillationTrainer(Trainer):
         components: dict[str, torch.Tensor] = {}
         weights: dict[str, float] = {}
         if task is not None:
-            if step_mean and token_level and not self.compute_loss_func:
+            if step_mean and token_level and not self.compute_loss_func and chunks is None:
                 count = float(local[COUNT_KINDS.index("labels")])
                 # A micro-batch without a counted label adds nothing (a model's own mean over no tokens is NaN).
                 task = task * self._step.scale("labels", count) if count > 0 else _zero_like_graph(s_out)
             components["task"] = task
             weights["task"] = self.args.task_weight if distill else 1.0
         if kd is not None:
-            if step_mean and token_level:
+            if step_mean and token_level and chunks is None:
                 kd = kd * self._step.scale("kd", float(local[COUNT_KINDS.index("kd")]))
             components["kd"] = kd
             weights["kd"] = self.args.kd_weight
@@ -401,7 +408,10 @@ class DistillationTrainer(Trainer):
                 "Nothing to compute a loss from: the batch has no labels and distillation is off for it. "
                 "Set eval_with_teacher=True to evaluate the distillation loss on unlabeled data."
             )
-        loss = sum(weights[k] * v for k, v in components.items())
+        if fused is not None:  # kd and task are in `fused` already, with their gradient; logged from components
+            loss = fused + sum(weights[k] * v for k, v in components.items() if k not in ("kd", "task"))
+        else:
+            loss = sum(weights[k] * v for k, v in components.items())
         if model.training:
             self.tracker.add(components)
         if return_outputs:
@@ -444,18 +454,31 @@ class DistillationTrainer(Trainer):
             logits, labels = logits[:, :-1], labels[:, 1:]
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
 
-    def _chunked_terms(self, s_out, t_logits, t_hidden, inputs: dict[str, Any], want_task: bool, chunk: int):
-        """KD and the student's cross-entropy of a causal LM from hidden states, chunk by chunk (local means)."""
+    def _chunked_terms(self, s_out, t_logits, t_hidden, inputs: dict[str, Any], want_task: bool, chunk: int,
+                       scales: dict[str, float] | None):
+        """KD and the student's cross-entropy of a causal LM from hidden states, chunk by chunk (local means),
+        and their weighted sum with its gradient when the fused path (hf_distill.chunked) applies, else None.
+
+        Fused: every chunk's logits once, the gradient taken in the forward pass. It needs the weights up front
+        (kd_weight, task_weight, the step-mean factors `scales`) and plain parameters for the LM head: under
+        DeepSpeed or FSDP the engine owns gathering and reducing them, so the checkpointed path is used there."""
         labels = inputs.get(self._token_labels)
         kd_fn = None
         if self.args.kd_weight > 0:
             kd_fn = chunked.dense_kd(self.args.kd_loss, self.args.temperature, self.args.jsd_beta)
         kd_mask = kd_positions(inputs.get("attention_mask"), labels, self.args.kd_token_mask, causal=True)
         teacher = self._t_logits_fn if t_hidden is not None else (t_logits[:, :-1] if t_logits is not None else None)
-        return chunked.chunked_kd_and_ce(
-            chunked.last_hidden(s_out), self._s_logits_fn, teacher, t_hidden, kd_mask,
-            labels[:, 1:] if want_task and labels is not None else None, kd_fn, chunk, self._shared_vocab,
+        ce_labels = labels[:, 1:] if want_task and labels is not None else None
+        common = (teacher, t_hidden, kd_mask, ce_labels, kd_fn, chunk, self._shared_vocab)
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            kd, ce = chunked.chunked_kd_and_ce(chunked.last_hidden(s_out), self._s_logits_fn, *common)
+            return kd, ce, None
+        scales = scales or {"kd": 1.0, "labels": 1.0}
+        fused, kd, ce = chunked.fused_kd_and_ce(
+            chunked.last_hidden(s_out), self._s_logits_fn, chunked.head_parameters(self.model), *common,
+            kd_weight=self.args.kd_weight * scales["kd"], ce_weight=self.args.task_weight * scales["labels"],
         )
+        return kd, ce, fused
 
     def _teacher_outputs(self, inputs: dict[str, Any], cached: dict[str, torch.Tensor], hidden_only: bool = False):
         """Teacher logits (one per compared output, see hf_distill.heads), features and, with `hidden_only`

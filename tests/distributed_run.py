@@ -14,17 +14,32 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from helpers import args, bert, collate, flat_params, leave_distributed_run, teacher, token_dataset  # noqa: E402
+from helpers import (  # noqa: E402
+    args,
+    bert,
+    collate,
+    flat_params,
+    labelled_collate,
+    leave_distributed_run,
+    llama,
+    sft_rows,
+    teacher,
+    token_dataset,
+)
 
 from hf_distill import DistillationTrainer  # noqa: E402
 
 
-def run(out: Path, per_device_batch: int, intermediate: bool) -> dict:
+def run(out: Path, per_device_batch: int, intermediate: bool, causal: bool = False) -> dict:
     extra = {}
-    student = bert(2)
+    student, make_teacher, collator = bert(2), teacher, collate
     # Rows of 3-12 tokens: token-averaged terms are normalised over the whole step's tokens on every rank
     # (hf_distill.normalise), so the 2 x 4 and 1 x 8 splits must agree although their micro-batches differ.
     data = token_dataset(48)
+    if causal:  # SFT rows with masked prompts: jsd + CE on completion tokens, the LM head in fused chunks
+        student, data, collator = llama(0), sft_rows(48), labelled_collate
+        make_teacher = lambda: llama(1, layers=3)  # noqa: E731
+        extra = dict(kd_loss="jsd", jsd_beta=0.3, kd_weight=0.6, task_weight=0.4, kd_chunk_size=5)
     if intermediate:
         student = bert(2, hidden=16)  # narrower: a projection is trained and must stay in sync across ranks
         extra = dict(
@@ -41,7 +56,7 @@ def run(out: Path, per_device_batch: int, intermediate: bool) -> dict:
         **extra,
     )
     trainer = DistillationTrainer(
-        model=student, teacher_model=teacher(), args=a, train_dataset=data, data_collator=collate
+        model=student, teacher_model=make_teacher(), args=a, train_dataset=data, data_collator=collator
     )
     trainer.train()
     proj = trainer.intermediate.projections if trainer.intermediate else None
@@ -63,8 +78,9 @@ if __name__ == "__main__":
     p.add_argument("out", type=Path)
     p.add_argument("--per_device_batch", type=int, default=4)
     p.add_argument("--intermediate", action="store_true")
+    p.add_argument("--causal", action="store_true")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
-    run(a.out, a.per_device_batch, a.intermediate)
+    run(a.out, a.per_device_batch, a.intermediate, a.causal)
     leave_distributed_run()

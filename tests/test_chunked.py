@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import VOCAB, args, bert, labelled_collate, llama, sft_rows
+from helpers import VOCAB, args, bert, flat_params, labelled_collate, llama, sft_rows
 from transformers import (
     CohereConfig,
     CohereForCausalLM,
@@ -76,6 +76,70 @@ def test_chunked_loss_and_gradients_equal_whole_logits(make, kind, beta):
     torch.testing.assert_close(ce, whole_ce, atol=1e-5, rtol=1e-5)
     for got, want in zip((p.grad for p in student.parameters()), whole_grads, strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("make", [llama, _gemma2, _cohere], ids=["llama", "gemma2-softcap", "cohere-logit_scale"])
+@pytest.mark.parametrize(("kind", "weights"), [("jsd", (0.7, 0.3)), ("kl", (1.0, 0.0)), ("reverse_kl", (0.0, 2.0))])
+def test_fused_chunks_equal_checkpointed_chunks(make, kind, weights):
+    """The fused path takes each chunk's gradient in the forward pass: the weighted loss and every gradient
+    (hidden states, the LM head's weight, tied or not) equal the checkpointed path's."""
+    ids, mask, labels = _batch(seed=4)
+    kd_mask = labels[:, 1:] != -100
+    teacher = make(1)
+    batch = {"input_ids": ids, "attention_mask": mask}
+    with torch.no_grad():
+        t_hidden = chunked.last_hidden(teacher(**chunked.hidden_only_kwargs(batch)))
+    results = []
+    for fused in (False, True):
+        student = make(0)
+        s_out = student(**chunked.hidden_only_kwargs(batch))
+        common = (chunked.logits_fn(teacher), t_hidden, kd_mask, labels[:, 1:], chunked.dense_kd(kind, 2.0, 0.4))
+        if fused:
+            params = chunked.head_parameters(student)
+            assert params and params[0] is student.get_output_embeddings().weight
+            loss, kd, ce = chunked.fused_kd_and_ce(chunked.last_hidden(s_out), chunked.logits_fn(student), params,
+                                                   *common, chunk_size=4, kd_weight=weights[0], ce_weight=weights[1])
+            assert not kd.requires_grad and not ce.requires_grad  # logged values only
+        else:
+            kd, ce = chunked.chunked_kd_and_ce(chunked.last_hidden(s_out), chunked.logits_fn(student), *common,
+                                               chunk_size=4)
+            loss = weights[0] * kd + weights[1] * ce
+        (3.0 * loss).backward()  # an outer factor (gradient accumulation, loss scaling) reaches every gradient
+        results.append((loss.detach(), kd.detach(), ce.detach(), [q.grad for q in student.parameters()]))
+    (loss_c, kd_c, ce_c, grads_c), (loss_f, kd_f, ce_f, grads_f) = results
+    torch.testing.assert_close(loss_f, loss_c, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(kd_f, kd_c, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ce_f, ce_c, atol=1e-6, rtol=1e-6)
+    for got, want in zip(grads_f, grads_c, strict=True):
+        if want is None:
+            assert got is None or not got.any()
+        else:
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_trainer_fused_chunks_equal_whole_logits_with_accumulation(tmp_path, tied):
+    """Two SGD steps of jsd + CE with gradient accumulation and masked prompts: the trainer's fused chunks (the
+    default for causal LMs) and the whole-logits path give the same weights and the same logged terms."""
+    runs = []
+    for whole in (False, True):
+        trainer = DistillationTrainer(
+            model=llama(0, tie_word_embeddings=tied), teacher_model=llama(1, layers=3),
+            args=args(tmp_path / str(whole), max_steps=2, per_device_train_batch_size=2,
+                      gradient_accumulation_steps=2, optim="sgd", learning_rate=0.5, kd_loss="jsd", jsd_beta=0.3,
+                      kd_weight=0.6, task_weight=0.4, temperature=2.0, kd_chunk_size=3),
+            train_dataset=sft_rows(8), data_collator=labelled_collate)
+        if whole:
+            trainer._chunk = None  # the path used where chunking is impossible
+        trainer.train()
+        runs.append(trainer)
+    fused, whole = runs
+    torch.testing.assert_close(flat_params(fused.model), flat_params(whole.model), atol=1e-6, rtol=0)
+    logs = [[r for r in t.state.log_history if "loss" in r] for t in runs]
+    assert len(logs[0]) == 2
+    for a, b in zip(*logs, strict=True):
+        for key in ("loss", "loss_kd", "loss_task"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5), key
 
 
 def _run(tmp_path, student, teacher, **kw):

@@ -34,17 +34,19 @@ def _launch(launcher: str, out: Path, *extra: str) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("launcher", "intermediate"),
-    [("torchrun", False), ("torchrun", True), ("accelerate", True)],
-    ids=["torchrun-logit", "torchrun-logit+intermediate", "accelerate-logit+intermediate"],
+    ("launcher", "mode"),
+    [("torchrun", "logit"), ("torchrun", "intermediate"), ("accelerate", "intermediate"), ("torchrun", "causal")],
+    ids=["torchrun-logit", "torchrun-logit+intermediate", "accelerate-logit+intermediate", "torchrun-causal-lm"],
 )
-def test_two_processes_match_one(tmp_path, launcher, intermediate):
-    extra = ("--intermediate",) if intermediate else ()
+def test_two_processes_match_one(tmp_path, launcher, mode):
+    intermediate, causal = mode == "intermediate", mode == "causal"
+    extra = ("--intermediate",) if intermediate else ("--causal",) if causal else ()
     ddp = _launch(launcher, tmp_path / "ddp", *extra)
-    single = distributed_run.run(tmp_path / "single", per_device_batch=8, intermediate=intermediate)
+    single = distributed_run.run(tmp_path / "single", per_device_batch=8, intermediate=intermediate, causal=causal)
     assert ddp["world_size"] == 2 and single["world_size"] == 1
     assert ddp["wrapped_type"] == "DistributedDataParallel"
-    assert ddp["teacher_type"] == "BertForSequenceClassification"  # a plain replica, never DDP-wrapped
+    # a plain replica, never DDP-wrapped
+    assert ddp["teacher_type"] == ("LlamaForCausalLM" if causal else "BertForSequenceClassification")
     torch.testing.assert_close(
         torch.tensor(ddp["student"]), torch.tensor(single["student"]), atol=1e-6, rtol=0
     )

@@ -362,6 +362,43 @@ def test_jsd_with_beta_below_float32_range_is_finite(beta):
     assert generalized_jsd(t.clone(), t, beta, 0.5).item() == 0.0
 
 
+@pytest.mark.parametrize("beta", [1e-3, 0.3, 0.5, 0.7, 1 - 1e-3])
+def test_jsd_fast_path_equals_the_guarded_path(monkeypatch, beta):
+    """Blocks whose log-ratios are finite and in range take the short expm1/log1p formula; the others the
+    guarded one (_log_mixture_terms). Forcing every block onto the guarded one changes nothing."""
+    s, t = randn(3, 5, 11, seed=146, scale=6), randn(3, 5, 11, seed=147, scale=6)
+    results = []
+    for fast_range in (80.0, -1.0):  # -1: no block qualifies for the fast path
+        monkeypatch.setattr(losses_module, "_JSD_FAST_RANGE", fast_range)
+        x, y = s.clone().requires_grad_(True), t.clone().requires_grad_(True)
+        loss = generalized_jsd(x, y, beta, 2.0)
+        results.append((loss, *torch.autograd.grad(loss, (x, y))))
+    for fast, guarded in zip(results[0], results[1], strict=True):
+        torch.testing.assert_close(fast, guarded, rtol=1e-5, atol=1e-7)
+    want = _autograd_jsd64(s.double(), t.double(), beta, 2.0, None)
+    torch.testing.assert_close(results[0][0].double(), want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("beta", [0.2, 0.8])
+def test_jsd_classes_with_zero_mass_mix_with_fast_blocks(monkeypatch, beta):
+    """A class with -inf logits (zero mass on one side) sends its block to the guarded formula while the
+    other blocks stay fast: value and gradient still match float64 autograd on the finite classes."""
+    monkeypatch.setattr(losses_module, "_JSD_BLOCK", 11)  # one row per block
+    s, t = randn(2, 3, 11, seed=148, scale=3), randn(2, 3, 11, seed=149, scale=3)
+    t[0, 1, 4] = float("-inf")  # the teacher gives class 4 no mass in one row
+    s[1, 2, 7] = float("-inf")  # the student gives class 7 no mass in another
+    x = s.clone().requires_grad_(True)
+    loss = generalized_jsd(x, t, beta, 1.0)
+    (grad,) = torch.autograd.grad(loss, x)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    # float64 reference with -1e4 for -inf: exp underflows to exactly 0 and every log stays finite
+    x64 = s.double().nan_to_num(neginf=-1e4).requires_grad_(True)
+    want = _autograd_jsd64(x64, t.double().nan_to_num(neginf=-1e4), beta, 1.0, None)
+    (want_grad,) = torch.autograd.grad(want, x64)
+    torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(grad.double(), want_grad, rtol=1e-5, atol=1e-6)
+
+
 def test_jsd_row_blocks_do_not_change_value_or_gradient(monkeypatch):
     """The loss walks rows in cache-sized blocks; any block size gives the same numbers."""
     s, t = randn(3, 5, 11, seed=142, scale=3), randn(3, 5, 11, seed=143, scale=3)
