@@ -80,6 +80,19 @@ def test_branch_shape_and_padding_mask():
     assert branch.down.out_features == 128 and branch.attention.num_heads == 2  # FastBERT's sizes
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_branch_attention_equals_multihead_attention(masked):
+    """The written-out attention is nn.MultiheadAttention's (same parameters) at the first token."""
+    torch.manual_seed(1)
+    branch = ExitBranch(hidden_size=32, num_labels=3).eval()
+    hidden = torch.randn(3, 6, 32)
+    mask = torch.tensor([[1] * 6, [1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0]]) if masked else None
+    x = torch.tanh(branch.down(hidden))
+    pooled, _ = branch.attention(x, x, x, key_padding_mask=None if mask is None else mask == 0, need_weights=False)
+    want = branch.out(torch.tanh(branch.pool(pooled[:, 0])))
+    torch.testing.assert_close(branch(hidden, mask), want, atol=1e-6, rtol=1e-5)
+
+
 def test_one_branch_per_block_but_the_last_and_frozen_backbone():
     model = wrapped(layers=4)
     assert model.num_exits == 4 and len(model.branches) == 3
