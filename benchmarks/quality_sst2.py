@@ -4,6 +4,7 @@
     python benchmarks/quality_sst2.py --runs tinybert    # only these runs (re-runs them if --force)
     python benchmarks/quality_sst2.py --full             # all 67,349 training rows (separate results files)
     python benchmarks/quality_sst2.py --runs tinybert_incremental_sweep   # opt-in: the lambda sweep (issue #17)
+    python benchmarks/quality_sst2.py --runs pkd         # opt-in: BERT-PKD skip and last (issue #16)
 
 Protocol (BENCHMARKS.md): the first 20,000 indices of `random.Random(42).shuffle(range(67349))`, consumed in
 that order every epoch (`train_sampling_strategy: sequential`), batch 32, dynamic padding, max length 64,
@@ -38,8 +39,10 @@ RUNS = ["baseline", "distilbert", "tiny_baseline", "tinybert", "minilm"]
 # `tinybert_incremental` is lambda = 1.0. Each costs the tinybert run plus INCREMENTAL_EPOCHS general epochs.
 INCREMENTAL_EPOCHS = 2
 INCREMENTAL_LAMBDAS = {"tinybert_incremental_0.1": 0.1, "tinybert_incremental_0.5": 0.5, "tinybert_incremental": 1.0}
-EXTRA_RUNS = list(INCREMENTAL_LAMBDAS)
-GROUPS = {"tinybert_incremental_sweep": EXTRA_RUNS}
+# BERT-PKD (issue #16): the same recipe and student, patient loss on teacher layers 2, 4 (skip) or 4, 5 (last).
+PKD_RUNS = ["pkd_skip", "pkd_last"]
+EXTRA_RUNS = list(INCREMENTAL_LAMBDAS) + PKD_RUNS
+GROUPS = {"tinybert_incremental_sweep": list(INCREMENTAL_LAMBDAS), "pkd": PKD_RUNS}
 ALL_RUNS = RUNS + EXTRA_RUNS
 PY = "python"
 
@@ -55,12 +58,14 @@ COMMANDS = {
     **{name: "recipes/tinybert.py --config recipes/configs/tinybert_sst2.yaml "
              f"--incremental_epochs {INCREMENTAL_EPOCHS:g} --incremental_weight {lam:g}"
        for name, lam in INCREMENTAL_LAMBDAS.items()},
+    **{f"pkd_{strategy}": f"recipes/pkd.py --config recipes/configs/pkd_sst2.yaml --strategy {strategy}"
+       for strategy in ("skip", "last")},
 }
-# Targets of issue #4: (min % of teacher, (other run, min gap in points)), for the report.
+# Targets of issues #4 and #16: (min % of teacher, (other run, min gap in points)), for the report.
 TARGETS = {"distilbert": (99.0, ("baseline", -0.5)), "tinybert": (95.0, ("tiny_baseline", 3.0)),
-           "minilm": (98.0, None)}
+           "minilm": (98.0, None), "pkd_skip": (98.0, None), "pkd_last": (98.0, None)}
 # Measured rows without a target: the gap to the run they vary is reported instead.
-COMPARE = dict.fromkeys(EXTRA_RUNS, "tinybert")
+COMPARE = dict.fromkeys(INCREMENTAL_LAMBDAS, "tinybert")
 
 
 def select_runs(text: str) -> list[str]:

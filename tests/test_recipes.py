@@ -90,11 +90,13 @@ def run(recipe: str, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProces
                           capture_output=True, text=True, timeout=300)
 
 
-def common_flags(env, out: Path, task: str = "sst", teacher: str = "teacher") -> list[str]:
+def common_flags(env, out: Path, task: str = "sst", teacher: str = "teacher", cache: bool = True) -> list[str]:
     flags = ["--teacher", env[teacher], "--output_dir", out, "--train_file", env["tmp"] / f"{task}_train.tsv",
              "--validation_file", env["tmp"] / f"{task}_validation.tsv", "--per_device_train_batch_size", "8",
              "--num_train_epochs", "1", "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true",
-             "--bf16", "false", "--logging_steps", "1", "--cache_dir", env["tmp"] / "cache"]
+             "--bf16", "false", "--logging_steps", "1"]
+    if cache:  # pkd.py runs its teacher online (the patient loss needs its hidden states): no cache_dir
+        flags += ["--cache_dir", env["tmp"] / "cache"]
     if task in ("pair", "rte"):
         flags += ["--text_column", "sentence1", "--text_pair_column", "sentence2"]
     if task == "qnli":
@@ -119,6 +121,39 @@ def test_distilbert_task(env, tmp_path):
     results = check_results(out)
     assert results["params"] < results["teacher_params"]
     assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
+
+
+@pytest.mark.parametrize(("strategy", "layers", "pairs"), [("skip", ["0", "1"], [[1, 2]]),
+                                                        ("last", ["0", "1", "2"], [[1, 2], [2, 3]])])
+def test_pkd_skip_and_last(env, tmp_path, strategy, layers, pairs):
+    """The tiny teacher has 4 layers: skip maps a 2-layer student's layer 1 onto teacher layer 2; last maps a
+    3-layer student's layers 1, 2 onto teacher layers 2, 3 (the ones below the top)."""
+    out = tmp_path / "out"
+    proc = run("pkd", "--config", RECIPES / "configs" / "pkd_sst2.yaml", *common_flags(env, out, cache=False),
+               "--student", env["teacher"], "--student_layers", *layers, "--strategy", strategy)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = check_results(out)
+    assert results["strategy"] == strategy and results["layer_map"] == pairs
+    summary = results["distillation"]
+    assert summary["kd_loss"] == "kl" and summary["temperature"] == 20.0
+    assert summary["kd_weight"] == pytest.approx(0.2 / 2) and summary["task_weight"] == pytest.approx(0.8)
+    term = summary["distill_terms"][0]
+    assert term["loss"] == "pkd_loss" and term["weight"] == pytest.approx(1.0 / (len(pairs) * 32))
+    assert "'loss_pkd'" in proc.stdout  # the patient term was computed and logged
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--student_layers", "0", "1", "2", "--strategy", "skip"], "strategy skip needs the teacher's depth (4)"),
+    (["--student_layers", "0", "1", "--strategy", "middle"], "strategy must be skip or last"),
+    (["--student_layers", "0", "1", "--pkd_alpha", "1.5"], "pkd_alpha must be in [0, 1]"),
+    (["--student_layers", "0", "--strategy", "last"], "a 1-layer student has none"),
+])
+def test_pkd_bad_input_is_one_line(env, tmp_path, flags, message):
+    proc = run("pkd", "--config", RECIPES / "configs" / "pkd_sst2.yaml",
+               *common_flags(env, tmp_path / "out", cache=False),
+               "--student", env["teacher"], *flags)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out" / "results.json").exists()
 
 
 def test_minilm_general_then_task(env, tmp_path):
@@ -388,7 +423,7 @@ def _recipe_main(recipe: str, argv: list, monkeypatch):
     return exit_info.value.code
 
 
-@pytest.mark.parametrize("recipe", ["distilbert", "tinybert", "minilm"])
+@pytest.mark.parametrize("recipe", ["distilbert", "tinybert", "minilm", "pkd"])
 def test_help_lists_every_option(recipe, monkeypatch, capsys):
     assert _recipe_main(recipe, ["--help"], monkeypatch) == 0
     out = capsys.readouterr().out
@@ -396,7 +431,8 @@ def test_help_lists_every_option(recipe, monkeypatch, capsys):
                  "--corpus_files", "--temperature", "--kd_weight", "--distill_terms", "--learning_rate", "--bf16",
                  "--class_names"):
         assert flag in out, flag
-    specific = {"distilbert": "--mlm_smoothing", "tinybert": "--augment_n", "minilm": "--relation_heads"}[recipe]
+    specific = {"distilbert": "--mlm_smoothing", "tinybert": "--augment_n", "minilm": "--relation_heads",
+                "pkd": "--pkd_beta"}[recipe]
     assert specific in out
 
 
