@@ -23,7 +23,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from . import losses
@@ -180,8 +179,15 @@ class _Precomputed(torch.autograd.Function):
         return value.clone()
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, g: torch.Tensor):
+        # Grad mode is on in backward only under create_graph=True (once_differentiable would hide that: with
+        # an upstream gradient that needs no grad it returns the constants silently).
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "The fused causal-LM loss (hf_distill.chunked.fused_kd_and_ce) has no second derivative: its "
+                "gradient was computed in the forward pass. For a second derivative (create_graph=True) compute "
+                "the loss with hf_distill.chunked.chunked_kd_and_ce, whose chunks are recomputed in backward."
+            )
         return (None, None, *(None if grad is None else grad * g.to(grad.dtype) for grad in ctx.grads))
 
 
@@ -206,26 +212,29 @@ def fused_kd_and_ce(
     parameters) is taken and kept (`(n, H)` and the parameters' size), and the logits are dropped. The backward
     pass only scales those gradients, so neither model's LM head runs again (Liger-Kernel's fused linear losses
     do the same). The price is that the gradient is fixed in the forward pass: the result is one scalar with
-    the weights given here, plus the detached KD and CE means for logging. Parameters the chunk loss uses must
-    all be in `params` (or be frozen): the LM head's own trainable parameters are.
+    the weights given here, plus the detached KD and CE means for logging, and no second derivative (double
+    backward raises). Parameters the chunk loss uses must all be in `params` (or be frozen): the LM head's own
+    trainable parameters are. Under fp16 mixed precision use :func:`chunked_kd_and_ce`: these gradients are taken
+    before the loss scaler multiplies the loss, so small ones would underflow in float16.
     Returns `(loss, kd, ce)`; `kd`/`ce` are None when not asked for.
     """
     s_rows, t_source, is_kd, is_ce, targets, n_kd, n_ce = _counted_rows(s_hidden, teacher, t_hidden, kd_mask,
                                                                          labels, kd)
     one_chunk = functools.partial(_chunk_sums, student_logits, teacher, t_hidden is not None, kd, vocab)
     coef = torch.tensor([kd_weight / max(n_kd, 1), ce_weight / max(n_ce, 1)], device=s_rows.device)
+    differentiate = torch.is_grad_enabled()  # under no_grad (a loss logged by a callback) only the values
     states = s_rows.detach()
-    grad_states = torch.zeros_like(states) if s_rows.requires_grad else None
-    grad_params = [torch.zeros_like(p) for p in params]
+    grad_states = torch.zeros_like(states) if s_rows.requires_grad and differentiate else None
+    grad_params = [torch.zeros_like(p) for p in params] if differentiate else []
     sums = states.new_zeros(2, dtype=torch.float32)
     for start in range(0, states.shape[0], chunk_size):
         part = slice(start, start + chunk_size)
         h = states[part].detach().requires_grad_(grad_states is not None)
         t_part = t_source[part] if t_source is not None else None
         y = targets[part] if targets is not None else None
-        with torch.enable_grad():
+        with torch.set_grad_enabled(differentiate):
             pair = one_chunk(h, t_part, is_kd[part], is_ce[part], y)
-            wrt = ([h] if grad_states is not None else []) + list(params)
+            wrt = ([h] if grad_states is not None else []) + (list(params) if differentiate else [])
             if wrt and pair.requires_grad:
                 grads = list(torch.autograd.grad((pair * coef).sum(), wrt, allow_unused=True))
                 if grad_states is not None:
@@ -235,7 +244,7 @@ def fused_kd_and_ce(
                         acc += grad
         sums += pair.detach()
     value = (sums * coef).sum()
-    loss = _Precomputed.apply(value, [grad_states, *grad_params], s_rows, *params)
+    loss = _Precomputed.apply(value, [grad_states, *grad_params], s_rows, *params) if differentiate else value
     if s_rows.shape[0] == 0:  # keep the graph connected to the student when nothing is counted
         loss = loss + s_hidden.sum() * 0
     kd_value = sums[0] / max(n_kd, 1) if kd is not None else None

@@ -324,7 +324,7 @@ def _jsd_terms(log_p: torch.Tensor, log_q: torch.Tensor, beta: float) -> tuple[t
     a block outside (a class with zero mass, log-ratios beyond 80) takes :func:`_log_mixture_terms`.
     """
     d = log_q - log_p
-    low, high = torch.aminmax(d)
+    low, high = torch.stack(torch.aminmax(d)).tolist()  # one device sync for both bounds (NaN: guarded path)
     small_beta = beta <= 0.5
     if small_beta and low >= -_JSD_FAST_RANGE and high < math.inf:
         m_over_q = torch.expm1(-d).mul_(beta).log1p_()

@@ -460,8 +460,10 @@ class DistillationTrainer(Trainer):
         and their weighted sum with its gradient when the fused path (hf_distill.chunked) applies, else None.
 
         Fused: every chunk's logits once, the gradient taken in the forward pass. It needs the weights up front
-        (kd_weight, task_weight, the step-mean factors `scales`) and plain parameters for the LM head: under
-        DeepSpeed or FSDP the engine owns gathering and reducing them, so the checkpointed path is used there."""
+        (kd_weight, task_weight, the step-mean factors `scales`), plain parameters for the LM head (under
+        DeepSpeed or FSDP the engine owns gathering and reducing them) and no loss scaling (fp16's GradScaler
+        multiplies the loss only after the forward pass, too late for gradients taken there: float16 logit
+        gradients would underflow). Elsewhere the checkpointed chunks are used."""
         labels = inputs.get(self._token_labels)
         kd_fn = None
         if self.args.kd_weight > 0:
@@ -470,7 +472,7 @@ class DistillationTrainer(Trainer):
         teacher = self._t_logits_fn if t_hidden is not None else (t_logits[:, :-1] if t_logits is not None else None)
         ce_labels = labels[:, 1:] if want_task and labels is not None else None
         common = (teacher, t_hidden, kd_mask, ce_labels, kd_fn, chunk, self._shared_vocab)
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled or self.args.fp16 or self.accelerator.scaler is not None:
             kd, ce = chunked.chunked_kd_and_ce(chunked.last_hidden(s_out), self._s_logits_fn, *common)
             return kd, ce, None
         scales = scales or {"kd": 1.0, "labels": 1.0}

@@ -117,6 +117,59 @@ def test_fused_chunks_equal_checkpointed_chunks(make, kind, weights):
             torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
+def _fused_loss(student, teacher):
+    ids, mask, labels = _batch(seed=5)
+    batch = chunked.hidden_only_kwargs({"input_ids": ids, "attention_mask": mask})
+    with torch.no_grad():
+        t_hidden = chunked.last_hidden(teacher(**batch))
+    s_hidden = chunked.last_hidden(student(**batch))
+    return chunked.fused_kd_and_ce(s_hidden, chunked.logits_fn(student), chunked.head_parameters(student),
+                                   chunked.logits_fn(teacher), t_hidden, labels[:, 1:] != -100, labels[:, 1:],
+                                   chunked.dense_kd("jsd", 1.0, 0.5), chunk_size=4, kd_weight=0.5, ce_weight=0.5)
+
+
+def test_fused_chunks_refuse_double_backward():
+    """The gradient is computed in the forward pass, so there is no graph for a second derivative: say so."""
+    student = llama(0)
+    loss, _, _ = _fused_loss(student, llama(1))
+    with pytest.raises(RuntimeError, match="no second derivative"):
+        torch.autograd.grad(loss, [student.get_output_embeddings().weight], create_graph=True)
+    loss, _, _ = _fused_loss(student, llama(1))
+    loss.backward()  # a plain backward is unaffected
+    assert student.get_output_embeddings().weight.grad.abs().sum() > 0
+
+
+def test_fused_chunks_under_no_grad_compute_values_only(monkeypatch):
+    """A loss computed under no_grad (e.g. logged by a callback) takes no gradient and has the same value."""
+    student, teacher = llama(0), llama(1)
+    want, kd, ce = _fused_loss(student, teacher)
+    calls = []
+    real_grad = torch.autograd.grad
+    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: calls.append(1) or real_grad(*a, **k))
+    with torch.no_grad():
+        got, kd2, ce2 = _fused_loss(student, teacher)
+    assert not calls and not got.requires_grad
+    torch.testing.assert_close(got, want.detach())
+    torch.testing.assert_close((kd2, ce2), (kd, ce))
+
+
+@pytest.mark.parametrize("fp16", [False, True])
+def test_fp16_mixed_precision_keeps_the_checkpointed_chunks(tmp_path, monkeypatch, fp16):
+    """Under fp16 the GradScaler multiplies the loss after the forward pass: gradients taken inside it would
+    underflow in float16, so the trainer uses the checkpointed chunks there (fp16 itself needs CUDA, so the
+    flag is set on a CPU trainer after it is built)."""
+    used = []
+    for name in ("fused_kd_and_ce", "chunked_kd_and_ce"):
+        real = getattr(chunked, name)
+        monkeypatch.setattr(chunked, name, lambda *a, _n=name, _f=real, **k: used.append(_n) or _f(*a, **k))
+    trainer = DistillationTrainer(model=llama(0), teacher_model=llama(1), args=args(tmp_path, kd_loss="jsd"),
+                                  train_dataset=sft_rows(4), data_collator=labelled_collate)
+    trainer.args.fp16 = fp16
+    trainer.model.train()
+    trainer.compute_loss(trainer.model, labelled_collate([sft_rows(4)[i] for i in range(4)]))
+    assert used == (["chunked_kd_and_ce"] if fp16 else ["fused_kd_and_ce"])
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_trainer_fused_chunks_equal_whole_logits_with_accumulation(tmp_path, tied):
     """Two SGD steps of jsd + CE with gradient accumulation and masked prompts: the trainer's fused chunks (the
