@@ -115,6 +115,13 @@ def _counted_rows(s_hidden, teacher, t_hidden, kd_mask, labels, kd):
     return s[rows], t_source, is_kd, is_ce, targets, int(is_kd.sum()), int(is_ce.sum())
 
 
+def _chunks(n: int, size: int, t_source, is_kd, is_ce, targets):
+    """Per chunk of `size` rows: its slice, and its teacher source, KD/CE row flags and targets (None stays None)."""
+    for start in range(0, n, size):
+        part = slice(start, start + size)
+        yield part, tuple(None if x is None else x[part] for x in (t_source, is_kd, is_ce, targets))
+
+
 def _chunk_sums(student_logits, teacher, from_hidden: bool, kd, vocab, h, t_part, kd_part, ce_part, y):
     """`[KD sum, CE sum]` of one chunk of rows (the KD mean of the chunk times its KD rows)."""
     z = student_logits(h).float()
@@ -158,11 +165,8 @@ def chunked_kd_and_ce(
                                                                          labels, kd)
     one_chunk = functools.partial(_chunk_sums, student_logits, teacher, t_hidden is not None, kd, vocab)
     total = s_rows.new_zeros(2, dtype=torch.float32)
-    for start in range(0, s_rows.shape[0], chunk_size):
-        part = slice(start, start + chunk_size)
-        t_part = t_source[part] if t_source is not None else None
-        y = targets[part] if targets is not None else None
-        total = total + checkpoint(one_chunk, s_rows[part], t_part, is_kd[part], is_ce[part], y, use_reentrant=False)
+    for part, rest in _chunks(s_rows.shape[0], chunk_size, t_source, is_kd, is_ce, targets):
+        total = total + checkpoint(one_chunk, s_rows[part], *rest, use_reentrant=False)
     if s_rows.shape[0] == 0:  # keep the graph connected to the student when nothing is counted
         total = total + s_hidden.sum() * 0
     kd_value = total[0] / max(n_kd, 1) if kd is not None else None
@@ -227,13 +231,10 @@ def fused_kd_and_ce(
     grad_states = torch.zeros_like(states) if s_rows.requires_grad and differentiate else None
     grad_params = [torch.zeros_like(p) for p in params] if differentiate else []
     sums = states.new_zeros(2, dtype=torch.float32)
-    for start in range(0, states.shape[0], chunk_size):
-        part = slice(start, start + chunk_size)
+    for part, rest in _chunks(states.shape[0], chunk_size, t_source, is_kd, is_ce, targets):
         h = states[part].detach().requires_grad_(grad_states is not None)
-        t_part = t_source[part] if t_source is not None else None
-        y = targets[part] if targets is not None else None
         with torch.set_grad_enabled(differentiate):
-            pair = one_chunk(h, t_part, is_kd[part], is_ce[part], y)
+            pair = one_chunk(h, *rest)
             wrt = ([h] if grad_states is not None else []) + (list(params) if differentiate else [])
             if wrt and pair.requires_grad:
                 grads = list(torch.autograd.grad((pair * coef).sum(), wrt, allow_unused=True))

@@ -360,14 +360,7 @@ class DistillationTrainer(Trainer):
 
         task = kd = fused = None
         if chunks is not None:
-            scales = None
-            if step_mean:  # the step-mean factors, known before the loss: the fused path bakes them in
-                counts = {k: float(local[COUNT_KINDS.index(k)]) for k in ("labels", "kd")}
-                scales = {k: self._step.scale(k, c) if c > 0 else 0.0 for k, c in counts.items()}
-            kd, task, fused = self._chunked_terms(s_out, t_views[0], t_hidden, inputs, want_task, chunks, scales)
-            if scales is not None:  # the logged values get the same factors as below
-                kd = kd * scales["kd"] if kd is not None else None
-                task = task * scales["labels"] if task is not None else None
+            kd, task, fused = self._chunked_terms(s_out, t_views[0], t_hidden, inputs, want_task, chunks, local)
         else:
             if want_task:
                 task = self._task_loss(s_out, inputs, head, num_items_in_batch, step_mean)
@@ -377,14 +370,14 @@ class DistillationTrainer(Trainer):
         components: dict[str, torch.Tensor] = {}
         weights: dict[str, float] = {}
         if task is not None:
-            if step_mean and token_level and not self.compute_loss_func and chunks is None:
+            if step_mean and token_level and not self.compute_loss_func:
                 count = float(local[COUNT_KINDS.index("labels")])
                 # A micro-batch without a counted label adds nothing (a model's own mean over no tokens is NaN).
                 task = task * self._step.scale("labels", count) if count > 0 else _zero_like_graph(s_out)
             components["task"] = task
             weights["task"] = self.args.task_weight if distill else 1.0
         if kd is not None:
-            if step_mean and token_level and chunks is None:
+            if step_mean and token_level:
                 kd = kd * self._step.scale("kd", float(local[COUNT_KINDS.index("kd")]))
             components["kd"] = kd
             weights["kd"] = self.args.kd_weight
@@ -409,6 +402,7 @@ class DistillationTrainer(Trainer):
                 "Set eval_with_teacher=True to evaluate the distillation loss on unlabeled data."
             )
         if fused is not None:  # kd and task are in `fused` already, with their gradient; logged from components
+            # (their step-mean factors above apply to the logged values; `fused` has them baked in)
             loss = fused + sum(weights[k] * v for k, v in components.items() if k not in ("kd", "task"))
         else:
             loss = sum(weights[k] * v for k, v in components.items())
@@ -455,15 +449,15 @@ class DistillationTrainer(Trainer):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
 
     def _chunked_terms(self, s_out, t_logits, t_hidden, inputs: dict[str, Any], want_task: bool, chunk: int,
-                       scales: dict[str, float] | None):
+                       local: torch.Tensor | None):
         """KD and the student's cross-entropy of a causal LM from hidden states, chunk by chunk (local means),
         and their weighted sum with its gradient when the fused path (hf_distill.chunked) applies, else None.
 
         Fused: every chunk's logits once, the gradient taken in the forward pass. It needs the weights up front
-        (kd_weight, task_weight, the step-mean factors `scales`), plain parameters for the LM head (under
-        DeepSpeed or FSDP the engine owns gathering and reducing them) and no loss scaling (fp16's GradScaler
-        multiplies the loss only after the forward pass, too late for gradients taken there: float16 logit
-        gradients would underflow). Elsewhere the checkpointed chunks are used."""
+        (kd_weight, task_weight, the step-mean factors of the micro-batch's counts `local`), plain parameters for
+        the LM head (under DeepSpeed or FSDP the engine owns gathering and reducing them) and no loss scaling
+        (fp16's GradScaler multiplies the loss only after the forward pass, too late for gradients taken there:
+        float16 logit gradients would underflow). Elsewhere the checkpointed chunks are used."""
         labels = inputs.get(self._token_labels)
         kd_fn = None
         if self.args.kd_weight > 0:
@@ -475,10 +469,12 @@ class DistillationTrainer(Trainer):
         if self.is_deepspeed_enabled or self.is_fsdp_enabled or self.args.fp16 or self.accelerator.scaler is not None:
             kd, ce = chunked.chunked_kd_and_ce(chunked.last_hidden(s_out), self._s_logits_fn, *common)
             return kd, ce, None
-        scales = scales or {"kd": 1.0, "labels": 1.0}
+        # the factors compute_loss applies to the local means (hf_distill.normalise), taken before the loss here
+        scale = {k: 1.0 if local is None else self._step.scale(k, float(local[COUNT_KINDS.index(k)]))
+                 for k in ("kd", "labels")}
         fused, kd, ce = chunked.fused_kd_and_ce(
             chunked.last_hidden(s_out), self._s_logits_fn, chunked.head_parameters(self.model), *common,
-            kd_weight=self.args.kd_weight * scales["kd"], ce_weight=self.args.task_weight * scales["labels"],
+            kd_weight=self.args.kd_weight * scale["kd"], ce_weight=self.args.task_weight * scale["labels"],
         )
         return kd, ce, fused
 

@@ -71,16 +71,14 @@ def layer_map(strategy: str, student_layers: int, teacher_layers: int) -> list[t
         fail(f"PKD maps the student's intermediate layers: a {student_layers}-layer student has none")
     if teacher_layers <= student_layers:
         fail(f"the teacher ({teacher_layers} layers) must be deeper than the student ({student_layers})")
-    if strategy == "skip":
-        if teacher_layers % student_layers:
-            fail(f"strategy skip needs the teacher's depth ({teacher_layers}) to be a multiple of the student's "
-                 f"({student_layers}); use --strategy last or a student whose depth divides it")
-        step = teacher_layers // student_layers
-        return [(j, j * step) for j in range(1, student_layers)]
-    if strategy == "last":
+    if strategy == "last":  # main() has refused any strategy but skip and last
         first = teacher_layers - student_layers + 1
         return [(j, first + j - 1) for j in range(1, student_layers)]
-    raise ValueError(f"strategy must be skip or last, got {strategy!r}")
+    if teacher_layers % student_layers:
+        fail(f"strategy skip needs the teacher's depth ({teacher_layers}) to be a multiple of the student's "
+             f"({student_layers}); use --strategy last or a student whose depth divides it")
+    step = teacher_layers // student_layers
+    return [(j, j * step) for j in range(1, student_layers)]
 
 
 def main() -> None:
