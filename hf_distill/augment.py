@@ -160,6 +160,14 @@ class WordEmbeddings:
         return h.hexdigest()
 
 
+def basic_words(backend: Any, text: str) -> list[str]:
+    """The reference's `basic_tokenizer.tokenize`: a fast tokenizer's (`backend_tokenizer`) normaliser and
+    pre-tokeniser, so words are cased and split exactly as the tokenizer will see them."""
+    normalizer, pre = backend.normalizer, backend.pre_tokenizer
+    text = normalizer.normalize_str(text) if normalizer is not None else text
+    return [w for w, _ in pre.pre_tokenize_str(text)] if pre is not None else text.split()
+
+
 def _normalise(x: torch.Tensor) -> torch.Tensor:
     return x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
 
@@ -203,10 +211,7 @@ class Augmentor:
     # ---------------------------------------------------------------- words and candidates
 
     def words(self, text: str) -> list[str]:
-        """The reference's `basic_tokenizer.tokenize`: the tokenizer's normaliser and pre-tokeniser."""
-        normalizer, pre = self.backend.normalizer, self.backend.pre_tokenizer
-        text = normalizer.normalize_str(text) if normalizer is not None else text
-        return [w for w, _ in pre.pre_tokenize_str(text)] if pre is not None else text.split()
+        return basic_words(self.backend, text)
 
     def candidates(self, sentences: Sequence[list[str]]) -> list[dict[int, list[str]]]:
         """For each word list: position -> candidate replacements, for every eligible word that has some."""

@@ -189,6 +189,11 @@ class Stage:
     with `warmup_ratio` of the stage's steps) replaces the Trainer's schedule during the stage; without it the
     Trainer's own schedule applies. `reset_optimizer` clears the optimizer state (Adam moments) when the
     stage starts, as when the stage is a separate run.
+
+    Its trainable part: `frozen` names student modules or parameters (dotted names as in
+    `model.named_parameters()`, a module name covering everything under it) held fixed during the stage
+    (`requires_grad=False`, so the optimizer skips them); everything else keeps the `requires_grad` it had
+    when training began. MobileBERT's progressive transfer freezes the blocks below the one it trains.
     """
 
     until_step: int | None = None
@@ -203,9 +208,11 @@ class Stage:
     lr_scheduler_type: str = "constant"
     warmup_ratio: float = 0.0
     reset_optimizer: bool = False
+    frozen: list[str] = field(default_factory=list)
     name: str | None = None
 
     def __post_init__(self) -> None:
+        self.frozen = [str(f) for f in self.frozen]  # a list, as it comes back from a checkpoint's JSON
         if self.until_step is not None and self.until_epoch is not None:
             raise ValueError("A Stage ends at until_step or at until_epoch, not both.")
         if self.preset is not None:
@@ -262,6 +269,8 @@ class Stage:
             what.append(f"lr {self.learning_rate:g} ({self.lr_scheduler_type}, warmup {self.warmup_ratio:g})")
         if self.reset_optimizer:
             what.append("fresh optimizer state")
+        if self.frozen:
+            what.append(f"frozen: {', '.join(self.frozen)}")
         end = (f"until step {self.until_step}" if self.until_step is not None else
                f"until epoch {self.until_epoch:g}" if self.until_epoch is not None else "to the end")
         return f"{self.name or 'stage'}: {', '.join(what) or 'base loss'}, {end}"
@@ -321,6 +330,7 @@ class StageSwitchCallback(TrainerCallback, ExportableState):
         self.base: dict[str, Any] | None = None
         self.stage: int | None = None
         self.values: dict[str, float] = {}
+        self._trainable: dict[str, bool] | None = None  # requires_grad of each parameter when training began
 
     # ---------------------------------------------------------------- building the arguments
 
@@ -388,6 +398,29 @@ class StageSwitchCallback(TrainerCallback, ExportableState):
                     raise ValueError(f"Stage {i} sets the weight of term {name!r}, which args.distill_terms "
                                      f"does not declare (have {sorted(declared)}).")
 
+    def _check_frozen(self, args, model) -> None:
+        if not any(s.frozen for s in self.stages):
+            return
+        if model is None:
+            raise ValueError("Stage frozen needs the model in the callback events (a transformers Trainer gives it).")
+        if getattr(args, "world_size", 1) > 1:
+            raise ValueError("Stage frozen changes which parameters train between stages; DDP, FSDP and DeepSpeed fix "
+                             "that set when they wrap the model. Run multi-stage freezing on one process.")
+        names = [n for n, _ in model.named_parameters()]
+        for i, stage in enumerate(self.stages):
+            for f in stage.frozen:
+                if not any(n == f or n.startswith(f + ".") for n in names):
+                    raise ValueError(f"Stage {i} ({stage.name or 'unnamed'}) freezes {f!r}, which names no parameter "
+                                     f"of the model (e.g. {names[0]!r}).")
+        self._trainable = {n: p.requires_grad for n, p in model.named_parameters()}
+
+    def _apply_frozen(self, stage: Stage, model) -> None:
+        if self._trainable is None:
+            return
+        for n, p in model.named_parameters():
+            held = any(n == f or n.startswith(f + ".") for f in stage.frozen)
+            p.requires_grad_(self._trainable.get(n, p.requires_grad) and not held)
+
     def stage_at(self, step: int) -> int:
         return sum(step >= b for b in self.boundaries or [])
 
@@ -395,8 +428,10 @@ class StageSwitchCallback(TrainerCallback, ExportableState):
         bounds = [0, *(self.boundaries or []), max(max_steps, (self.boundaries or [0])[-1])]
         return bounds[index], bounds[index + 1]
 
-    def _apply(self, args, state, optimizer, lr_scheduler) -> None:
+    def _apply(self, args, state, optimizer, lr_scheduler, model=None) -> None:
         index = self.stage_at(state.global_step)
+        if model is not None:
+            self._apply_frozen(self.stages[index], model)
         start, end = self.span(index, state.max_steps)
         progress = _progress(state.global_step, start, end)
         self.values = {}
@@ -439,21 +474,27 @@ class StageSwitchCallback(TrainerCallback, ExportableState):
     # ---------------------------------------------------------------- events
 
     def on_train_begin(self, args, state, control, train_dataloader=None, optimizer=None, lr_scheduler=None,
-                       **kwargs):
+                       model=None, **kwargs):
         self._resolve(args, state, train_dataloader)
-        self._apply(args, state, optimizer, lr_scheduler)
+        self._check_frozen(args, model)
+        self._apply(args, state, optimizer, lr_scheduler, model)
 
-    def on_step_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
+    def on_step_begin(self, args, state, control, optimizer=None, lr_scheduler=None, model=None, **kwargs):
         index = self.stage_at(state.global_step)
         stage = self.stages[index]
         scheduled = any(isinstance(v, Schedule) for v in stage.targets(self.base).values())
         if index != self.stage or scheduled:
-            self._apply(args, state, optimizer, lr_scheduler)
+            self._apply(args, state, optimizer, lr_scheduler, model)
         # Step-based, not memory-based, so a run resumed exactly at the boundary resets too.
         if stage.reset_optimizer and index > 0 and state.global_step == self.boundaries[index - 1]:
             inner = getattr(optimizer, "optimizer", optimizer)
             if inner is not None:
                 inner.state.clear()
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        if self._trainable is not None and model is not None:  # hand the model back as it came
+            for n, p in model.named_parameters():
+                p.requires_grad_(self._trainable.get(n, p.requires_grad))
 
     def distill_log_values(self) -> dict[str, float]:
         return {"distill_stage": self.stage or 0, **self.values}

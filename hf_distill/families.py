@@ -56,6 +56,9 @@ class Family:
     qkv: str | None = None
     num_kv_heads_field: str | None = None
     head_dim_field: str | None = None
+    # The config field holding the attention's total width (all heads) when it is not the hidden size:
+    # MobileBERT's `true_hidden_size`, the bottleneck width its Q/K/V project to.
+    attention_size_field: str | None = None
     rotary: str | None = None
     final_norm: str | None = None
     causal: bool = False
@@ -98,6 +101,9 @@ for _model_type in ("bert", "roberta", "xlm-roberta", "camembert"):
 register_family(
     "electra", "encoder.layer", embeddings=("embeddings_project", "embeddings"), follows_hidden_size=("embedding_size",)
 )
+# MobileBERT (Sun et al. 2020): blocks and hidden states at the inter-block width (`hidden_size`); Q and K read
+# the block's bottleneck, V its input, and all three project to the bottleneck width `true_hidden_size`.
+register_family("mobilebert", "encoder.layer", attention_size_field="true_hidden_size")
 register_family(
     "distilbert",
     "transformer.layer",

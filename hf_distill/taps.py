@@ -84,8 +84,10 @@ def model_info(model: nn.Module) -> ModelInfo:
     kv_heads = (getattr(config, kv_field, None) if kv_field else None) or heads
     dim_field = family.head_dim_field if family is not None else None
     head_dim = getattr(config, dim_field, None) if dim_field else None
-    if head_dim is None and hidden is not None and heads:
-        head_dim = hidden // heads
+    width_field = family.attention_size_field if family is not None else None
+    width = getattr(config, width_field, None) if width_field else hidden
+    if head_dim is None and width is not None and heads:
+        head_dim = width // heads
     window = getattr(config, "sliding_window", None) if family is not None and family.causal else None
     windows = None
     if window is not None and num_layers is not None:

@@ -58,6 +58,9 @@ class ModelArguments:
     student_hidden_size: int | None = field(default=None, metadata={"help": "Random student: hidden size."})
     student_num_heads: int | None = field(default=None, metadata={"help": "Random student: attention heads."})
     student_intermediate_size: int | None = field(default=None, metadata={"help": "Random student: FFN size."})
+    model_seed: int | None = field(
+        default=None, metadata={"help": "Seed of the student's random weights (a random student, or a new head); "
+                                "default: seed. With data_seed, a repeat that keeps the data and augmentation."})
 
 
 @dataclass
@@ -566,6 +569,12 @@ def bf16_available() -> bool:
     return bool(check and check())
 
 
+def order_seed(args) -> int:
+    """Seed of a recipe's own shuffles of the training rows: `data_seed` when set (as the Trainer's sampler
+    does), else `seed`."""
+    return args.data_seed if args.data_seed is not None else args.seed
+
+
 def set_offline_defaults() -> None:
     """Nothing here needs the network; failing fast beats a 23 s retry loop on every Hub call."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -578,8 +587,13 @@ def build_student(margs: ModelArguments, teacher, auto_class, seed: int, **load_
     """The student, from (in this order of precedence): `student` + `student_layers` (copy those layers of
     that model), `student` alone (load it), `student_layers` (copy the teacher's layers, DistilBERT),
     `student_num_layers`... (random smaller copy of the teacher's family, TinyBERT)."""
+    import torch
+
     from hf_distill import students
 
+    if margs.model_seed is not None:
+        seed = margs.model_seed
+        torch.manual_seed(seed)  # a new classifier head of a copied or loaded student draws from here
     if margs.student and margs.student_layers:
         source = auto_class.from_pretrained(margs.student, **load_kwargs)
         return students.from_teacher(source, margs.student_layers)

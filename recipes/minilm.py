@@ -14,6 +14,11 @@ What the papers (and the MiniLMv2 reference `bloomberg/minilmv2.bb`; Microsoft n
 What this recipe does:
 - general step (`--corpus_files ... --general_epochs N`): `minilm` (v1) or `minilmv2` preset loss between the
   teacher layer `--teacher_layer` (default: last) and the student's last layer, on corpus blocks;
+- teacher assistant (MiniLM: for a large teacher-student gap, teacher -> assistant -> student):
+  `--assistant_layers 0 2 4 5` first distils an assistant copied from those teacher layers, then the student
+  (`student_layers`, a subset) is copied from the assistant's layers and distilled from the assistant; both
+  steps use the general-step settings, and results.json records the assistant. The paper's assistant is as deep
+  as the teacher and narrower; here it is shallower, because students are copied from teacher layers;
 - task step: plain fine-tuning (`kd_weight: 0, task_weight: 1` in the configs), or with logit KD from a
   fine-tuned teacher (`--kd_weight 0.5 --task_weight 0.5`).
 Deliberate difference: with a corpus of ~0.5M tokens (WikiText-2 here) a student trained from scratch
@@ -64,19 +69,26 @@ class MiniLMArguments:
     general_learning_rate: float = field(default=6e-4, metadata={"help": "Relation-distillation lr (reference "
                                                                  "run.sh: 6e-4, from scratch)."})
     general_warmup_ratio: float = field(default=0.0, metadata={"help": "Warm-up share of the general step."})
+    assistant_layers: list[int] | None = field(
+        default=None, metadata={"help": "Teacher assistant (MiniLM, for a large teacher-student gap): teacher layers "
+                                "(0-based) copied into an assistant that is distilled from the teacher first; the "
+                                "student (student_layers, a subset) is then copied from the assistant and distilled "
+                                "from it. Unset: direct."})
     cache_teacher: bool = field(default=True, metadata={"help": "Fine-tuning with KD: cache teacher logits."})
     cache_dir: str = field(default=".cache/hf_distill", metadata={"help": "Where cached teacher outputs go."})
     evaluate_teacher: bool = field(default=True, metadata={"help": "Also report the teacher's accuracy."})
 
 
-def general_distillation(margs, data, recipe, args, tokenizer) -> str:
-    """Relation distillation of the student's last layer from the teacher's chosen layer, on the corpus."""
+def general_distillation(margs, data, recipe, args, tokenizer, name: str = "general",
+                         teacher_layer: int | None = None) -> str:
+    """Relation distillation of the student's last layer from the teacher's chosen layer, on the corpus;
+    the student is saved in `output_dir/name`."""
     from transformers import AutoModelForSequenceClassification
 
     # A sequence-classification wrapper gives both models `logits`; its head is never trained or used here.
     teacher = load_model(AutoModelForSequenceClassification, margs.general_teacher or margs.teacher, "teacher")
     student = build_student(margs, teacher, AutoModelForSequenceClassification, args.seed)
-    t_layer = recipe.teacher_layer or teacher.config.num_hidden_layers
+    t_layer = teacher_layer or teacher.config.num_hidden_layers
     pairs = f"{student.config.num_hidden_layers}:{t_layer}"
     if recipe.minilm_version == "v1":
         term = {"loss": "relation_kl", "layers": pairs, "relations": ["qk", "vv"], "weight": 1.0}
@@ -87,7 +99,7 @@ def general_distillation(margs, data, recipe, args, tokenizer) -> str:
         fail(f"minilm_version must be v1 or v2, got {recipe.minilm_version!r}")
     corpus = load_corpus(data, tokenizer)
     gargs = dataclasses.replace(
-        args, output_dir=f"{args.output_dir}/general", num_train_epochs=recipe.general_epochs,
+        args, output_dir=f"{args.output_dir}/{name}", num_train_epochs=recipe.general_epochs,
         learning_rate=recipe.general_learning_rate, warmup_steps=recipe.general_warmup_ratio,
         distill_preset=None, kd_weight=0.0, task_weight=0.0, distill_terms=[term], eval_strategy="no",
         train_sampling_strategy="random", load_best_model_at_end=False,
@@ -101,6 +113,22 @@ def general_distillation(margs, data, recipe, args, tokenizer) -> str:
     return gargs.output_dir
 
 
+def check_assistant(margs, data, recipe) -> None:
+    """The chain teacher -> assistant -> student needs a student made of (a subset of) the assistant's layers."""
+    layers = recipe.assistant_layers
+    if not (data.corpus_files and recipe.general_epochs > 0):
+        fail("assistant_layers chains general distillation: set corpus_files and general_epochs > 0")
+    if margs.student or not margs.student_layers:
+        fail("assistant_layers needs student_layers (teacher layers, a subset of assistant_layers) and no student "
+             "folder: the student is copied from the distilled assistant")
+    if sorted(set(layers)) != list(layers):
+        fail(f"assistant_layers must be increasing without repeats, got {layers}")
+    missing = [layer for layer in margs.student_layers if layer not in layers]
+    if missing or len(layers) <= len(margs.student_layers):
+        fail(f"assistant_layers {layers} must hold every student layer {margs.student_layers} and more "
+             f"(missing: {missing or 'none'}): the assistant sits between teacher and student in size")
+
+
 def main() -> None:
     set_offline_defaults()
     margs, data, recipe, args, config = parse_args(
@@ -110,6 +138,8 @@ def main() -> None:
 
     if not (margs.teacher or margs.general_teacher):
         fail("set teacher (fine-tuned, for the task step) and/or general_teacher (pre-trained, for the general step)")
+    if recipe.assistant_layers:
+        check_assistant(margs, data, recipe)
     set_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(margs.general_teacher or margs.teacher)
     results = {"recipe": "minilm", "command": command_line(), "config": config}
@@ -126,11 +156,21 @@ def main() -> None:
             labels.apply(teacher, "teacher")
         results["id2label"] = labels.id2label
 
-    # 1. Task-agnostic relation distillation on the corpus.
+    # 1. Task-agnostic relation distillation on the corpus (through the assistant when there is one).
     general_s = 0.0
     if data.corpus_files and recipe.general_epochs > 0:
         t0 = time.time()
-        general_dir = general_distillation(margs, data, recipe, args, tokenizer)
+        if recipe.assistant_layers:
+            assistant_dir = general_distillation(dataclasses.replace(margs, student_layers=recipe.assistant_layers),
+                                                 data, recipe, args, tokenizer, "assistant", recipe.teacher_layer)
+            results["assistant"] = {"layers": recipe.assistant_layers, "folder": assistant_dir,
+                                    "general_s": time.time() - t0}
+            # The student: the assistant's copies of the teacher layers in student_layers, taught by the assistant.
+            margs = dataclasses.replace(margs, general_teacher=assistant_dir, student=assistant_dir, student_layers=[
+                recipe.assistant_layers.index(layer) for layer in margs.student_layers])
+            general_dir = general_distillation(margs, data, recipe, args, tokenizer)
+        else:
+            general_dir = general_distillation(margs, data, recipe, args, tokenizer, teacher_layer=recipe.teacher_layer)
         general_s = time.time() - t0
         margs = dataclasses.replace(margs, student=general_dir, student_layers=None)
         results.update(general_epochs=recipe.general_epochs, general_student=general_dir, general_s=general_s,

@@ -56,6 +56,7 @@ from common import (
     load_corpus,
     load_model,
     load_task,
+    order_seed,
     parse_args,
     set_offline_defaults,
     task_labels,
@@ -236,7 +237,7 @@ def augment(train, data, recipe, margs, args, tokenizer, corpus):
                                     n=recipe.augment_n, p=recipe.augment_p, m=recipe.augment_m, seed=args.seed)
     if k < len(train):
         augmented = datasets.concatenate_datasets([augmented, train.select(range(k, len(train)))])
-    return augmented.shuffle(seed=args.seed).flatten_indices()
+    return augmented.shuffle(seed=order_seed(args)).flatten_indices()
 
 
 def main() -> None:

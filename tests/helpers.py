@@ -14,6 +14,8 @@ from transformers import (
     DistilBertForSequenceClassification,
     LlamaConfig,
     LlamaForCausalLM,
+    MobileBertConfig,
+    MobileBertForSequenceClassification,
 )
 
 from hf_distill import DistillationArguments
@@ -66,6 +68,28 @@ def distilbert(layers=2, dim=32, heads=4, labels=2, seed=0, **kw) -> DistilBertF
         **kw,
     )
     return DistilBertForSequenceClassification(cfg)
+
+
+def mobilebert(layers=2, hidden=32, heads=4, labels=2, seed=0, bottleneck=16,
+               **kw) -> MobileBertForSequenceClassification:
+    """MobileBERT: blocks at width `hidden`, attention at the bottleneck width (`true_hidden_size`)."""
+    torch.manual_seed(seed)
+    cfg = MobileBertConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=hidden,
+        intra_bottleneck_size=bottleneck,
+        embedding_size=16,
+        num_feedforward_networks=2,
+        max_position_embeddings=64,
+        num_labels=labels,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        **kw,
+    )
+    return MobileBertForSequenceClassification(cfg)
 
 
 def token_dataset(n=32, seed=0, min_len=3, max_len=12, labels=2) -> Dataset:

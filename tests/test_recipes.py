@@ -156,6 +156,70 @@ def test_pkd_bad_input_is_one_line(env, tmp_path, flags, message):
     assert "Traceback" not in proc.stderr and not (tmp_path / "out" / "results.json").exists()
 
 
+def test_bilstm_kd_on_augmented_rows_then_reload(env, tmp_path):
+    """Tang et al.: copies of the rows (masking, n-grams), labelled by the teacher; MSE + CE; saved as a
+    transformers model that the Auto class loads back once hf_distill.bilstm is imported."""
+    out = tmp_path / "out"
+    proc = run("bilstm", "--config", RECIPES / "configs" / "bilstm_sst2.yaml", *common_flags(env, out),
+               "--n_iter", "3", "--augment_rows", "20", "--p_mask", "0.3", "--lstm_hidden_size", "8",
+               "--classifier_size", "6")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = check_results(out)
+    aug = results["augment"]
+    assert aug["rows_in"] == 48 and aug["rows_augmented"] == 20 and 48 < aug["rows_out"] <= 48 + 3 * 20
+    assert results["train_rows"] == aug["rows_out"] and results["copies_relabelled_by_teacher"] == aug["rows_out"] - 48
+    summary = results["distillation"]
+    assert summary["kd_loss"] == "mse" and summary["kd_weight"] == 1.0 and summary["task_weight"] == 0.5
+    assert results["optimizer"].startswith("adadelta")
+    logs = proc.stdout + proc.stderr
+    assert "loss_kd" in logs and "loss_task" in logs
+    from transformers import AutoModelForSequenceClassification
+
+    from hf_distill.bilstm import BiLSTMForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(out)
+    assert type(model) is BiLSTMForSequenceClassification and model.config.hidden_size == 8
+
+
+def test_bilstm_baseline_without_teacher_or_copies(env, tmp_path):
+    out = tmp_path / "out"
+    proc = run("bilstm", "--config", RECIPES / "configs" / "bilstm_sst2.yaml", *common_flags(env, out),
+               "--n_iter", "0", "--kd_weight", "0", "--task_weight", "1", "--embedding_init", "random",
+               "--lstm_hidden_size", "8", "--classifier_size", "6")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = check_results(out)
+    assert "augment" not in results and results["train_rows"] == 48 and results["copies_relabelled_by_teacher"] == 0
+    assert "loss_kd" not in proc.stdout + proc.stderr
+
+
+def test_bilstm_relabel_copies_takes_the_teachers_class():
+    import datasets
+
+    sys.path.insert(0, str(RECIPES))
+    try:
+        from bilstm import relabel_copies
+    finally:
+        sys.path.remove(str(RECIPES))
+    rows = datasets.Dataset.from_dict({"labels": [1, 1, 0, 0], "teacher_logits": [[2.0, 1.0], [0.0, 3.0],
+                                                                                  [0.5, 0.4], [-1.0, 1.0]]})
+    assert relabel_copies(rows, [1, 0, 1, 0], 2)["labels"] == [0, 1, 0, 0]  # copies: argmax; originals: gold
+    assert relabel_copies(rows.select([0]), [1], 1)["labels"] == [2]  # one output: the teacher's value
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--p_pos", "0.1"], "p_pos > 0 needs a POS tagger"),
+    (["--text_column", "sentence1", "--text_pair_column", "sentence2"], "sentence pairs need the paper's siamese"),
+    (["--student_layers", "0", "1"], "student_layers: not used by the BiLSTM recipe"),
+    (["--distill_terms", "loss=hidden_mse,layers=last"], "distill_terms cannot apply"),
+    (["--n_iter", "2", "--cache_teacher", "false"], "augmentation needs cache_teacher true"),
+])
+def test_bilstm_bad_input_is_one_line(env, tmp_path, flags, message):
+    proc = run("bilstm", "--config", RECIPES / "configs" / "bilstm_sst2.yaml", *common_flags(env, tmp_path / "out"),
+               *flags)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out" / "results.json").exists()
+
+
 def test_minilm_general_then_task(env, tmp_path):
     out = tmp_path / "out"
     proc = run("minilm", "--config", RECIPES / "configs" / "minilm_sst2.yaml", *common_flags(env, out),
@@ -165,6 +229,92 @@ def test_minilm_general_then_task(env, tmp_path):
     results = check_results(out)
     assert results["general_epochs"] == 1 and (out / "general" / "config.json").is_file()
     assert "loss_relation_qq" in proc.stdout + proc.stderr
+
+
+MOBILEBERT_SHAPE = ["--bottleneck_size", "16", "--ffn_size", "16", "--num_ffn", "2", "--embedding_size", "16"]
+
+
+def test_mobilebert_progressive_then_task_kd(env, tmp_path):
+    """A MobileBERT student shaped by the 4-layer teacher: 4 progressive stages on the corpus, then logit KD."""
+    out = tmp_path / "out"
+    proc = run("mobilebert", "--config", RECIPES / "configs" / "mobilebert_sst2.yaml", *common_flags(env, out),
+               "--general_teacher", env["teacher"], *MOBILEBERT_SHAPE, "--corpus_files", env["corpus"],
+               "--corpus_block_size", "24", "--max_corpus_blocks", "16")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = check_results(out)
+    assert [s.split(":")[0] for s in results["stages"]] == ["block 1", "block 2", "block 3", "block 4"]
+    assert "frozen: bert.embeddings" not in results["stages"][1]
+    assert "frozen: mobilebert.embeddings, mobilebert.encoder.layer.0" in results["stages"][1]
+    shape = results["student_shape"]
+    assert shape["num_hidden_layers"] == 4 and shape["hidden_size"] == 32 and shape["true_hidden_size"] == 16
+    assert json.loads((out / "progressive" / "config.json").read_text())["model_type"] == "mobilebert"
+    logs = proc.stdout + proc.stderr
+    assert "'loss_hidden_4'" in logs and "'loss_attention_4_qk'" in logs and "'loss_kd'" in logs
+    assert results["distillation"]["kd_weight"] == 0.5
+
+
+def test_mobilebert_baseline_skips_the_progressive_stage(env, tmp_path):
+    out = tmp_path / "out"
+    proc = run("mobilebert", "--config", RECIPES / "configs" / "mobilebert_sst2.yaml", *common_flags(env, out),
+               "--general_teacher", env["teacher"], *MOBILEBERT_SHAPE, "--progressive_epochs", "0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = check_results(out)
+    assert "stages" not in results and not (out / "progressive").exists()
+    assert "loss_hidden" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--bottleneck_size", "18"], "must be divisible by the teacher's 4 heads"),
+    ([], "progressive_epochs > 0 needs corpus_files"),
+    (["--student_layers", "0", "1"], "student_layers: not used by the MobileBERT recipe"),
+])
+def test_mobilebert_bad_input_is_one_line(env, tmp_path, flags, message):
+    config = tmp_path / "no_corpus.yaml"  # the shipped config without its corpus
+    lines = (RECIPES / "configs" / "mobilebert_sst2.yaml").read_text().splitlines()
+    config.write_text("\n".join(line for line in lines if not line.startswith("corpus_files")) + "\n")
+    corpus = [] if not flags else ["--corpus_files", env["corpus"]]
+    proc = run("mobilebert", "--config", config, *common_flags(env, tmp_path / "out"),
+               "--general_teacher", env["teacher"], *MOBILEBERT_SHAPE[2:], *corpus, *flags)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out" / "results.json").exists()
+
+
+def test_minilm_teacher_assistant_chain(env, tmp_path):
+    """teacher (4 layers) -> assistant (teacher layers 0, 1, 2) -> student (the assistant's copies of 0 and 2)."""
+    out = tmp_path / "out"
+    proc = run("minilm", "--config", RECIPES / "configs" / "minilm_sst2.yaml", *common_flags(env, out),
+               "--general_teacher", env["teacher"], "--student_layers", "0", "2", "--assistant_layers", "0", "1", "2",
+               "--relation_heads", "8", "--corpus_files", env["corpus"], "--corpus_block_size", "24",
+               "--general_epochs", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = check_results(out)
+    assert results["assistant"]["layers"] == [0, 1, 2] and results["general_epochs"] == 1
+    assistant = json.loads((out / "assistant" / "config.json").read_text())
+    general = json.loads((out / "general" / "config.json").read_text())
+    assert assistant["num_hidden_layers"] == 3 and general["num_hidden_layers"] == 2
+    from safetensors.torch import load_file
+
+    a, g = load_file(out / "assistant" / "model.safetensors"), load_file(out / "general" / "model.safetensors")
+    t = load_file(env["teacher"] / "model.safetensors")
+    key = "bert.encoder.layer.{}.attention.self.query.weight"
+    # The assistant was trained (its layer 0 moved away from the teacher's); the student started from it.
+    assert not torch.equal(a[key.format(0)], t[key.format(0)])
+    assert not torch.equal(g[key.format(1)], a[key.format(2)])  # then trained against the assistant
+    assert (proc.stdout + proc.stderr).count("'loss_relation_qq'") >= 2  # both general steps logged
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--student_layers", "0", "2", "--assistant_layers", "0", "1"], "must hold every student layer"),
+    (["--student_layers", "0", "2", "--assistant_layers", "0", "2"], "must hold every student layer"),
+    (["--student_layers", "0", "2", "--assistant_layers", "2", "0", "1"], "increasing without repeats"),
+    (["--student_layers", "0", "2", "--assistant_layers", "0", "1", "2", "--general_epochs", "0"],
+     "assistant_layers chains general distillation"),
+])
+def test_minilm_bad_assistant_is_one_line(env, tmp_path, flags, message):
+    proc = run("minilm", "--config", RECIPES / "configs" / "minilm_sst2.yaml", *common_flags(env, tmp_path / "out"),
+               "--general_teacher", env["teacher"], "--corpus_files", env["corpus"], "--general_epochs", "1", *flags)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out" / "results.json").exists()
 
 
 def test_tinybert_general_augment_two_stages_on_pairs(env, tmp_path):
@@ -381,6 +531,41 @@ def _common(monkeypatch):
     return importlib.import_module("common")
 
 
+def test_model_seed_varies_the_student_and_data_seed_the_order(env, monkeypatch):
+    """Seed repeats (issue #16): model_seed draws new student weights and heads, data_seed a new row order;
+    neither set means the run's seed, as before."""
+    import dataclasses
+
+    from transformers import AutoModelForSequenceClassification
+
+    common = _common(monkeypatch)
+    teacher = AutoModelForSequenceClassification.from_pretrained(env["teacher"])
+    random_student = common.ModelArguments(student_num_layers=2, student_hidden_size=16, student_num_heads=4,
+                                           student_intermediate_size=32)
+    copied = common.ModelArguments(student=str(env["teacher"]), student_layers=[0, 2])
+
+    def weights(margs, seed=42, **kw):
+        torch.manual_seed(seed)  # the recipes' set_seed(args.seed)
+        model = common.build_student(margs, teacher, AutoModelForSequenceClassification, seed, **kw)
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    # A random student, and a copied one that gets a new 3-class head: model_seed draws both.
+    for margs, kw in ((random_student, {}), (copied, {"num_labels": 3, "ignore_mismatched_sizes": True})):
+        base = weights(margs, **kw)
+        assert torch.equal(weights(dataclasses.replace(margs, model_seed=42), **kw), base)
+        assert torch.equal(weights(dataclasses.replace(margs, model_seed=7), **kw), weights(margs, seed=7, **kw))
+        assert not torch.equal(weights(dataclasses.replace(margs, model_seed=7), **kw), base)
+    # Nothing random in a copy that keeps the teacher's head.
+    assert torch.equal(weights(dataclasses.replace(copied, model_seed=7)), weights(copied))
+
+    class Args:
+        seed, data_seed = 42, None
+
+    assert common.order_seed(Args) == 42
+    Args.data_seed = 3
+    assert common.order_seed(Args) == 3
+
+
 def test_task_labels_map_through_the_teacher(monkeypatch):
     """MNLI's three names map to the teacher's ids (its order, its capitals); a Hub ClassLabel column maps by
     name too; without a teacher the sorted names number the classes; integer labels stay as they are."""
@@ -423,7 +608,7 @@ def _recipe_main(recipe: str, argv: list, monkeypatch):
     return exit_info.value.code
 
 
-@pytest.mark.parametrize("recipe", ["distilbert", "tinybert", "minilm", "pkd"])
+@pytest.mark.parametrize("recipe", ["distilbert", "tinybert", "minilm", "pkd", "bilstm", "mobilebert"])
 def test_help_lists_every_option(recipe, monkeypatch, capsys):
     assert _recipe_main(recipe, ["--help"], monkeypatch) == 0
     out = capsys.readouterr().out
@@ -432,7 +617,7 @@ def test_help_lists_every_option(recipe, monkeypatch, capsys):
                  "--class_names"):
         assert flag in out, flag
     specific = {"distilbert": "--mlm_smoothing", "tinybert": "--augment_n", "minilm": "--relation_heads",
-                "pkd": "--pkd_beta"}[recipe]
+                "pkd": "--pkd_beta", "bilstm": "--p_ng", "mobilebert": "--freeze_lower"}[recipe]
     assert specific in out
 
 

@@ -6,10 +6,10 @@ import copy
 
 import pytest
 import torch
-from helpers import bert, collate, distilbert, token_dataset
+from helpers import bert, collate, distilbert, mobilebert, token_dataset
 
 from hf_distill import families
-from hf_distill.taps import FeatureTaps, TapRequest, attention_scores
+from hf_distill.taps import FeatureTaps, TapRequest, attention_scores, model_info
 
 
 def _batch(n=5):
@@ -22,7 +22,7 @@ def _eager_copy(model):
     return eager.eval()
 
 
-@pytest.mark.parametrize("make", [bert, distilbert], ids=["bert", "distilbert"])
+@pytest.mark.parametrize("make", [bert, distilbert, mobilebert], ids=["bert", "distilbert", "mobilebert"])
 def test_probabilities_from_taps_equal_eager_attentions(make):
     model = make(layers=3).eval()
     assert model.config._attn_implementation == "sdpa"
@@ -40,7 +40,7 @@ def test_probabilities_from_taps_equal_eager_attentions(make):
         torch.testing.assert_close(scores.softmax(-1), eager[i - 1], atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("make", [bert, distilbert], ids=["bert", "distilbert"])
+@pytest.mark.parametrize("make", [bert, distilbert, mobilebert], ids=["bert", "distilbert", "mobilebert"])
 def test_hidden_taps_equal_output_hidden_states(make):
     model = make(layers=3).eval()
     tap = FeatureTaps(model, TapRequest(hidden={0, 1, 3}))
@@ -51,6 +51,12 @@ def test_hidden_taps_equal_output_hidden_states(make):
     assert sorted(feats.hidden) == [0, 1, 3]  # only what was asked for
     for i in (0, 1, 3):
         assert torch.equal(feats.hidden[i], reference[i])
+
+
+def test_mobilebert_attention_width_is_the_bottleneck():
+    """Q/K/V project to `true_hidden_size` (16 here), not to the inter-block width (32)."""
+    info = model_info(mobilebert(hidden=32, heads=4, bottleneck=16))
+    assert info.hidden_size == 32 and info.head_dim == 4 and info.q_width == 16
 
 
 def _hook_count(model) -> int:
