@@ -7,8 +7,10 @@ backward states concatenated, a ReLU layer (200 units for SST-2) and a linear cl
 (`hf_distill.tang_augment`).
 
 Why a `PreTrainedModel` and not a bare `nn.Module`: `Trainer`, `save_pretrained` / `from_pretrained`,
-`AutoModelForSequenceClassification` (registered when this module is imported) and `push_to_hub` then
-work for the student exactly as for a transformer, with no special case anywhere.
+`AutoModelForSequenceClassification` and `push_to_hub` then work for the student as for a transformer, with no
+special case anywhere. The Auto classes know the model once this module is imported (`import
+hf_distill.bilstm`; `import hf_distill` alone does not load torch-heavy modules), so whoever loads a pushed
+student needs `hf_distill` installed and that import first.
 
 Embeddings: the paper starts from 300-d word2vec vectors, which are not available offline. `from_teacher`
 starts from the teacher's own input word embeddings instead: the student then reads the teacher's
@@ -65,9 +67,11 @@ class BiLSTMForSequenceClassification(PreTrainedModel):
         self.post_init()
 
     def _init_weights(self, module: nn.Module) -> None:
-        # Called by post_init and by from_pretrained for weights a checkpoint lacks; PyTorch's own LSTM and
-        # Linear initialisations are what the paper's student used, so only the embedding table is set here.
-        if isinstance(module, nn.Embedding):
+        # Called by post_init and by from_pretrained for weights a checkpoint lacks (a new head): PyTorch's own
+        # LSTM and Linear initialisations, which the paper's student used; a small normal embedding table.
+        if isinstance(module, nn.Linear | nn.LSTM):
+            module.reset_parameters()
+        elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, std=0.1)
             if module.padding_idx is not None:
                 with torch.no_grad():
@@ -109,6 +113,8 @@ class BiLSTMForSequenceClassification(PreTrainedModel):
         features = self.dropout(torch.cat([h_n[0], h_n[1]], dim=-1))
         logits = self.classifier(self.dropout(torch.relu(self.dense(features))))
         loss = None if labels is None else self._loss(logits, labels)
+        if return_dict is False:
+            return (logits,) if loss is None else (loss, logits)
         return SequenceClassifierOutput(loss=loss, logits=logits)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -147,8 +153,9 @@ def from_teacher(
         num_labels=tc.num_labels, id2label=dict(tc.id2label), label2id=dict(tc.label2id),
         problem_type=tc.problem_type,
     )
-    torch.manual_seed(seed)
-    student = BiLSTMForSequenceClassification(config)
+    with torch.random.fork_rng(devices=[]):  # the caller's random stream is left as it was
+        torch.manual_seed(seed)
+        student = BiLSTMForSequenceClassification(config)
     if embedding_init == "teacher":
         with torch.no_grad():
             student.embeddings.weight.copy_(table.detach().float())

@@ -379,6 +379,10 @@ class StageSwitchCallback(TrainerCallback, ExportableState):
                     for s in self.stages[:-1]]
             if any(b <= a for a, b in zip([0, *ends], ends)):
                 raise ValueError(f"Stage boundaries must increase and be > 0, got steps {ends}.")
+            if state.max_steps and state.max_steps > 0 and ends and ends[-1] >= state.max_steps:
+                raise ValueError(f"Stage boundaries at steps {ends}, but training stops at step {state.max_steps}: the "
+                                 "last stage(s) would never run. Train longer (num_train_epochs / max_steps) or end "
+                                 "the stages earlier.")
             self.boundaries = ends
         if self.base is None:
             terms = [t.name for t in parse_terms(args.distill_terms or [])]
@@ -403,9 +407,10 @@ class StageSwitchCallback(TrainerCallback, ExportableState):
             return
         if model is None:
             raise ValueError("Stage frozen needs the model in the callback events (a transformers Trainer gives it).")
-        if getattr(args, "world_size", 1) > 1:
+        if getattr(args, "world_size", 1) > 1 or getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
             raise ValueError("Stage frozen changes which parameters train between stages; DDP, FSDP and DeepSpeed fix "
-                             "that set when they wrap the model. Run multi-stage freezing on one process.")
+                             "that set when they wrap the model. Run multi-stage freezing on one process, without "
+                             "an engine.")
         names = [n for n, _ in model.named_parameters()]
         for i, stage in enumerate(self.stages):
             for f in stage.frozen:
@@ -413,6 +418,13 @@ class StageSwitchCallback(TrainerCallback, ExportableState):
                     raise ValueError(f"Stage {i} ({stage.name or 'unnamed'}) freezes {f!r}, which names no parameter "
                                      f"of the model (e.g. {names[0]!r}).")
         self._trainable = {n: p.requires_grad for n, p in model.named_parameters()}
+
+    def restore_trainable(self, model) -> None:
+        """Every parameter's `requires_grad` as it was when training began (called when `train()` ends, also
+        on an exception, so an interrupted run does not leave modules frozen)."""
+        if self._trainable is not None and model is not None:
+            for n, p in model.named_parameters():
+                p.requires_grad_(self._trainable.get(n, p.requires_grad))
 
     def _apply_frozen(self, stage: Stage, model) -> None:
         if self._trainable is None:
@@ -492,9 +504,7 @@ class StageSwitchCallback(TrainerCallback, ExportableState):
                 inner.state.clear()
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
-        if self._trainable is not None and model is not None:  # hand the model back as it came
-            for n, p in model.named_parameters():
-                p.requires_grad_(self._trainable.get(n, p.requires_grad))
+        self.restore_trainable(model)  # hand the model back as it came (DistillationTrainer.train also does)
 
     def distill_log_values(self) -> dict[str, float]:
         return {"distill_stage": self.stage or 0, **self.values}

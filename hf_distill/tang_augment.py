@@ -125,7 +125,12 @@ def tang_augment_dataset(
                          "(augmented twice?)")
     if tokenizer.mask_token is None:
         raise ValueError("tang_augment_dataset: the tokenizer has no mask token (needed by the masking rule)")
-    backend = tokenizer.backend_tokenizer
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or type(backend.model).__name__ != "WordPiece":
+        # Byte-level BPE and SentencePiece pre-tokenisers keep their word markers (Ġ, ▁) in the words, so
+        # copies written as words joined by spaces would carry them into the text.
+        raise ValueError("tang_augment_dataset needs a fast WordPiece tokenizer (BERT, DistilBERT, ELECTRA...): "
+                         "its words are rejoined with spaces, which BPE and SentencePiece word markers do not survive")
     texts = dataset[text_column]
     words = [basic_words(backend, t) for t in texts]
     tags = None
@@ -156,7 +161,7 @@ def tang_augment_dataset(
     h = hashlib.blake2b(digest_size=16)
     h.update(str(getattr(dataset, "_fingerprint", id(dataset))).encode())
     h.update(json.dumps(settings, sort_keys=True).encode())
-    h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(backend.to_str().encode())  # vocabulary, normaliser (casing, accents) and pre-tokeniser
     if tagger is not None and p_pos > 0:
         h.update(json.dumps(tags).encode())  # the tagger's actual output on this data, whatever tagger it is
     return dataset.map(run, batched=True, batch_size=batch_size, with_indices=True, remove_columns=columns,

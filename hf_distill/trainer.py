@@ -589,8 +589,13 @@ class DistillationTrainer(Trainer):
     def train(self, *args: Any, **kwargs: Any):
         # Components of compute_loss calls made before training (by hand, in train mode) are not the run's.
         self.tracker.reset()
-        with self._projections_attached():
-            return super().train(*args, **kwargs)
+        try:
+            with self._projections_attached():
+                return super().train(*args, **kwargs)
+        finally:  # a stage that froze modules hands them back even when training stops on an exception
+            for callback in self.callback_handler.callbacks:
+                if callable(getattr(callback, "restore_trainable", None)):
+                    callback.restore_trainable(self.model)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and self.tracker:

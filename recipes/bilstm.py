@@ -71,8 +71,9 @@ class BiLSTMArguments:
     augment_rows: int | None = field(default=None, metadata={"help": "Augment only the first N training rows."})
     pos_tagger: str | None = field(default=None, metadata={"help": "nltk: NLTK's perceptron tagger (its data "
                                                            "must be installed). Needed when p_pos > 0."})
-    adadelta: bool = field(default=True, metadata={"help": "Adadelta (rho 0.95) at learning_rate, as the paper; "
-                                                   "false: the Trainer's optimizer (optim)."})
+    adadelta: bool = field(default=True, metadata={"help": "Adadelta (rho 0.95, no weight decay) at learning_rate, "
+                                                   "as the paper (optim and adam_* do not apply); false: the "
+                                                   "Trainer's optimizer (optim)."})
     cache_teacher: bool = field(default=True, metadata={"help": "Compute the teacher's logits once "
                                                         "(hf_distill.cache); they also label the copies."})
     cache_dir: str = field(default=".cache/hf_distill", metadata={"help": "Where cached datasets go."})
@@ -111,19 +112,31 @@ def check(margs: ModelArguments, recipe: BiLSTMArguments, data: DataArguments, a
         fail("the BiLSTM student has no transformer layers: distill_terms cannot apply (logits only)")
     if args.kd_weight > 0 and args.kd_loss != "mse":
         print(f"note: kd_loss {args.kd_loss} (the paper's is mse)")
+    for name in ("p_mask", "p_pos", "p_ng"):
+        if not 0 <= getattr(recipe, name) <= 1:
+            fail(f"{name} must be in [0, 1], got {getattr(recipe, name):g}")
+    if recipe.p_mask + recipe.p_pos > 1:
+        fail(f"p_mask + p_pos must be <= 1 (one draw per word decides between them), got {recipe.p_mask:g} + "
+             f"{recipe.p_pos:g}")
+    if recipe.ngram_max < 1 or recipe.n_iter < 0:
+        fail(f"need ngram_max >= 1 and n_iter >= 0, got ngram_max {recipe.ngram_max}, n_iter {recipe.n_iter}")
+    if recipe.augment_rows is not None and recipe.augment_rows < 1:
+        fail(f"augment_rows must be >= 1 (unset: every row), got {recipe.augment_rows}")
+    if recipe.adadelta and args.weight_decay:
+        fail(f"weight_decay {args.weight_decay:g} with adadelta: the recipe's Adadelta has no weight decay (the "
+             "paper's had none); set weight_decay 0, or adadelta false for the Trainer's optimizer")
     if recipe.n_iter > 0 and not recipe.cache_teacher:
         fail("augmentation needs cache_teacher true: the copies have no gold label and take the teacher's class "
              "from its cached logits")
 
 
-def relabel_copies(train, flags: list[int], num_labels: int):
-    """The paper's rule: a copy's CE target is the teacher's predicted class (its value, for regression)."""
+def relabel_copies(train, flags: list[int]):
+    """The paper's rule: a copy's CE target is the teacher's predicted class; original rows keep theirs."""
     import numpy as np
 
     from hf_distill.cache import LOGITS_COLUMN
 
-    logits = np.asarray(train[LOGITS_COLUMN], dtype=np.float32)
-    predicted = logits[:, 0] if num_labels == 1 else logits.argmax(-1)
+    predicted = np.asarray(train[LOGITS_COLUMN], dtype=np.float32).argmax(-1)
     gold = np.asarray(train["labels"])
     labels = np.where(np.asarray(flags) == 1, predicted.astype(gold.dtype), gold)
     return train.remove_columns("labels").add_column("labels", labels.tolist())
@@ -156,6 +169,8 @@ def main() -> None:
     teacher = load_model(AutoModelForSequenceClassification, margs.teacher, "teacher")
     labels = task_labels(train, valid, data, teacher)
     labels.apply(teacher, "teacher")
+    if teacher.config.num_labels < 2:
+        fail("the BiLSTM recipe distils classifiers (copies take the teacher's class); this teacher has one output")
     student = bilstm.from_teacher(teacher, hidden_size=recipe.lstm_hidden_size,
                                   classifier_size=recipe.classifier_size, dropout=recipe.dropout,
                                   embedding_init=recipe.embedding_init,
@@ -189,7 +204,7 @@ def main() -> None:
     if needs_teacher and recipe.cache_teacher:
         train = cache_task_logits(teacher, train, collator, recipe.cache_dir, progress=not args.disable_tqdm)
         if any(flags):
-            train = relabel_copies(train, flags, teacher.config.num_labels)
+            train = relabel_copies(train, flags)
         if args.kd_weight == 0:  # the logits only labelled the copies
             train = train.remove_columns([c for c in train.column_names if c.startswith("teacher_")])
     optimizers = (None, None)

@@ -103,6 +103,12 @@ def main() -> None:
     from hf_distill import demo
     from hf_distill.early_exit import EarlyExitModel
 
+    unused = [n for n in ("general_teacher", "student", "student_layers", "student_num_layers", "student_hidden_size",
+                          "student_num_heads", "student_intermediate_size", "model_seed") if getattr(margs, n)
+              is not None]
+    if unused:
+        fail(f"{', '.join(unused)}: not used by the FastBERT recipe (the student is the teacher plus its exits, "
+             "drawn from seed)")
     set_seed(args.seed)
     results = {"recipe": "fastbert", "command": command_line(), "config": config}
 

@@ -110,7 +110,7 @@ def progressive_transfer(margs, data, recipe, args, tokenizer, config) -> tuple[
     pargs = dataclasses.replace(
         args, output_dir=f"{args.output_dir}/progressive", num_train_epochs=recipe.progressive_epochs * len(
             switch.stages), learning_rate=recipe.progressive_learning_rate, distill_preset=None, kd_weight=0.0,
-        task_weight=0.0, distill_terms=terms, eval_strategy="no", train_sampling_strategy="random",
+        task_weight=0.0, distill_terms=terms, eval_strategy="no", train_sampling_strategy="random", max_steps=-1,
         load_best_model_at_end=False, projection="none")
     trainer = DistillationTrainer(model=student, teacher_model=teacher, args=pargs, train_dataset=corpus,
                                   data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer,

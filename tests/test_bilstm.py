@@ -94,3 +94,32 @@ def test_save_and_load_through_the_auto_class(tmp_path):
     torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
     for name, value in model.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[name], value)
+
+
+def test_a_new_head_on_reload_is_initialised(tmp_path):
+    """transformers leaves weights a checkpoint lacks to _init_weights: a new 3-class head must be a real init."""
+    student().save_pretrained(tmp_path)
+    loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path, num_labels=3, ignore_mismatched_sizes=True)
+    bound = 1 / loaded.config.classifier_size ** 0.5  # nn.Linear's default uniform bound
+    assert loaded.classifier.weight.shape == (3, 6)
+    assert float(loaded.classifier.weight.abs().max()) <= bound and float(loaded.classifier.bias.abs().max()) <= bound
+    torch.testing.assert_close(loaded.dense.weight, student().dense.weight)  # loaded weights are not re-drawn
+
+
+def test_return_dict_false_gives_a_tuple():
+    model = student()
+    ids, labels = torch.tensor([[5, 6, 7]]), torch.tensor([1])
+    loss, logits = model(ids, labels=labels, return_dict=False)
+    out = model(ids, labels=labels)
+    torch.testing.assert_close(logits, out.logits)
+    torch.testing.assert_close(loss, out.loss)
+    assert len(model(ids, return_dict=False)) == 1
+
+
+def test_from_teacher_leaves_the_callers_random_stream_alone():
+    t = teacher(hidden=32)
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    bilstm.from_teacher(t, hidden_size=8, classifier_size=6, seed=0)
+    torch.testing.assert_close(torch.rand(3), expected)

@@ -327,3 +327,18 @@ def test_fastbert_recipe_end_to_end(tmp_path):
     assert res["sweep"][2]["mean_exit_layer"] < 4  # speed 1: every row whose branch is not exactly uniform leaves
     assert all("loss_exit_3" in h for h in res["distill_logs"])
     assert (out / BRANCH_FILE).is_file() and EarlyExitModel.from_pretrained(out).num_exits == 4
+
+
+@pytest.mark.parametrize("flag", [["--model_seed", "3"], ["--student_layers", "0", "1"]])
+def test_fastbert_recipe_refuses_student_fields_it_does_not_use(tmp_path, flag):
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, str(root / "recipes" / "fastbert.py"), "--config",
+           str(root / "recipes" / "configs" / "fastbert_sst2.yaml"), "--output_dir", str(tmp_path / "out"), *flag]
+    env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2 and "not used by the FastBERT recipe" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()

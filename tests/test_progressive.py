@@ -98,3 +98,31 @@ def test_bad_progressive_setups_are_refused(tmp_path):
     switch = StageSwitchCallback([Stage(until_step=1, frozen=["mobilebert.encoder.layer.9"]), Stage()])
     with pytest.raises(ValueError, match="names no parameter"):
         switch._check_frozen(args(tmp_path), mobilebert())
+
+
+def test_stages_beyond_max_steps_are_refused(tmp_path):
+    student, teacher = mobilebert(layers=2, hidden=32, heads=4), make_teacher(layers=2, hidden=32, heads=4)
+    terms, switch = progressive_stages(student, teacher, epochs_per_stage=1, learning_rate=1e-3)
+    a = args(tmp_path, max_steps=3, distill_terms=terms, kd_weight=0.0, task_weight=0.0)  # 3 steps per epoch
+    trainer = DistillationTrainer(model=student, teacher_model=teacher, args=a, train_dataset=token_dataset(24),
+                                  data_collator=collate, callbacks=[switch])
+    with pytest.raises(ValueError, match="the last stage\\(s\\) would never run"):
+        trainer.train()
+
+
+def test_an_interrupted_run_hands_back_every_parameter_trainable(tmp_path):
+    class Boom(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 4:  # inside stage 2, with the embeddings and block 1 frozen
+                raise KeyboardInterrupt
+
+    student, teacher = mobilebert(layers=2, hidden=32, heads=4), make_teacher(layers=2, hidden=32, heads=4)
+    student.classifier.weight.requires_grad_(False)  # the user's own choice survives
+    terms, switch = progressive_stages(student, teacher, epochs_per_stage=1, learning_rate=1e-3)
+    a = args(tmp_path, max_steps=-1, num_train_epochs=2, distill_terms=terms, kd_weight=0.0, task_weight=0.0)
+    trainer = DistillationTrainer(model=student, teacher_model=teacher, args=a, train_dataset=token_dataset(24),
+                                  data_collator=collate, callbacks=[switch, Boom()])
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    frozen = [n for n, p in student.named_parameters() if not p.requires_grad]
+    assert frozen == ["classifier.weight"]

@@ -181,6 +181,49 @@ def test_bilstm_kd_on_augmented_rows_then_reload(env, tmp_path):
     assert type(model) is BiLSTMForSequenceClassification and model.config.hidden_size == 8
 
 
+def test_bilstm_training_rows_carry_the_right_labels(env, tmp_path, monkeypatch):
+    """Through augmentation, shuffle, tokenisation and the teacher cache, each original row keeps its gold label
+    and each copy takes the teacher's class (the recipe's main() in process, stopped before training; the cache
+    replaced by a stand-in teacher)."""
+    import importlib
+
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    monkeypatch.syspath_prepend(str(RECIPES))
+    recipe = importlib.import_module("bilstm")
+    seen = {}
+
+    def fake_cache(teacher, train, *args, **kwargs):  # a "teacher" whose class varies with the row (the tiny
+        # random one predicts one class everywhere), so a relabel that mixed rows up would show
+        return train.map(lambda r: {"teacher_logits": [0.0, 1.0] if sum(r["input_ids"]) % 3 else [1.0, 0.0]})
+
+    monkeypatch.setattr(recipe, "cache_task_logits", fake_cache)
+    monkeypatch.setattr(recipe, "train_and_report", lambda trainer, *a, **kw: seen.update(kw))
+    monkeypatch.setattr(sys, "argv", ["recipes/bilstm.py", "--config", str(RECIPES / "configs" / "bilstm_sst2.yaml"),
+                                      *map(str, common_flags(env, tmp_path / "out")), "--n_iter", "4",
+                                      "--augment_rows", "30", "--p_mask", "0.3", "--lstm_hidden_size", "8",
+                                      "--classifier_size", "6"])
+    recipe.main()
+    train = seen["train"]
+    tok = AutoTokenizer.from_pretrained(env["teacher"])
+    lines = (env["tmp"] / "sst_train.tsv").read_text().splitlines()[1:]
+    gold = {tuple(tok(text.strip())["input_ids"]): int(label) for text, label in (ln.split("\t") for ln in lines)}
+    predicted = np.asarray(train["teacher_logits"]).argmax(-1)
+    originals = copies = 0
+    for ids, label, p in zip(train["input_ids"], train["labels"], predicted):
+        if tuple(ids) in gold:
+            originals += 1
+            assert label == gold[tuple(ids)]
+        else:
+            copies += 1
+            assert label == p
+    assert originals == 48 and copies == len(train) - 48 > 30
+    # The teacher disagrees with the gold label on some rows and varies, so a misaligned relabel would show.
+    assert len(set(predicted.tolist())) == 2 and 0 < sum(
+        int(p) != gold[tuple(i)] for i, p in zip(train["input_ids"], predicted) if tuple(i) in gold) < 48
+
+
 def test_bilstm_baseline_without_teacher_or_copies(env, tmp_path):
     out = tmp_path / "out"
     proc = run("bilstm", "--config", RECIPES / "configs" / "bilstm_sst2.yaml", *common_flags(env, out),
@@ -202,8 +245,7 @@ def test_bilstm_relabel_copies_takes_the_teachers_class():
         sys.path.remove(str(RECIPES))
     rows = datasets.Dataset.from_dict({"labels": [1, 1, 0, 0], "teacher_logits": [[2.0, 1.0], [0.0, 3.0],
                                                                                   [0.5, 0.4], [-1.0, 1.0]]})
-    assert relabel_copies(rows, [1, 0, 1, 0], 2)["labels"] == [0, 1, 0, 0]  # copies: argmax; originals: gold
-    assert relabel_copies(rows.select([0]), [1], 1)["labels"] == [2]  # one output: the teacher's value
+    assert relabel_copies(rows, [1, 0, 1, 0])["labels"] == [0, 1, 0, 0]  # copies: argmax; originals: gold
 
 
 @pytest.mark.parametrize(("flags", "message"), [
@@ -212,6 +254,9 @@ def test_bilstm_relabel_copies_takes_the_teachers_class():
     (["--student_layers", "0", "1"], "student_layers: not used by the BiLSTM recipe"),
     (["--distill_terms", "loss=hidden_mse,layers=last"], "distill_terms cannot apply"),
     (["--n_iter", "2", "--cache_teacher", "false"], "augmentation needs cache_teacher true"),
+    (["--p_mask", "1.5"], "p_mask must be in [0, 1]"),
+    (["--augment_rows", "0"], "augment_rows must be >= 1"),
+    (["--weight_decay", "0.01"], "the recipe's Adadelta has no weight decay"),
 ])
 def test_bilstm_bad_input_is_one_line(env, tmp_path, flags, message):
     proc = run("bilstm", "--config", RECIPES / "configs" / "bilstm_sst2.yaml", *common_flags(env, tmp_path / "out"),
@@ -280,26 +325,31 @@ def test_mobilebert_bad_input_is_one_line(env, tmp_path, flags, message):
 
 
 def test_minilm_teacher_assistant_chain(env, tmp_path):
-    """teacher (4 layers) -> assistant (teacher layers 0, 1, 2) -> student (the assistant's copies of 0 and 2)."""
-    out = tmp_path / "out"
-    proc = run("minilm", "--config", RECIPES / "configs" / "minilm_sst2.yaml", *common_flags(env, out),
-               "--general_teacher", env["teacher"], "--student_layers", "0", "2", "--assistant_layers", "0", "1", "2",
-               "--relation_heads", "8", "--corpus_files", env["corpus"], "--corpus_block_size", "24",
-               "--general_epochs", "1")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = check_results(out)
-    assert results["assistant"]["layers"] == [0, 1, 2] and results["general_epochs"] == 1
-    assistant = json.loads((out / "assistant" / "config.json").read_text())
-    general = json.loads((out / "general" / "config.json").read_text())
-    assert assistant["num_hidden_layers"] == 3 and general["num_hidden_layers"] == 2
+    """teacher (4 layers) -> assistant (teacher layers 0, 2, 3) -> student (teacher layers 0 and 3, i.e. the
+    assistant's layers 0 and 2). At a vanishing learning rate nothing moves, so where each layer came from shows."""
     from safetensors.torch import load_file
 
-    a, g = load_file(out / "assistant" / "model.safetensors"), load_file(out / "general" / "model.safetensors")
-    t = load_file(env["teacher"] / "model.safetensors")
+    def chain(out, lr):
+        proc = run("minilm", "--config", RECIPES / "configs" / "minilm_sst2.yaml", *common_flags(env, out),
+                   "--general_teacher", env["teacher"], "--student_layers", "0", "3", "--assistant_layers", "0", "2",
+                   "3", "--relation_heads", "8", "--corpus_files", env["corpus"], "--corpus_block_size", "24",
+                   "--general_epochs", "1", "--general_learning_rate", lr)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return (proc, load_file(out / "assistant" / "model.safetensors"),
+                load_file(out / "general" / "model.safetensors"))
+
     key = "bert.encoder.layer.{}.attention.self.query.weight"
-    # The assistant was trained (its layer 0 moved away from the teacher's); the student started from it.
-    assert not torch.equal(a[key.format(0)], t[key.format(0)])
-    assert not torch.equal(g[key.format(1)], a[key.format(2)])  # then trained against the assistant
+    t = load_file(env["teacher"] / "model.safetensors")
+    _, a, g = chain(tmp_path / "still", "1e-12")
+    for layer in (0, 1, 2):  # the assistant is teacher layers 0, 2, 3
+        torch.testing.assert_close(a[key.format(layer)], t[key.format((0, 2, 3)[layer])], atol=1e-6, rtol=0)
+    torch.testing.assert_close(g[key.format(1)], a[key.format(2)], atol=1e-6, rtol=0)  # student 1 = assistant 2
+    proc, a, g = chain(tmp_path / "out", "1e-3")
+    results = check_results(tmp_path / "out")
+    assert results["assistant"]["layers"] == [0, 2, 3] and results["general_epochs"] == 1
+    assert len(a) > len(g) and key.format(2) in a and key.format(2) not in g  # 3 layers, then 2
+    assert not torch.equal(a[key.format(0)], t[key.format(0)])  # the assistant was trained
+    assert not torch.equal(g[key.format(1)], a[key.format(2)])  # and the student against it
     assert (proc.stdout + proc.stderr).count("'loss_relation_qq'") >= 2  # both general steps logged
 
 

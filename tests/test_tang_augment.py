@@ -61,6 +61,19 @@ def test_unigram_draws_follow_counts():
     assert abs(share - 0.75) < 0.03
 
 
+def test_masking_and_replacement_rates_follow_one_draw_per_word():
+    """p_mask = 0.2 and p_pos = 0.3 from one uniform draw per word: 20% masks, 30% replacements, 50% kept."""
+    words = [f"w{i}" for i in range(400)]
+    tags = [f"T{i}" for i in range(400)]
+    unigrams = UnigramsByTag([([f"r{i}" for i in range(400)], tags)])  # each tag's only other word
+    out = draw(words, p_mask=0.2, p_pos=0.3, unigrams=unigrams, tags=tags, n_iter=10)
+    cells = [w for text in out for w in text.split()]
+    assert len(out) == 10 and len(cells) == 4000
+    masked = sum(w == "[MASK]" for w in cells) / 4000
+    replaced = sum(w.startswith("r") for w in cells) / 4000
+    assert abs(masked - 0.2) < 0.03 and abs(replaced - 0.3) < 0.03
+
+
 def test_ngram_sampling_keeps_a_contiguous_span_of_the_allowed_length():
     words = "a b c d e f g h".split()
     out = draw(words, p_ng=1.0, ngram_range=(2, 3), n_iter=50)
@@ -86,6 +99,18 @@ def test_dataset_rows_copies_flags_and_determinism(tokenizer):
     assert again["sentence"] == out["sentence"]  # one generator per row: batching does not matter
     other = tang_augment_dataset(ds, tokenizer, n_iter=5, p_mask=0.3, p_pos=0.3, p_ng=0.25, tagger=tag, seed=2)
     assert other["sentence"] != out["sentence"]
+
+
+def test_non_wordpiece_tokenizers_are_refused():
+    """BPE/SentencePiece words keep their markers (Ġ, ▁): copies joined by spaces would carry them."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE(vocab={"[UNK]": 0, "[MASK]": 1, "a": 2}, merges=[], unk_token="[UNK]"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, mask_token="[MASK]", unk_token="[UNK]")
+    with pytest.raises(ValueError, match="needs a fast WordPiece tokenizer"):
+        tang_augment_dataset(rows(), tok, p_pos=0.0)
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
