@@ -566,6 +566,9 @@ if __name__ == "__main__":
     target = Path(sys.argv[1])
     target.mkdir(parents=True, exist_ok=True)
     _worker_run(target, Path(sys.argv[2]), per_device_batch=4)
+    from helpers import leave_distributed_run
+
+    leave_distributed_run()  # no interpreter teardown, where a gloo rank can abort under load after a correct run
 
 
 # ---------------------------------------------------------------- padding side, collators, heads
