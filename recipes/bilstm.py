@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass, field
 
 from common import (
+    STUDENT_FIELDS,
     DataArguments,
     ModelArguments,
     cache_task_logits,
@@ -44,6 +45,7 @@ from common import (
     load_task,
     order_seed,
     parse_args,
+    refuse_unused,
     set_offline_defaults,
     task_labels,
     tokenize_task,
@@ -94,12 +96,9 @@ def nltk_tagger():
 
 def check(margs: ModelArguments, recipe: BiLSTMArguments, data: DataArguments, args: DistillationArguments) -> None:
     """Everything that can be refused before a model loads."""
-    unused = [name for name in ("general_teacher", "student", "student_layers", "student_num_layers",
-                                "student_hidden_size", "student_num_heads", "student_intermediate_size",
-                                "corpus_files") if getattr(margs, name, None) or getattr(data, name, None)]
-    if unused:
-        fail(f"{', '.join(unused)}: not used by the BiLSTM recipe (its student is built by hf_distill.bilstm from "
-             "lstm_hidden_size, classifier_size and the teacher's embeddings; no general distillation)")
+    refuse_unused("BiLSTM", "its student is built by hf_distill.bilstm from lstm_hidden_size, classifier_size and "
+                  "the teacher's embeddings; no general distillation",
+                  ("general_teacher", *STUDENT_FIELDS, "corpus_files"), margs, data)
     if data.text_pair_column:
         fail("the BiLSTM student reads one sentence: sentence pairs need the paper's siamese model (not built)")
     if recipe.embedding_init not in ("teacher", "random"):

@@ -569,6 +569,18 @@ def bf16_available() -> bool:
     return bool(check and check())
 
 
+# ModelArguments fields that describe how a student is made: recipes that build their own refuse them.
+STUDENT_FIELDS = ("student", "student_layers", "student_num_layers", "student_hidden_size", "student_num_heads",
+                  "student_intermediate_size")
+
+
+def refuse_unused(recipe: str, why: str, names: tuple[str, ...], *sources) -> None:
+    """Fail in one line on fields (of any of `sources`) that `recipe` would otherwise ignore."""
+    unused = [n for n in names if any(getattr(src, n, None) is not None for src in sources)]
+    if unused:
+        fail(f"{', '.join(unused)}: not used by the {recipe} recipe ({why})")
+
+
 def order_seed(args) -> int:
     """Seed of a recipe's own shuffles of the training rows: `data_seed` when set (as the Trainer's sampler
     does), else `seed`."""

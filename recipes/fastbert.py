@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common import (
+    STUDENT_FIELDS,
     DataArguments,
     ModelArguments,
     command_line,
@@ -33,6 +34,7 @@ from common import (
     load_model,
     load_task,
     parse_args,
+    refuse_unused,
     set_offline_defaults,
     write_results,
 )
@@ -103,12 +105,8 @@ def main() -> None:
     from hf_distill import demo
     from hf_distill.early_exit import EarlyExitModel
 
-    unused = [n for n in ("general_teacher", "student", "student_layers", "student_num_layers", "student_hidden_size",
-                          "student_num_heads", "student_intermediate_size", "model_seed") if getattr(margs, n)
-              is not None]
-    if unused:
-        fail(f"{', '.join(unused)}: not used by the FastBERT recipe (the student is the teacher plus its exits, "
-             "drawn from seed)")
+    refuse_unused("FastBERT", "the student is the teacher plus its exits, drawn from seed",
+                  ("general_teacher", *STUDENT_FIELDS, "model_seed"), margs)
     set_seed(args.seed)
     results = {"recipe": "fastbert", "command": command_line(), "config": config}
 

@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass, field
 
 from common import (
+    STUDENT_FIELDS,
     DataArguments,
     ModelArguments,
     cache_task_logits,
@@ -43,6 +44,7 @@ from common import (
     load_model,
     load_task,
     parse_args,
+    refuse_unused,
     set_offline_defaults,
     task_labels,
     tokenize_task,
@@ -130,11 +132,8 @@ def main() -> None:
 
     if not margs.teacher:
         fail("set teacher (the fine-tuned task teacher; general_teacher is the pre-trained one)")
-    unused = [n for n in ("student", "student_layers", "student_num_layers", "student_hidden_size",
-                          "student_num_heads", "student_intermediate_size") if getattr(margs, n)]
-    if unused:
-        fail(f"{', '.join(unused)}: not used by the MobileBERT recipe (the student is shaped by the teacher and "
-             "bottleneck_size, ffn_size, num_ffn, embedding_size)")
+    refuse_unused("MobileBERT", "the student is shaped by the teacher and bottleneck_size, ffn_size, num_ffn, "
+                  "embedding_size", STUDENT_FIELDS, margs)
     if recipe.progressive_epochs < 0:
         fail(f"progressive_epochs must be >= 0, got {recipe.progressive_epochs:g}")
     if recipe.progressive_epochs > 0 and not data.corpus_files:
