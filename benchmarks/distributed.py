@@ -8,6 +8,7 @@ that did not complete the exact error. Each engine is launched as a user would (
 (benchmarks/results/distributed_gpu.json) when that script has been run.
 
     python benchmarks/distributed.py            # writes benchmarks/results/distributed.{json,md}
+    python benchmarks/distributed.py --gpu-rows-only  # only refresh the GPU rows from distributed_gpu.json
 """
 
 from __future__ import annotations
@@ -158,7 +159,30 @@ def _markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+GPU_NOTE = (
+    "GPU rows: `bash benchmarks/distributed_gpu.sh` (world size 1, 20 steps, then a push with the card), last run "
+    "on an NVIDIA H100 on 2026-11-26 21:40 UTC (torch 2.11, transformers 5.24, accelerate 1.15, deepspeed 0.19.8). "
+    "FSDP2 runs with fsdp_config transformer_layer_cls_to_wrap=['BertLayer']: with BERT's default wrap classes "
+    "(BertEmbeddings, BertLayer) accelerate 1.15 shards the word embeddings a second time and torch fails "
+    "(\"Invariant encountered: value was None\"); DistillationTrainer refuses that wrap before training "
+    "(placement.check_fsdp2_wrap)."
+)
+
+
+def refresh_gpu_rows() -> None:
+    """Rewrite distributed.{json,md} with the GPU rows of distributed_gpu.json, keeping the CPU rows as run."""
+    report = json.loads((RESULTS / "distributed.json").read_text())
+    report["gpu_runs"] = json.loads((RESULTS / "distributed_gpu.json").read_text()).get("runs", [])
+    report["notes"] = [n for n in report["notes"] if not n.startswith("GPU")] + [GPU_NOTE]
+    (RESULTS / "distributed.json").write_text(json.dumps(report, indent=2) + "\n")
+    (RESULTS / "distributed.md").write_text(_markdown(report))
+
+
 def main() -> None:
+    if "--gpu-rows-only" in sys.argv:  # after distributed_gpu.sh ran on a lent GPU: no CPU runs again
+        refresh_gpu_rows()
+        print((RESULTS / "distributed.md").read_text())
+        return
     import accelerate
     import engine_run
     import transformers
@@ -207,6 +231,7 @@ def main() -> None:
     gpu = RESULTS / "distributed_gpu.json"
     if gpu.exists():
         report["gpu_runs"] = json.loads(gpu.read_text()).get("runs", [])
+        report["notes"].append(GPU_NOTE)
     else:
         report["notes"].append("GPU (FSDP1/FSDP2 through the Trainer, ZeRO-3 on CUDA): not run, no GPU on this "
                                "machine; benchmarks/distributed_gpu.sh is prepared for one.")

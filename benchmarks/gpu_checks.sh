@@ -38,4 +38,6 @@ done
 step cuda_tests 150 $PY -m pytest -q -p no:cacheprovider tests/test_mixed_precision.py tests/test_chunked.py
 step distributed_gpu 200 env PYTHON=$PY bash benchmarks/distributed_gpu.sh
 cp benchmarks/results/distributed_gpu.json "$OUT/" 2>/dev/null
+# the runs' own logs (ranks' tracebacks); $OUT/distributed_gpu.log is only the script's stdout
+cp benchmarks/results/distributed_gpu.log "$OUT/distributed_gpu_runs.log" 2>/dev/null
 cat "$log"

@@ -93,6 +93,55 @@ def check_engine(args: Any, accelerator: Any) -> None:
         )
 
 
+def _carved_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """What accelerate's FSDP2 preparation shards as units of their own after the auto-wrap: the input and output
+    embeddings and the base model's last direct child that is a norm."""
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None) or model
+    norms = [m for _, m in base.named_children() if "Norm" in type(m).__name__]
+    carved = [getattr(model, "get_input_embeddings", lambda: None)(),
+              getattr(model, "get_output_embeddings", lambda: None)(), norms[-1] if norms else None]
+    names = {id(m): n for n, m in model.named_modules()}
+    return [(names[id(m)], m) for m in carved if m is not None and id(m) in names]
+
+
+def check_fsdp2_wrap(model: nn.Module, accelerator: Any) -> None:
+    """Refuse an FSDP2 auto-wrap that accelerate cannot prepare, before training starts.
+
+    accelerate (1.15) first shards every module its wrap policy selects, then shards the embeddings and the final
+    norm as units of their own. When a selected module contains one of them (BERT's `_no_split_modules` names
+    `BertEmbeddings`, the parent of the word embeddings), those weights are already sharded and torch fails deep in
+    `fully_shard` with "Invariant encountered: value was None" (benchmarks/results/distributed_gpu.json)."""
+    fsdp2 = getattr(accelerator, "is_fsdp2", False)
+    if getattr(accelerator, "distributed_type", None) != DistributedType.FSDP or not fsdp2:
+        return
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+
+    plugin = accelerator.state.fsdp_plugin
+    policy = fsdp2_prepare_auto_wrap_policy(plugin, model)  # the very policy accelerate will apply
+    if policy is None:
+        return
+    modules = dict(model.named_modules())
+    clashes = {}
+    for name, module in _carved_modules(model):
+        if policy(module):
+            continue  # wrapped whole by the policy: accelerate skips it
+        parts = name.split(".")
+        for i in range(1, len(parts)):  # proper ancestors, the root excluded (accelerate never auto-wraps it)
+            ancestor = modules[".".join(parts[:i])]
+            if policy(ancestor):
+                clashes[name] = type(ancestor).__name__
+    if clashes:
+        classes = list(plugin.transformer_cls_names_to_wrap or getattr(model, "_no_split_modules", None) or [])
+        keep = [c for c in classes if c not in set(clashes.values())]
+        held = ", ".join(f"{n} (inside {c})" for n, c in clashes.items())
+        raise ValueError(
+            f"FSDP2 auto-wrap would shard {held} twice: accelerate wraps the policy's modules first and then shards "
+            "the embeddings and final norm on their own, which torch's fully_shard rejects (\"Invariant encountered: "
+            "value was None\"). Leave the containing class out of the wrap, e.g. fsdp_config={'version': 2, "
+            f"'transformer_layer_cls_to_wrap': {keep}}}: accelerate still shards those modules as units of their own."
+        )
+
+
 def shard_fsdp2(teacher: nn.Module, mesh: Any = None, **fully_shard_kwargs: Any) -> nn.Module:
     """FSDP2 (`fully_shard`) on every block, then on the whole teacher, parameters resharded after forward.
 
@@ -284,6 +333,7 @@ def teacher_input_device(teacher: nn.Module) -> torch.device | None:
 __all__ = [
     "FSDP_SHARDED",
     "check_engine",
+    "check_fsdp2_wrap",
     "REPLICA",
     "ZERO3_SHARDED",
     "is_placed_by_loader",

@@ -28,7 +28,7 @@ from .collators import TEACHER_PREFIX, KeepTeacherColumnsCollator, TeacherOutput
 from .heads import Head, check_kd_loss, head_logits, runtime_head, static_head
 from .intermediate import IntermediateDistiller
 from .normalise import COUNT_KINDS, StepCounts, batch_counts, kd_positions
-from .placement import check_engine, place_teacher, send_teacher_outputs, teacher_input_device
+from .placement import check_engine, check_fsdp2_wrap, place_teacher, send_teacher_outputs, teacher_input_device
 from .taps import forward, unwrap
 from .teacher import load_teacher, shared_base_teacher, shares_parameters, validate_pair
 from .tracking import ComponentTracker
@@ -96,6 +96,7 @@ class DistillationTrainer(Trainer):
         if any(shares_parameters(t, self.model) for t in teachers[1:]):
             raise ValueError("Only the first teacher may share its parameters with the student (self-distillation).")
         check_engine(self.args, self.accelerator)  # an FSDP/DeepSpeed request accelerate ignored (CPU): refused
+        check_fsdp2_wrap(self.model, self.accelerator)  # an FSDP2 wrap accelerate would crash on: refused
         # Frozen, eval mode, and replicated or sharded as the accelerator's mode requires (hf_distill.placement).
         self.teachers = [
             t if (i == 0 and self.shared_base) else place_teacher(t, self.accelerator) for i, t in enumerate(teachers)

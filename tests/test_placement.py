@@ -21,6 +21,7 @@ from hf_distill.placement import (
     REPLICA,
     ZERO3_SHARDED,
     check_engine,
+    check_fsdp2_wrap,
     local_parameter_bytes,
     place_teacher,
     teacher_input_device,
@@ -248,3 +249,26 @@ def test_an_engine_accelerate_did_not_enable_is_refused(requested, kind, match):
     check_engine(SimpleNamespace(fsdp=None, deepspeed=None), acc)  # plain DDP is fine
     check_engine(SimpleNamespace(fsdp=requested.get("fsdp"), deepspeed=None),
                  SimpleNamespace(distributed_type=DistributedType.FSDP, device=acc.device))
+
+
+def test_an_fsdp2_wrap_that_shards_the_embeddings_twice_is_refused():
+    """BERT's `_no_split_modules` names BertEmbeddings: accelerate 1.15 shards it, then the word embeddings inside
+    it again, and torch's fully_shard fails (benchmarks/results/distributed_gpu.json). Refused before training,
+    naming the class list that works; the run with that list is benchmarks/distributed_gpu.sh's fsdp2 row."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    def acc(**plugin_kwargs):
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, **plugin_kwargs)
+        return SimpleNamespace(distributed_type=DistributedType.FSDP, is_fsdp2=True, state=SimpleNamespace(
+            fsdp_plugin=plugin))
+
+    with pytest.raises(ValueError, match=r"bert.embeddings.word_embeddings \(inside BertEmbeddings\).*"
+                                         r"'transformer_layer_cls_to_wrap': \['BertLayer'\]"):
+        check_fsdp2_wrap(bert(2), acc(auto_wrap_policy="transformer_based_wrap"))
+    check_fsdp2_wrap(bert(2), acc(auto_wrap_policy="transformer_based_wrap",
+                                  transformer_cls_names_to_wrap=["BertLayer"]))
+    check_fsdp2_wrap(bert(2), acc(auto_wrap_policy="NO_WRAP"))  # nothing wrapped before the embeddings
+    check_fsdp2_wrap(distilbert(), acc(auto_wrap_policy="transformer_based_wrap"))  # names no block class
+    # the word embeddings wrapped themselves (bottom-up, before their parent): accelerate skips them
+    check_fsdp2_wrap(bert(2), acc(auto_wrap_policy="transformer_based_wrap",
+                                  transformer_cls_names_to_wrap=["BertLayer", "BertEmbeddings", "Embedding"]))
