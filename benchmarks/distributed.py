@@ -159,21 +159,26 @@ def _markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-GPU_NOTE = (
-    "GPU rows: `bash benchmarks/distributed_gpu.sh` (world size 1, 20 steps, then a push with the card), last run "
-    "on an NVIDIA H100 on 2026-11-26 21:40 UTC (torch 2.11, transformers 5.24, accelerate 1.15, deepspeed 0.19.8). "
-    "FSDP2 runs with fsdp_config transformer_layer_cls_to_wrap=['BertLayer']: with BERT's default wrap classes "
-    "(BertEmbeddings, BertLayer) accelerate 1.15 shards the word embeddings a second time and torch fails "
-    "(\"Invariant encountered: value was None\"); DistillationTrainer refuses that wrap before training "
-    "(placement.check_fsdp2_wrap)."
-)
+def gpu_note(gpu: dict) -> str:
+    """The GPU rows' provenance, from the machine `distributed_gpu.sh` recorded in distributed_gpu.json."""
+    m = gpu.get("machine") or {}
+    where = (f"last run on an {m['gpu']} on {m['date']} (torch {m['torch']}, transformers {m['transformers']}, "
+             f"accelerate {m['accelerate']}, deepspeed {m['deepspeed']})") if m else "machine not recorded"
+    return (
+        "GPU rows: `bash benchmarks/distributed_gpu.sh` (world size 1, 20 steps, then a push with the card), "
+        f"{where}. FSDP2 runs with fsdp_config transformer_layer_cls_to_wrap=['BertLayer']: with BERT's default wrap "
+        "classes (BertEmbeddings, BertLayer) accelerate 1.15 shards the word embeddings a second time and torch fails "
+        "(\"Invariant encountered: value was None\"); DistillationTrainer refuses that wrap before training "
+        "(placement.check_fsdp2_wrap)."
+    )
 
 
 def refresh_gpu_rows() -> None:
     """Rewrite distributed.{json,md} with the GPU rows of distributed_gpu.json, keeping the CPU rows as run."""
     report = json.loads((RESULTS / "distributed.json").read_text())
-    report["gpu_runs"] = json.loads((RESULTS / "distributed_gpu.json").read_text()).get("runs", [])
-    report["notes"] = [n for n in report["notes"] if not n.startswith("GPU")] + [GPU_NOTE]
+    gpu = json.loads((RESULTS / "distributed_gpu.json").read_text())
+    report["gpu_runs"] = gpu.get("runs", [])
+    report["notes"] = [n for n in report["notes"] if not n.startswith("GPU")] + [gpu_note(gpu)]
     (RESULTS / "distributed.json").write_text(json.dumps(report, indent=2) + "\n")
     (RESULTS / "distributed.md").write_text(_markdown(report))
 
@@ -230,8 +235,9 @@ def main() -> None:
     }
     gpu = RESULTS / "distributed_gpu.json"
     if gpu.exists():
-        report["gpu_runs"] = json.loads(gpu.read_text()).get("runs", [])
-        report["notes"].append(GPU_NOTE)
+        gpu_report = json.loads(gpu.read_text())
+        report["gpu_runs"] = gpu_report.get("runs", [])
+        report["notes"].append(gpu_note(gpu_report))
     else:
         report["notes"].append("GPU (FSDP1/FSDP2 through the Trainer, ZeRO-3 on CUDA): not run, no GPU on this "
                                "machine; benchmarks/distributed_gpu.sh is prepared for one.")

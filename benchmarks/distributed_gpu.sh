@@ -86,7 +86,12 @@ for name, repo in (("zero3", "user/zero3-gpu"), ("zero3_projection", None), ("fs
                                                                r["student"] + r["projections"])), default=None)
         if r.get("resumed") else None,
     })
-Path("benchmarks/results/distributed_gpu.json").write_text(json.dumps({"runs": runs}, indent=2) + "\n")
+import accelerate, deepspeed, torch, transformers  # noqa: E401
+from datetime import datetime, timezone
+machine = {"gpu": torch.cuda.get_device_name(0), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "torch": torch.__version__, "transformers": transformers.__version__,
+           "accelerate": accelerate.__version__, "deepspeed": deepspeed.__version__}
+Path("benchmarks/results/distributed_gpu.json").write_text(json.dumps({"machine": machine, "runs": runs}, indent=2) + "\n")
 print(json.dumps(runs, indent=1)[:3000])
 EOF
 exit $status
