@@ -132,7 +132,7 @@ def _markdown(report: dict) -> str:
         f"{report['reference']['student_bytes']} B of parameters",
         "",
         "| engine | ran | where | type | student max abs diff vs 1 process | teacher bytes / rank | "
-        "student bytes / rank | peak RSS / rank (MB) | train wall (s) | error / reason |",
+        "student bytes / rank | peak memory / rank (MB) | train wall (s) | error / reason |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["runs"]:
@@ -151,10 +151,13 @@ def _markdown(report: dict) -> str:
         else:
             lines.append(f"| {r['engine']} | no | {r['where']} | | | | | | | `{r['error']}` |")
     for r in report.get("gpu_runs", []):
+        resumed = r.get("resumed_max_abs_diff")
         lines.append(f"| {r.get('engine')} | {r.get('ran')} | {r.get('where')} | {r.get('distributed_type', '')} | "
-                     f"| {r.get('teacher_bytes_per_rank', '')} | {r.get('student_bytes_per_rank', '')} | "
-                     f"{r.get('peak_memory_bytes_per_rank', '')} | {r.get('train_wall_s', '')} | "
-                     f"{r.get('error', '')} |")
+                     f"{'' if resumed is None else f'resume vs uninterrupted: {resumed:.2e}'} | "
+                     f"{', '.join(map(str, r.get('teacher_bytes_per_rank', [])))} | "
+                     f"{', '.join(map(str, r.get('student_bytes_per_rank', [])))} | "
+                     f"{', '.join(f'{b / 2**20:.0f}' for b in r.get('peak_memory_bytes_per_rank', []))} | "
+                     f"{r.get('train_wall_s', '')} | {r.get('error', '')} |")
     lines += ["", "Notes:", *[f"- {n}" for n in report["notes"]], ""]
     return "\n".join(lines)
 
@@ -169,7 +172,8 @@ def gpu_note(gpu: dict) -> str:
         f"{where}. FSDP2 runs with fsdp_config transformer_layer_cls_to_wrap=['BertLayer']: with BERT's default wrap "
         "classes (BertEmbeddings, BertLayer) accelerate 1.15 shards the word embeddings a second time and torch fails "
         "(\"Invariant encountered: value was None\"); DistillationTrainer refuses that wrap before training "
-        "(placement.check_fsdp2_wrap)."
+        "(placement.check_fsdp2_wrap). Peak memory of a GPU row: torch.cuda.max_memory_allocated (MiB); of a CPU "
+        "row: the process's max RSS."
     )
 
 

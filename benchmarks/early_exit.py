@@ -1,17 +1,19 @@
-"""Early exit (FastBERT) on SST-2: accuracy, exit layer, FLOPs and measured wall-clock speed-up per `speed`.
+"""Early exit (FastBERT) on SST-2: accuracy, exit layer, FLOPs and measured wall-clock speed-up per `speed`,
+beside students distilled from the same teacher (exit early, or distil a smaller model?).
 
-    python benchmarks/early_exit.py            # runs recipes/fastbert.py first when its output is missing
+    python benchmarks/early_exit.py            # runs what is missing first (teacher, then recipes/fastbert.py)
 
-1. `recipes/fastbert.py --config recipes/configs/fastbert_sst2.yaml` (teacher: the demo's MiniLM-L6, cached;
-   branches self-distilled on 8,000 unlabeled rows; sweep of speed 0.0-0.9 on the 872 validation rows:
-   accuracy, mean exit layer, analytic FLOPs ratio, whether speed 0 gives the teacher's predictions).
-2. Here: wall-clock time of the full teacher and of adaptive inference at every speed, batch 1 and batch 32,
-   fp32, interleaved (each round times the teacher and then every speed, in that order); the speed-up of a
-   round is the teacher's time over the speed's time in that round; reported: the median over rounds.
-3. The tinybert and distilbert students of benchmarks/quality_sst2.py are shown with their *recorded*
-   accuracy and speed-up (benchmarks/results/quality_sst2.json; their weights are not kept, so they are not
-   re-measured; their teacher is that benchmark's MiniLM-L6, fine-tuned on 20,000 rows, and their speed-up
-   is at batch 32).
+1. The teacher is the quality benchmark's (benchmarks/quality_sst2.py: MiniLM-L6 fine-tuned on 20,000 SST-2 rows,
+   `benchmarks/runs/teacher`; made with `quality_sst2.py --runs teacher` when missing), as issue #15 asks.
+2. `recipes/fastbert.py --config recipes/configs/fastbert_sst2.yaml --teacher <it>`: branches self-distilled on
+   20,000 unlabeled rows; sweep of speed 0.0-0.9 on the 872 validation rows (accuracy, mean exit layer, analytic
+   FLOPs ratio, whether speed 0 gives the teacher's predictions).
+3. Here: wall-clock time of the full teacher, of adaptive inference at every speed and of every student of that
+   teacher found in `benchmarks/runs` (`--students`), batch 1 and batch 32, fp32, interleaved (each round times
+   the teacher, then every speed, then every student); a round's speed-up is the teacher's time over the other's
+   in that round; reported: the median over rounds. Students are evaluated here too (fp32, all 872 rows, the same
+   tokenisation), so every row of the table is measured in one run. A student not in `benchmarks/runs` is left
+   out and named.
 Writes benchmarks/results/early_exit.{md,json,png}.
 """
 
@@ -31,13 +33,31 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 CONFIG = ROOT / "recipes" / "configs" / "fastbert_sst2.yaml"
+RUNS = ROOT / "benchmarks" / "runs"
+STUDENTS = "distilbert,tinybert,minilm,pkd_skip"  # the quality benchmark's runs that are encoder classifiers
 
 
-def run_recipe(work: Path) -> None:
-    cmd = [sys.executable, str(ROOT / "recipes" / "fastbert.py"), "--config", str(CONFIG), "--output_dir", str(work)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+def run(cmd: list[str], threads: int) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": str(threads)}
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT, env=env)
+
+
+def ensure_teacher(teacher: Path, threads: int) -> None:
+    """The quality benchmark's teacher, fine-tuned by that benchmark when its default folder is empty."""
+    if (teacher / "config.json").is_file():
+        return
+    if teacher.resolve() != (RUNS / "teacher").resolve():
+        raise SystemExit(f"--teacher {teacher}: no config.json there; give a fine-tuned sequence classifier folder "
+                         "(or leave --teacher out to use the quality benchmark's teacher)")
+    run([sys.executable, str(ROOT / "benchmarks" / "quality_sst2.py"), "--runs", "teacher", "--threads", str(threads)],
+        threads)
+
+
+def made_for(work: Path) -> str | None:
+    """The teacher a finished recipe run in `work` added its exits to."""
+    return json.loads((work / "results.json").read_text()).get("teacher")
 
 
 def batches_of(tokenizer, sentences: list[str], size: int, max_length: int) -> list[dict]:
@@ -58,32 +78,66 @@ def timed(fn, batches: list[dict]) -> float:
         return time.perf_counter() - start
 
 
-def measure(model, batches: list[dict], speeds: list[float], rounds: int) -> dict[float, float]:
-    """Median over rounds of (teacher time / adaptive time at `speed`), both timed in the same round."""
-    full = lambda b: model.model(**b).logits  # noqa: E731
-    timed(full, batches[:4])  # warm-up
-    ratios: dict[float, list[float]] = {s: [] for s in speeds}
+def measure(teacher, others: dict, batches: list[dict], rounds: int) -> dict:
+    """Median over rounds of (teacher time / time of each of `others`), all timed in the same round."""
+    for fn in (teacher, *others.values()):
+        timed(fn, batches[:4])  # warm-up
+    ratios: dict = {k: [] for k in others}
     for r in range(rounds):
-        t_full = timed(full, batches)
-        for s in speeds:
-            ratios[s].append(t_full / timed(lambda b, s=s: model.exit_forward(speed=s, **b), batches))
+        t_full = timed(teacher, batches)
+        for k, fn in others.items():
+            ratios[k].append(t_full / timed(fn, batches))
         print(f"  round {r + 1}/{rounds}: teacher {t_full:.2f}s; " + ", ".join(
-            f"{s:g}: {ratios[s][-1]:.2f}x" for s in speeds), flush=True)
-    return {s: statistics.median(v) for s, v in ratios.items()}
+            f"{k if isinstance(k, str) else f'{k:g}'}: {ratios[k][-1]:.2f}x" for k in others), flush=True)
+    return {k: statistics.median(v) for k, v in ratios.items()}
+
+
+def load_students(names: list[str]) -> tuple[dict, list[str]]:
+    """The students of `benchmarks/runs` that finished (results.json and weights), and the names not found."""
+    from transformers import AutoModelForSequenceClassification
+
+    found, missing = {}, []
+    for name in names:
+        folder = RUNS / name
+        if (folder / "results.json").is_file() and (folder / "config.json").is_file():
+            found[name] = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+        else:
+            missing.append(name)
+    return found, missing
+
+
+def accuracy(model, batches: list[dict], labels: list[int]) -> float:
+    import torch
+
+    with torch.no_grad():
+        preds = [p for b in batches for p in model(**b).logits.argmax(-1).tolist()]
+    return sum(int(p == y) for p, y in zip(preds, labels)) / len(labels)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--work", default=str(ROOT / "benchmarks" / "runs" / "fastbert"), help="the recipe's output_dir")
+    p.add_argument("--work", default=str(RUNS / "fastbert"), help="the recipe's output_dir")
+    p.add_argument("--teacher", default=str(RUNS / "teacher"),
+                   help="fine-tuned classifier to add exits to (default: the quality benchmark's teacher)")
+    p.add_argument("--students", default=STUDENTS,
+                   help="runs of benchmarks/runs to measure beside the exits (comma-separated; '' for none)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (timing and the runs started from here)")
     p.add_argument("--force", action="store_true", help="run the recipe again even if its output exists")
     p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (median)")
     p.add_argument("--b1_rows", type=int, default=100, help="validation rows timed at batch 1 (first N)")
     p.add_argument("--b32_rows", type=int, default=320, help="validation rows timed at batch 32 (first N)")
     args = p.parse_args(argv)
-    work = Path(args.work)
+    work, teacher_dir = Path(args.work), Path(args.teacher).resolve()
     start = time.time()
+    ensure_teacher(teacher_dir, args.threads)
+    if not args.force and (work / "results.json").is_file():
+        made_by = made_for(work)
+        if made_by is None or Path(made_by).resolve() != teacher_dir:
+            raise SystemExit(f"{work} holds branches made for teacher {made_by}, not {teacher_dir}: pass --force to "
+                             "replace them, or --work NEW_FOLDER")
     if args.force or not (work / "results.json").is_file():
-        run_recipe(work)
+        run([sys.executable, str(ROOT / "recipes" / "fastbert.py"), "--config", str(CONFIG), "--teacher",
+             str(teacher_dir), "--output_dir", str(work)], args.threads)
     recipe = json.loads((work / "results.json").read_text())
 
     import csv
@@ -93,27 +147,41 @@ def main(argv: list[str] | None = None) -> int:
 
     from hf_distill.early_exit import EarlyExitModel
 
+    torch.set_num_threads(args.threads)
     model = EarlyExitModel.from_pretrained(work).eval()
     tokenizer = AutoTokenizer.from_pretrained(work)
+    names = [n for n in args.students.split(",") if n]
+    students, missing = load_students(names)
     with open(ROOT.parent / "shared" / "data" / "sst2" / "validation.tsv", encoding="utf-8", newline="") as f:
-        sentences = [r["sentence"] for r in csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE)]
+        rows_tsv = list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+    sentences, labels = [r["sentence"] for r in rows_tsv], [int(r["label"]) for r in rows_tsv]
+    eval_batches = batches_of(tokenizer, sentences, 32, 64)
+    student_rows = {}
+    for name, student in students.items():
+        made = json.loads((RUNS / name / "results.json").read_text())
+        student_rows[name] = {"accuracy": accuracy(student, eval_batches, labels),
+                              "layers": student.config.num_hidden_layers,
+                              "hidden_size": student.config.hidden_size,
+                              "params": sum(p.numel() for p in student.parameters()),
+                              "recorded_accuracy": made.get("accuracy"), "command": made.get("command")}
     speeds = [r["speed"] for r in recipe["sweep"]]
+    full = lambda b: model.model(**b).logits  # noqa: E731
+    timers = {**{s: (lambda b, s=s: model.exit_forward(speed=s, **b)) for s in speeds},
+              **{name: (lambda b, m=m: m(**b).logits) for name, m in students.items()}}
     load_before = Path("/proc/loadavg").read_text().split()[:3]
     print(f"batch 32, first {args.b32_rows} rows", flush=True)
-    b32 = measure(model, batches_of(tokenizer, sentences[: args.b32_rows], 32, 64), speeds, args.rounds)
+    b32 = measure(full, timers, batches_of(tokenizer, sentences[: args.b32_rows], 32, 64), args.rounds)
     print(f"batch 1, first {args.b1_rows} rows", flush=True)
-    b1 = measure(model, batches_of(tokenizer, sentences[: args.b1_rows], 1, 64), speeds, args.rounds)
+    b1 = measure(full, timers, batches_of(tokenizer, sentences[: args.b1_rows], 1, 64), args.rounds)
     load_after = Path("/proc/loadavg").read_text().split()[:3]
+    for name, r in student_rows.items():
+        r.update(speedup_b1=b1[name], speedup_b32=b32[name])
 
     teacher_acc = recipe["teacher_accuracy"]
     rows = []
     for r in recipe["sweep"]:
         rows.append({**r, "speedup_b1": b1[r["speed"]], "speedup_b32": b32[r["speed"]],
                      "points_vs_teacher": 100 * (r["accuracy"] - teacher_acc)})
-    quality = json.loads((RESULTS / "quality_sst2.json").read_text())
-    recorded = {name: {"accuracy": quality["runs"][name]["accuracy"], "speedup_b32": quality["runs"][name]["speedup"],
-                       "teacher_accuracy": quality["teacher"]["accuracy"], "command": quality["runs"][name]["command"]}
-                for name in ("tinybert", "distilbert") if name in quality.get("runs", {})}
     hits = [r for r in rows if r["speedup_b1"] >= 2.0 and r["points_vs_teacher"] >= -1.0]
     b1_curve = [r["speedup_b1"] for r in rows]
     targets = {
@@ -125,8 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = {
         "teacher": {"accuracy": teacher_acc, "source": recipe.get("teacher"), "num_exits": recipe["num_exits"],
-                    "reused_from_cache": recipe.get("teacher_reused_from_cache")},
-        "sweep": rows, "recorded_students": recorded, "targets": targets,
+                    "recorded_accuracy": teacher_record(teacher_dir),
+                    "quality_benchmark_teacher": teacher_dir == (RUNS / "teacher").resolve()},
+        "sweep": rows, "students": student_rows, "students_not_found": missing, "targets": targets,
         "protocol": {"eval_rows": recipe["eval_rows"], "b1_rows": args.b1_rows, "rounds": args.rounds,
                      "b32_rows": args.b32_rows, "precision": "fp32", "max_length": 64,
                      "distill_rows": recipe["distill_rows"],
@@ -147,16 +216,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def teacher_record(teacher: Path) -> float | None:
+    """The accuracy the quality benchmark recorded for its teacher (bf16 evaluation), when it did."""
+    f = teacher / "results.json"
+    return json.loads(f.read_text()).get("accuracy") if f.is_file() else None
+
+
 def markdown(out: dict) -> str:
     t, p, m, inv = out["teacher"], out["protocol"], out["machine"], out["invocation"]
+    recorded = f", {t['recorded_accuracy']:.2%} as recorded by that benchmark" if t.get("recorded_accuracy") else ""
     lines = [
         "# Early exit (FastBERT) on SST-2", "",
-        f"Teacher: MiniLM-L6 fine-tuned as in `hf-distill demo` ({t['num_exits']} layers), validation accuracy "
-        f"**{t['accuracy']:.2%}** ({p['eval_rows']} rows). Branches self-distilled on {p['distill_rows']} unlabeled "
-        f"SST-2 training rows ({p['distill_s'] / 60:.1f} min). Accuracy, exit layers and FLOPs: all "
-        f"{p['eval_rows']} rows. Speed-up: teacher time / adaptive time, {p['precision']}, measured (interleaved, "
-        f"median of {p['rounds']} rounds) at batch 32 on the first {p['b32_rows']} rows and at batch 1 on the "
-        f"first {p['b1_rows']} rows. FLOPs ratio: {p['flops']}.", "",
+        f"Teacher: `{os.path.relpath(t['source'], ROOT)}` ({t['num_exits']} layers"
+        f"{'; the quality benchmark MiniLM-L6 fine-tuned on 20,000 rows' if t['quality_benchmark_teacher'] else ''}"
+        f"), validation accuracy **{t['accuracy']:.2%}** here in fp32{recorded}. Branches self-distilled on "
+        f"{p['distill_rows']} unlabeled SST-2 training rows ({p['distill_s'] / 60:.1f} min). Accuracy, exit layers "
+        f"and FLOPs: all {p['eval_rows']} rows. Speed-up: teacher time / other time, {p['precision']}, measured "
+        f"(interleaved, median of {p['rounds']} rounds) at batch 32 on the first {p['b32_rows']} rows and at batch 1 "
+        f"on the first {p['b1_rows']} rows. FLOPs ratio: {p['flops']}.", "",
         "| speed | accuracy | vs teacher (pts) | mean exit layer | speed-up b1 | speed-up b32 | FLOPs ratio | "
         "exits per layer |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -165,16 +242,20 @@ def markdown(out: dict) -> str:
         lines.append(f"| {r['speed']:.1f} | {r['accuracy']:.2%} | {r['points_vs_teacher']:+.2f} | "
                      f"{r['mean_exit_layer']:.2f} | {r['speedup_b1']:.2f}x | {r['speedup_b32']:.2f}x | "
                      f"{r['flops_ratio']:.3f} | {' / '.join(map(str, r['exit_histogram']))} |")
-    for name, r in out["recorded_students"].items():
-        lines.append(f"| {name} student (recorded, not re-measured) | {r['accuracy']:.2%} | "
-                     f"{100 * (r['accuracy'] - r['teacher_accuracy']):+.2f} vs its teacher | 3 layers | - | "
-                     f"{r['speedup_b32']:.2f}x | - | - |")
+    if out["students"]:
+        lines += ["", "Students distilled from the same teacher by `benchmarks/quality_sst2.py`, evaluated and timed "
+                  "in this run, in the same rounds as the exits:", "",
+                  "| student | layers x width | params | accuracy | vs teacher (pts) | speed-up b1 | speed-up b32 |",
+                  "| --- | --- | ---: | --- | --- | --- | --- |"]
+        for name, r in out["students"].items():
+            lines.append(f"| {name} | {r['layers']} x {r['hidden_size']} | {r['params'] / 1e6:.1f} M | "
+                         f"{r['accuracy']:.2%} | {100 * (r['accuracy'] - t['accuracy']):+.2f} | "
+                         f"{r['speedup_b1']:.2f}x | {r['speedup_b32']:.2f}x |")
+    if out["students_not_found"]:
+        lines += ["", f"Not in benchmarks/runs, so not measured: {', '.join(out['students_not_found'])} (run "
+                  f"`python benchmarks/quality_sst2.py --runs {','.join(out['students_not_found'])}` first)."]
     tg = out["targets"]
     lines += [
-        "", "The tinybert/distilbert rows are copied from benchmarks/results/quality_sst2.json: their weights are "
-        "not on this machine, their teacher (MiniLM-L6 fine-tuned on 20,000 rows, "
-        f"{next(iter(out['recorded_students'].values()))['teacher_accuracy']:.2%}) is not this one, and their "
-        "speed-up was measured at batch 32 in that benchmark's session." if out["recorded_students"] else "",
         "", "## Targets", "",
         "- >= 2.0x at batch 1 within 1.0 point of the teacher: "
         f"**{'met' if tg['b1_2x_within_1pt']['met'] else 'NOT met'}**"
@@ -186,7 +267,7 @@ def markdown(out: dict) -> str:
         "", "![accuracy vs speed-up](early_exit.png)", "",
         f"Command: `{inv['command'].strip()}` (recipe: `{inv['recipe_command']}`), {inv['date']}, "
         f"{inv['wall_s'] / 60:.1f} min; {m['cpus']} CPUs, torch threads {m['torch_threads']}, load average "
-        f"{' '.join(m['loadavg_before'])} before timing, {' '.join(m['loadavg_after'])} after (shared machine).", "",
+        f"{' '.join(m['loadavg_before'])} before timing, {' '.join(m['loadavg_after'])} after.", "",
     ]
     return "\n".join(lines)
 
@@ -197,23 +278,23 @@ def plot(out: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    rows = out["sweep"]
-    for key, label, style in (("speedup_b1", "FastBERT, batch 1", "o-"), ("speedup_b32", "FastBERT, batch 32", "s--")):
-        ax.plot([r[key] for r in rows], [100 * r["accuracy"] for r in rows], style, label=label)
-    for r in rows:
-        ax.annotate(f"{r['speed']:g}", (r["speedup_b1"], 100 * r["accuracy"]), textcoords="offset points",
-                    xytext=(4, 4), fontsize=8)
-    ax.scatter([1.0], [100 * out["teacher"]["accuracy"]], marker="*", s=200, color="black", label="teacher", zorder=3)
-    for name, r in out["recorded_students"].items():
-        ax.scatter([r["speedup_b32"]], [100 * r["accuracy"]], marker="^", s=70,
-                   label=f"{name} student (recorded, b32, other teacher)")
-    ax.axhline(100 * out["teacher"]["accuracy"] - 1.0, color="grey", lw=0.8, ls=":", label="teacher - 1 pt")
-    ax.set_xlabel("wall-clock speed-up over the 6-layer teacher")
-    ax.set_ylabel("SST-2 validation accuracy (%)")
-    ax.set_title("Early exit (FastBERT): accuracy vs speed-up (labels: speed)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
+    rows, teacher = out["sweep"], 100 * out["teacher"]["accuracy"]
+    for ax, key, batch in ((axes[0], "speedup_b1", 1), (axes[1], "speedup_b32", 32)):
+        ax.plot([r[key] for r in rows], [100 * r["accuracy"] for r in rows], "o-", label="FastBERT exits")
+        for r in rows:
+            ax.annotate(f"{r['speed']:g}", (r[key], 100 * r["accuracy"]), textcoords="offset points",
+                        xytext=(4, 4), fontsize=8)
+        for k, (name, r) in enumerate(out["students"].items(), start=1):
+            ax.scatter([r[key]], [100 * r["accuracy"]], marker="^", s=70, color=f"C{k}",
+                       label=f"{name} ({r['layers']} layers)")
+        ax.scatter([1.0], [teacher], marker="*", s=200, color="black", label="teacher", zorder=3)
+        ax.axhline(teacher - 1.0, color="grey", lw=0.8, ls=":", label="teacher - 1 pt")
+        ax.set_xlabel(f"wall-clock speed-up over the teacher, batch {batch}")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("SST-2 validation accuracy (%)")
+    axes[1].legend(fontsize=8)
+    fig.suptitle("Exit early (labels: speed) or distil a smaller model? Same teacher, same run")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
