@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from hf_distill.early_exit import EarlyExitModel
+    from hf_distill.measure import count_parameters
 
     torch.set_num_threads(args.threads)
     model = EarlyExitModel.from_pretrained(work).eval()
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         student_rows[name] = {"accuracy": accuracy(student, eval_batches, labels),
                               "layers": student.config.num_hidden_layers,
                               "hidden_size": student.config.hidden_size,
-                              "params": sum(p.numel() for p in student.parameters()),
+                              "params": count_parameters(student),
                               "recorded_accuracy": made.get("accuracy"), "command": made.get("command")}
     speeds = [r["speed"] for r in recipe["sweep"]]
     full = lambda b: model.model(**b).logits  # noqa: E731
