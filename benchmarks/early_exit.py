@@ -1,19 +1,24 @@
 """Early exit (FastBERT) on SST-2: accuracy, exit layer, FLOPs and measured wall-clock speed-up per `speed`,
-beside students distilled from the same teacher (exit early, or distil a smaller model?).
+for FastBERT's branches and DeeBERT's cheaper off-ramps, beside students distilled from the same teacher (exit
+early, or distil a smaller model?).
 
     python benchmarks/early_exit.py            # runs what is missing first (teacher, then recipes/fastbert.py)
 
 1. The teacher is the quality benchmark's (benchmarks/quality_sst2.py: MiniLM-L6 fine-tuned on 20,000 SST-2 rows,
    `benchmarks/runs/teacher`; made with `quality_sst2.py --runs teacher` when missing), as issue #15 asks.
-2. `recipes/fastbert.py --config recipes/configs/fastbert_sst2.yaml --teacher <it>`: branches self-distilled on
-   20,000 unlabeled rows; sweep of speed 0.0-0.9 on the 872 validation rows (accuracy, mean exit layer, analytic
-   FLOPs ratio, whether speed 0 gives the teacher's predictions).
-3. Here: wall-clock time of the full teacher, of adaptive inference at every speed and of every student of that
-   teacher found in `benchmarks/runs` (`--students`), batch 1 and batch 32, fp32, interleaved (each round times
-   the teacher, then every speed, then every student); a round's speed-up is the teacher's time over the other's
-   in that round; reported: the median over rounds. Students are evaluated here too (fp32, all 872 rows, the same
-   tokenisation), so every row of the table is measured in one run. A student not in `benchmarks/runs` is left
-   out and named.
+2. `recipes/fastbert.py --config recipes/configs/fastbert_sst2.yaml --teacher <it> --branch <b>` for each of
+   `--branches` (output `benchmarks/runs/<b>`): branches self-distilled on 20,000 unlabeled rows; sweep of speed
+   0.0-0.9 on the 872 validation rows (accuracy, mean exit layer, analytic FLOPs ratio, whether speed 0 gives the
+   teacher's predictions).
+3. Here: wall-clock time of the full teacher, of adaptive inference at every speed of every branch kind and of
+   every student of that teacher found in `benchmarks/runs` (`--students`), batch 1 and batch 32, fp32. The
+   rows are cut into turns of 32 (32 batches of 1, or one of 32); each turn is run by every one of them back to
+   back, in an order rotated from turn to turn, so a drift of the machine's speed hits all of them alike while
+   each still runs warm (batch by batch interleaving ran every model with cold caches, which slowed the small
+   ones most); a round is one pass over the rows, its speed-up the teacher's total time over the other's;
+   reported: the median over rounds. Students are evaluated here too (fp32, all 872
+   rows, the same tokenisation), so every row of the tables is measured in one run. A student not in
+   `benchmarks/runs` is left out and named.
 Writes benchmarks/results/early_exit.{md,json,png}.
 """
 
@@ -68,27 +73,37 @@ def batches_of(tokenizer, sentences: list[str], size: int, max_length: int) -> l
     return [collate(enc[i : i + size]) for i in range(0, len(enc), size)]
 
 
-def timed(fn, batches: list[dict]) -> float:
+TEACHER = "teacher"
+
+
+def measure(teacher, others: dict, batches: list[dict], rounds: int, rows_per_turn: int = 32) -> dict:
+    """Median over rounds of (teacher time / time of each of `others`). The batches are cut into turns of
+    `rows_per_turn` rows; each turn is run by all of them back to back, in an order rotated from turn to turn, so
+    slow spells of the machine fall on all alike while each model still runs warm, as when it serves alone."""
     import torch
 
-    with torch.no_grad():
-        start = time.perf_counter()
-        for b in batches:
-            fn(b)
-        return time.perf_counter() - start
-
-
-def measure(teacher, others: dict, batches: list[dict], rounds: int) -> dict:
-    """Median over rounds of (teacher time / time of each of `others`), all timed in the same round."""
-    for fn in (teacher, *others.values()):
-        timed(fn, batches[:4])  # warm-up
+    fns = {TEACHER: teacher, **others}
+    names = list(fns)
+    size = max(1, rows_per_turn // len(next(iter(batches[0].values()))))
+    turns = [batches[i : i + size] for i in range(0, len(batches), size)]
     ratios: dict = {k: [] for k in others}
-    for r in range(rounds):
-        t_full = timed(teacher, batches)
-        for k, fn in others.items():
-            ratios[k].append(t_full / timed(fn, batches))
-        print(f"  round {r + 1}/{rounds}: teacher {t_full:.2f}s; " + ", ".join(
-            f"{k if isinstance(k, str) else f'{k:g}'}: {ratios[k][-1]:.2f}x" for k in others), flush=True)
+    with torch.no_grad():
+        for fn in fns.values():
+            for b in batches[:4]:  # warm-up
+                fn(b)
+        for r in range(rounds):
+            total = dict.fromkeys(names, 0.0)
+            for i, turn in enumerate(turns):
+                first = (i * len(names) // len(turns) + r) % len(names)
+                for k in names[first:] + names[:first]:
+                    start = time.perf_counter()
+                    for b in turn:
+                        fns[k](b)
+                    total[k] += time.perf_counter() - start
+            for k in others:
+                ratios[k].append(total[TEACHER] / total[k])
+            print(f"  round {r + 1}/{rounds}: teacher {total[TEACHER]:.2f}s; " + ", ".join(
+                f"{k if isinstance(k, str) else f'{k[0]} {k[1]:g}'}: {ratios[k][-1]:.2f}x" for k in others), flush=True)
     return {k: statistics.median(v) for k, v in ratios.items()}
 
 
@@ -116,29 +131,39 @@ def accuracy(model, batches: list[dict], labels: list[int]) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--work", default=str(RUNS / "fastbert"), help="the recipe's output_dir")
+    p.add_argument("--branches", default="fastbert,deebert",
+                   help="branch kinds to add and compare (comma-separated); each is run into benchmarks/runs/<kind>")
     p.add_argument("--teacher", default=str(RUNS / "teacher"),
                    help="fine-tuned classifier to add exits to (default: the quality benchmark's teacher)")
     p.add_argument("--students", default=STUDENTS,
                    help="runs of benchmarks/runs to measure beside the exits (comma-separated; '' for none)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (timing and the runs started from here)")
-    p.add_argument("--force", action="store_true", help="run the recipe again even if its output exists")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (median)")
+    p.add_argument("--force", action="store_true", help="run the recipes again even if their output exists")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (median)")
     p.add_argument("--b1_rows", type=int, default=100, help="validation rows timed at batch 1 (first N)")
     p.add_argument("--b32_rows", type=int, default=320, help="validation rows timed at batch 32 (first N)")
     args = p.parse_args(argv)
-    work, teacher_dir = Path(args.work), Path(args.teacher).resolve()
+    teacher_dir = Path(args.teacher).resolve()
+    kinds = [k for k in args.branches.split(",") if k]
+    bad = [k for k in kinds if k not in ("fastbert", "deebert")]
+    if bad or not kinds:
+        raise SystemExit(f"--branches: give fastbert and/or deebert, got {args.branches!r}")
     start = time.time()
     ensure_teacher(teacher_dir, args.threads)
-    if not args.force and (work / "results.json").is_file():
-        made_by = made_for(work)
-        if made_by is None or Path(made_by).resolve() != teacher_dir:
-            raise SystemExit(f"{work} holds branches made for teacher {made_by}, not {teacher_dir}: pass --force to "
-                             "replace them, or --work NEW_FOLDER")
-    if args.force or not (work / "results.json").is_file():
-        run([sys.executable, str(ROOT / "recipes" / "fastbert.py"), "--config", str(CONFIG), "--teacher",
-             str(teacher_dir), "--output_dir", str(work)], args.threads)
-    recipe = json.loads((work / "results.json").read_text())
+    recipes = {}
+    for kind in kinds:
+        work = RUNS / kind
+        if not args.force and (work / "results.json").is_file():
+            made_by = made_for(work)
+            if made_by is None or Path(made_by).resolve() != teacher_dir:
+                raise SystemExit(f"{work} holds branches made for teacher {made_by}, not {teacher_dir}: pass --force "
+                                 "to replace them")
+        if args.force or not (work / "results.json").is_file():
+            run([sys.executable, str(ROOT / "recipes" / "fastbert.py"), "--config", str(CONFIG), "--teacher",
+                 str(teacher_dir), "--branch", kind, "--output_dir", str(work)], args.threads)
+        recipes[kind] = json.loads((work / "results.json").read_text())
+        if recipes[kind].get("branch", "fastbert") != kind:
+            raise SystemExit(f"{work} holds {recipes[kind].get('branch')} branches, not {kind}: pass --force")
 
     import csv
 
@@ -149,8 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     from hf_distill.measure import count_parameters
 
     torch.set_num_threads(args.threads)
-    model = EarlyExitModel.from_pretrained(work).eval()
-    tokenizer = AutoTokenizer.from_pretrained(work)
+    models = {kind: EarlyExitModel.from_pretrained(RUNS / kind).eval() for kind in kinds}
+    teacher = next(iter(models.values())).model  # the same teacher weights under every kind of branch
+    tokenizer = AutoTokenizer.from_pretrained(RUNS / kinds[0])
     names = [n for n in args.students.split(",") if n]
     students, missing = load_students(names)
     with open(ROOT.parent / "shared" / "data" / "sst2" / "validation.tsv", encoding="utf-8", newline="") as f:
@@ -165,10 +191,12 @@ def main(argv: list[str] | None = None) -> int:
                               "hidden_size": student.config.hidden_size,
                               "params": count_parameters(student),
                               "recorded_accuracy": made.get("accuracy"), "command": made.get("command")}
-    speeds = [r["speed"] for r in recipe["sweep"]]
-    full = lambda b: model.model(**b).logits  # noqa: E731
-    timers = {**{s: (lambda b, s=s: model.exit_forward(speed=s, **b)) for s in speeds},
-              **{name: (lambda b, m=m: m(**b).logits) for name, m in students.items()}}
+    full = lambda b: teacher(**b).logits  # noqa: E731
+    timers = {}
+    for kind, model in models.items():
+        for r in recipes[kind]["sweep"]:
+            timers[(kind, r["speed"])] = lambda b, m=model, s=r["speed"]: m.exit_forward(speed=s, **b)
+    timers.update({name: (lambda b, m=m: m(**b).logits) for name, m in students.items()})
     load_before = Path("/proc/loadavg").read_text().split()[:3]
     print(f"batch 32, first {args.b32_rows} rows", flush=True)
     b32 = measure(full, timers, batches_of(tokenizer, sentences[: args.b32_rows], 32, 64), args.rounds)
@@ -178,34 +206,40 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in student_rows.items():
         r.update(speedup_b1=b1[name], speedup_b32=b32[name])
 
-    teacher_acc = recipe["teacher_accuracy"]
-    rows = []
-    for r in recipe["sweep"]:
-        rows.append({**r, "speedup_b1": b1[r["speed"]], "speedup_b32": b32[r["speed"]],
-                     "points_vs_teacher": 100 * (r["accuracy"] - teacher_acc)})
-    hits = [r for r in rows if r["speedup_b1"] >= 2.0 and r["points_vs_teacher"] >= -1.0]
-    b1_curve = [r["speedup_b1"] for r in rows]
-    targets = {
-        "b1_2x_within_1pt": {"met": bool(hits), "speeds": [r["speed"] for r in hits]},
-        "monotone_speedup_b1": all(a <= b for a, b in zip(b1_curve, b1_curve[1:])),
-        "monotone_speedup_b32": all(a <= b for a, b in zip([r["speedup_b32"] for r in rows],
-                                                           [r["speedup_b32"] for r in rows][1:])),
-        "speed0_equals_teacher": bool(rows[0]["speed"] == 0.0 and rows[0]["matches_teacher"]),
-    }
+    first = recipes[kinds[0]]
+    teacher_acc = first["teacher_accuracy"]
+    sweeps, targets = {}, {}
+    for kind in kinds:
+        if recipes[kind]["teacher_accuracy"] != teacher_acc:
+            raise SystemExit(f"runs/{kind} evaluated its teacher at {recipes[kind]['teacher_accuracy']}, "
+                             f"runs/{kinds[0]} at {teacher_acc}: not the same teacher")
+        rows = [{**r, "speedup_b1": b1[(kind, r["speed"])], "speedup_b32": b32[(kind, r["speed"])],
+                 "points_vs_teacher": 100 * (r["accuracy"] - teacher_acc)} for r in recipes[kind]["sweep"]]
+        sweeps[kind] = rows
+        hits = [r for r in rows if r["speedup_b1"] >= 2.0 and r["points_vs_teacher"] >= -1.0]
+        targets[kind] = {
+            "b1_2x_within_1pt": {"met": bool(hits), "speeds": [r["speed"] for r in hits]},
+            "monotone_speedup_b1": monotone([r["speedup_b1"] for r in rows]),
+            "monotone_speedup_b32": monotone([r["speedup_b32"] for r in rows]),
+            "speed0_equals_teacher": bool(rows[0]["speed"] == 0.0 and rows[0]["matches_teacher"]),
+        }
     out = {
-        "teacher": {"accuracy": teacher_acc, "source": recipe.get("teacher"), "num_exits": recipe["num_exits"],
+        "teacher": {"accuracy": teacher_acc, "source": first.get("teacher"), "num_exits": first["num_exits"],
                     "recorded_accuracy": teacher_record(teacher_dir),
                     "quality_benchmark_teacher": teacher_dir == (RUNS / "teacher").resolve()},
-        "sweep": rows, "students": student_rows, "students_not_found": missing, "targets": targets,
-        "protocol": {"eval_rows": recipe["eval_rows"], "b1_rows": args.b1_rows, "rounds": args.rounds,
+        "sweeps": sweeps, "targets": targets, "students": student_rows, "students_not_found": missing,
+        "branches": {kind: {"params": recipes[kind].get("branch_params"), "distill_rows": recipes[kind]["distill_rows"],
+                            "distill_s": recipes[kind]["distill_s"], "recipe_wall_s": recipes[kind]["wall_s"],
+                            "recipe_command": recipes[kind]["command"]} for kind in kinds},
+        "protocol": {"eval_rows": first["eval_rows"], "b1_rows": args.b1_rows, "rounds": args.rounds,
                      "b32_rows": args.b32_rows, "precision": "fp32", "max_length": 64,
-                     "distill_rows": recipe["distill_rows"],
-                     "distill_s": recipe["distill_s"], "recipe_wall_s": recipe["wall_s"],
+                     "timing": "turns of 32 rows, every model back to back in an order rotated per turn; median "
+                               "over rounds of "
+                               "teacher total / other total",
                      "flops": "analytic (hf_distill.early_exit.flops_per_row), branches included"},
         "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
                     "loadavg_before": load_before, "loadavg_after": load_after},
         "invocation": {"command": "python benchmarks/early_exit.py " + " ".join(argv or sys.argv[1:]),
-                       "recipe_command": recipe["command"],
                        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                        "wall_s": time.time() - start},
     }
@@ -217,10 +251,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def monotone(curve: list[float]) -> bool:
+    return all(a <= b for a, b in zip(curve, curve[1:]))
+
+
 def teacher_record(teacher: Path) -> float | None:
     """The accuracy the quality benchmark recorded for its teacher (bf16 evaluation), when it did."""
     f = teacher / "results.json"
     return json.loads(f.read_text()).get("accuracy") if f.is_file() else None
+
+
+LABELS = {"fastbert": "FastBERT branches (attention over every token)",
+          "deebert": "DeeBERT off-ramps (pooler on the first token)"}
 
 
 def markdown(out: dict) -> str:
@@ -230,22 +272,40 @@ def markdown(out: dict) -> str:
         "# Early exit (FastBERT) on SST-2", "",
         f"Teacher: `{os.path.relpath(t['source'], ROOT)}` ({t['num_exits']} layers"
         f"{'; the quality benchmark MiniLM-L6 fine-tuned on 20,000 rows' if t['quality_benchmark_teacher'] else ''}"
-        f"), validation accuracy **{t['accuracy']:.2%}** here in fp32{recorded}. Branches self-distilled on "
-        f"{p['distill_rows']} unlabeled SST-2 training rows ({p['distill_s'] / 60:.1f} min). Accuracy, exit layers "
-        f"and FLOPs: all {p['eval_rows']} rows. Speed-up: teacher time / other time, {p['precision']}, measured "
-        f"(interleaved, median of {p['rounds']} rounds) at batch 32 on the first {p['b32_rows']} rows and at batch 1 "
-        f"on the first {p['b1_rows']} rows. FLOPs ratio: {p['flops']}.", "",
-        "| speed | accuracy | vs teacher (pts) | mean exit layer | speed-up b1 | speed-up b32 | FLOPs ratio | "
-        "exits per layer |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"), validation accuracy **{t['accuracy']:.2%}** here in fp32{recorded}. Exits self-distilled from its "
+        f"final head on unlabeled SST-2 training rows (`recipes/fastbert.py`). Accuracy, exit layers and FLOPs: all "
+        f"{p['eval_rows']} rows. Speed-up: teacher time / other time, {p['precision']}, at batch 32 on the first "
+        f"{p['b32_rows']} rows and at batch 1 on the first {p['b1_rows']} rows; turns of 32 rows run by every model "
+        f"back to back in a rotated order, median of {p['rounds']} rounds. FLOPs ratio: {p['flops']}.",
     ]
-    for r in out["sweep"]:
-        lines.append(f"| {r['speed']:.1f} | {r['accuracy']:.2%} | {r['points_vs_teacher']:+.2f} | "
-                     f"{r['mean_exit_layer']:.2f} | {r['speedup_b1']:.2f}x | {r['speedup_b32']:.2f}x | "
-                     f"{r['flops_ratio']:.3f} | {' / '.join(map(str, r['exit_histogram']))} |")
+    for kind, rows in out["sweeps"].items():
+        br = out["branches"][kind]
+        params = f"{br['params'] / 1e6:.2f} M parameters, " if br.get("params") else ""
+        lines += ["", f"## {LABELS[kind]}", "",
+                  f"{params}self-distilled on {br['distill_rows']} rows in {br['distill_s'] / 60:.1f} min "
+                  f"(`{br['recipe_command']}`).", "",
+                  "| speed | accuracy | vs teacher (pts) | mean exit layer | speed-up b1 | speed-up b32 | "
+                  "FLOPs ratio | exits per layer |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in rows:
+            lines.append(f"| {r['speed']:.1f} | {r['accuracy']:.2%} | {r['points_vs_teacher']:+.2f} | "
+                         f"{r['mean_exit_layer']:.2f} | {r['speedup_b1']:.2f}x | {r['speedup_b32']:.2f}x | "
+                         f"{r['flops_ratio']:.3f} | {' / '.join(map(str, r['exit_histogram']))} |")
+        tg = out["targets"][kind]
+        hit = tg["b1_2x_within_1pt"]
+        lines += [
+            "", "- >= 2.0x at batch 1 within 1.0 point of the teacher: "
+            f"**{'met' if hit['met'] else 'NOT met'}**"
+            + (f" (speed {', '.join(f'{s:g}' for s in hit['speeds'])})" if hit["met"] else ""),
+            f"- speed-up monotone in speed: batch 1 **{'yes' if tg['monotone_speedup_b1'] else 'no'}**, batch 32 "
+            f"**{'yes' if tg['monotone_speedup_b32'] else 'no'}**",
+            f"- speed 0 reproduces the teacher's predictions exactly: "
+            f"**{'yes' if tg['speed0_equals_teacher'] else 'no'}**",
+        ]
     if out["students"]:
-        lines += ["", "Students distilled from the same teacher by `benchmarks/quality_sst2.py`, evaluated and timed "
-                  "in this run, in the same rounds as the exits:", "",
+        lines += ["", "## Students of the same teacher", "",
+                  "Distilled by `benchmarks/quality_sst2.py`, evaluated and timed in this run, in the same rounds as "
+                  "the exits:", "",
                   "| student | layers x width | params | accuracy | vs teacher (pts) | speed-up b1 | speed-up b32 |",
                   "| --- | --- | ---: | --- | --- | --- | --- |"]
         for name, r in out["students"].items():
@@ -255,20 +315,11 @@ def markdown(out: dict) -> str:
     if out["students_not_found"]:
         lines += ["", f"Not in benchmarks/runs, so not measured: {', '.join(out['students_not_found'])} (run "
                   f"`python benchmarks/quality_sst2.py --runs {','.join(out['students_not_found'])}` first)."]
-    tg = out["targets"]
     lines += [
-        "", "## Targets", "",
-        "- >= 2.0x at batch 1 within 1.0 point of the teacher: "
-        f"**{'met' if tg['b1_2x_within_1pt']['met'] else 'NOT met'}**"
-        + (f" (speed {', '.join(f'{s:g}' for s in tg['b1_2x_within_1pt']['speeds'])})"
-           if tg["b1_2x_within_1pt"]["met"] else ""),
-        f"- speed-up monotone in speed: batch 1 **{'yes' if tg['monotone_speedup_b1'] else 'no'}**, batch 32 "
-        f"**{'yes' if tg['monotone_speedup_b32'] else 'no'}**",
-        f"- speed 0 reproduces the teacher's predictions exactly: **{'yes' if tg['speed0_equals_teacher'] else 'no'}**",
         "", "![accuracy vs speed-up](early_exit.png)", "",
-        f"Command: `{inv['command'].strip()}` (recipe: `{inv['recipe_command']}`), {inv['date']}, "
-        f"{inv['wall_s'] / 60:.1f} min; {m['cpus']} CPUs, torch threads {m['torch_threads']}, load average "
-        f"{' '.join(m['loadavg_before'])} before timing, {' '.join(m['loadavg_after'])} after.", "",
+        f"Command: `{inv['command'].strip()}`, {inv['date']}, {inv['wall_s'] / 60:.1f} min; {m['cpus']} CPUs, torch "
+        f"threads {m['torch_threads']}, load average {' '.join(m['loadavg_before'])} before timing, "
+        f"{' '.join(m['loadavg_after'])} after.", "",
     ]
     return "\n".join(lines)
 
@@ -280,13 +331,15 @@ def plot(out: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
-    rows, teacher = out["sweep"], 100 * out["teacher"]["accuracy"]
+    teacher = 100 * out["teacher"]["accuracy"]
     for ax, key, batch in ((axes[0], "speedup_b1", 1), (axes[1], "speedup_b32", 32)):
-        ax.plot([r[key] for r in rows], [100 * r["accuracy"] for r in rows], "o-", label="FastBERT exits")
-        for r in rows:
-            ax.annotate(f"{r['speed']:g}", (r[key], 100 * r["accuracy"]), textcoords="offset points",
-                        xytext=(4, 4), fontsize=8)
-        for k, (name, r) in enumerate(out["students"].items(), start=1):
+        for kind, rows in out["sweeps"].items():
+            ax.plot([r[key] for r in rows], [100 * r["accuracy"] for r in rows], "o-" if kind == "fastbert" else
+                    "s--", label=f"{'FastBERT' if kind == 'fastbert' else 'DeeBERT'} exits")
+            for r in rows:
+                ax.annotate(f"{r['speed']:g}", (r[key], 100 * r["accuracy"]), textcoords="offset points",
+                            xytext=(4, 4), fontsize=7)
+        for k, (name, r) in enumerate(out["students"].items(), start=2):
             ax.scatter([r[key]], [100 * r["accuracy"]], marker="^", s=70, color=f"C{k}",
                        label=f"{name} ({r['layers']} layers)")
         ax.scatter([1.0], [teacher], marker="*", s=200, color="black", label="teacher", zorder=3)

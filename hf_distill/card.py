@@ -39,6 +39,10 @@ METHODS = {  # tag -> (what the card calls it, BibTeX keys)
         ["romero2015fitnets"],
     ),
     "fastbert": ("FastBERT self-distilled early exits (Liu et al., 2020)", ["liu2020fastbert"]),
+    "deebert": (
+        "DeeBERT early-exit off-ramps (Xin et al., 2020), self-distilled as in FastBERT (Liu et al., 2020)",
+        ["xin2020deebert", "liu2020fastbert"],
+    ),
 }
 
 BIBTEX = {
@@ -96,6 +100,12 @@ BIBTEX = {
                and Gatta, Carlo and Bengio, Yoshua},
   booktitle = {International Conference on Learning Representations (ICLR)},
   year      = {2015}
+}""",
+    "xin2020deebert": """@inproceedings{xin2020deebert,
+  title={{DeeBERT}: Dynamic Early Exiting for Accelerating {BERT} Inference},
+  author={Xin, Ji and Tang, Raphael and Lee, Jaejun and Yu, Yaoliang and Lin, Jimmy},
+  booktitle={Proceedings of the 58th Annual Meeting of the Association for Computational Linguistics},
+  year={2020}
 }""",
     "liu2020fastbert": """@inproceedings{liu2020fastbert,
   title={FastBERT: a Self-distilling BERT with Adaptive Inference Time},
@@ -402,7 +412,8 @@ def _early_exit(r: DistillationReport) -> str:
     if not r.early_exit:
         return ""
     e = r.early_exit
-    parts = [f"Early exits after each of the {e.get('num_exits')} blocks (FastBERT); load with "
+    kind = {"deebert": "DeeBERT off-ramps"}.get(e.get("branch", "fastbert"), "FastBERT branches")
+    parts = [f"Early exits after each of the {e.get('num_exits')} blocks ({kind}); load with "
              "`hf_distill.early_exit.EarlyExitModel.from_pretrained` (the backbone alone loads with AutoModel...)."]
     rows = e.get("sweep") or []
     if rows:

