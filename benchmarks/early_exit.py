@@ -94,6 +94,7 @@ def measure(teacher, others: dict, batches: list[dict], rounds: int, rows_per_tu
         for r in range(rounds):
             total = dict.fromkeys(names, 0.0)
             for i, turn in enumerate(turns):
+                # who goes first moves evenly through the list over a round's turns, and by one more each round
                 first = (i * len(names) // len(turns) + r) % len(names)
                 for k in names[first:] + names[:first]:
                     start = time.perf_counter()

@@ -45,7 +45,8 @@ from .taps import FeatureTaps, TapRequest, model_info, unwrap
 BRANCH_FILE = "early_exit.safetensors"
 BRANCH_CONFIG_FILE = "early_exit_config.json"
 PLOT_FILE = "early_exit.png"
-FORMAT = "hf_distill.early_exit/fastbert-v1"
+FORMAT = "hf_distill.early_exit/fastbert-v1"  # a FastBERT-branch folder's; FORMATS below has each branch's
+HOST_ROWS_MAX = 256  # outputs up to this many logits get their exit rule reduced on the host (row_uncertainties)
 
 
 class ExitBranch(nn.Module):
@@ -60,6 +61,8 @@ class ExitBranch(nn.Module):
     everything between the tanh of the projection and the tanh of the pooler is linear, so the query, key,
     value, output and pooler matrices collapse into two products per head, cached until a weight changes.
     That halves a branch's time at batch 1, where early exit must win back every branch it evaluates.
+    Weights edited through `.data` bypass the version counters the cache checks: call `train()` or `eval()`
+    after such an edit (either drops the folded weights).
     """
 
     def __init__(self, hidden_size: int, num_labels: int, width: int = 128, heads: int = 2) -> None:
@@ -78,7 +81,7 @@ class ExitBranch(nn.Module):
         return self._folded(hidden, attention_mask)
 
     def train(self, mode: bool = True) -> ExitBranch:
-        self._fold = None
+        self._fold = None  # a documented way to drop the folded weights (see the class docstring)
         return super().train(mode)
 
     def _reference(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -120,17 +123,19 @@ class ExitBranch(nn.Module):
             return self._fold[1]
         w, h = attn.embed_dim, attn.num_heads
         d = w // h
-        in_w, in_b, out_w, out_b, pool_w, pool_b = (p.detach().double() for p in params)
-        wq, wk, wv = (in_w[i * w : (i + 1) * w].view(h, d, w) for i in range(3))
-        query = torch.einsum("hdk,hdq->qhk", wk, wq).reshape(w, h * w) * d**-0.5  # x0 @ query: (b, h*w)
+        wide = torch.float32 if params[0].device.type == "mps" else torch.float64  # MPS has no float64
+        in_w, in_b, out_w, out_b, pool_w, pool_b = (p.detach().to(wide) for p in params)
+        wq, wk, wv = (in_w[i * w : (i + 1) * w].view(h, d, w) for i in range(3))  # (head, head dim, width)
+        # query[q, (h, k)]: x0 @ query gives, per head, the vector whose dot with x_j is x0' Wq_h' Wk_h x_j
+        query = torch.einsum("hdk,hdq->qhk", wk, wq).reshape(w, h * w) * d**-0.5
         query_bias = torch.einsum("hdk,hd->hk", wk, in_b[:w].view(h, d)).reshape(h * w) * d**-0.5
+        # pool[(h, k), p]: the attention-weighted tokens of head h, through Wv_h, the out-projection and the pooler
         pool = torch.einsum("po,ohd,hdk->hkp", pool_w, out_w.view(w, h, d), wv).reshape(h * w, w)
         pool_bias = pool_w @ (out_w @ in_b[2 * w :] + out_b) + pool_b
         folded = tuple(t.to(params[0].dtype).contiguous() for t in (query, query_bias, pool, pool_bias))
         if key is not None:
             self._fold = (key, folded)
         return folded
-
 
     def flops(self, tokens: int) -> int:
         """Forward FLOPs for one row of `tokens` tokens as adaptive inference runs it (`_folded`)."""
@@ -156,6 +161,7 @@ class PoolerBranch(nn.Module):
 
 BRANCHES = {"fastbert": "FastBERT's branch, attention over every token",
             "deebert": "DeeBERT's off-ramp, a pooler on the first token"}
+FORMATS = {"fastbert": FORMAT, "deebert": "hf_distill.early_exit/deebert-v1"}
 
 
 def check_branch(kind: str) -> None:
@@ -196,14 +202,19 @@ def row_uncertainties(logits: torch.Tensor) -> list[float]:
     """`uncertainty` of each row as Python floats, what the exit rule compares with `speed`. A small output
     (batch 1) is reduced on the host from one copy: after a block, each small tensor op costs ~15 us on CPU,
     and the five of `uncertainty` cost more than the arithmetic (measured in benchmarks/early_exit.py's setting)."""
-    if logits.numel() > 256:
+    if logits.numel() > HOST_ROWS_MAX:
         return uncertainty(logits).tolist()
+    rows = logits.float().tolist()
+    if not all(math.isfinite(z) for row in rows for z in row):
+        return uncertainty(logits).tolist()  # NaN stays NaN (the row never leaves), as on the device
     out = []
-    for row in logits.float().tolist():
+    for row in rows:
         top = max(row)
         weights = [math.exp(z - top) for z in row]
         total = sum(weights)
-        out.append(-sum(w / total * math.log(w / total) for w in weights if w > 0) / math.log(len(row)))
+        # H = -sum p log p with log p = (z - top) - log(total): no log of a probability that rounds to 0
+        entropy = math.log(total) - sum(w * (z - top) for w, z in zip(weights, row)) / total
+        out.append(max(entropy, 0.0) / math.log(len(row)))
     return out
 
 
@@ -249,6 +260,9 @@ class EarlyExitModel(nn.Module):
             )
         if num_labels < 2:
             raise ValueError(f"EarlyExitModel needs num_labels >= 2 (entropy over classes), got {num_labels}.")
+        if info.num_layers < 2:
+            raise ValueError(f"EarlyExitModel needs at least 2 blocks (a branch after every block but the last), "
+                             f"the model has {info.num_layers}.")
         self.model = inner
         self.config = config
         self.num_exits = info.num_layers
@@ -405,7 +419,8 @@ class EarlyExitModel(nn.Module):
         device = next(self.model.parameters()).device
         id2label = getattr(self.config, "id2label", None) or {}
         out: list[dict[str, Any]] = []
-        self.eval()
+        if self.training:
+            self.eval()
         for start in range(0, len(texts), batch_size):
             enc = tokenizer(texts[start : start + batch_size], padding=True, truncation=max_length is not None,
                             max_length=max_length, return_tensors="pt")
@@ -425,13 +440,13 @@ class EarlyExitModel(nn.Module):
         folder = Path(folder)
         self.model.save_pretrained(folder, **kwargs)
         save_file({k: v.detach().contiguous().cpu() for k, v in self.branches.state_dict().items()},
-                  folder / BRANCH_FILE, metadata={"format": FORMAT})
-        paper = "FastBERT (Liu et al., ACL 2020)"
-        if self.branch == "deebert":
-            paper = f"DeeBERT off-ramps (Xin et al., ACL 2020) self-distilled as in {paper}"
-        spec = {"format": FORMAT, "num_exits": self.num_exits, "branch": self.branch,
-                "branch_width": self.branch_width, "branch_heads": self.branch_heads,
-                "num_labels": self.config.num_labels, "paper": paper}
+                  folder / BRANCH_FILE, metadata={"format": FORMATS[self.branch]})
+        spec: dict[str, Any] = {"format": FORMAT, "num_exits": self.num_exits, "branch": self.branch,
+                                "branch_width": self.branch_width, "branch_heads": self.branch_heads,
+                                "num_labels": self.config.num_labels, "paper": "FastBERT (Liu et al., ACL 2020)"}
+        if self.branch == "deebert":  # its off-ramp has no width or heads of its own
+            spec.update(format=FORMATS["deebert"], branch_width=None, branch_heads=None,
+                        paper="DeeBERT off-ramps (Xin et al., ACL 2020) self-distilled as in FastBERT (Liu et al.)")
         (folder / BRANCH_CONFIG_FILE).write_text(json.dumps(spec, indent=2) + "\n", encoding="utf-8")
 
     @classmethod
@@ -440,6 +455,9 @@ class EarlyExitModel(nn.Module):
         from safetensors.torch import load_file
         from transformers import AutoModelForSequenceClassification
 
+        shaped = sorted({"branch", "branch_width", "branch_heads"} & set(kwargs))
+        if shaped:
+            raise ValueError(f"from_pretrained reads {', '.join(shaped)} from {BRANCH_CONFIG_FILE}; do not pass them.")
         folder = str(folder)
         if Path(folder).is_dir():
             cfg_path, weights_path = Path(folder) / BRANCH_CONFIG_FILE, Path(folder) / BRANCH_FILE
@@ -455,9 +473,16 @@ class EarlyExitModel(nn.Module):
             cfg_path = Path(hf_hub_download(folder, BRANCH_CONFIG_FILE, **hub))
             weights_path = Path(hf_hub_download(folder, BRANCH_FILE, **hub))
         spec = json.loads(cfg_path.read_text(encoding="utf-8"))
+        branch = spec.get("branch", "fastbert")  # files written before `branch` existed: FastBERT's
+        if spec.get("format") != FORMATS.get(branch):
+            raise ValueError(f"{folder}: {BRANCH_CONFIG_FILE} has format {spec.get('format')!r} and branch "
+                             f"{branch!r}; this version of hf_distill reads {FORMATS} (was the folder written by "
+                             "another version? load it there and save it again)")
         model = AutoModelForSequenceClassification.from_pretrained(folder, **kwargs)
-        wrapper = cls(model, branch_width=spec["branch_width"], branch_heads=spec["branch_heads"],
-                      branch=spec.get("branch", "fastbert"))  # files written before `branch` existed: FastBERT's
+        shape = {}
+        if branch == "fastbert":
+            shape = {"branch_width": spec["branch_width"], "branch_heads": spec["branch_heads"]}
+        wrapper = cls(model, branch=branch, **shape)
         if wrapper.num_exits != spec["num_exits"]:
             raise ValueError(f"{folder}: {BRANCH_CONFIG_FILE} says {spec['num_exits']} exits, the model has "
                              f"{wrapper.num_exits} blocks.")

@@ -131,7 +131,18 @@ def test_folded_branch_equals_the_reference_and_follows_weight_changes(width, he
     hidden = hidden.double()
     check()
     branch.train().eval()
-    assert branch._fold is None  # train() drops the folded weights
+    assert branch._fold is None  # train()/eval() drop the folded weights (the documented way after .data edits)
+
+
+def test_predict_keeps_the_folded_weights(tmp_path):
+    tok = tiny_tokenizer(tmp_path / "tok")
+    ee = EarlyExitModel(helpers.teacher(seed=2, vocab_size=len(tok)).eval())
+    ee.eval()
+    ee.predict(["good movie"], tok, speed=0.5)
+    cached = ee.branches[0]._fold
+    assert cached is not None
+    ee.predict(["not a great film at all"], tok, speed=0.5)
+    assert ee.branches[0]._fold is cached  # predict on a model in eval mode does not refold
 
 
 def test_deebert_off_ramp_reads_the_first_token_only():
@@ -206,6 +217,30 @@ def test_speed_zero_reproduces_the_model_exactly(make, branch):
     assert ee.exit_forward(**b).logits.equal(res.logits)  # no rule: same
 
 
+@pytest.mark.parametrize("branch", ["fastbert", "deebert"])
+def test_batched_exits_equal_row_by_row_exits(branch):
+    """A padded batch (masked branches) leaves as each row run alone without padding (unmasked path)."""
+    ee = EarlyExitModel(helpers.teacher(layers=4, seed=5).eval(), branch=branch)
+    with torch.no_grad():
+        for b in ee.branches:
+            b.out.weight.mul_(30.0)  # spread the branches' uncertainties over [0, 1]
+    ee.eval()
+    b = batch(12, seed=3)
+    lengths = b["attention_mask"].sum(-1).tolist()
+    assert len(set(lengths)) > 1
+    with torch.no_grad():
+        values = sorted(uncertainty(x).item() for x in torch.cat(ee(**b).exit_logits).split(1))
+    # the threshold sits in the widest gap between branch uncertainties, so no rounding can move a row across it
+    inner = [v for v in values if 0.05 < v < 0.95]
+    speed = max(((hi - lo, (lo + hi) / 2) for lo, hi in zip(inner, inner[1:])), default=(0, 0.5))[1]
+    batched = ee.exit_forward(speed=speed, **b)
+    assert len(set(batched.exit_layer.tolist())) > 1  # rows left at different layers
+    for i, n in enumerate(lengths):
+        alone = ee.exit_forward(speed=speed, **{k: v[i : i + 1, :n] for k, v in b.items()})
+        assert alone.exit_layer.item() == batched.exit_layer[i].item()
+        torch.testing.assert_close(alone.logits[0], batched.logits[i], atol=1e-4, rtol=1e-4)
+
+
 def test_exited_rows_are_removed_from_later_blocks():
     ee = wrapped(layers=4)
     b = batch(8)
@@ -263,16 +298,27 @@ def test_uncertainty_is_normalised_entropy():
     torch.testing.assert_close(u, torch.tensor([1.0, 0.0]), atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("shape", [(1, 2), (3, 5), (40, 10)])  # 40 x 10: past the host path's size
+@pytest.mark.parametrize("shape", [(1, 2), (3, 5), (8, 3)])
 def test_row_uncertainties_equal_uncertainty(shape):
     torch.manual_seed(shape[0])
     logits = torch.randn(*shape) * 4
     logits[0, 0] = 200.0  # one row near certainty: exp underflows to 0 for the other classes
+    if shape[0] > 1:
+        logits[-1, :] = torch.tensor([0.0, 0.0, -744.5, 0.0, 0.0][: shape[1]])  # a probability that rounds to 0
     want = uncertainty(logits).tolist()
     got = row_uncertainties(logits)
     assert len(got) == shape[0] and all(isinstance(u, float) for u in got)
     assert got == pytest.approx(want, abs=1e-6)
     assert got[0] < 1e-6
+    assert row_uncertainties(logits.half()) == pytest.approx(uncertainty(logits.half()).tolist(), abs=1e-3)
+
+
+def test_row_uncertainties_of_non_finite_logits_are_those_of_uncertainty():
+    """NaN logits give NaN (the row never leaves), as the on-device rule does, not a confident 0."""
+    logits = torch.tensor([[float("nan"), 1.0], [float("-inf"), float("-inf")], [float("inf"), 0.0], [2.0, 0.0]])
+    got, want = row_uncertainties(logits), uncertainty(logits).tolist()
+    assert all(g == w or (g != g and w != w) for g, w in zip(got, want))  # equal, NaN where NaN
+    assert got[0] != got[0] and not got[0] < 0.9  # a NaN row does not pass any speed
 
 
 def test_predict_is_pipeline_shaped(tmp_path):
@@ -395,6 +441,24 @@ def test_unknown_branch_and_unused_branch_shape_are_refused():
         EarlyExitModel(helpers.teacher(), branch="pabee")
     with pytest.raises(ValueError, match="DeeBERT's off-ramp is as wide as the model"):
         EarlyExitModel(helpers.teacher(), branch="deebert", branch_width=64)
+
+
+def test_from_pretrained_refuses_branch_arguments_and_unknown_formats(tmp_path):
+    ee = EarlyExitModel(helpers.teacher(layers=3).eval(), branch="deebert")
+    ee.save_pretrained(tmp_path / "m")
+    spec = json.loads((tmp_path / "m" / BRANCH_CONFIG_FILE).read_text())
+    assert spec["format"].endswith("deebert-v1") and spec["branch_width"] is None
+    with pytest.raises(ValueError, match="reads branch, branch_width from early_exit_config.json"):
+        EarlyExitModel.from_pretrained(tmp_path / "m", branch="fastbert", branch_width=64)
+    spec["format"] = "hf_distill.early_exit/fastbert-v1"  # says FastBERT, holds DeeBERT's off-ramps
+    (tmp_path / "m" / BRANCH_CONFIG_FILE).write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match="has format 'hf_distill.early_exit/fastbert-v1' and branch 'deebert'"):
+        EarlyExitModel.from_pretrained(tmp_path / "m")
+
+
+def test_a_one_block_model_is_refused():
+    with pytest.raises(ValueError, match="at least 2 blocks"):
+        EarlyExitModel(helpers.teacher(layers=1))
 
 
 def test_unregistered_family_is_refused(monkeypatch):
