@@ -60,7 +60,8 @@ class ExitBranch(nn.Module):
     Inference (eval mode, no grad) computes the same function in a folded form (`_folded`): with one query,
     everything between the tanh of the projection and the tanh of the pooler is linear, so the query, key,
     value, output and pooler matrices collapse into two products per head, cached until a weight changes.
-    That halves a branch's time at batch 1, where early exit must win back every branch it evaluates.
+    That halves a branch's own time at batch 1 (timed alone), where early exit must win back every branch it
+    evaluates.
     Weights edited through `.data` bypass the version counters the cache checks: call `train()` or `eval()`
     after such an edit (either drops the folded weights).
     """
@@ -200,8 +201,9 @@ def uncertainty(logits: torch.Tensor) -> torch.Tensor:
 
 def row_uncertainties(logits: torch.Tensor) -> list[float]:
     """`uncertainty` of each row as Python floats, what the exit rule compares with `speed`. A small output
-    (batch 1) is reduced on the host from one copy: after a block, each small tensor op costs ~15 us on CPU,
-    and the five of `uncertainty` cost more than the arithmetic (measured in benchmarks/early_exit.py's setting)."""
+    (batch 1) is reduced on the host from one copy: right after a block, each small tensor op cost ~10-15 us on
+    2 CPU cores (timed inside the hook after a MiniLM block), and the five of `uncertainty` more than the
+    arithmetic."""
     if logits.numel() > HOST_ROWS_MAX:
         return uncertainty(logits).tolist()
     rows = logits.float().tolist()
@@ -216,6 +218,13 @@ def row_uncertainties(logits: torch.Tensor) -> list[float]:
         entropy = math.log(total) - sum(w * (z - top) for w, z in zip(weights, row)) / total
         out.append(max(entropy, 0.0) / math.log(len(row)))
     return out
+
+
+def check_first_token(attention_mask: torch.Tensor | None) -> None:
+    """Both branch kinds read the first token of every row (FastBERT's query, DeeBERT's pooler)."""
+    if attention_mask is not None and not bool(attention_mask[:, 0].all()):
+        raise ValueError("attention_mask masks the first token of some rows (left padding?): early-exit branches "
+                         "pool the first token. Pad on the right (tokenizer.padding_side = 'right').")
 
 
 def check_rule(speed: float | None, patience: int | None) -> None:
@@ -299,6 +308,7 @@ class EarlyExitModel(nn.Module):
         kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids,
                   **kwargs}
         kwargs = {k: v for k, v in kwargs.items() if v is not None and k != "labels"}
+        check_first_token(attention_mask)
         with torch.no_grad():
             out, feats = self._taps.run(self.model, kwargs)
         teacher = F.log_softmax(out.logits.float(), dim=-1)
@@ -330,6 +340,7 @@ class EarlyExitModel(nn.Module):
         mask = inputs.get("attention_mask")
         if mask is not None and bool(mask.all()):
             mask = None  # no padding (always so at batch 1): the branches skip their masking ops
+        check_first_token(mask)
         device = ids.device
         state = {"active": torch.arange(n, device=device), "prev": None, "same": None, "calls": 0}
         result_logits: torch.Tensor | None = None

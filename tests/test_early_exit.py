@@ -456,6 +456,17 @@ def test_from_pretrained_refuses_branch_arguments_and_unknown_formats(tmp_path):
         EarlyExitModel.from_pretrained(tmp_path / "m")
 
 
+def test_left_padding_is_refused():
+    ee = wrapped(layers=3)
+    b = batch(4)
+    left = {k: v.flip(-1) for k, v in b.items()}  # the padding moves to the front of the short rows
+    assert not left["attention_mask"][:, 0].all()
+    with pytest.raises(ValueError, match="masks the first token.*padding_side = 'right'"):
+        ee.exit_forward(speed=0.5, **left)
+    with pytest.raises(ValueError, match="masks the first token"):
+        ee(**left)
+
+
 def test_a_one_block_model_is_refused():
     with pytest.raises(ValueError, match="at least 2 blocks"):
         EarlyExitModel(helpers.teacher(layers=1))
