@@ -145,10 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--b32_rows", type=int, default=320, help="validation rows timed at batch 32 (first N)")
     args = p.parse_args(argv)
     teacher_dir = Path(args.teacher).resolve()
+    from hf_distill.early_exit import BRANCHES
+
     kinds = [k for k in args.branches.split(",") if k]
-    bad = [k for k in kinds if k not in ("fastbert", "deebert")]
-    if bad or not kinds:
-        raise SystemExit(f"--branches: give fastbert and/or deebert, got {args.branches!r}")
+    if not kinds or any(k not in BRANCHES for k in kinds):
+        raise SystemExit(f"--branches: give one or more of {', '.join(BRANCHES)}, got {args.branches!r}")
     start = time.time()
     ensure_teacher(teacher_dir, args.threads)
     recipes = {}
@@ -165,6 +166,12 @@ def main(argv: list[str] | None = None) -> int:
         recipes[kind] = json.loads((work / "results.json").read_text())
         if recipes[kind].get("branch", "fastbert") != kind:
             raise SystemExit(f"{work} holds {recipes[kind].get('branch')} branches, not {kind}: pass --force")
+    first = recipes[kinds[0]]
+    teacher_acc = first["teacher_accuracy"]
+    for kind in kinds:  # checked before the timing, which takes minutes
+        if recipes[kind]["teacher_accuracy"] != teacher_acc:
+            raise SystemExit(f"runs/{kind} evaluated its teacher at {recipes[kind]['teacher_accuracy']}, "
+                             f"runs/{kinds[0]} at {teacher_acc}: not the same teacher")
 
     import csv
 
@@ -207,13 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in student_rows.items():
         r.update(speedup_b1=b1[name], speedup_b32=b32[name])
 
-    first = recipes[kinds[0]]
-    teacher_acc = first["teacher_accuracy"]
     sweeps, targets = {}, {}
     for kind in kinds:
-        if recipes[kind]["teacher_accuracy"] != teacher_acc:
-            raise SystemExit(f"runs/{kind} evaluated its teacher at {recipes[kind]['teacher_accuracy']}, "
-                             f"runs/{kinds[0]} at {teacher_acc}: not the same teacher")
         rows = [{**r, "speedup_b1": b1[(kind, r["speed"])], "speedup_b32": b32[(kind, r["speed"])],
                  "points_vs_teacher": 100 * (r["accuracy"] - teacher_acc)} for r in recipes[kind]["sweep"]]
         sweeps[kind] = rows
@@ -235,8 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         "protocol": {"eval_rows": first["eval_rows"], "b1_rows": args.b1_rows, "rounds": args.rounds,
                      "b32_rows": args.b32_rows, "precision": "fp32", "max_length": 64,
                      "timing": "turns of 32 rows, every model back to back in an order rotated per turn; median "
-                               "over rounds of "
-                               "teacher total / other total",
+                               "over rounds of teacher total / other total",
                      "flops": "analytic (hf_distill.early_exit.flops_per_row), branches included"},
         "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
                     "loadavg_before": load_before, "loadavg_after": load_after},

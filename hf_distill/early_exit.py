@@ -452,11 +452,11 @@ class EarlyExitModel(nn.Module):
         self.model.save_pretrained(folder, **kwargs)
         save_file({k: v.detach().contiguous().cpu() for k, v in self.branches.state_dict().items()},
                   folder / BRANCH_FILE, metadata={"format": FORMATS[self.branch]})
-        spec: dict[str, Any] = {"format": FORMAT, "num_exits": self.num_exits, "branch": self.branch,
+        spec: dict[str, Any] = {"format": FORMATS[self.branch], "num_exits": self.num_exits, "branch": self.branch,
                                 "branch_width": self.branch_width, "branch_heads": self.branch_heads,
                                 "num_labels": self.config.num_labels, "paper": "FastBERT (Liu et al., ACL 2020)"}
         if self.branch == "deebert":  # its off-ramp has no width or heads of its own
-            spec.update(format=FORMATS["deebert"], branch_width=None, branch_heads=None,
+            spec.update(branch_width=None, branch_heads=None,
                         paper="DeeBERT off-ramps (Xin et al., ACL 2020) self-distilled as in FastBERT (Liu et al.)")
         (folder / BRANCH_CONFIG_FILE).write_text(json.dumps(spec, indent=2) + "\n", encoding="utf-8")
 

@@ -116,6 +116,7 @@ def main() -> None:
 
     from hf_distill import demo
     from hf_distill.early_exit import EarlyExitModel
+    from hf_distill.measure import count_parameters
 
     refuse_unused("FastBERT", "the student is the teacher plus its exits, drawn from seed",
                   ("general_teacher", *STUDENT_FIELDS, "model_seed"), margs)
@@ -188,7 +189,7 @@ def main() -> None:
     model.save_pretrained(args.output_dir)
     tokenizer.save_pretrained(args.output_dir)
     results.update(teacher_accuracy=teacher_acc, eval_rows=len(labels), num_exits=model.num_exits,
-                   branch=recipe.branch, branch_params=sum(p.numel() for p in model.branches.parameters()), sweep=rows,
+                   branch=recipe.branch, branch_params=count_parameters(model.branches), sweep=rows,
                    wall_s=time.time() - start)
     write_results(args.output_dir, results)
 
