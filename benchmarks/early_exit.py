@@ -77,9 +77,10 @@ TEACHER = "teacher"
 
 
 def measure(teacher, others: dict, batches: list[dict], rounds: int, rows_per_turn: int = 32) -> dict:
-    """Median over rounds of (teacher time / time of each of `others`). The batches are cut into turns of
-    `rows_per_turn` rows; each turn is run by all of them back to back, in an order rotated from turn to turn, so
-    slow spells of the machine fall on all alike while each model still runs warm, as when it serves alone."""
+    """Per round, teacher time / time of each of `others` (the tables give the median). The batches are cut into
+    turns of `rows_per_turn` rows; each turn is run by all of them back to back, in an order rotated from turn to
+    turn, so slow spells of the machine fall on all alike while each model still runs warm, as when it serves
+    alone."""
     import torch
 
     fns = {TEACHER: teacher, **others}
@@ -105,7 +106,7 @@ def measure(teacher, others: dict, batches: list[dict], rounds: int, rows_per_tu
                 ratios[k].append(total[TEACHER] / total[k])
             print(f"  round {r + 1}/{rounds}: teacher {total[TEACHER]:.2f}s; " + ", ".join(
                 f"{k if isinstance(k, str) else f'{k[0]} {k[1]:g}'}: {ratios[k][-1]:.2f}x" for k in others), flush=True)
-    return {k: statistics.median(v) for k, v in ratios.items()}
+    return ratios
 
 
 def load_students(names: list[str]) -> tuple[dict, list[str]]:
@@ -141,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2, help="torch threads (timing and the runs started from here)")
     p.add_argument("--force", action="store_true", help="run the recipes again even if their output exists")
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (median)")
-    p.add_argument("--b1_rows", type=int, default=100, help="validation rows timed at batch 1 (first N)")
+    p.add_argument("--b1_rows", type=int, default=200,
+                   help="validation rows timed at batch 1 (first N; 200: speed 0.1 against 0 is a step of ~2%%)")
     p.add_argument("--b32_rows", type=int, default=320, help="validation rows timed at batch 32 (first N)")
     args = p.parse_args(argv)
     teacher_dir = Path(args.teacher).resolve()
@@ -211,12 +213,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"batch 1, first {args.b1_rows} rows", flush=True)
     b1 = measure(full, timers, batches_of(tokenizer, sentences[: args.b1_rows], 1, 64), args.rounds)
     load_after = Path("/proc/loadavg").read_text().split()[:3]
+    med = statistics.median
     for name, r in student_rows.items():
-        r.update(speedup_b1=b1[name], speedup_b32=b32[name])
+        r.update(speedup_b1=med(b1[name]), speedup_b32=med(b32[name]), rounds_b1=b1[name], rounds_b32=b32[name])
 
     sweeps, targets = {}, {}
     for kind in kinds:
-        rows = [{**r, "speedup_b1": b1[(kind, r["speed"])], "speedup_b32": b32[(kind, r["speed"])],
+        rows = [{**r, "speedup_b1": med(b1[(kind, r["speed"])]), "speedup_b32": med(b32[(kind, r["speed"])]),
+                 "rounds_b1": b1[(kind, r["speed"])], "rounds_b32": b32[(kind, r["speed"])],
                  "points_vs_teacher": 100 * (r["accuracy"] - teacher_acc)} for r in recipes[kind]["sweep"]]
         sweeps[kind] = rows
         hits = [r for r in rows if r["speedup_b1"] >= 2.0 and r["points_vs_teacher"] >= -1.0]
@@ -255,6 +259,24 @@ def main(argv: list[str] | None = None) -> int:
 
 def monotone(curve: list[float]) -> bool:
     return all(a <= b for a, b in zip(curve, curve[1:]))
+
+
+def steps_down(rows: list[dict]) -> str:
+    """Where a median goes down, with how many rounds agree, and the spread of speed 0: it runs the teacher's
+    own forward (no branch), so its rounds show how far apart two runs of the same work land."""
+    notes = []
+    for batch in ("b1", "b32"):
+        for a, b in zip(rows, rows[1:]):
+            if a[f"speedup_{batch}"] > b[f"speedup_{batch}"]:
+                wins = sum(y >= x for x, y in zip(a[f"rounds_{batch}"], b[f"rounds_{batch}"]))
+                notes.append(f"batch {batch[1:]} speed {a['speed']:g} -> {b['speed']:g}: {a[f'speedup_{batch}']:.2f}x "
+                             f"-> {b[f'speedup_{batch}']:.2f}x (not slower in {wins} of {len(a[f'rounds_{batch}'])} "
+                             "rounds)")
+    if not notes or rows[0]["speed"] != 0.0:
+        return ""
+    zero = rows[0]["rounds_b1"]
+    return (f". Down: {'; '.join(notes)}. Speed 0 runs the teacher's own forward; its batch-1 rounds measured "
+            f"{min(zero):.2f}x-{max(zero):.2f}x of the teacher")
 
 
 def teacher_record(teacher: Path) -> float | None:
@@ -300,7 +322,7 @@ def markdown(out: dict) -> str:
             f"**{'met' if hit['met'] else 'NOT met'}**"
             + (f" (speed {', '.join(f'{s:g}' for s in hit['speeds'])})" if hit["met"] else ""),
             f"- speed-up monotone in speed: batch 1 **{'yes' if tg['monotone_speedup_b1'] else 'no'}**, batch 32 "
-            f"**{'yes' if tg['monotone_speedup_b32'] else 'no'}**",
+            f"**{'yes' if tg['monotone_speedup_b32'] else 'no'}**" + steps_down(rows),
             f"- speed 0 reproduces the teacher's predictions exactly: "
             f"**{'yes' if tg['speed0_equals_teacher'] else 'no'}**",
         ]

@@ -31,6 +31,7 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,7 @@ class ExitBranch(nn.Module):
     `nn.MultiheadAttention`'s (same state-dict keys), but the forward is written out: at batch 1 a branch is
     a dozen small ops, and `nn.MultiheadAttention.forward`'s own checks cost more than its arithmetic.
 
-    Inference (eval mode, no grad) computes the same function in a folded form (`_folded`): with one query,
+    Inference (eval mode, no grad) computes the same function in a folded form (`infer`): with one query,
     everything between the tanh of the projection and the tanh of the pooler is linear, so the query, key,
     value, output and pooler matrices collapse into two products per head, cached until a weight changes.
     That halves a branch's own time at batch 1 (timed alone), where early exit must win back every branch it
@@ -74,16 +75,21 @@ class ExitBranch(nn.Module):
         self.attention = nn.MultiheadAttention(width, heads, batch_first=True)
         self.pool = nn.Linear(width, width)
         self.out = nn.Linear(width, num_labels)
-        self._fold: tuple[Any, tuple[torch.Tensor, ...]] | None = None
+        self.heads = heads  # a plain attribute: read on every inference call
+        self._fold: tuple[Any, ...] | None = None
 
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         if self.training or torch.is_grad_enabled():
             return self._reference(hidden, attention_mask)
-        return self._folded(hidden, attention_mask)
+        return self.infer(self.inference_weights(), hidden, attention_mask)
 
     def train(self, mode: bool = True) -> ExitBranch:
         self._fold = None  # a documented way to drop the folded weights (see the class docstring)
         return super().train(mode)
+
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> ExitBranch:
+        self._fold = None  # a conversion frees the old storage, whose address a later one could reuse
+        return super()._apply(fn, *args, **kwargs)
 
     def _reference(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         """FastBERT's parameterisation, differentiable: what self-distillation trains."""
@@ -99,33 +105,54 @@ class ExitBranch(nn.Module):
         pooled = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout).reshape(b, w)
         return self.out(torch.tanh(self.pool(attn.out_proj(pooled))))
 
-    def _folded(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """`_reference` rewritten for one query. With x the projected tokens and x0 the first one, per head h:
-        score_j = x0' (Wq_h' Wk_h) x_j / sqrt(d) + terms constant in j (softmax drops them), and the pooled
-        pre-activation = Wp Wo concat_h(Wv_h sum_j a_hj x_j + bv_h) + Wp bo + bp, since the a_hj sum to 1."""
-        query, query_bias, pool, pool_bias = self._folded_weights()
-        x = torch.tanh(self.down(hidden))
-        b, t, w = x.shape
-        h = self.attention.num_heads
-        scores = torch.bmm(torch.addmm(query_bias, x[:, 0], query).view(b, h, w), x.transpose(1, 2))
-        if attention_mask is not None:
-            scores = scores.masked_fill(attention_mask[:, None, :] == 0, torch.finfo(scores.dtype).min)
-        context = torch.bmm(scores.softmax(-1), x).view(b, h * w)
-        return self.out(torch.tanh(torch.addmm(pool_bias, context, pool)))
+    def infer(self, weights: tuple[torch.Tensor, ...], hidden: torch.Tensor,
+              attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`_reference` rewritten for one query, on `inference_weights()`. With x the projected tokens and x0 the
+        first one, per head h: score_j = x0' (Wq_h' Wk_h) x_j / sqrt(d) + terms constant in j (softmax drops
+        them), and the pooled pre-activation = Wp Wo concat_h(Wv_h sum_j a_hj x_j + bv_h) + Wp bo + bp, since the
+        a_hj sum to 1.
+        A call is a dozen small ops, and right after a block each costs about twice what it costs warm (a
+        branch of the SST-2 MiniLM-L6 benchmark: ~150 us there, ~75 us run again at once; 2 CPU cores), so
+        batch 1 without padding, adaptive inference's latency case, gets 2-D products and no masking ops."""
+        down_w, down_b, query, query_bias, pool, pool_bias, out_w, out_b = weights
+        h = self.heads
+        if hidden.shape[0] == 1 and attention_mask is None:  # one row, no padding: 2-D matrix products
+            x = F.linear(hidden[0], down_w, down_b).tanh_()
+            scores = torch.mm(torch.addmm(query_bias, x[:1], query).view(h, -1), x.t())
+            context = torch.mm(scores.softmax(-1), x).view(1, -1)
+        else:
+            x = F.linear(hidden, down_w, down_b).tanh_()
+            b, _, w = x.shape
+            scores = torch.bmm(torch.addmm(query_bias, x[:, 0], query).view(b, h, w), x.transpose(1, 2))
+            if attention_mask is not None:
+                scores = scores.masked_fill(attention_mask[:, None, :] == 0, torch.finfo(scores.dtype).min)
+            context = torch.bmm(scores.softmax(-1), x).view(b, h * w)
+        return F.linear(torch.addmm(pool_bias, context, pool).tanh_(), out_w, out_b)
 
-    def _folded_weights(self) -> tuple[torch.Tensor, ...]:
-        attn = self.attention
-        params = (attn.in_proj_weight, attn.in_proj_bias, attn.out_proj.weight, attn.out_proj.bias,
-                  self.pool.weight, self.pool.bias)
-        # A weight changed in place (optimizer step, load_state_dict) bumps its version; .to() moves its data.
-        key = None if any(p.is_inference() for p in params) else tuple(
-            (p.data_ptr(), p._version, p.dtype, p.device) for p in params)
-        if key is not None and self._fold is not None and self._fold[0] == key:
-            return self._fold[1]
+    def inference_weights(self) -> tuple[torch.Tensor, ...]:
+        """What `infer` takes: (down weight, down bias, query, query bias, pool, pool bias, out weight, out bias),
+        the four middle ones folded and cached. The cache is reused while every parameter has the storage and
+        the version it had when folded (an optimizer step, `load_state_dict` or a replaced parameter each change
+        one); it holds the parameters it was made from, so no new tensor can take their storage's address.
+        `.to()`, `.half()`, ... drop it (`_apply`). Adaptive inference calls this once per branch per batch, so
+        the parameters are read from the modules' own dicts: `nn.Module.__getattr__` cost more than the rest."""
+        mods = self._modules
+        down, pool, out = (mods[k]._parameters for k in ("down", "pool", "out"))
+        attn = mods["attention"]
+        inner, out_proj = attn._parameters, attn._modules["out_proj"]._parameters
+        params = (down["weight"], down["bias"], inner["in_proj_weight"], inner["in_proj_bias"], out_proj["weight"],
+                  out_proj["bias"], pool["weight"], pool["bias"], out["weight"], out["bias"])
+        try:
+            key = [(p.data_ptr(), p._version) for p in params]
+        except RuntimeError:  # inference-mode tensors have no version counter: fold on every call
+            key = None
+        fold = self._fold
+        if key is not None and fold is not None and fold[1] == key:
+            return fold[2]
         w, h = attn.embed_dim, attn.num_heads
         d = w // h
-        wide = torch.float32 if params[0].device.type == "mps" else torch.float64  # MPS has no float64
-        in_w, in_b, out_w, out_b, pool_w, pool_b = (p.detach().to(wide) for p in params)
+        wide = torch.float32 if params[2].device.type == "mps" else torch.float64  # MPS has no float64
+        in_w, in_b, out_w, out_b, pool_w, pool_b = (p.detach().to(wide) for p in params[2:8])
         wq, wk, wv = (in_w[i * w : (i + 1) * w].view(h, d, w) for i in range(3))  # (head, head dim, width)
         # query[q, (h, k)]: x0 @ query gives, per head, the vector whose dot with x_j is x0' Wq_h' Wk_h x_j
         query = torch.einsum("hdk,hdq->qhk", wk, wq).reshape(w, h * w) * d**-0.5
@@ -133,13 +160,14 @@ class ExitBranch(nn.Module):
         # pool[(h, k), p]: the attention-weighted tokens of head h, through Wv_h, the out-projection and the pooler
         pool = torch.einsum("po,ohd,hdk->hkp", pool_w, out_w.view(w, h, d), wv).reshape(h * w, w)
         pool_bias = pool_w @ (out_w @ in_b[2 * w :] + out_b) + pool_b
-        folded = tuple(t.to(params[0].dtype).contiguous() for t in (query, query_bias, pool, pool_bias))
+        folded = tuple(t.to(params[2].dtype).contiguous() for t in (query, query_bias, pool, pool_bias))
+        weights = tuple(p.detach() for p in params[:2]) + folded + tuple(p.detach() for p in params[8:])
         if key is not None:
-            self._fold = (key, folded)
-        return folded
+            self._fold = (params, key, weights)
+        return weights
 
     def flops(self, tokens: int) -> int:
-        """Forward FLOPs for one row of `tokens` tokens as adaptive inference runs it (`_folded`)."""
+        """Forward FLOPs for one row of `tokens` tokens as adaptive inference runs it (`infer`)."""
         hidden, width, heads = self.down.in_features, self.down.out_features, self.attention.num_heads
         return 2 * (tokens * hidden * width + 2 * heads * width * width + 2 * heads * tokens * width
                     + width * self.out.out_features)
@@ -155,6 +183,16 @@ class PoolerBranch(nn.Module):
 
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.out(torch.tanh(self.dense(hidden[:, 0])))  # the first token is never padding
+
+    def inference_weights(self) -> tuple[torch.Tensor, ...]:
+        return (self.dense.weight.detach(), self.dense.bias.detach(), self.out.weight.detach(),
+                self.out.bias.detach())
+
+    def infer(self, weights: tuple[torch.Tensor, ...], hidden: torch.Tensor,
+              attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`forward` without module calls, on `inference_weights()` (see `ExitBranch.infer`)."""
+        dense_w, dense_b, out_w, out_b = weights
+        return F.linear(F.linear(hidden[:, 0], dense_w, dense_b).tanh_(), out_w, out_b)
 
     def flops(self, tokens: int) -> int:
         return 2 * (self.dense.in_features * self.dense.out_features + self.out.in_features * self.out.out_features)
@@ -206,7 +244,7 @@ def row_uncertainties(logits: torch.Tensor) -> list[float]:
     arithmetic."""
     if logits.numel() > HOST_ROWS_MAX:
         return uncertainty(logits).tolist()
-    rows = logits.float().tolist()
+    rows = logits.tolist()  # Python floats from any floating dtype
     if not all(math.isfinite(z) for row in rows for z in row):
         return uncertainty(logits).tolist()  # NaN stays NaN (the row never leaves), as on the device
     out = []
@@ -342,7 +380,14 @@ class EarlyExitModel(nn.Module):
             mask = None  # no padding (always so at batch 1): the branches skip their masking ops
         check_first_token(mask)
         device = ids.device
-        state = {"active": torch.arange(n, device=device), "prev": None, "same": None, "calls": 0}
+        state = {"active": torch.arange(n, device=device), "prev": None, "same": None, "calls": 0,
+                 "sliced": False}
+        # Each branch's weights are read (and their fold checked) once here, not in the hooks: Python that runs
+        # right after a block costs several times what it costs here (see row_uncertainties). The hooks call
+        # `infer`; any other module put in `branches` is called as it is, on (hidden states, attention mask).
+        branches = [partial(b.infer, b.inference_weights()) if isinstance(b, ExitBranch | PoolerBranch) else b
+                    for b in self.branches]
+        handles = []
         result_logits: torch.Tensor | None = None
         exit_layer = torch.full((n,), self.num_exits, dtype=torch.long, device=device)
 
@@ -351,9 +396,7 @@ class EarlyExitModel(nn.Module):
                 return x.index_select(0, state["active"])
             return x
 
-        def pre_hook(_m, args, kwargs):
-            if len(state["active"]) == n:
-                return None
+        def pre_hook(_m, args, kwargs):  # registered on the later blocks once some rows have left
             return tuple(slice_rows(a) for a in args), {k: slice_rows(v) for k, v in kwargs.items()}
 
         def post_hook(i: int):
@@ -362,7 +405,7 @@ class EarlyExitModel(nn.Module):
                 hidden = output[0] if isinstance(output, tuple) else output
                 active = state["active"]
                 rows_mask = mask if mask is None or len(active) == n else mask.index_select(0, active)
-                logits = self.branches[i](hidden, rows_mask)
+                logits = branches[i](hidden, rows_mask)
                 state["calls"] += len(active)
                 if patience is not None:
                     pred = logits.argmax(-1)
@@ -378,6 +421,10 @@ class EarlyExitModel(nn.Module):
                     flags = [u < speed for u in row_uncertainties(logits)]
                     if not any(flags):
                         return None
+                    if result_logits is None and all(flags):  # all rows leave at once (always so at batch 1)
+                        result_logits = logits
+                        exit_layer.fill_(i + 1)
+                        raise _AllExited
                     leave = torch.tensor(flags, device=device)
                 if result_logits is None:
                     result_logits = torch.zeros(n, logits.shape[-1], dtype=logits.dtype, device=device)
@@ -389,18 +436,19 @@ class EarlyExitModel(nn.Module):
                     state["prev"], state["same"] = state["prev"][keep], state["same"][keep]
                 if not keep.any():
                     raise _AllExited
+                if not state["sliced"]:  # the first rows left: the later blocks slice their per-row inputs
+                    state["sliced"] = True
+                    for block in list(self._blocks)[i + 1 :]:
+                        handles.append(block.register_forward_pre_hook(pre_hook, with_kwargs=True))
                 if isinstance(output, tuple):
                     return tuple(o[keep] if torch.is_tensor(o) and o.shape[0] == len(active) else o for o in output)
                 return output[keep]
 
             return hook
 
-        handles = []
         try:
-            for i, block in enumerate(self._blocks):
-                handles.append(block.register_forward_pre_hook(pre_hook, with_kwargs=True))
-                if i < len(self.branches):
-                    handles.append(block.register_forward_hook(post_hook(i), with_kwargs=True))
+            for i, block in zip(range(len(branches)), self._blocks):  # slicing an nn.ModuleList builds a new one
+                handles.append(block.register_forward_hook(post_hook(i), with_kwargs=True))
             try:
                 final = self.model(**inputs).logits
                 if result_logits is None:

@@ -112,10 +112,10 @@ def test_folded_branch_equals_the_reference_and_follows_weight_changes(width, he
     mask[1, 4:], mask[3, 7:] = 0, 0
 
     def check() -> None:
-        for m in (mask, None):
+        for h, m in ((hidden, mask), (hidden, None), (hidden[3:4, :7], None)):  # the last: batch 1's 2-D path
             with torch.no_grad():
-                got = branch(hidden, m)
-            torch.testing.assert_close(got, branch._reference(hidden, m).detach(), atol=1e-5, rtol=1e-4)
+                got = branch(h, m)
+            torch.testing.assert_close(got, branch._reference(h, m).detach(), atol=1e-5, rtol=1e-4)
 
     check()
     cached = branch._fold
@@ -127,11 +127,28 @@ def test_folded_branch_equals_the_reference_and_follows_weight_changes(width, he
     check()
     branch.load_state_dict(ExitBranch(24, 4, width, heads).state_dict())
     check()
+    branch.pool.weight = nn.Parameter(torch.randn_like(branch.pool.weight))  # a replaced parameter
+    check()
+    assert branch._fold is not None
+    branch.half().float()  # conversions drop the cache: the storage could come back at the same address
+    assert branch._fold is None
+    check()
     branch.double()
     hidden = hidden.double()
     check()
     branch.train().eval()
     assert branch._fold is None  # train()/eval() drop the folded weights (the documented way after .data edits)
+
+
+def test_inference_mode_weights_are_folded_on_every_call():
+    """Tensors made under inference_mode carry no version counter: nothing is cached, every call folds afresh."""
+    with torch.inference_mode():
+        branch = ExitBranch(hidden_size=24, num_labels=2, width=16, heads=2).eval()
+        hidden = torch.randn(2, 5, 24)
+        torch.testing.assert_close(branch(hidden), branch._reference(hidden, None), atol=1e-5, rtol=1e-4)
+        assert branch._fold is None
+        branch.out.bias.add_(1.0)
+        torch.testing.assert_close(branch(hidden), branch._reference(hidden, None), atol=1e-5, rtol=1e-4)
 
 
 def test_predict_keeps_the_folded_weights(tmp_path):
@@ -158,6 +175,8 @@ def test_deebert_off_ramp_reads_the_first_token_only():
     torch.testing.assert_close(branch(changed), out)  # pooler: first token only
     changed[:, 0] += 0.5
     assert not torch.allclose(branch(changed), out)
+    with torch.no_grad():  # the module-free form adaptive inference runs
+        torch.testing.assert_close(branch.infer(branch.inference_weights(), hidden), out.detach())
 
 
 def test_flops_per_row_counts_what_runs():
@@ -275,6 +294,8 @@ def test_all_rows_leaving_stops_the_forward():
             h.remove()
     assert res.exit_layer.tolist() == [1] * 8
     assert seen == {0: [8], 1: [], 2: [], 3: []}
+    with torch.no_grad():
+        torch.testing.assert_close(res.logits, ee(**batch(8)).exit_logits[0])  # each row's logits from branch 1
 
 
 def test_patience_rule_on_a_hand_built_case():
