@@ -274,6 +274,19 @@ def check_rule(speed: float | None, patience: int | None) -> None:
         raise ValueError(f"patience must be an integer >= 1 (branches with an unchanged argmax), got {patience}.")
 
 
+def _runner(branch: nn.Module) -> Any:
+    """What adaptive inference calls on (hidden states, attention mask) for `branch`. An `ExitBranch` or
+    `PoolerBranch` in eval mode with no hooks of its own gets its weights read (and its fold checked) here, once
+    per batch, and its hooks call `infer`: Python that runs right after a block costs two to four times what it
+    costs here (see row_uncertainties). Any other module (a subclass, a branch with hooks or in train mode,
+    weights made under inference_mode, which cannot be cached and are folded only if a row reaches them) is
+    called as the module it is."""
+    if (type(branch) not in (ExitBranch, PoolerBranch) or branch.training or branch._forward_hooks
+            or branch._forward_pre_hooks or branch.out.weight.is_inference()):
+        return branch
+    return partial(branch.infer, branch.inference_weights())
+
+
 class EarlyExitModel(nn.Module):
     """A fine-tuned sequence classifier of a registered encoder family with one exit branch per block."""
 
@@ -382,11 +395,7 @@ class EarlyExitModel(nn.Module):
         device = ids.device
         state = {"active": torch.arange(n, device=device), "prev": None, "same": None, "calls": 0,
                  "sliced": False}
-        # Each branch's weights are read (and their fold checked) once here, not in the hooks: Python that runs
-        # right after a block costs several times what it costs here (see row_uncertainties). The hooks call
-        # `infer`; any other module put in `branches` is called as it is, on (hidden states, attention mask).
-        branches = [partial(b.infer, b.inference_weights()) if isinstance(b, ExitBranch | PoolerBranch) else b
-                    for b in self.branches]
+        branches = [_runner(b) for b in self.branches]
         handles = []
         result_logits: torch.Tensor | None = None
         exit_layer = torch.full((n,), self.num_exits, dtype=torch.long, device=device)

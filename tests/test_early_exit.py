@@ -147,8 +147,19 @@ def test_inference_mode_weights_are_folded_on_every_call():
         hidden = torch.randn(2, 5, 24)
         torch.testing.assert_close(branch(hidden), branch._reference(hidden, None), atol=1e-5, rtol=1e-4)
         assert branch._fold is None
-        branch.out.bias.add_(1.0)
+        branch.pool.weight.add_(0.5)  # a folded weight: a stale fold would miss it
         torch.testing.assert_close(branch(hidden), branch._reference(hidden, None), atol=1e-5, rtol=1e-4)
+
+
+def test_inference_mode_branches_are_folded_only_when_reached(monkeypatch):
+    with torch.inference_mode():
+        ee = wrapped(layers=4).eval()
+        folds = []
+        plain = ExitBranch.inference_weights
+        monkeypatch.setattr(ExitBranch, "inference_weights", lambda self: folds.append(1) or plain(self))
+        res = ee.exit_forward(speed=1.0, **batch(4))  # every row leaves at the first branch
+    assert res.exit_layer.tolist() == [1] * 4
+    assert len(folds) == 1  # not folded up front for the branches no row reaches: nothing could be cached
 
 
 def test_predict_keeps_the_folded_weights(tmp_path):
@@ -296,6 +307,56 @@ def test_all_rows_leaving_stops_the_forward():
     assert seen == {0: [8], 1: [], 2: [], 3: []}
     with torch.no_grad():
         torch.testing.assert_close(res.logits, ee(**batch(8)).exit_logits[0])  # each row's logits from branch 1
+
+
+@pytest.mark.parametrize("branch", ["fastbert", "deebert"])
+def test_branch_hooks_subclasses_and_train_mode_are_honoured(branch, monkeypatch):
+    """Adaptive inference calls a branch as a module wherever its module-free path would not do the same."""
+    confident = torch.tensor([[10.0, -10.0]])
+    ee = EarlyExitModel(helpers.teacher(layers=4, seed=1).eval(), branch=branch).eval()
+    b = batch(4)
+    calls = []
+    handle = ee.branches[1].register_forward_hook(lambda _m, _a, out: calls.append(1) or confident.expand_as(out))
+    res = ee.exit_forward(speed=0.5, **b)
+    handle.remove()
+    assert calls == [1] and res.exit_layer.tolist() == [2] * 4  # the hook ran, and its output decided
+
+    base = type(ee.branches[0])
+    forwards = []
+    plain_forward = base.forward
+    monkeypatch.setattr(base, "forward", lambda self, *a, **k: forwards.append(self.training) or plain_forward(
+        self, *a, **k))
+    ee.exit_forward(speed=0.5, **b)
+    assert forwards == []  # eval mode, no hooks: the module-free path
+    ee.branches[0].train()  # train mode: the module's own forward (FastBERT's: the reference form)
+    ee.exit_forward(speed=0.5, **b)
+    assert forwards == [True]
+    ee.branches[0].eval()
+
+    class Sure(base):
+        def forward(self, hidden, attention_mask=None):
+            return confident.expand(hidden.shape[0], 2)
+
+    ee.branches[2].__class__ = Sure  # the same branch, as a subclass with its own forward
+    assert ee.exit_forward(speed=0.5, **b).exit_layer.tolist() == [3] * 4  # the subclass's forward ran
+
+
+def test_hooks_are_removed_when_a_branch_fails_after_rows_left():
+    ee = wrapped(layers=4)
+    b = batch(8)
+    lengths = b["attention_mask"].sum(-1)
+    short = lengths <= int(lengths.median())
+    ee.branches[0] = ByLength({int(n): torch.tensor([10.0, -10.0]) for n in lengths[short].tolist()})
+
+    class Broken(nn.Module):
+        def forward(self, hidden, attention_mask):
+            raise RuntimeError("broken branch")
+
+    ee.branches[1] = Broken()
+    with pytest.raises(RuntimeError, match="broken branch"):
+        ee.exit_forward(speed=0.5, **b)  # rows left at block 1, so slicing hooks were on blocks 2-4
+    assert all(not blk._forward_hooks and not blk._forward_pre_hooks for blk in ee._blocks)
+    torch.testing.assert_close(ee.model(**b).logits, helpers.teacher(layers=4, seed=1).eval()(**b).logits)
 
 
 def test_patience_rule_on_a_hand_built_case():
