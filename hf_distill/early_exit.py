@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as _global_hooks  # register_module_forward_hook's registries
 from transformers.utils import ModelOutput
 
 from .families import REGISTER_HINT
@@ -278,11 +279,12 @@ def _runner(branch: nn.Module) -> Any:
     """What adaptive inference calls on (hidden states, attention mask) for `branch`. An `ExitBranch` or
     `PoolerBranch` in eval mode with no hooks of its own gets its weights read (and its fold checked) here, once
     per batch, and its hooks call `infer`: Python that runs right after a block costs two to four times what it
-    costs here (see row_uncertainties). Any other module (a subclass, a branch with hooks or in train mode,
-    weights made under inference_mode, which cannot be cached and are folded only if a row reaches them) is
-    called as the module it is."""
+    costs here (see row_uncertainties). Any other module (a subclass, a branch with hooks or in train mode, any
+    branch while global module hooks are set, weights made under inference_mode, which cannot be cached and are
+    folded only if a row reaches them) is called as the module it is."""
     if (type(branch) not in (ExitBranch, PoolerBranch) or branch.training or branch._forward_hooks
-            or branch._forward_pre_hooks or branch.out.weight.is_inference()):
+            or branch._forward_pre_hooks or _global_hooks._global_forward_hooks
+            or _global_hooks._global_forward_pre_hooks or branch.out.weight.is_inference()):
         return branch
     return partial(branch.infer, branch.inference_weights())
 

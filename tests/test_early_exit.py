@@ -320,6 +320,14 @@ def test_branch_hooks_subclasses_and_train_mode_are_honoured(branch, monkeypatch
     res = ee.exit_forward(speed=0.5, **b)
     handle.remove()
     assert calls == [1] and res.exit_layer.tolist() == [2] * 4  # the hook ran, and its output decided
+    seen = []
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, _a, _o: seen.append(m) if m is ee.branches[0] else None)
+    try:
+        ee.exit_forward(speed=0.5, **b)
+    finally:
+        handle.remove()
+    assert seen == [ee.branches[0]]  # global module hooks see the branches too
 
     base = type(ee.branches[0])
     forwards = []
