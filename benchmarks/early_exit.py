@@ -284,6 +284,7 @@ def teacher_record(teacher: Path) -> float | None:
     return json.loads(f.read_text()).get("accuracy") if f.is_file() else None
 
 
+NAMES = {"fastbert": "FastBERT", "deebert": "DeeBERT"}
 LABELS = {"fastbert": "FastBERT branches (attention over every token)",
           "deebert": "DeeBERT off-ramps (pooler on the first token)"}
 
@@ -358,7 +359,7 @@ def plot(out: dict, path: Path) -> None:
     for ax, key, batch in ((axes[0], "speedup_b1", 1), (axes[1], "speedup_b32", 32)):
         for kind, rows in out["sweeps"].items():
             ax.plot([r[key] for r in rows], [100 * r["accuracy"] for r in rows], "o-" if kind == "fastbert" else
-                    "s--", label=f"{'FastBERT' if kind == 'fastbert' else 'DeeBERT'} exits")
+                    "s--", label=f"{NAMES[kind]} exits")
             for r in rows:
                 ax.annotate(f"{r['speed']:g}", (r[key], 100 * r["accuracy"]), textcoords="offset points",
                             xytext=(4, 4), fontsize=7)

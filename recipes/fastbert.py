@@ -101,10 +101,12 @@ def main() -> None:
     bad = [s for s in recipe.speeds if not 0.0 <= s <= 1.0]
     if bad:
         fail(f"speeds must lie in [0, 1] (normalised entropy thresholds), got {bad}")
-    from hf_distill.early_exit import BRANCHES
+    from hf_distill.early_exit import check_branch
 
-    if recipe.branch not in BRANCHES:
-        fail(f"branch must be one of {sorted(BRANCHES)}, got {recipe.branch!r}")
+    try:
+        check_branch(recipe.branch)
+    except ValueError as e:
+        fail(str(e))
     if recipe.branch == "deebert" and (recipe.branch_width, recipe.branch_heads) != (128, 2):
         fail("branch_width and branch_heads shape the fastbert branch; the deebert off-ramp is as wide as the model")
     if args.kd_weight != 0 or args.terms:

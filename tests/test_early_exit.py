@@ -287,6 +287,7 @@ def test_exited_rows_are_removed_from_later_blocks():
     n_short = int(short.sum())
     assert 0 < n_short < 8
     assert seen == {0: [8], 1: [8 - n_short], 2: [8 - n_short], 3: [8 - n_short]}
+    assert res.branch_calls == 8 + 2 * (8 - n_short)  # branch 1 on every row, branches 2 and 3 on those left
     assert res.exit_layer[short].tolist() == [1] * n_short
     assert res.exit_layer[~short].tolist() == [4] * (8 - n_short)
     torch.testing.assert_close(res.logits[short], confident.expand(n_short, 2))
