@@ -19,8 +19,8 @@ FastBERT (Liu et al., ACL 2020, https://arxiv.org/abs/2004.02178; code: github.c
 
 Training goes through `DistillationTrainer` with no teacher model: `EarlyExitModel.forward` runs the backbone
 once, takes the final head's logits as the teacher and returns one term per branch in `distill_losses`
-(`exit_1`, ...), which the trainer logs as `loss_exit_1`, ... . Adaptive inference hooks every block: the rows
-that left are sliced out of the hidden states (and of every per-row tensor the block receives), so later blocks
+(`exit_1`, ...), which the trainer logs as `loss_exit_1`, ... . Adaptive inference wraps (or hooks) every block: the
+rows that left are sliced out of the hidden states (and of every per-row tensor the block receives), so later blocks
 really run on fewer rows; the forward stops once every row has left.
 """
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -64,8 +65,8 @@ class ExitBranch(nn.Module):
     value, output and pooler matrices collapse into two products per head, cached until a weight changes.
     That halves a branch's own time at batch 1 (timed alone), where early exit must win back every branch it
     evaluates.
-    Weights edited through `.data` bypass the version counters the cache checks: call `train()` or `eval()`
-    after such an edit (either drops the folded weights).
+    Weights edited or replaced through `.data` bypass the versions and identities the cache checks: call
+    `train()` or `eval()` after such an edit (either drops the folded weights).
     """
 
     def __init__(self, hidden_size: int, num_labels: int, width: int = 128, heads: int = 2) -> None:
@@ -89,7 +90,7 @@ class ExitBranch(nn.Module):
         return super().train(mode)
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> ExitBranch:
-        self._fold = None  # a conversion frees the old storage, whose address a later one could reuse
+        self._fold = None  # a conversion may swap `param.data` in place: same objects, same versions
         return super()._apply(fn, *args, **kwargs)
 
     def _reference(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -119,7 +120,7 @@ class ExitBranch(nn.Module):
         h = self.heads
         if hidden.shape[0] == 1 and attention_mask is None:  # one row, no padding: 2-D matrix products
             x = F.linear(hidden[0], down_w, down_b).tanh_()
-            scores = torch.mm(torch.addmm(query_bias, x[:1], query).view(h, -1), x.t())
+            scores = F.linear(torch.addmm(query_bias, x[:1], query).view(h, -1), x)  # q_h . x_j, no transpose op
             context = torch.mm(scores.softmax(-1), x).view(1, -1)
         else:
             x = F.linear(hidden, down_w, down_b).tanh_()
@@ -132,11 +133,14 @@ class ExitBranch(nn.Module):
 
     def inference_weights(self) -> tuple[torch.Tensor, ...]:
         """What `infer` takes: (down weight, down bias, query, query bias, pool, pool bias, out weight, out bias),
-        the four middle ones folded and cached. The cache is reused while every parameter has the storage and
-        the version it had when folded (an optimizer step, `load_state_dict` or a replaced parameter each change
-        one); it holds the parameters it was made from, so no new tensor can take their storage's address.
-        `.to()`, `.half()`, ... drop it (`_apply`). Adaptive inference calls this once per branch per batch, so
-        the parameters are read from the modules' own dicts: `nn.Module.__getattr__` cost more than the rest."""
+        the four middle ones folded and cached. The cache is reused while every parameter is the object it held
+        when folded, at the version it had (an optimizer step or `load_state_dict` bumps a version, a replaced
+        parameter is another object; `.data` edits bypass both: see the class docstring). `.to()`, `.half()`,
+        ... drop it (`_apply`). Adaptive inference calls this once per branch per batch, right after the previous
+        row's forward has pushed everything out of the CPU caches, where a Python line costs up to ten times its
+        warm price (SST-2 MiniLM-L6 benchmark, 2 CPU cores: the checks of five branches took ~115 us there, ~16
+        warm; reading the 50 `_version`s alone ~45 us), so the parameters are read from the modules' own dicts
+        (`nn.Module.__getattr__` costs more) and compared by identity and version only."""
         mods = self._modules
         down, pool, out = (mods[k]._parameters for k in ("down", "pool", "out"))
         attn = mods["attention"]
@@ -144,11 +148,11 @@ class ExitBranch(nn.Module):
         params = (down["weight"], down["bias"], inner["in_proj_weight"], inner["in_proj_bias"], out_proj["weight"],
                   out_proj["bias"], pool["weight"], pool["bias"], out["weight"], out["bias"])
         try:
-            key = [(p.data_ptr(), p._version) for p in params]
+            key = [p._version for p in params]
         except RuntimeError:  # inference-mode tensors have no version counter: fold on every call
             key = None
         fold = self._fold
-        if key is not None and fold is not None and fold[1] == key:
+        if key is not None and fold is not None and fold[1] == key and all(map(operator.is_, params, fold[0])):
             return fold[2]
         w, h = attn.embed_dim, attn.num_heads
         d = w // h
@@ -233,6 +237,9 @@ class _AllExited(Exception):
     pass
 
 
+_RUNNING: set[int] = set()  # id() of the block lists exit_forward is running on (one call at a time each)
+
+
 def uncertainty(logits: torch.Tensor) -> torch.Tensor:
     """FastBERT's normalised entropy H(p) / log(num_labels), in [0, 1]."""
     return torch.special.entr(logits.float().softmax(-1)).sum(-1) / math.log(logits.shape[-1])
@@ -241,12 +248,12 @@ def uncertainty(logits: torch.Tensor) -> torch.Tensor:
 def row_uncertainties(logits: torch.Tensor) -> list[float]:
     """`uncertainty` of each row as Python floats, what the exit rule compares with `speed`. A small output
     (batch 1) is reduced on the host from one copy: right after a block, each small tensor op cost ~10-15 us on
-    2 CPU cores (timed inside the hook after a MiniLM block), and the five of `uncertainty` more than the
+    2 CPU cores (timed right after a MiniLM block), and the five of `uncertainty` more than the
     arithmetic."""
     if logits.numel() > HOST_ROWS_MAX:
         return uncertainty(logits).tolist()
     rows = logits.tolist()  # Python floats from any floating dtype
-    if not all(math.isfinite(z) for row in rows for z in row):
+    if not math.isfinite(sum(map(sum, rows))):  # a NaN or inf somewhere (or finite values summing past fp64)
         return uncertainty(logits).tolist()  # NaN stays NaN (the row never leaves), as on the device
     out = []
     for row in rows:
@@ -278,13 +285,13 @@ def check_rule(speed: float | None, patience: int | None) -> None:
 def _runner(branch: nn.Module) -> Any:
     """What adaptive inference calls on (hidden states, attention mask) for `branch`. An `ExitBranch` or
     `PoolerBranch` in eval mode with no hooks of its own gets its weights read (and its fold checked) here, once
-    per batch, and its hooks call `infer`: Python that runs right after a block costs two to four times what it
-    costs here (see row_uncertainties). Any other module (a subclass, a branch with hooks or in train mode, any
+    per batch, and the step after each block calls `infer` on those weights (see `ExitBranch.inference_weights` for what
+    the check costs). Any other module (a subclass, a branch with hooks or in train mode, any
     branch while global module hooks are set, weights made under inference_mode, which cannot be cached and are
     folded only if a row reaches them) is called as the module it is."""
     if (type(branch) not in (ExitBranch, PoolerBranch) or branch.training or branch._forward_hooks
             or branch._forward_pre_hooks or _global_hooks._global_forward_hooks
-            or _global_hooks._global_forward_pre_hooks or branch.out.weight.is_inference()):
+            or _global_hooks._global_forward_pre_hooks or branch._modules["out"]._parameters["weight"].is_inference()):
         return branch
     return partial(branch.infer, branch.inference_weights())
 
@@ -334,6 +341,9 @@ class EarlyExitModel(nn.Module):
             else PoolerBranch(info.hidden_size, num_labels) for _ in range(self.num_exits - 1)
         )
         self._blocks = inner.base_model.get_submodule(info.family.layers)
+        if len({id(b) for b in self._blocks}) != len(self._blocks):
+            raise ValueError("EarlyExitModel: the same module appears more than once among the model's blocks "
+                             "(shared layers); early exit needs one module per block, each with its own branch.")
         self._taps = FeatureTaps(inner, TapRequest(hidden=set(range(1, self.num_exits))))
         self.freeze_backbone()
 
@@ -395,10 +405,9 @@ class EarlyExitModel(nn.Module):
             mask = None  # no padding (always so at batch 1): the branches skip their masking ops
         check_first_token(mask)
         device = ids.device
-        state = {"active": torch.arange(n, device=device), "prev": None, "same": None, "calls": 0,
-                 "sliced": False}
+        # active: the rows still running (None: all of them, until the first rows leave)
+        state = {"active": None, "prev": None, "same": None, "calls": 0}
         branches = [_runner(b) for b in self.branches]
-        handles = []
         result_logits: torch.Tensor | None = None
         exit_layer = torch.full((n,), self.num_exits, dtype=torch.long, device=device)
 
@@ -407,59 +416,92 @@ class EarlyExitModel(nn.Module):
                 return x.index_select(0, state["active"])
             return x
 
-        def pre_hook(_m, args, kwargs):  # registered on the later blocks once some rows have left
+        def after(i: int, output: Any) -> Any:
+            """Block i's output: branch i runs on the rows still active, the rows it lets leave are dropped."""
+            nonlocal result_logits
+            hidden = output[0] if isinstance(output, tuple) else output
+            active = state["active"]
+            rows_mask = mask if mask is None or active is None else mask.index_select(0, active)
+            logits = branches[i](hidden, rows_mask)
+            state["calls"] += hidden.shape[0]
+            if patience is not None:
+                pred = logits.argmax(-1)
+                if state["prev"] is None:
+                    same = torch.zeros_like(pred)
+                else:
+                    same = torch.where(pred == state["prev"], state["same"] + 1, torch.zeros_like(pred))
+                leave = same >= patience  # PABEE: the argmax stayed the same for `patience` branches
+                state["prev"], state["same"] = pred, same
+                if not leave.any():
+                    return output
+            else:
+                flags = [u < speed for u in row_uncertainties(logits)]
+                if not any(flags):
+                    return output
+                if result_logits is None and all(flags):  # all rows leave at once (always so at batch 1)
+                    result_logits = logits
+                    exit_layer.fill_(i + 1)
+                    raise _AllExited
+                leave = torch.tensor(flags, device=device)
+            if result_logits is None:
+                result_logits = torch.zeros(n, logits.shape[-1], dtype=logits.dtype, device=device)
+            if active is None:
+                active = torch.arange(n, device=device)
+            result_logits[active[leave]] = logits[leave]
+            exit_layer[active[leave]] = i + 1
+            keep = ~leave
+            state["active"] = active[keep]
+            if patience is not None:
+                state["prev"], state["same"] = state["prev"][keep], state["same"][keep]
+            if not keep.any():
+                raise _AllExited
+            if isinstance(output, tuple):
+                return tuple(o[keep] if torch.is_tensor(o) and o.shape[0] == len(active) else o for o in output)
+            return output[keep]
+
+        def slice_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             return tuple(slice_rows(a) for a in args), {k: slice_rows(v) for k, v in kwargs.items()}
 
-        def post_hook(i: int):
-            def hook(_m, _args, _kwargs, output):
-                nonlocal result_logits
-                hidden = output[0] if isinstance(output, tuple) else output
-                active = state["active"]
-                rows_mask = mask if mask is None or len(active) == n else mask.index_select(0, active)
-                logits = branches[i](hidden, rows_mask)
-                state["calls"] += len(active)
-                if patience is not None:
-                    pred = logits.argmax(-1)
-                    if state["prev"] is None:
-                        same = torch.zeros_like(pred)
-                    else:
-                        same = torch.where(pred == state["prev"], state["same"] + 1, torch.zeros_like(pred))
-                    leave = same >= patience  # PABEE: the argmax stayed the same for `patience` branches
-                    state["prev"], state["same"] = pred, same
-                    if not leave.any():
-                        return None
-                else:
-                    flags = [u < speed for u in row_uncertainties(logits)]
-                    if not any(flags):
-                        return None
-                    if result_logits is None and all(flags):  # all rows leave at once (always so at batch 1)
-                        result_logits = logits
-                        exit_layer.fill_(i + 1)
-                        raise _AllExited
-                    leave = torch.tensor(flags, device=device)
-                if result_logits is None:
-                    result_logits = torch.zeros(n, logits.shape[-1], dtype=logits.dtype, device=device)
-                result_logits[active[leave]] = logits[leave]
-                exit_layer[active[leave]] = i + 1
-                keep = ~leave
-                state["active"] = active[keep]
-                if patience is not None:
-                    state["prev"], state["same"] = state["prev"][keep], state["same"][keep]
-                if not keep.any():
-                    raise _AllExited
-                if not state["sliced"]:  # the first rows left: the later blocks slice their per-row inputs
-                    state["sliced"] = True
-                    for block in list(self._blocks)[i + 1 :]:
-                        handles.append(block.register_forward_pre_hook(pre_hook, with_kwargs=True))
-                if isinstance(output, tuple):
-                    return tuple(o[keep] if torch.is_tensor(o) and o.shape[0] == len(active) else o for o in output)
-                return output[keep]
+        def wrap(i: int, forward: Any) -> Any:
+            last = i >= len(branches)  # the last block has the final head after it, not a branch
 
-            return hook
+            def run(*args: Any, **kwargs: Any) -> Any:
+                if state["active"] is not None:  # rows have left: drop them from this block's per-row inputs too
+                    args, kwargs = slice_inputs(args, kwargs)
+                output = forward(*args, **kwargs)
+                return output if last else after(i, output)
 
+            return run
+
+        def pre_hook(_m: nn.Module, args: tuple, kwargs: dict) -> Any:
+            return None if state["active"] is None else slice_inputs(args, kwargs)
+
+        def post_hook(i: int) -> Any:
+            return lambda _m, _args, output: after(i, output)
+
+        # Blocks without forward hooks get their forward wrapped for this call (an instance attribute, as
+        # accelerate's hooks do): registering, calling and removing hooks cost ~190 us per row against ~50 for the
+        # wrappers (batch 1, SST-2 MiniLM-L6 benchmark, 2 CPU cores), about what one branch costs. Where a block
+        # has forward hooks (its own, transformers' output capture, global ones), the exit step is a forward hook
+        # registered after them, so the branch sees their output, as in training, and they see every row.
+        blocks = list(self._blocks)
+        hooked = bool(_global_hooks._global_forward_hooks) or any(b._forward_hooks for b in blocks)
+        key = id(self._blocks)
+        if key in _RUNNING:
+            raise RuntimeError("exit_forward is already running on this model's blocks (called again from a branch "
+                               "or a hook, or from another thread): one call at a time per backbone.")
+        _RUNNING.add(key)
+        wrapped: list[tuple[nn.Module, Any]] = []  # (block, the instance-level forward it had, or None)
+        handles = []
         try:
-            for i, block in zip(range(len(branches)), self._blocks):  # slicing an nn.ModuleList builds a new one
-                handles.append(block.register_forward_hook(post_hook(i), with_kwargs=True))
+            for i, block in enumerate(blocks):
+                if hooked:
+                    handles.append(block.register_forward_pre_hook(pre_hook, with_kwargs=True))
+                    if i < len(branches):
+                        handles.append(block.register_forward_hook(post_hook(i)))
+                else:
+                    wrapped.append((block, block.__dict__.get("forward")))
+                    block.forward = wrap(i, block.forward)
             try:
                 final = self.model(**inputs).logits
                 if result_logits is None:
@@ -468,8 +510,14 @@ class EarlyExitModel(nn.Module):
             except _AllExited:
                 pass
         finally:
+            for block, own in reversed(wrapped):
+                if own is None:
+                    block.__dict__.pop("forward", None)
+                else:
+                    block.forward = own
             for h in handles:
                 h.remove()
+            _RUNNING.discard(key)
         return ExitResult(result_logits, exit_layer, state["calls"])
 
     def predict(

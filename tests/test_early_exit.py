@@ -127,10 +127,14 @@ def test_folded_branch_equals_the_reference_and_follows_weight_changes(width, he
     check()
     branch.load_state_dict(ExitBranch(24, 4, width, heads).state_dict())
     check()
-    branch.pool.weight = nn.Parameter(torch.randn_like(branch.pool.weight))  # a replaced parameter
+    replaced = nn.Parameter(torch.randn_like(branch.pool.weight))
+    with torch.no_grad():
+        while replaced._version < branch.pool.weight._version:
+            replaced.add_(0.0)  # the same version as the parameter it replaces: only its identity tells them apart
+    branch.pool.weight = replaced
     check()
     assert branch._fold is not None
-    branch.half().float()  # conversions drop the cache: the storage could come back at the same address
+    branch.half().float()  # conversions drop the cache: they may swap `.data` in place (same objects, versions)
     assert branch._fold is None
     check()
     branch.double()
@@ -350,9 +354,11 @@ def test_branch_hooks_subclasses_and_train_mode_are_honoured(branch, monkeypatch
     assert ee.exit_forward(speed=0.5, **b).exit_layer.tolist() == [3] * 4  # the subclass's forward ran
 
 
-def test_hooks_are_removed_when_a_branch_fails_after_rows_left():
+@pytest.mark.parametrize("block_hook", [False, True])  # wrapped blocks, or the exit step as forward hooks
+def test_nothing_stays_attached_when_a_branch_fails_after_rows_left(block_hook):
     ee = wrapped(layers=4)
     b = batch(8)
+    user = list(ee._blocks)[3].register_forward_hook(lambda *_: None) if block_hook else None
     lengths = b["attention_mask"].sum(-1)
     short = lengths <= int(lengths.median())
     ee.branches[0] = ByLength({int(n): torch.tensor([10.0, -10.0]) for n in lengths[short].tolist()})
@@ -363,9 +369,95 @@ def test_hooks_are_removed_when_a_branch_fails_after_rows_left():
 
     ee.branches[1] = Broken()
     with pytest.raises(RuntimeError, match="broken branch"):
-        ee.exit_forward(speed=0.5, **b)  # rows left at block 1, so slicing hooks were on blocks 2-4
-    assert all(not blk._forward_hooks and not blk._forward_pre_hooks for blk in ee._blocks)
+        ee.exit_forward(speed=0.5, **b)  # rows left at block 1, so blocks 2-4 were slicing their inputs
+    assert all("forward" not in vars(blk) for blk in ee._blocks)  # the per-call wrappers are gone
+    hooks = [(len(blk._forward_hooks), len(blk._forward_pre_hooks)) for blk in ee._blocks]
+    assert hooks == [(0, 0)] * 3 + [(int(block_hook), 0)]  # only the user's own hook is left
+    if user is not None:
+        user.remove()
     torch.testing.assert_close(ee.model(**b).logits, helpers.teacher(layers=4, seed=1).eval()(**b).logits)
+
+
+def test_instance_forwards_survive_adaptive_inference():
+    """Blocks without forward hooks are wrapped for the call only: a forward set on the instance (as accelerate's
+    hooks do) runs inside the wrapper, on the rows that stayed, and is put back as it was."""
+    ee = wrapped(layers=4)
+    b = batch(8)
+    lengths = b["attention_mask"].sum(-1)
+    short = lengths <= int(lengths.median())
+    ee.branches[0] = ByLength({int(n): torch.tensor([10.0, -10.0]) for n in lengths[short].tolist()})
+    blocks = list(ee._blocks)
+    calls = []
+    own = blocks[2].forward  # the bound method, set on the instance as accelerate's add_hook_to_module does
+
+    def instance_forward(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return own(*args, **kwargs)
+
+    blocks[2].forward = instance_forward
+    res = ee.exit_forward(speed=0.5, **b)
+    n_short = int(short.sum())
+    assert calls == [8 - n_short]  # it ran, on the rows that stayed
+    assert vars(blocks[2])["forward"] is instance_forward  # put back as it was
+    assert all("forward" not in vars(blk) for i, blk in enumerate(blocks) if i != 2)
+    full = ee.model(**b).logits
+    torch.testing.assert_close(res.logits[~short], full[~short], atol=1e-5, rtol=1e-5)
+    assert calls == [8 - n_short, 8]  # the plain forward after it calls the instance forward, unwrapped
+
+
+@pytest.mark.parametrize("global_hook", [False, True])
+def test_block_forward_hooks_run_before_the_branch_sees_the_output(global_hook):
+    """A forward hook that changes a block's output (steering, observers) changes what the branch after it reads,
+    as in training (where the taps come after it), and it still runs on the block where every row leaves."""
+    ee = wrapped(layers=4)
+    b = batch(8)
+    first = list(ee._blocks)[0]
+    ran = []
+
+    def shift(module, _args, output):
+        if module is not first:
+            return None
+        ran.append(1)
+        return (output[0] + 3.0,) + tuple(output[1:]) if isinstance(output, tuple) else output + 3.0
+
+    handle = (torch.nn.modules.module.register_module_forward_hook(shift) if global_hook
+              else first.register_forward_hook(shift))
+    try:
+        res = ee.exit_forward(speed=1.0, **b)  # every row leaves at the first branch
+        assert ran == [1]
+        with torch.no_grad():
+            trained_view = ee(**b).exit_logits[0]  # the training forward, through the same hook
+    finally:
+        handle.remove()
+    assert res.exit_layer.tolist() == [1] * 8
+    torch.testing.assert_close(res.logits, trained_view)
+    with torch.no_grad():
+        assert not torch.allclose(ee(**b).exit_logits[0], trained_view, atol=1e-3)  # the shift mattered
+    assert all(not blk._forward_hooks and not blk._forward_pre_hooks for blk in ee._blocks)
+
+
+def test_exit_forward_refuses_to_run_inside_itself():
+    ee = wrapped(layers=4)
+    b = batch(4)
+
+    class Reentrant(nn.Module):
+        def forward(self, hidden, attention_mask):
+            return ee.exit_forward(speed=0.5, **b).logits
+
+    plain = ee.branches[1]
+    ee.branches[1] = Reentrant()
+    with pytest.raises(RuntimeError, match="already running"):
+        ee.exit_forward(speed=0.5, **b)
+    ee.branches[1] = plain
+    assert all("forward" not in vars(blk) for blk in ee._blocks)
+    assert ee.exit_forward(speed=0.0, **b).exit_layer.tolist() == [4] * 4  # usable again
+
+
+def test_shared_blocks_are_refused():
+    model = helpers.teacher(layers=4).eval()
+    model.bert.encoder.layer[2] = model.bert.encoder.layer[1]
+    with pytest.raises(ValueError, match="more than once among the model's blocks"):
+        EarlyExitModel(model)
 
 
 def test_patience_rule_on_a_hand_built_case():
