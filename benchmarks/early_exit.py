@@ -9,7 +9,8 @@ early, or distil a smaller model?).
 2. `recipes/fastbert.py --config recipes/configs/fastbert_sst2.yaml --teacher <it> --branch <b>` for each of
    `--branches` (output `benchmarks/runs/<b>`): branches self-distilled on 20,000 unlabeled rows; sweep of speed
    0.0-0.9 on the 872 validation rows (accuracy, mean exit layer, analytic FLOPs ratio, whether speed 0 gives the
-   teacher's predictions).
+   teacher's predictions). A finished run is reused only if it was made for this teacher with the config's
+   training arguments (`--force` trains it again).
 3. Here: wall-clock time of the full teacher, of adaptive inference at every speed of every branch kind and of
    every student of that teacher found in `benchmarks/runs` (`--students`), batch 1 and batch 32, fp32. The
    rows are cut into turns of 32 (32 batches of 1, or one of 32); each turn is run by every one of them back to
@@ -63,6 +64,20 @@ def ensure_teacher(teacher: Path, threads: int) -> None:
 def made_for(work: Path) -> str | None:
     """The teacher a finished recipe run in `work` added its exits to."""
     return json.loads((work / "results.json").read_text()).get("teacher")
+
+
+def stale_training(recipe: dict) -> str | None:
+    """Why branches in a finished run were not trained as CONFIG says (None if they were): a run made before a
+    config change (1 epoch, say) would otherwise be timed as if it were today's."""
+    import yaml
+
+    wanted = {k: v for k, v in yaml.safe_load(CONFIG.read_text()).items()
+              if k in ("num_train_epochs", "max_steps", "learning_rate", "per_device_train_batch_size", "seed")}
+    recorded = recipe.get("distill_args")
+    if recorded is None:
+        return "it does not record its training arguments (made by an older recipe)"
+    diff = [f"{k} {recorded.get(k)!r} (config: {v!r})" for k, v in wanted.items() if recorded.get(k) != v]
+    return "trained with " + ", ".join(diff) if diff else None
 
 
 def batches_of(tokenizer, sentences: list[str], size: int, max_length: int) -> list[dict]:
@@ -166,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
             run([sys.executable, str(ROOT / "recipes" / "fastbert.py"), "--config", str(CONFIG), "--teacher",
                  str(teacher_dir), "--branch", kind, "--output_dir", str(work)], args.threads)
         recipes[kind] = json.loads((work / "results.json").read_text())
+        why = stale_training(recipes[kind])
+        if why:
+            raise SystemExit(f"{work}: {why}, not as {CONFIG.name} says: pass --force to train them again")
         if recipes[kind].get("branch", "fastbert") != kind:
             raise SystemExit(f"{work} holds {recipes[kind].get('branch')} branches, not {kind}: pass --force")
     first = recipes[kinds[0]]

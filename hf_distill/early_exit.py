@@ -392,7 +392,9 @@ class EarlyExitModel(nn.Module):
         self, speed: float | None = None, patience: int | None = None, **inputs: torch.Tensor
     ) -> ExitResult:
         """Batched adaptive inference: rows leave at the first branch the rule accepts and are dropped from the
-        batch there. `speed=0` (or neither rule) runs every row to the final head, reproducing the model."""
+        batch there. `speed=0` (or neither rule) runs every row to the final head, reproducing the model.
+        Not thread-safe: one call at a time per backbone (a call from inside another, e.g. from a branch, is
+        refused), and the backbone's own forward, called meanwhile from another thread, would run the exit step."""
         check_rule(speed, patience)
         inputs = {k: v for k, v in inputs.items() if k != "labels"}
         ids = inputs.get("input_ids", inputs.get("inputs_embeds"))

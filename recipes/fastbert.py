@@ -42,6 +42,10 @@ from common import (
 
 from hf_distill import DistillationArguments, DistillationTrainer
 
+# The training arguments that shape the branches, recorded in results.json (benchmarks/early_exit.py refuses runs
+# whose values differ from its config's).
+DISTILL_ARGS = ("num_train_epochs", "max_steps", "learning_rate", "per_device_train_batch_size", "seed")
+
 
 @dataclass
 class FastBERTArguments:
@@ -170,6 +174,7 @@ def main() -> None:
     t0 = time.time()
     trainer.train()
     results.update(distill_s=time.time() - t0, distill_rows=len(unlabeled),
+                   distill_args={k: getattr(args, k) for k in DISTILL_ARGS},
                    distill_logs=[h for h in trainer.state.log_history if "loss" in h])
 
     # 3. The sweep, in fp32 (speed 0 must be the teacher's predictions).

@@ -713,6 +713,7 @@ def test_fastbert_recipe_end_to_end(tmp_path, branch):
     assert res["sweep"][2]["mean_exit_layer"] < 4  # speed 1: every row whose branch is not exactly uniform leaves
     assert all("loss_exit_3" in h for h in res["distill_logs"])
     assert res["branch"] == branch and res["sweep"][2]["flops_ratio"] < 1
+    assert res["distill_args"]["max_steps"] == 3 and res["distill_args"]["num_train_epochs"] == 5  # config's epochs
     back = EarlyExitModel.from_pretrained(out)
     assert (out / BRANCH_FILE).is_file() and back.num_exits == 4 and back.branch == branch
 
