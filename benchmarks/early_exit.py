@@ -71,12 +71,11 @@ def stale_training(recipe: dict) -> str | None:
     config change (1 epoch, say) would otherwise be timed as if it were today's."""
     import yaml
 
-    wanted = {k: v for k, v in yaml.safe_load(CONFIG.read_text()).items()
-              if k in ("num_train_epochs", "max_steps", "learning_rate", "per_device_train_batch_size", "seed")}
-    recorded = recipe.get("distill_args")
+    recorded = recipe.get("distill_args")  # the fields are the recipe's DISTILL_ARGS
     if recorded is None:
         return "it does not record its training arguments (made by an older recipe)"
-    diff = [f"{k} {recorded.get(k)!r} (config: {v!r})" for k, v in wanted.items() if recorded.get(k) != v]
+    config = yaml.safe_load(CONFIG.read_text())
+    diff = [f"{k} {v!r} (config: {config[k]!r})" for k, v in recorded.items() if k in config and config[k] != v]
     return "trained with " + ", ".join(diff) if diff else None
 
 

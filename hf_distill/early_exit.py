@@ -285,10 +285,10 @@ def check_rule(speed: float | None, patience: int | None) -> None:
 def _runner(branch: nn.Module) -> Any:
     """What adaptive inference calls on (hidden states, attention mask) for `branch`. An `ExitBranch` or
     `PoolerBranch` in eval mode with no hooks of its own gets its weights read (and its fold checked) here, once
-    per batch, and the step after each block calls `infer` on those weights (see `ExitBranch.inference_weights` for what
-    the check costs). Any other module (a subclass, a branch with hooks or in train mode, any
-    branch while global module hooks are set, weights made under inference_mode, which cannot be cached and are
-    folded only if a row reaches them) is called as the module it is."""
+    per batch, and the step after each block calls `infer` on those weights (`ExitBranch.inference_weights` says
+    what the check costs). Any other module (a subclass, a branch with hooks or in train mode, any branch while
+    global module hooks are set, weights made under inference_mode, which cannot be cached and are folded only
+    if a row reaches them) is called as the module it is."""
     if (type(branch) not in (ExitBranch, PoolerBranch) or branch.training or branch._forward_hooks
             or branch._forward_pre_hooks or _global_hooks._global_forward_hooks
             or _global_hooks._global_forward_pre_hooks or branch._modules["out"]._parameters["weight"].is_inference()):
