@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Every GPU check of this repository in one call, for a lent GPU machine (device tool), about 6 minutes:
-#   1. benchmarks/causal_lm_gpu.py      chunked vs whole-logits KD loss memory at H 4096, V 128,256 (issue #14)
-#   2. the CUDA tests                   tests/test_mixed_precision.py, tests/test_chunked.py on the GPU machine
-#   3. benchmarks/distributed_gpu.sh    ZeRO-3 and FSDP2 through DistillationTrainer.train(), world_size 1 (#13)
+# Every GPU check of this repository in one call, for a lent GPU machine (device tool), about 8 minutes:
+#   1. benchmarks/causal_lm_gpu.py      the loss head's time and memory at 8,192 x 4,096 x 128,256 bf16 beside
+#                                       Liger-Kernel, TRL, whole logits and the bare LM-head GEMM (issues #14, #29)
+#   2. benchmarks/kd_precision.py       bf16 gradients against float64 at 4,096 x 2,048 x 65,536 (issue #29)
+#   3. the CUDA tests                   tests/test_mixed_precision.py, tests/test_chunked.py on the GPU machine
+#   4. benchmarks/distributed_gpu.sh    ZeRO-3 and FSDP2 through DistillationTrainer.train(), world_size 1 (#13)
+# STEPS="causal_lm_gpu kd_precision cuda_tests distributed_gpu" (the default) selects and orders them.
 # The machine has torch but not datasets/deepspeed, and an older transformers: carry wheels in .gpuwheels
 # (see benchmarks/README.md, "GPU checks") and they are installed offline first. Results go to $OUT (or
 # benchmarks/results when OUT is unset); each step has its own time limit so one slow step cannot eat the rest.
@@ -29,15 +32,18 @@ step() {  # name, seconds, command...
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   echo "$name: rc=$? in $(( $(date +%s) - start )) s" >>"$log"
 }
-step causal_lm_gpu 150 $PY benchmarks/causal_lm_gpu.py --out "$OUT"
-for chunk in ${EXTRA_CHUNKS:-}; do  # other chunk sizes, to choose the default (results in $OUT/chunk<N>/)
-  mkdir -p "$OUT/chunk$chunk"
-  step "chunk$chunk/causal_lm_gpu" 120 $PY benchmarks/causal_lm_gpu.py --out "$OUT/chunk$chunk" --chunk "$chunk"
-  rm -f "$OUT/chunk$chunk/causal_lm_gpu.json" "$OUT/chunk$chunk/causal_lm_gpu.log"
+for s in ${STEPS:-causal_lm_gpu kd_precision cuda_tests distributed_gpu}; do
+  case $s in
+    causal_lm_gpu) step causal_lm_gpu 220 $PY benchmarks/causal_lm_gpu.py --out "$OUT" --chunks ${CHUNKS:-256 512} ;;
+    kd_precision) step kd_precision 150 $PY benchmarks/kd_precision.py --device cuda --out "$OUT" ;;
+    cuda_tests) step cuda_tests 150 $PY -m pytest -q -p no:cacheprovider -k "cuda or triton" tests/test_mixed_precision.py \
+      tests/test_chunked.py ;;
+    distributed_gpu)
+      step distributed_gpu 200 env PYTHON=$PY bash benchmarks/distributed_gpu.sh
+      cp benchmarks/results/distributed_gpu.json "$OUT/" 2>/dev/null
+      # the runs' own logs (ranks' tracebacks); $OUT/distributed_gpu.log is only the script's stdout
+      cp benchmarks/results/distributed_gpu.log "$OUT/distributed_gpu_runs.log" 2>/dev/null ;;
+    *) echo "unknown step $s" >>"$log" ;;
+  esac
 done
-step cuda_tests 150 $PY -m pytest -q -p no:cacheprovider tests/test_mixed_precision.py tests/test_chunked.py
-step distributed_gpu 200 env PYTHON=$PY bash benchmarks/distributed_gpu.sh
-cp benchmarks/results/distributed_gpu.json "$OUT/" 2>/dev/null
-# the runs' own logs (ranks' tracebacks); $OUT/distributed_gpu.log is only the script's stdout
-cp benchmarks/results/distributed_gpu.log "$OUT/distributed_gpu_runs.log" 2>/dev/null
 cat "$log"

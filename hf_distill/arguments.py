@@ -24,7 +24,9 @@ from .terms import DistillTerm, parse_terms
 
 logger = logging.get_logger(__name__)
 
-KD_LOSS_KINDS = ("kl", "soft_ce", "mse", "reverse_kl", "jsd")
+KD_LOSS_KINDS = ("kl", "soft_ce", "mse", "reverse_kl", "jsd", "skew_kl", "skew_reverse_kl", "tvd")
+SKEW_KINDS = ("skew_kl", "skew_reverse_kl")
+DEFAULT_SKEW_ALPHA = 0.1  # DistiLLM (Ko et al., 2024)
 PROJECTION_KINDS = ("shared", "per_layer", "none")
 KD_TOKEN_MASKS = ("attention", "labels")
 MULTI_TEACHER_MODES = ("probs", "losses")
@@ -57,7 +59,9 @@ class DistillationArguments(TrainingArguments):
             "help": "Logit-distillation loss: `kl` (T**2 * KL(teacher || student), DistilBERT), `soft_ce` "
             "(soft cross-entropy without T**2, TinyBERT), `mse` (squared error of logits, Tang et al. "
             "2019 BiLSTM students), `reverse_kl` (T**2 * KL(student || teacher), MiniLLM) or `jsd` (generalized "
-            "Jensen-Shannon divergence of GKD, Agarwal et al. 2024, with `jsd_beta`)." + _GIVEN_WINS.format("kl")
+            "Jensen-Shannon divergence of GKD, Agarwal et al. 2024, with `jsd_beta`), `skew_kl` / `skew_reverse_kl` "
+            "(DistiLLM's skew KL(teacher || alpha teacher + (1-alpha) student) and its reverse, Ko et al. 2024, with "
+            "`skew_alpha`) or `tvd` (T**2 * total variation distance)." + _GIVEN_WINS.format("kl")
         },
     )
     kd_chunk_size: int | None = field(
@@ -75,6 +79,14 @@ class DistillationArguments(TrainingArguments):
         metadata={
             "help": "`kd_loss=jsd` only: the mixture weight beta of the generalized JSD (TRL's GKD convention): 0 is "
             "the forward KL (`kl`), 1 the reverse KL (`reverse_kl`), 0.5 the symmetric JSD. Must be in [0, 1]."
+        },
+    )
+    skew_alpha: float | None = field(
+        default=None,
+        metadata={
+            "help": "`kd_loss=skew_kl` / `skew_reverse_kl` only: the share alpha of the other distribution mixed into "
+            "the second argument of the KL (DistiLLM). Must be in [0, 1); 0 is the plain KL. Unset: 0.1, the "
+            "paper's value; set with another kd_loss: refused."
         },
     )
     kd_weight: float | None = field(
@@ -213,6 +225,16 @@ class DistillationArguments(TrainingArguments):
                 f"DistillationArguments.jsd_beta must be in [0, 1] (0 = forward KL, 1 = reverse KL), got "
                 f"{self.jsd_beta!r}."
             )
+        if self.skew_alpha is not None:
+            if self.kd_loss not in SKEW_KINDS:
+                raise ValueError(
+                    f"DistillationArguments.skew_alpha={self.skew_alpha!r} is used by kd_loss='skew_kl' or "
+                    f"'skew_reverse_kl' only, but kd_loss={self.kd_loss!r}. Unset skew_alpha, or choose a skew kd_loss."
+                )
+            if isinstance(self.skew_alpha, bool) or not (
+                isinstance(self.skew_alpha, int | float) and 0.0 <= self.skew_alpha < 1.0
+            ):
+                raise ValueError(f"DistillationArguments.skew_alpha must be in [0, 1), got {self.skew_alpha!r}.")
         if self.kd_chunk_size is not None and (isinstance(self.kd_chunk_size, bool) or self.kd_chunk_size <= 0):
             raise ValueError(
                 f"DistillationArguments.kd_chunk_size must be a positive number of tokens, got {self.kd_chunk_size!r}. "
@@ -260,12 +282,18 @@ class DistillationArguments(TrainingArguments):
         """The intermediate-layer terms as objects (parsed from `distill_terms`)."""
         return parse_terms(self.distill_terms or [])
 
+    @property
+    def resolved_skew_alpha(self) -> float:
+        """`skew_alpha`, or DistiLLM's 0.1 when unset."""
+        return DEFAULT_SKEW_ALPHA if self.skew_alpha is None else float(self.skew_alpha)
+
     def distillation_summary(self) -> dict[str, Any]:
         """The distillation settings a model card or a results file should record."""
         return {
             "temperature": self.temperature,
             "kd_loss": self.kd_loss,
             **({"jsd_beta": self.jsd_beta} if self.kd_loss == "jsd" else {}),
+            **({"skew_alpha": self.resolved_skew_alpha} if self.kd_loss in SKEW_KINDS else {}),
             "kd_weight": self.kd_weight,
             "task_weight": self.task_weight,
             "distill_preset": self.distill_preset,

@@ -1,67 +1,211 @@
-"""Token-level distillation of causal LMs without a full `(B, T, V)` logits tensor.
+"""The causal-LM loss head: token-level KD and the student's cross-entropy from last hidden states, without a full
+`(B, T, V)` logits tensor, with gradients faithful to float64 in bf16/fp16.
 
-With a real vocabulary (32k-256k ids) the logits, not the model, dominate a KD step's memory: one float32
-`(B, T, V)` tensor for each model, a softmax of each, and their gradients. Following the chunked losses of
-Liger-Kernel and the "compute the LM head per chunk" trick of memory-efficient SFT, the models here return only
-their last hidden states (`logits_to_keep` selects no position), and the counted positions go through each LM
-head `kd_chunk_size` tokens at a time: the teacher's chunk under `no_grad`, the student's inside a checkpoint, so
-its chunk logits are recomputed in backward instead of kept. The student's own cross-entropy is taken in the same
-pass, so its full logits never exist either. Values and gradients equal the unchunked computation (tested to
-1e-5); the price is one extra LM-head matmul per token for each model in backward.
+With a real vocabulary (32k-256k ids) the logits, not the model, dominate a KD step's memory, so the models return
+only their last hidden states (`logits_to_keep` selects no position) and this module takes both LM heads itself.
+
+Precision. Near agreement (student ~ teacher, where every KD run ends up) the divergence gradient, a difference of
+two near-equal distributions, is as small as the rounding of a bf16 logit: logits that come out of a bf16 GEMM
+rounded to bf16 give gradients 8-40% off a float64 computation on the same inputs (issue #29; TRL 1.16's kernel
+comment says the same of its own: rounding "biases training"). Every logit here comes out of its GEMM in float32
+(:func:`mm_f32`: bf16/fp16 operands, float32 accumulation and output), so the only roundings left are the
+gradients' own casts to the parameters' dtype, ~0.2% in bf16 (`benchmarks/kd_precision.py`).
+
+One path, two ways to reach the LM heads:
+
+- **direct** (one process, DDP, fp16 and bf16, any mixed precision): :class:`_KDHead`, an autograd function that
+  reads each head's weight. Its forward walks the counted tokens in chunks of `chunk_size` rows (every vocabulary
+  column of a row at once) and keeps, per row, the two log-normalisers, the CE normaliser and one statistic of the
+  divergence: ~5 floats. Its backward walks the *vocabulary* in blocks (every row at once), recomputes both models'
+  logits for the block, forms the block's logit gradient in closed form from those row statistics, and writes
+  `dL/dW[block] = G^T H` with a single rounding (no bf16 accumulation over token chunks, which alone costs ~0.5%
+  at 32 chunks), accumulating `dL/dH` in float32. Cost: six LM-head GEMMs (two in the forward, four in the
+  backward) against the three of a bare student head; no `(N, V)` tensor; the gradient is taken in the backward,
+  so the loss may be weighted, scaled (fp16's GradScaler) or combined after the call like any other tensor.
+- **module** (DeepSpeed ZeRO-3, FSDP, and heads that are not a plain `nn.Linear`, e.g. a LoRA-wrapped head): the
+  engines gather parameters and reduce gradients inside the head module's own call, so the head is called as a
+  module, a chunk of tokens at a time inside a checkpoint, with its linear layers computed by :func:`mm_f32`
+  (a `TorchFunctionMode` for the duration of the call). The loss math is the dense one of :mod:`hf_distill.losses`.
+  Weight gradients then accumulate over token chunks in the engine's gradient dtype.
+
+Both give the same loss and gradients (tested: 1e-6 in float32, and both within the float64 bound in bf16).
 
 Logits are rebuilt from the last hidden state by the model's output embedding plus the post-processing some
 families apply (`final_logit_softcapping`: Gemma-2/3; `logit_scale`: Cohere; `logits_scaling`: Granite);
-`check_logits_fn` verifies the rebuild against the model's own logits once, so an unknown post-processing is
+:func:`check_logits_fn` verifies the rebuild against the model's own logits, so an unknown post-processing is
 refused rather than distilled wrongly.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import inspect
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from . import losses
 from .taps import unwrap
 
 NO_LOGITS = "logits_to_keep"
+#: The divergences with a closed-form logit gradient here (`kd_loss` values); all but `soft_ce` are times `T**2`.
+DIVERGENCES = ("kl", "reverse_kl", "jsd", "skew_kl", "skew_reverse_kl", "tvd", "soft_ce")
+# Logit elements per block of the backward's vocabulary walk, at least: the forward's chunk holds
+# `chunk_size * V` of them, and the backward's blocks are sized to hold as many (N rows x a slice of V).
+_MIN_BLOCK_COLUMNS = 128
+
+
+# ---------------------------------------------------------------------------------------------- float32-output GEMMs
+
+
+@functools.cache
+def _cuda_out_dtype() -> bool:
+    """Whether this torch has `torch.mm(..., out_dtype=float32)` for bf16/fp16 CUDA operands (torch >= 2.8)."""
+    try:
+        a = torch.ones(16, 16, device="cuda", dtype=torch.bfloat16)
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`a @ b` with float32 output: low-precision operands are multiplied exactly and summed in float32, never
+    rounded to their own dtype on the way out. CUDA: one low-precision GEMM with a float32 output; elsewhere the
+    operands are upcast (a bf16 or fp16 product is exact in float32, so the result is the same). Not
+    differentiable on CUDA (`out_dtype` has no derivative): :class:`_LinearF32` is the differentiable form."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and a.dtype == b.dtype and _cuda_out_dtype():
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
+
+
+@functools.cache
+def _cuda_addmm_out_dtype() -> bool:
+    """Whether this torch has `torch.addmm(c32, a, b, out_dtype=float32)` for bf16/fp16 CUDA operands."""
+    try:
+        a = torch.ones(16, 16, device="cuda", dtype=torch.bfloat16)
+        c = torch.ones(16, 16, device="cuda")
+        return bool(torch.addmm(c, a, a, out_dtype=torch.float32)[0, 0] == 17)
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def addmm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`acc + a @ b` into a float32 accumulator, the product as in :func:`mm_f32` (on CUDA the addition happens in
+    the GEMM's epilogue). Not differentiable: used where gradients are formed by hand."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and a.dtype == b.dtype and _cuda_addmm_out_dtype():
+        return torch.addmm(acc, a, b, out_dtype=torch.float32)
+    return acc.add_(mm_f32(a, b))
+
+
+def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the model's own `F.linear(x, weight)` would multiply in: autocast's, else the weight's."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return weight.dtype
+
+
+class _LinearF32(torch.autograd.Function):
+    """`F.linear` with float32 output and float32-accumulated gradients, operands in the linear's compute dtype."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        dtype = _compute_dtype(x, weight)
+        with torch.autocast(x.device.type, enabled=False):
+            flat = x.reshape(-1, x.shape[-1]).to(dtype)
+            out = mm_f32(flat, weight.to(dtype).t())
+            if bias is not None:
+                out += bias.float()
+        ctx.save_for_backward(x, weight)
+        ctx.dtype, ctx.has_bias = dtype, bias is not None
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        if torch.is_grad_enabled():
+            raise RuntimeError("hf_distill's float32-output linear has no second derivative.")
+        x, weight = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1]).to(ctx.dtype)
+        flat = x.reshape(-1, x.shape[-1]).to(ctx.dtype)
+        w = weight.to(ctx.dtype)
+        gx = mm_f32(g, w).to(x.dtype).reshape(x.shape) if ctx.needs_input_grad[0] else None
+        gw = mm_f32(g.t(), flat).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        gb = grad.reshape(-1, grad.shape[-1]).float().sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return gx, gw, gb
+
+
+class float32_logits(TorchFunctionMode):  # noqa: N801 (used as a context manager, like torch.no_grad)
+    """Within it, every `F.linear` computes its output in float32 from operands in its usual dtype (:func:`mm_f32`).
+    Used around an LM head's module call, so an engine's parameter hooks still run."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            return _LinearF32.apply(x, weight, bias)
+        return func(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- the LM heads
+
+
+@dataclass
+class LogitsHead:
+    """A model's hidden states -> logits: its output embedding, then the family's post-processing
+    (`z = scale * (h W^T + b)`, then `cap * tanh(z / cap)` when the family soft-caps). Calling it computes the
+    logits as the model does (its own dtype); the loss head reads `weight`/`bias` (direct) or calls `module`."""
+
+    module: nn.Module
+    scale: float = 1.0
+    cap: float | None = None
+
+    @property
+    def direct(self) -> bool:
+        """A plain `nn.Linear` (no adapter or wrapper of its own): its weight can be read directly."""
+        return type(self.module).forward is nn.Linear.forward and isinstance(self.module, nn.Linear)
+
+    def post(self, z: torch.Tensor) -> torch.Tensor:
+        if self.scale != 1.0:
+            z = z * self.scale
+        if self.cap is not None:
+            z = torch.tanh(z / self.cap) * self.cap
+        return z
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.post(self.module(hidden))
+
+    def float32(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits in float32, through the module call (engines' hooks run) with float32-output linears."""
+        with float32_logits():
+            z = self.module(hidden)
+        return self.post(z.float())
 
 
 def supports_hidden_only(model: nn.Module) -> bool:
     """True when the model's forward can skip its LM head (`logits_to_keep`), as transformers' causal LMs do."""
-    import inspect
-
     inner = unwrap(model)
     return NO_LOGITS in inspect.signature(inner.forward).parameters
 
 
-def logits_fn(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Hidden states -> logits as the model computes them (LM head, then the family's post-processing)."""
+def logits_fn(model: nn.Module) -> LogitsHead:
+    """The model's LM head and post-processing, as a :class:`LogitsHead` (callable: hidden states -> logits)."""
     inner = unwrap(model)
     head = inner.get_output_embeddings()
     if head is None:
         raise ValueError(f"{type(inner).__name__} has no output embeddings (LM head) to compute logits in chunks.")
     config = inner.config
-    cap = getattr(config, "final_logit_softcapping", None)
     scale = getattr(inner, "logit_scale", None)
-    scale = scale if isinstance(scale, int | float) else None
+    scale = float(scale) if isinstance(scale, int | float) else 1.0
     divide = getattr(config, "logits_scaling", None)
-
-    def fn(hidden: torch.Tensor) -> torch.Tensor:
-        z = head(hidden)
-        if scale is not None:
-            z = z * scale
-        if divide is not None:
-            z = z / divide
-        if cap is not None:
-            z = torch.tanh(z / cap) * cap
-        return z
-
-    return fn
+    if divide is not None:
+        scale = scale / float(divide)
+    cap = getattr(config, "final_logit_softcapping", None)
+    return LogitsHead(head, scale, float(cap) if cap is not None else None)
 
 
 @torch.no_grad()
@@ -97,6 +241,271 @@ def last_hidden(out) -> torch.Tensor:
     return hidden[-1]
 
 
+# ---------------------------------------------------------------------------------------------- divergences
+
+
+@dataclass(frozen=True)
+class KDSpec:
+    """A logit KD objective on `(n, V)` rows: `kind` (one of :data:`DIVERGENCES`, or `mse`), its temperature and
+    its mixture weight (`beta` for `jsd`, `alpha` for the skew divergences). Called on dense rows it returns their
+    mean divergence through :func:`hf_distill.losses.logit_kd_loss` (the module path's loss math)."""
+
+    kind: str
+    temperature: float = 1.0
+    beta: float = 0.5
+    alpha: float = 0.1
+
+    def __call__(self, s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return losses.logit_kd_loss(self.kind, s, t, self.temperature, beta=self.beta, alpha=self.alpha)
+
+    @property
+    def factor(self) -> float:
+        """The constant in front of the divergence: `T**2` (Hinton et al.), none for soft CE (TinyBERT)."""
+        return 1.0 if self.kind == "soft_ce" else self.temperature**2
+
+
+def dense_kd(kind: str, temperature: float, beta: float = 0.5, alpha: float = 0.1) -> KDSpec:
+    """The logit KD objective named `kind` on `(n, V)` rows (mean over rows)."""
+    if kind not in (*DIVERGENCES, "mse"):
+        raise ValueError(f"unknown logit KD kind {kind!r}; known kinds: {', '.join(sorted((*DIVERGENCES, 'mse')))}")
+    return KDSpec(kind, float(temperature), float(beta), float(alpha))
+
+
+def row_gradient(kind: str, la: torch.Tensor, lb: torch.Tensor, stat: torch.Tensor, beta: float = 0.5,
+                 alpha: float = 0.1) -> torch.Tensor:
+    """d divergence / d (student logits / T) for a block of columns, from the row's statistic (`stat`, `(n, 1)`,
+    from :func:`hf_distill.losses.divergence_rows`, whose definitions these are the derivatives of).
+
+    With `g_v = dL/dQ_v` the chain rule through the softmax gives `Q_v (g_v - sum_u Q_u g_u)`; the sum is the row
+    statistic, which needs every column and so comes from the forward pass."""
+    q = la.exp()
+    if kind in ("kl", "soft_ce"):
+        return q - lb.exp()
+    mix, masked = losses._log1p_mix, losses._masked_product
+    d = la - lb
+    if kind == "reverse_kl":
+        return masked(q, d - stat)
+    if kind == "jsd":
+        return masked(q, -mix(beta, -d) - stat) * (1 - beta)
+    if kind == "skew_kl":
+        return masked(q, torch.exp(-mix(1 - alpha, d)) - stat) * -(1 - alpha)
+    if kind == "skew_reverse_kl":
+        log_r_q = mix(1 - alpha, -d)
+        return masked(q, -log_r_q - alpha * torch.exp(-log_r_q) - stat)
+    if kind == "tvd":
+        return q * (0.5 * torch.sign(q - lb.exp()) - stat)
+    raise ValueError(f"kd_loss={kind!r} has no closed-form gradient here; known: {', '.join(DIVERGENCES)}")
+
+
+def _head_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, head: LogitsHead,
+                 dtype: torch.dtype, cols: slice = slice(None)) -> torch.Tensor:
+    """float32 logits of rows `h` (already in `dtype`) for the vocabulary columns `cols`, post-processed."""
+    z = mm_f32(h, weight[cols].to(dtype).t())
+    if bias is not None:
+        z += bias[cols].float()
+    return head.post(z)
+
+
+def _row_stats(zs: torch.Tensor, zt: torch.Tensor | None, targets: torch.Tensor | None, kind: str | None,
+               temperature: float, beta: float, alpha: float, vocab: int):
+    """Per row of a token chunk (every column): CE normaliser and CE, the two log-normalisers at T, the divergence
+    (no factor) and its gradient statistic. Elementwise and row reductions only: fused by `torch.compile` on GPUs."""
+    lse1 = ce = lse_a = lse_b = value = stat = None
+    if kind is not None:
+        a = zs[:, :vocab] / temperature if temperature != 1.0 else zs[:, :vocab]
+        b = zt / temperature if temperature != 1.0 else zt
+        lse_a, lse_b = torch.logsumexp(a, -1), torch.logsumexp(b, -1)
+        value, stat = losses.divergence_rows(kind, a - lse_a[:, None], b - lse_b[:, None], beta, alpha)
+    if targets is not None:
+        # at T = 1 over the whole vocabulary the KD's student normaliser is the CE's: one reduction fewer
+        same = kind is not None and temperature == 1.0 and vocab == zs.shape[1]
+        lse1 = lse_a if same else torch.logsumexp(zs, -1)
+        ce = lse1 - zs.gather(-1, targets[:, None]).squeeze(-1)
+    return lse1, ce, lse_a, lse_b, value, stat
+
+
+def _grad_block(zs: torch.Tensor, zt: torch.Tensor | None, start: int, targets: torch.Tensor | None,
+                lse1: torch.Tensor | None, w_ce: torch.Tensor | None, lse_a: torch.Tensor | None,
+                lse_b: torch.Tensor | None, stat: torch.Tensor | None, w_kd: torch.Tensor | None, kind: str | None,
+                temperature: float, beta: float, alpha: float, scale: float, cap: float | None,
+                dtype: torch.dtype) -> torch.Tensor:
+    """d loss / d raw logits of a vocabulary block (columns `start...` of every row), in the GEMM dtype: the CE's
+    `softmax - onehot` and the divergence's closed form (:func:`row_gradient`), each times its row weight, through
+    the family's post-processing. Elementwise only: one fused kernel under `torch.compile` on GPUs."""
+    g = torch.zeros_like(zs)
+    if targets is not None:
+        cols = torch.arange(start, start + zs.shape[1], device=zs.device)
+        onehot = (targets[:, None] == cols[None, :]).to(zs.dtype)
+        g = g + (torch.exp(zs - lse1[:, None]) - onehot) * w_ce[:, None]
+    if zt is not None:
+        la = (zs / temperature if temperature != 1.0 else zs) - lse_a[:, None]
+        lb = (zt / temperature if temperature != 1.0 else zt) - lse_b[:, None]
+        g = g + row_gradient(kind, la, lb, stat[:, None], beta, alpha) * w_kd[:, None]
+    if cap is not None:
+        g = g * (1 - (zs / cap) ** 2)
+    if scale != 1.0:
+        g = g * scale
+    return g.to(dtype)
+
+
+@functools.cache
+def _fused(fn):
+    """`fn` compiled by inductor (one or two kernels instead of ~25 passes over the logits) where it runs on a
+    CUDA GPU and `HF_DISTILL_COMPILE` is not 0; the same function, same math, elsewhere (tested equal on a GPU,
+    `benchmarks/kd_precision.py`)."""
+    import os
+
+    if os.environ.get("HF_DISTILL_COMPILE", "1") == "0":
+        return fn
+    return torch.compile(fn, dynamic=True, fullgraph=True)
+
+
+def _elementwise(fn, device: torch.device):
+    return _fused(fn) if device.type == "cuda" else fn
+
+
+def _row_stats_fn(device: torch.device):
+    """The forward's row statistics: a Triton kernel on CUDA (:mod:`hf_distill.triton_head`, two reads of each
+    logit), else :func:`_row_stats` (compiled on CUDA). `HF_DISTILL_TRITON=0`: no Triton kernel;
+    `HF_DISTILL_COMPILE=0`: plain PyTorch (both for comparisons: same math)."""
+    import os
+
+    from . import triton_head
+
+    on = os.environ.get("HF_DISTILL_COMPILE", "1") != "0" and os.environ.get("HF_DISTILL_TRITON", "1") != "0"
+    if on and triton_head.available(device):
+        return triton_head.row_stats
+    return _elementwise(_row_stats, device)
+
+
+def _blocks(v_s: int, vocab: int, cols: int):
+    """Vocabulary blocks of at most `cols` columns that never straddle `vocab` (the KD's last column)."""
+    for lo, hi in ((0, min(vocab, v_s)), (min(vocab, v_s), v_s)):
+        for start in range(lo, hi, cols):
+            yield slice(start, min(start + cols, hi))
+
+
+class _KDHead(torch.autograd.Function):
+    """`[sum of KD over kd rows, sum of CE over ce rows]` of `N` counted rows from hidden states and LM heads.
+
+    Forward: token chunks (every column of a row), keeping per row the student's and teacher's log-normalisers
+    at T, the student's at T = 1 (CE) and the divergence's statistic. Backward: vocabulary blocks (every row),
+    the block's logits recomputed, its gradient formed from those statistics (:func:`row_gradient`)."""
+
+    @staticmethod
+    def forward(ctx, h_s, w_s, b_s, h_t, w_t, b_t, t_logits, targets, kd_rows, ce_rows,
+                s_head: LogitsHead, t_head: LogitsHead | None, spec: KDSpec | None, vocab: int, chunk: int):
+        n = h_s.shape[0]
+        dtype_s = _compute_dtype(h_s, w_s)
+        dtype_t = _compute_dtype(h_t, w_t) if h_t is not None else None
+        kind = spec.kind if spec is not None else None
+        T, beta, alpha = (spec.temperature, spec.beta, spec.alpha) if spec is not None else (1.0, 0.5, 0.1)
+        stats = h_s.new_zeros(4, n, dtype=torch.float32)  # lse_s(T), lse_t(T), lse_s(1), divergence statistic
+        sums = h_s.new_zeros(2, dtype=torch.float32)
+        row_stats = _row_stats_fn(h_s.device)
+        with torch.autocast(h_s.device.type, enabled=False), torch.no_grad():
+            for start in range(0, n, chunk):
+                rows = slice(start, start + chunk)
+                zs = _head_logits(h_s[rows].to(dtype_s), w_s, b_s, s_head, dtype_s)
+                zt = None
+                if spec is not None:
+                    zt = (_head_logits(h_t[rows].to(dtype_t), w_t, b_t, t_head, dtype_t, slice(0, vocab))
+                          if t_logits is None else t_logits[rows, :vocab].float())
+                lse1, ce, lse_a, lse_b, value, stat = row_stats(
+                    zs, zt, targets[rows] if targets is not None else None, kind, T, beta, alpha, vocab)
+                if targets is not None:
+                    stats[2, rows] = lse1
+                    sums[1] += torch.where(ce_rows[rows], ce, 0.0).sum()
+                if spec is not None:
+                    stats[0, rows], stats[1, rows], stats[3, rows] = lse_a, lse_b, stat
+                    sums[0] += torch.where(kd_rows[rows], value, 0.0).sum() * spec.factor
+        ctx.save_for_backward(h_s, w_s, b_s, h_t, w_t, b_t, t_logits, targets, kd_rows, ce_rows, stats)
+        ctx.args = (s_head, t_head, spec, vocab, chunk, dtype_s, dtype_t)
+        ctx.set_materialize_grads(False)
+        return sums
+
+    @staticmethod
+    def backward(ctx, grad):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "The causal-LM loss head (hf_distill.chunked) has no second derivative: its gradient is formed in "
+                "closed form. For create_graph=True compute the loss from whole logits (kd_chunk_size unset where "
+                "chunking is impossible, or hf_distill.losses on the model's logits)."
+            )
+        h_s, w_s, b_s, h_t, w_t, b_t, t_logits, targets, kd_rows, ce_rows, stats = ctx.saved_tensors
+        s_head, t_head, spec, vocab, chunk, dtype_s, dtype_t = ctx.args
+        want_h, want_w, want_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        if grad is None or not (want_h or want_w or want_b):
+            return (None,) * 15
+        n, v_s = h_s.shape[0], w_s.shape[0]
+        kind = spec.kind if spec is not None else None
+        T, beta, alpha = (spec.temperature, spec.beta, spec.alpha) if spec is not None else (1.0, 0.5, 0.1)
+        # per-row weights of the two sums' gradients (the upstream gradient, e.g. a loss scale, included)
+        w_kd = (kd_rows.float() * grad[0].float() * (spec.factor / spec.temperature)) if spec is not None else None
+        w_ce = (ce_rows.float() * grad[1].float()) if targets is not None else None
+        grad_h = torch.zeros(h_s.shape, dtype=torch.float32, device=h_s.device) if want_h else None
+        grad_w = torch.empty_like(w_s) if want_w else None
+        grad_b = torch.empty_like(b_s) if want_b else None
+        cols = max(_MIN_BLOCK_COLUMNS, (chunk * v_s) // max(n, 1) // _MIN_BLOCK_COLUMNS * _MIN_BLOCK_COLUMNS)
+        grad_block = _elementwise(_grad_block, h_s.device)
+        with torch.autocast(h_s.device.type, enabled=False), torch.no_grad():
+            hs = h_s.to(dtype_s)
+            ht = h_t.to(dtype_t) if h_t is not None else None
+            for block in _blocks(v_s, vocab, cols):
+                zs = _head_logits(hs, w_s, b_s, s_head, dtype_s, block)
+                zt = None
+                if spec is not None and block.start < vocab:
+                    zt = (_head_logits(ht, w_t, b_t, t_head, dtype_t, block)
+                          if t_logits is None else t_logits[:, block].float())
+                g = grad_block(zs, zt, block.start, targets, stats[2], w_ce, stats[0], stats[1], stats[3], w_kd,
+                               kind, T, beta, alpha, s_head.scale, s_head.cap,
+                               dtype_s if not want_b else torch.float32)
+                if want_b:
+                    grad_b[block] = g.sum(0).to(b_s.dtype)
+                    g = g.to(dtype_s)
+                if want_w:  # float32 out, then one rounding (bf16 GEMMs may reduce split-K partials in bf16)
+                    grad_w[block] = mm_f32(g.t(), hs).to(w_s.dtype)
+                if want_h:
+                    grad_h = addmm_f32(grad_h, g, w_s[block].to(dtype_s))
+        grad_h = grad_h.to(h_s.dtype) if want_h else None
+        return grad_h, grad_w, grad_b, *(None,) * 12
+
+
+# ---------------------------------------------------------------------------------------------- the module path
+
+
+def _chunk_sums(s_head: LogitsHead, teacher, from_hidden: bool, kd: KDSpec | None, vocab, h, t_part, kd_part,
+                ce_part, y):
+    """`[KD sum, CE sum]` of one chunk of rows through the heads' module calls (float32 logits)."""
+    z = s_head.float32(h)
+    kd_sum = z.new_zeros(())
+    ce_sum = z.new_zeros(())
+    if kd is not None and bool(kd_part.any()):
+        with torch.no_grad():
+            tz = teacher.float32(t_part) if from_hidden else t_part.float()
+            tz = tz[:, :vocab] if vocab is not None else tz
+        zk = z[:, :vocab] if vocab is not None else z
+        every = bool(kd_part.all())  # the usual case: no (n, V) copies of both sides
+        kd_sum = kd(zk if every else zk[kd_part], tz if every else tz[kd_part]) * kd_part.sum()
+    if y is not None and bool(ce_part.any()):
+        every = bool(ce_part.all())
+        ce_sum = F.cross_entropy(z if every else z[ce_part], y if every else y[ce_part], reduction="sum")
+    return torch.stack([kd_sum, ce_sum])
+
+
+def _module_sums(s_rows, s_head, t_source, teacher, from_hidden, is_kd, is_ce, targets, kd, chunk, vocab):
+    one_chunk = functools.partial(_chunk_sums, s_head, teacher, from_hidden, kd, vocab)
+    total = s_rows.new_zeros(2, dtype=torch.float32)
+    for start in range(0, s_rows.shape[0], chunk):
+        part = slice(start, start + chunk)
+        rest = tuple(None if x is None else x[part] for x in (t_source, is_kd, is_ce, targets))
+        total = total + checkpoint(one_chunk, s_rows[part], *rest, use_reentrant=False)
+    return total
+
+
+# ---------------------------------------------------------------------------------------------- entry point
+
+
 def _counted_rows(s_hidden, teacher, t_hidden, kd_mask, labels, kd):
     """The positions either term counts, gathered once: student states, teacher source, which term counts each
     row, the next-token targets, and the two counts."""
@@ -112,157 +521,73 @@ def _counted_rows(s_hidden, teacher, t_hidden, kd_mask, labels, kd):
         t_source = t_hidden[:, :-1][rows] if t_hidden is not None else teacher[rows]
     is_kd, is_ce = kd_rows[rows], ce_rows[rows]
     targets = labels[rows] if labels is not None else None
+    if targets is not None:
+        targets = torch.where(is_ce, targets, 0)  # rows counted for KD only: any valid id, weighted 0
     return s[rows], t_source, is_kd, is_ce, targets, int(is_kd.sum()), int(is_ce.sum())
 
 
-def _chunks(n: int, size: int, t_source, is_kd, is_ce, targets):
-    """Per chunk of `size` rows: its slice, and its teacher source, KD/CE row flags and targets (None stays None)."""
-    for start in range(0, n, size):
-        part = slice(start, start + size)
-        yield part, tuple(None if x is None else x[part] for x in (t_source, is_kd, is_ce, targets))
-
-
-def _chunk_sums(student_logits, teacher, from_hidden: bool, kd, vocab, h, t_part, kd_part, ce_part, y):
-    """`[KD sum, CE sum]` of one chunk of rows (the KD mean of the chunk times its KD rows)."""
-    z = student_logits(h).float()
-    z = z[:, :vocab] if vocab is not None else z
-    kd_sum = z.new_zeros(())
-    ce_sum = z.new_zeros(())
-    if kd is not None and bool(kd_part.any()):
-        with torch.no_grad():
-            tz = teacher(t_part) if from_hidden else t_part
-            tz = tz.float()[:, :vocab] if vocab is not None else tz.float()
-        every = bool(kd_part.all())  # the usual case: no (n, V) copies of both sides
-        kd_sum = kd(z if every else z[kd_part], tz if every else tz[kd_part]) * kd_part.sum()
-    if y is not None and bool(ce_part.any()):
-        every = bool(ce_part.all())
-        ce_sum = F.cross_entropy(z if every else z[ce_part], y if every else y[ce_part], reduction="sum")
-    return torch.stack([kd_sum, ce_sum])
+def default_chunk(vocab: int) -> int:
+    """Tokens per chunk when `kd_chunk_size` is unset: about 2^25 logits (128 MiB of float32) per chunk, between
+    64 and 4,096 tokens, a multiple of 64 (256 at V = 128,256: Liger-Kernel's chunk at that shape is the same)."""
+    return int(min(4096, max(64, (1 << 25) // max(vocab, 1) // 64 * 64)))
 
 
 def chunked_kd_and_ce(
     s_hidden: torch.Tensor,
-    student_logits: Callable[[torch.Tensor], torch.Tensor],
-    teacher: torch.Tensor | Callable[[torch.Tensor], torch.Tensor] | None,
+    student_head: LogitsHead,
+    teacher: torch.Tensor | LogitsHead | None,
     t_hidden: torch.Tensor | None,
     kd_mask: torch.Tensor | None,
     labels: torch.Tensor | None,
-    kd: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+    kd: KDSpec | None,
     chunk_size: int,
     vocab: int | None = None,
+    route: str = "auto",
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Next-token KD (mean over `kd_mask` positions) and cross-entropy (mean over `labels != -100`).
+    """Next-token KD (mean over `kd_mask` positions) and the student's cross-entropy (mean over `labels != -100`).
 
-    `s_hidden`/`t_hidden` are `(B, T, H)` last hidden states; position t is compared with token t+1, so the
-    inputs are the shifted views: `kd_mask` and `labels` are `(B, T-1)`. `teacher` is either the teacher's
-    logits function (with `t_hidden`) or cached dense logits `(B, T-1, V)`. `kd(s, t)` returns the mean divergence
-    of `(n, V)` rows. `vocab` cuts both models' logits to the ids they share (padded vocabularies of one family).
-    Returns `(kd, ce)`, each None when not asked for. Each chunk runs inside a checkpoint (its logits are
-    recomputed in backward), so the two values may be used in any way; :func:`fused_kd_and_ce` saves the
-    recomputation when their weights are known in advance.
+    `s_hidden`/`t_hidden` are `(B, T, H)` last hidden states; position t is compared with token t+1, so `kd_mask`
+    and `labels` are the shifted `(B, T-1)` views. `teacher` is the teacher's :class:`LogitsHead` (with
+    `t_hidden`) or cached dense logits `(B, T-1, V)`. `kd` is a :func:`dense_kd` objective. `vocab` cuts the KD
+    to the ids both models share (padded vocabularies of one family); the CE is always over the student's whole
+    vocabulary, as the model's own loss. `route`: `"direct"`, `"module"` (engines: see the module docstring) or
+    `"auto"` (direct where both heads are plain linears). Returns `(kd, ce)`, each None when not asked for; both
+    are ordinary differentiable tensors.
     """
+    if kd is not None and not isinstance(kd, KDSpec):
+        raise TypeError("kd must be an hf_distill.chunked.dense_kd(...) objective")
+    if kd is not None and kd.kind == "mse":
+        raise ValueError("kd_loss='mse' compares raw logits, which the chunked loss head does not keep: use "
+                         "kd_chunk_size=None (whole logits) for it.")
     s_rows, t_source, is_kd, is_ce, targets, n_kd, n_ce = _counted_rows(s_hidden, teacher, t_hidden, kd_mask,
                                                                          labels, kd)
-    one_chunk = functools.partial(_chunk_sums, student_logits, teacher, t_hidden is not None, kd, vocab)
-    total = s_rows.new_zeros(2, dtype=torch.float32)
-    for part, rest in _chunks(s_rows.shape[0], chunk_size, t_source, is_kd, is_ce, targets):
-        total = total + checkpoint(one_chunk, s_rows[part], *rest, use_reentrant=False)
-    if s_rows.shape[0] == 0:  # keep the graph connected to the student when nothing is counted
-        total = total + s_hidden.sum() * 0
+    from_hidden = t_hidden is not None
+    t_head = teacher if from_hidden else None
+    shared = vocab if vocab is not None else student_head.module.weight.shape[0] if student_head.direct else None
+    if route == "auto":
+        route = "direct" if student_head.direct and (t_head is None or t_head.direct) else "module"
+    if s_rows.shape[0] == 0:
+        total = s_hidden.sum().float() * 0 + s_hidden.new_zeros(2, dtype=torch.float32)
+    elif route == "direct":
+        if shared is None or (t_head is not None and not t_head.direct):
+            raise ValueError("route='direct' needs plain nn.Linear LM heads")
+        if kd is not None and kd.kind not in DIVERGENCES:
+            raise ValueError(f"kd_loss={kd.kind!r} is not a divergence of the loss head: {', '.join(DIVERGENCES)}")
+        v = min(shared, student_head.module.weight.shape[0])
+        if kd is not None:
+            v = min(v, t_head.module.weight.shape[0] if t_head is not None else t_source.shape[-1])
+        w_s, b_s = student_head.module.weight, student_head.module.bias
+        w_t = t_head.module.weight if t_head is not None else None
+        b_t = t_head.module.bias if t_head is not None else None
+        total = _KDHead.apply(
+            s_rows, w_s, b_s, t_source if from_hidden else None, w_t, b_t,
+            None if (from_hidden or kd is None) else t_source, targets if labels is not None else None,
+            is_kd, is_ce, student_head, t_head, kd, v, chunk_size)
+    elif route == "module":
+        total = _module_sums(s_rows, student_head, t_source, teacher, from_hidden, is_kd, is_ce,
+                             targets if labels is not None else None, kd, chunk_size, vocab)
+    else:
+        raise ValueError(f"route must be 'auto', 'direct' or 'module', got {route!r}")
     kd_value = total[0] / max(n_kd, 1) if kd is not None else None
     ce_value = total[1] / max(n_ce, 1) if labels is not None else None
     return kd_value, ce_value
-
-
-class _Precomputed(torch.autograd.Function):
-    """A scalar whose gradients with respect to `inputs` were computed in the forward pass already."""
-
-    @staticmethod
-    def forward(ctx, value: torch.Tensor, grads: list, *inputs: torch.Tensor) -> torch.Tensor:
-        ctx.grads = grads
-        return value.clone()
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        # Grad mode is on in backward only under create_graph=True (once_differentiable would hide that: with
-        # an upstream gradient that needs no grad it returns the constants silently).
-        if torch.is_grad_enabled():
-            raise RuntimeError(
-                "The fused causal-LM loss (hf_distill.chunked.fused_kd_and_ce) has no second derivative: its "
-                "gradient was computed in the forward pass. For a second derivative (create_graph=True) compute "
-                "the loss with hf_distill.chunked.chunked_kd_and_ce, whose chunks are recomputed in backward."
-            )
-        return (None, None, *(None if grad is None else grad * g.to(grad.dtype) for grad in ctx.grads))
-
-
-def fused_kd_and_ce(
-    s_hidden: torch.Tensor,
-    student_logits: Callable[[torch.Tensor], torch.Tensor],
-    params: list[torch.Tensor],
-    teacher: torch.Tensor | Callable[[torch.Tensor], torch.Tensor] | None,
-    t_hidden: torch.Tensor | None,
-    kd_mask: torch.Tensor | None,
-    labels: torch.Tensor | None,
-    kd: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
-    chunk_size: int,
-    vocab: int | None = None,
-    kd_weight: float = 1.0,
-    ce_weight: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """`kd_weight * KD + ce_weight * CE` with its gradient taken chunk by chunk during the forward pass.
-
-    The same KD and CE as :func:`chunked_kd_and_ce`, but each chunk's logits are computed once: right after a
-    chunk's loss, its gradient with respect to the chunk's hidden states and to `params` (the LM head's trainable
-    parameters) is taken and kept (`(n, H)` and the parameters' size), and the logits are dropped. The backward
-    pass only scales those gradients, so neither model's LM head runs again (Liger-Kernel's fused linear losses
-    do the same). The price is that the gradient is fixed in the forward pass: the result is one scalar with
-    the weights given here, plus the detached KD and CE means for logging, and no second derivative (double
-    backward raises). Parameters the chunk loss uses must all be in `params` (or be frozen): the LM head's own
-    trainable parameters are. Under fp16 mixed precision use :func:`chunked_kd_and_ce`: these gradients are taken
-    before the loss scaler multiplies the loss, so small ones would underflow in float16.
-    Returns `(loss, kd, ce)`; `kd`/`ce` are None when not asked for.
-    """
-    s_rows, t_source, is_kd, is_ce, targets, n_kd, n_ce = _counted_rows(s_hidden, teacher, t_hidden, kd_mask,
-                                                                         labels, kd)
-    one_chunk = functools.partial(_chunk_sums, student_logits, teacher, t_hidden is not None, kd, vocab)
-    coef = torch.tensor([kd_weight / max(n_kd, 1), ce_weight / max(n_ce, 1)], device=s_rows.device)
-    differentiate = torch.is_grad_enabled()  # under no_grad (a loss logged by a callback) only the values
-    states = s_rows.detach()
-    grad_states = torch.zeros_like(states) if s_rows.requires_grad and differentiate else None
-    grad_params = [torch.zeros_like(p) for p in params] if differentiate else []
-    sums = states.new_zeros(2, dtype=torch.float32)
-    for part, rest in _chunks(states.shape[0], chunk_size, t_source, is_kd, is_ce, targets):
-        h = states[part].detach().requires_grad_(grad_states is not None)
-        with torch.set_grad_enabled(differentiate):
-            pair = one_chunk(h, *rest)
-            wrt = ([h] if grad_states is not None else []) + (list(params) if differentiate else [])
-            if wrt and pair.requires_grad:
-                grads = list(torch.autograd.grad((pair * coef).sum(), wrt, allow_unused=True))
-                if grad_states is not None:
-                    grad_states[part] = grads.pop(0)
-                for acc, grad in zip(grad_params, grads, strict=True):
-                    if grad is not None:
-                        acc += grad
-        sums += pair.detach()
-    value = (sums * coef).sum()
-    loss = _Precomputed.apply(value, [grad_states, *grad_params], s_rows, *params) if differentiate else value
-    if s_rows.shape[0] == 0:  # keep the graph connected to the student when nothing is counted
-        loss = loss + s_hidden.sum() * 0
-    kd_value = sums[0] / max(n_kd, 1) if kd is not None else None
-    ce_value = sums[1] / max(n_ce, 1) if labels is not None else None
-    return loss, kd_value, ce_value
-
-
-def head_parameters(model: nn.Module) -> list[torch.Tensor]:
-    """The trainable parameters of the model's LM head (the ones :func:`fused_kd_and_ce` differentiates)."""
-    head = unwrap(model).get_output_embeddings()
-    return [p for p in head.parameters() if p.requires_grad]
-
-
-def dense_kd(kind: str, temperature: float, beta: float) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The logit KD objective named `kind` on `(n, V)` rows (mean over rows)."""
-
-    def fn(s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return losses.logit_kd_loss(kind, s, t, temperature, beta=beta)
-
-    return fn

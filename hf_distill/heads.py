@@ -19,7 +19,7 @@ from torch import nn
 
 from .taps import unwrap
 
-SOFTMAX_LOSSES = ("kl", "soft_ce", "reverse_kl", "jsd")
+SOFTMAX_LOSSES = ("kl", "soft_ce", "reverse_kl", "jsd", "skew_kl", "skew_reverse_kl", "tvd")
 
 
 class Head(enum.Enum):
@@ -91,7 +91,7 @@ def check_kd_loss(head: Head | None, kd_loss: str, where: str = "the student") -
             "so its softmax is always 1 and the loss is 0 forever). Use kd_loss='mse' (the logit regression of "
             "Tang et al. 2019, Distilled BiLSTM)."
         )
-    if head is Head.MULTI_LABEL and kd_loss in ("reverse_kl", "jsd"):
+    if head is Head.MULTI_LABEL and kd_loss in ("reverse_kl", "jsd", "skew_kl", "skew_reverse_kl", "tvd"):
         raise ValueError(
             f"kd_loss={kd_loss!r} is not defined for multi-label heads. Use 'kl' (per-label binary KL against the "
             "teacher's sigmoid), 'soft_ce' (binary cross-entropy against it) or 'mse'."

@@ -23,6 +23,10 @@ References for the definitions:
 - Agarwal et al., 2024, "On-Policy Distillation of Language Models: Learning from Self-Generated
   Mistakes" (GKD): the generalized Jensen-Shannon divergence ``JSD(beta)``, with TRL's ``GKDTrainer``
   convention for ``beta`` (0 = forward KL, 1 = reverse KL).
+- Ko et al., 2024, "DistiLLM: Towards Streamlined Distillation for Large Language Models": skew KL and skew
+  reverse KL (a mixture of both distributions on one side, ``alpha`` = 0.1 there).
+- Wen et al., 2023, "f-Divergence Minimization for Sequence-Level Knowledge Distillation": total variation
+  distance among the f-divergences for KD.
 
 Top-k teacher logits ``(values, indices)`` (offline caches) are compared on the teacher's top-k support
 with *both* distributions renormalised over those k ids, so every divergence here stays a divergence
@@ -54,7 +58,13 @@ __all__ = [
     "pkd_loss",
     "relation_kl",
     "reverse_kl",
+    "divergence_rows",
+    "skew_kl",
+    "skew_reverse_kl",
     "soft_cross_entropy",
+    "topk_with_tail",
+    "total_variation",
+    "with_tail",
 ]
 
 TeacherLogits = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -143,14 +153,22 @@ def _log_probs(
     is a true divergence, exactly 0 when the student's logits equal the teacher's, at every T, and the
     gradient reaches only the k gathered student logits. Indices are assumed distinct, as ``torch.topk``
     gives.
+
+    Top-k with a tail bucket ``(log_probs, indices, log_tail)`` (an offline teacher signal: the teacher's top-k
+    log-probabilities *at T* and ``log(1 - sum of them)``): both sides become distributions over k + 1 outcomes,
+    the k ids and "every other id", the student's from its full softmax at T (:func:`with_tail`). Divergences
+    on them are true divergences of the full distributions' coarsening, 0 at agreement.
     """
     s = student_logits.float()
     real = _real_positions(mask, s.shape[:-1], s.device, fn)
     s = _zero_padding(s, real)
     if isinstance(teacher_logits, tuple | list):
-        if len(teacher_logits) != 2:
-            raise ValueError(f"{fn}: sparse teacher logits must be a (values, indices) pair")
-        values, indices = teacher_logits
+        if len(teacher_logits) not in (2, 3):
+            raise ValueError(
+                f"{fn}: sparse teacher logits must be a (values, indices) pair or a (log_probs, indices, log_tail) "
+                "triple"
+            )
+        values, indices = teacher_logits[0], teacher_logits[1]
         if values.shape != indices.shape:
             raise ValueError(
                 f"{fn}: top-k teacher values {tuple(values.shape)} and indices {tuple(indices.shape)} differ"
@@ -166,8 +184,15 @@ def _log_probs(
         indices = indices.to(device=s.device, dtype=torch.long)
         if real is not None:
             indices = torch.where(real.unsqueeze(-1), indices, 0)
-        log_p = F.log_softmax(values / temperature, dim=-1)
-        log_q = F.log_softmax(s.gather(-1, indices) / temperature, dim=-1)
+        if len(teacher_logits) == 3:  # top-k log-probabilities at T plus the tail bucket: k + 1 outcomes
+            tail = teacher_logits[2].float().to(s.device)
+            if tail.shape != values.shape[:-1]:
+                raise ValueError(f"{fn}: log_tail {tuple(tail.shape)} must have the shape {tuple(values.shape[:-1])}")
+            log_p = torch.cat([values, _zero_padding(tail.unsqueeze(-1), real)], -1)
+            log_q = with_tail(F.log_softmax(s / temperature, dim=-1).gather(-1, indices))
+        else:
+            log_p = F.log_softmax(values / temperature, dim=-1)
+            log_q = F.log_softmax(s.gather(-1, indices) / temperature, dim=-1)
     else:
         _check_same_shape(fn, student_logits, teacher_logits)
         t = _zero_padding(teacher_logits.float(), real)
@@ -370,6 +395,136 @@ def generalized_jsd(
     return temperature**2 * _mean_over_positions(per_item, real)
 
 
+def with_tail(log_probs_k: torch.Tensor) -> torch.Tensor:
+    """``(..., k)`` log-probabilities of k ids -> ``(..., k + 1)`` with the log of the remaining mass appended,
+    ``log(1 - sum p_k)``, computed as ``log(-expm1(logsumexp))`` (no cancellation when the k ids hold most of the
+    mass; ``-inf`` when they hold all of it)."""
+    covered = torch.logsumexp(log_probs_k, dim=-1, keepdim=True).clamp(max=0.0)
+    return torch.cat([log_probs_k, torch.log(-torch.expm1(covered))], -1)
+
+
+def topk_with_tail(logits: torch.Tensor, k: int, temperature: float = 1.0):
+    """A teacher's top-k signal with its tail bucket: ``(log_probs, indices, log_tail)`` at temperature T, the
+    sparse teacher format every logit KD function here takes (offline teacher outputs)."""
+    log_p = F.log_softmax(logits.float() / _check_temperature(temperature), dim=-1)
+    values, indices = log_p.topk(k, dim=-1)
+    return values, indices, with_tail(values)[..., -1]
+
+
+def _log1p_mix(w: float, d: torch.Tensor) -> torch.Tensor:
+    """``log((1 - w) + w * exp(d))`` for ``w`` in [0, 1], without overflow for any ``d`` and exactly 0 at ``d = 0``.
+
+    ``d <= 0``: ``log1p(w * expm1(d))``; ``d > 0``: ``d + log1p((1 - w) * expm1(-d))`` (the same quantity with
+    ``exp(d)`` factored out). Both are one ``expm1`` of ``-|d|`` in [-1, 0] and one ``log1p``: two transcendental
+    functions per element, no branch computed twice."""
+    neg = d <= 0
+    return d.clamp(min=0) + torch.log1p(torch.where(neg, w, 1.0 - w) * torch.expm1(-d.abs()))
+
+
+def _masked_product(p: torch.Tensor, x: torch.Tensor | float) -> torch.Tensor:
+    """``p * x``, 0 where ``p == 0``: an outcome without mass contributes nothing, even where ``x`` is infinite."""
+    return torch.where(p > 0, p * x, 0.0)
+
+
+def divergence_rows(kind: str, log_q: torch.Tensor, log_p: torch.Tensor, beta: float = 0.5, alpha: float = 0.1):
+    """Per row of student/teacher log-probabilities (``(..., C)``, float32): the divergence ``kind`` (no ``T**2``)
+    and the statistic ``sum_v Q_v dL/dQ_v`` its logit gradient needs (:mod:`hf_distill.chunked`).
+
+    ``P`` = teacher, ``Q`` = student; all but ``soft_ce`` are true divergences (>= 0, exactly 0 at agreement):
+
+    - ``kl``: KL(P || Q) (Hinton et al., 2015); ``soft_ce``: -sum P log Q (TinyBERT);
+    - ``reverse_kl``: KL(Q || P) (MiniLLM, Gu et al., 2024);
+    - ``jsd``: beta KL(P || M) + (1-beta) KL(Q || M), M = beta P + (1-beta) Q (GKD, Agarwal et al., 2024);
+    - ``skew_kl``: KL(P || alpha P + (1-alpha) Q); ``skew_reverse_kl``: KL(Q || (1-alpha) P + alpha Q) (DistiLLM,
+      Ko et al., 2024, alpha = 0.1 there);
+    - ``tvd``: total variation distance 1/2 sum |P - Q| (used for KD by Wen et al., 2023, f-divergence KD).
+
+    Mixtures are never formed in probability space: their logs come from the log-ratio ``d = log Q - log P``.
+    """
+    if kind in ("kl", "soft_ce"):
+        p = log_p.exp()
+        value = _masked_product(p, (log_p - log_q) if kind == "kl" else -log_q).sum(-1)
+        return value, torch.zeros_like(value)
+    q = log_q.exp()
+    d = log_q - log_p
+    if kind == "reverse_kl":
+        value = _masked_product(q, d).sum(-1)
+        return value, value
+    if kind == "jsd":
+        log_m_q = _log1p_mix(beta, -d)  # log(M/Q) = log((1-beta) + beta P/Q); log(M/P) = log(M/Q) + d
+        kl_q_m = -_masked_product(q, log_m_q).sum(-1)
+        kl_p_m = -_masked_product(log_p.exp(), log_m_q + d).sum(-1)
+        return beta * kl_p_m + (1 - beta) * kl_q_m, kl_q_m
+    if kind == "skew_kl":
+        log_r_p = _log1p_mix(1 - alpha, d)  # log(R/P) = log(alpha + (1-alpha) Q/P)
+        return -_masked_product(log_p.exp(), log_r_p).sum(-1), _masked_product(q, torch.exp(-log_r_p)).sum(-1)
+    if kind == "skew_reverse_kl":
+        log_r_q = _log1p_mix(1 - alpha, -d)  # log(R/Q) = log(alpha + (1-alpha) P/Q)
+        g = -log_r_q - alpha * torch.exp(-log_r_q)  # dL/dQ up to a constant
+        return -_masked_product(q, log_r_q).sum(-1), _masked_product(q, g).sum(-1)
+    if kind == "tvd":
+        diff = q - log_p.exp()
+        return 0.5 * diff.abs().sum(-1), (0.5 * q * torch.sign(diff)).sum(-1)
+    raise ValueError(f"unknown divergence {kind!r}; known: {', '.join(DIVERGENCE_KINDS)}")
+
+
+DIVERGENCE_KINDS = ("kl", "reverse_kl", "jsd", "skew_kl", "skew_reverse_kl", "tvd", "soft_ce")
+
+
+def _check_alpha(alpha: float) -> float:
+    value = math.nan if isinstance(alpha, bool) else float(alpha) if isinstance(alpha, int | float) else math.nan
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"alpha (skew_alpha) must be a number in [0, 1) (DistiLLM uses 0.1), got {alpha!r}")
+    return value
+
+
+def _divergence(fn: str, kind: str, student_logits, teacher_logits, temperature, mask, alpha=0.1):
+    temperature = _check_temperature(temperature)
+    alpha = _check_alpha(alpha)
+    log_p, log_q, real = _log_probs(fn, student_logits, teacher_logits, temperature, mask)
+    per_item, _ = divergence_rows(kind, log_q, log_p, alpha=alpha)
+    return temperature**2 * _mean_over_positions(per_item, real)
+
+
+def skew_kl(
+    student_logits: torch.Tensor,
+    teacher_logits: TeacherLogits,
+    alpha: float = 0.1,
+    temperature: float = 1.0,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """DistiLLM's skew KL (Ko et al., 2024), ``T**2 * KL(P || alpha*P + (1-alpha)*Q)``, averaged over items.
+
+    Mixing a little of the teacher into the student's side bounds the divergence (at most ``log(1/alpha)`` per
+    item) and its gradient where the student gives a teacher token almost no mass. ``alpha = 0`` is
+    :func:`kl_div`. Items, masks and sparse teachers as in :func:`kl_div`."""
+    return _divergence("skew_kl", "skew_kl", student_logits, teacher_logits, temperature, mask, alpha)
+
+
+def skew_reverse_kl(
+    student_logits: torch.Tensor,
+    teacher_logits: TeacherLogits,
+    alpha: float = 0.1,
+    temperature: float = 1.0,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """DistiLLM's skew reverse KL, ``T**2 * KL(Q || (1-alpha)*P + alpha*Q)``, averaged over items; ``alpha = 0``
+    is :func:`reverse_kl`. Items, masks and sparse teachers as in :func:`kl_div`."""
+    return _divergence("skew_reverse_kl", "skew_reverse_kl", student_logits, teacher_logits, temperature, mask,
+                       alpha)
+
+
+def total_variation(
+    student_logits: torch.Tensor,
+    teacher_logits: TeacherLogits,
+    temperature: float = 1.0,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Total variation distance ``T**2 * 1/2 sum |P - Q|`` (in [0, T**2]), averaged over items (f-divergence KD,
+    Wen et al., 2023). Items, masks and sparse teachers as in :func:`kl_div`."""
+    return _divergence("total_variation", "tvd", student_logits, teacher_logits, temperature, mask)
+
+
 def _squared_error_mean(fn: str, student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor | None):
     """Global mean of squared errors over real positions and the last (feature/class) dim."""
     _check_same_shape(fn, student, teacher)
@@ -442,6 +597,9 @@ KD_LOSSES: dict[str, Callable[..., torch.Tensor]] = {
     "mse": logit_mse,
     "reverse_kl": reverse_kl,
     "jsd": generalized_jsd,
+    "skew_kl": skew_kl,
+    "skew_reverse_kl": skew_reverse_kl,
+    "tvd": total_variation,
 }
 """Logit KD objectives by config name. Signatures differ (``mse`` has no temperature, ``jsd`` takes
 ``beta`` third), so call them through :func:`logit_kd_loss` or by keyword."""
@@ -454,6 +612,7 @@ def logit_kd_loss(
     temperature: float,
     mask: torch.Tensor | None = None,
     beta: float = 0.5,
+    alpha: float = 0.1,
 ) -> torch.Tensor:
     """Dispatch to the logit KD objective named ``kind`` (a key of :data:`KD_LOSSES`).
 
@@ -469,6 +628,8 @@ def logit_kd_loss(
         return logit_mse(student_logits, teacher_logits, mask)
     if kind == "jsd":
         return generalized_jsd(student_logits, teacher_logits, beta=beta, temperature=temperature, mask=mask)
+    if kind in ("skew_kl", "skew_reverse_kl"):
+        return KD_LOSSES[kind](student_logits, teacher_logits, alpha=alpha, temperature=temperature, mask=mask)
     return KD_LOSSES[kind](student_logits, teacher_logits, temperature, mask)
 
 

@@ -36,10 +36,6 @@ from .tracking import ComponentTracker
 PROJECTIONS_FILE = "distill_projections.pt"
 # Under DeepSpeed the projections ride inside the engine as this submodule of the student while train() runs.
 PROJECTIONS_ATTR = "hf_distill_projections"
-# Tokens per LM-head chunk for causal LMs by default: at H = 4096, V = 128,256 and 8,192 tokens the KD + CE loss
-# peaks at 9.4 GB with 512 (5.3 GB with 256, 17.6 GB with 1024, 122 GB whole) on an H200
-# (benchmarks/results/causal_lm_gpu.md).
-DEFAULT_CHUNK = 512
 logger = logging.get_logger(__name__)
 # Span logits at padded positions: far below any real logit, finite so no inf - inf appears in the losses.
 _NO_POSITION = -1e9
@@ -189,7 +185,7 @@ class DistillationTrainer(Trainer):
             if self._head is Head.CAUSAL_LM:
                 logger.warning("Causal-LM logits are computed whole (not in chunks): %s.", why)
             return None
-        return asked if asked is not None else DEFAULT_CHUNK
+        return asked if asked is not None else chunked.default_chunk(unwrap(self.model).config.vocab_size)
 
     def _student_accepts(self, name: str) -> bool:
         return name in self._student_params or "**" in self._student_params
@@ -359,9 +355,9 @@ class DistillationTrainer(Trainer):
         if distill and self.args.kd_weight > 0:
             check_kd_loss(head, self.args.kd_loss)
 
-        task = kd = fused = None
+        task = kd = None
         if chunks is not None:
-            kd, task, fused = self._chunked_terms(s_out, t_views[0], t_hidden, inputs, want_task, chunks, local)
+            kd, task = self._chunked_terms(s_out, t_views[0], t_hidden, inputs, want_task, chunks)
         else:
             if want_task:
                 task = self._task_loss(s_out, inputs, head, num_items_in_batch, step_mean)
@@ -402,11 +398,7 @@ class DistillationTrainer(Trainer):
                 "Nothing to compute a loss from: the batch has no labels and distillation is off for it. "
                 "Set eval_with_teacher=True to evaluate the distillation loss on unlabeled data."
             )
-        if fused is not None:  # kd and task are in `fused` already, with their gradient; logged from components
-            # (their step-mean factors above apply to the logged values; `fused` has them baked in)
-            loss = fused + sum(weights[k] * v for k, v in components.items() if k not in ("kd", "task"))
-        else:
-            loss = sum(weights[k] * v for k, v in components.items())
+        loss = sum(weights[k] * v for k, v in components.items())
         if model.training:
             self.tracker.add(components)
         if return_outputs:
@@ -449,35 +441,21 @@ class DistillationTrainer(Trainer):
             logits, labels = logits[:, :-1], labels[:, 1:]
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
 
-    def _chunked_terms(self, s_out, t_logits, t_hidden, inputs: dict[str, Any], want_task: bool, chunk: int,
-                       local: torch.Tensor | None):
-        """KD and the student's cross-entropy of a causal LM from hidden states, chunk by chunk (local means),
-        and their weighted sum with its gradient when the fused path (hf_distill.chunked) applies, else None.
-
-        Fused: every chunk's logits once, the gradient taken in the forward pass. It needs the weights up front
-        (kd_weight, task_weight, the step-mean factors of the micro-batch's counts `local`), plain parameters for
-        the LM head (under DeepSpeed or FSDP the engine owns gathering and reducing them) and no loss scaling
-        (fp16's GradScaler multiplies the loss only after the forward pass, too late for gradients taken there:
-        float16 logit gradients would underflow). Elsewhere the checkpointed chunks are used."""
+    def _chunked_terms(self, s_out, t_logits, t_hidden, inputs: dict[str, Any], want_task: bool, chunk: int):
+        """KD and the student's cross-entropy of a causal LM from hidden states, through the loss head
+        (hf_distill.chunked): local means, differentiable like any other term. Under DeepSpeed or FSDP the LM heads
+        are called as modules (the engines gather their parameters inside that call)."""
         labels = inputs.get(self._token_labels)
         kd_fn = None
         if self.args.kd_weight > 0:
-            kd_fn = chunked.dense_kd(self.args.kd_loss, self.args.temperature, self.args.jsd_beta)
+            kd_fn = chunked.dense_kd(self.args.kd_loss, self.args.temperature, self.args.jsd_beta,
+                                     self.args.resolved_skew_alpha)
         kd_mask = kd_positions(inputs.get("attention_mask"), labels, self.args.kd_token_mask, causal=True)
         teacher = self._t_logits_fn if t_hidden is not None else (t_logits[:, :-1] if t_logits is not None else None)
         ce_labels = labels[:, 1:] if want_task and labels is not None else None
-        common = (teacher, t_hidden, kd_mask, ce_labels, kd_fn, chunk, self._shared_vocab)
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled or self.args.fp16 or self.accelerator.scaler is not None:
-            kd, ce = chunked.chunked_kd_and_ce(chunked.last_hidden(s_out), self._s_logits_fn, *common)
-            return kd, ce, None
-        # the factors compute_loss applies to the local means (hf_distill.normalise), taken before the loss here
-        scale = {k: 1.0 if local is None else self._step.scale(k, float(local[COUNT_KINDS.index(k)]))
-                 for k in ("kd", "labels")}
-        fused, kd, ce = chunked.fused_kd_and_ce(
-            chunked.last_hidden(s_out), self._s_logits_fn, chunked.head_parameters(self.model), *common,
-            kd_weight=self.args.kd_weight * scale["kd"], ce_weight=self.args.task_weight * scale["labels"],
-        )
-        return kd, ce, fused
+        route = "module" if (self.is_deepspeed_enabled or self.is_fsdp_enabled) else "auto"
+        return chunked.chunked_kd_and_ce(chunked.last_hidden(s_out), self._s_logits_fn, teacher, t_hidden, kd_mask,
+                                         ce_labels, kd_fn, chunk, self._shared_vocab, route=route)
 
     def _teacher_outputs(self, inputs: dict[str, Any], cached: dict[str, torch.Tensor], hidden_only: bool = False):
         """Teacher logits (one per compared output, see hf_distill.heads), features and, with `hidden_only`
@@ -583,7 +561,8 @@ class DistillationTrainer(Trainer):
         if head is Head.MULTI_LABEL and kind != "mse":
             fn = losses.binary_kl_div if kind == "kl" else losses.binary_soft_cross_entropy
             return fn(s, t, T)
-        return losses.logit_kd_loss(kind, s, t, T, mask=mask, beta=self.args.jsd_beta)
+        return losses.logit_kd_loss(kind, s, t, T, mask=mask, beta=self.args.jsd_beta,
+                                    alpha=self.args.resolved_skew_alpha)
 
     # ------------------------------------------------------------------ logging
 

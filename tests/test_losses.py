@@ -820,3 +820,92 @@ def test_unknown_kind_lists_known_kinds():
 def test_bad_mask_shape():
     with pytest.raises(ValueError, match="mask shape"):
         kl_div(torch.zeros(2, 3, 5), torch.zeros(2, 3, 5), 1.0, torch.ones(2, 4))
+
+
+# ---------------------------------------------------------------- the divergence family (issue #29)
+
+def _ref_divergence(kind, p, q, alpha=0.1):
+    """Float64 definitions in probability space, written from the papers (not from hf_distill's log-space code)."""
+    p, q = p.double(), q.double()
+    if kind == "skew_kl":  # DistiLLM: KL(P || alpha P + (1 - alpha) Q)
+        r = alpha * p + (1 - alpha) * q
+        return (p * (p / r).log()).nansum(-1)
+    if kind == "skew_reverse_kl":  # KL(Q || (1 - alpha) P + alpha Q)
+        r = (1 - alpha) * p + alpha * q
+        return (q * (q / r).log()).nansum(-1)
+    if kind == "tvd":
+        return 0.5 * (p - q).abs().sum(-1)
+    raise AssertionError(kind)
+
+
+NEW_KINDS = {"skew_kl": losses_module.skew_kl, "skew_reverse_kl": losses_module.skew_reverse_kl,
+             "tvd": losses_module.total_variation}
+
+
+@pytest.mark.parametrize("kind", sorted(NEW_KINDS))
+@pytest.mark.parametrize("temperature", [1.0, 2.5])
+def test_new_divergences_match_float64_definitions_with_gradients(kind, temperature):
+    g = torch.Generator().manual_seed(3)
+    s = (torch.randn(6, 5, 40, generator=g) * 3).requires_grad_(True)
+    t = torch.randn(6, 5, 40, generator=g) * 3
+    mask = torch.ones(6, 5)
+    mask[2, 3:] = 0
+    kw = {"alpha": 0.2} if kind != "tvd" else {}
+    got = NEW_KINDS[kind](s, t, temperature=temperature, mask=mask, **kw)
+    s64 = s.detach().double().requires_grad_(True)
+    per = _ref_divergence(kind, torch.softmax(t.double() / temperature, -1), torch.softmax(s64 / temperature, -1),
+                          alpha=0.2)
+    want = temperature**2 * (per * mask).sum() / mask.sum()
+    want.backward()
+    got.backward()
+    assert float(got.detach()) == pytest.approx(float(want), rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(s.grad.double(), s64.grad, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", sorted(NEW_KINDS))
+def test_new_divergences_are_nonnegative_and_exactly_zero_at_agreement(kind):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(8, 50, generator=g) * 5
+    assert float(losses_module.logit_kd_loss(kind, x, x.clone(), 2.0)) == 0.0
+    for _ in range(5):
+        assert float(losses_module.logit_kd_loss(kind, torch.randn(8, 50, generator=g) * 5, x, 2.0)) >= 0.0
+
+
+@pytest.mark.parametrize("kind", ["kl", "reverse_kl", "jsd", *sorted(NEW_KINDS)])
+def test_top_k_with_a_tail_bucket_is_a_true_divergence_on_k_plus_one_outcomes(kind):
+    """A teacher stored as its top-k log-probabilities at T plus log(tail mass): both sides become distributions
+    over the k ids and "the rest". The value is the divergence of those coarsened distributions (float64 reference),
+    0 exactly at agreement, >= 0 elsewhere, and no clamping hides a negative."""
+    g = torch.Generator().manual_seed(5)
+    t = torch.randn(7, 60, generator=g) * 4
+    s = (t + torch.randn(7, 60, generator=g)).requires_grad_(True)
+    temperature, k = 2.0, 8
+    sparse = losses_module.topk_with_tail(t, k, temperature)
+    got = losses_module.logit_kd_loss(kind, s, sparse, temperature, beta=0.3, alpha=0.2)
+    # reference: coarsen both full distributions (float64) onto the k ids + one tail bucket
+    idx = sparse[1]
+    p = torch.softmax(t.double() / temperature, -1)
+    q = torch.softmax(s.detach().double() / temperature, -1)
+    pk, qk = p.gather(-1, idx), q.gather(-1, idx)
+    pc, qc = torch.cat([pk, 1 - pk.sum(-1, keepdim=True)], -1), torch.cat([qk, 1 - qk.sum(-1, keepdim=True)], -1)
+    if kind == "kl":
+        per = (pc * (pc / qc).log()).sum(-1)
+    elif kind == "reverse_kl":
+        per = (qc * (qc / pc).log()).sum(-1)
+    elif kind == "jsd":
+        m = 0.3 * pc + 0.7 * qc
+        per = 0.3 * (pc * (pc / m).log()).sum(-1) + 0.7 * (qc * (qc / m).log()).sum(-1)
+    else:
+        per = _ref_divergence(kind, pc, qc, alpha=0.2)
+    assert float(got) == pytest.approx(float(temperature**2 * per.mean()), rel=1e-4)
+    got.backward()
+    assert s.grad.abs().sum() > 0  # the tail bucket reaches the student's other ids too
+    assert (s.grad[0].abs() > 0).sum() > k
+    assert float(losses_module.logit_kd_loss(kind, t.clone(), sparse, temperature, beta=0.3, alpha=0.2)) == 0.0
+
+
+def test_skew_alpha_is_validated():
+    x = torch.randn(2, 5)
+    for bad in (1.0, -0.1, True, "0.1"):
+        with pytest.raises(ValueError, match="alpha"):
+            losses_module.skew_kl(x, x, alpha=bad)

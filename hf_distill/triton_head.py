@@ -1,0 +1,178 @@
+"""The loss head's forward row statistics as one Triton kernel (CUDA only; :func:`hf_distill.chunked._row_stats`
+is the reference it is tested against, on a GPU, by `benchmarks/causal_lm_gpu.py` and tests/test_chunked.py).
+
+For a chunk of rows of float32 student and teacher logits it computes, per row: the log-normalisers of both at T
+(and of the student at T = 1 for the CE), the divergence and its gradient statistic
+(:func:`hf_distill.losses.divergence_rows`), and the CE. One program per row walks the vocabulary twice, an online
+logsumexp first and the divergence second, so each logit is read twice and nothing of size `(rows, V)` is written:
+the compiled PyTorch version reads it ~6 times and writes one such intermediate.
+
+`expm1` and `log1p` are written with Kahan's corrections (`exp`/`log` only), accurate to a few ulps, so the kernel
+runs on every Triton version and in Triton's CPU interpreter.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU-only installs
+    triton = None
+
+KIND_CODES = {"kl": 0, "soft_ce": 1, "reverse_kl": 2, "jsd": 3, "skew_kl": 4, "skew_reverse_kl": 5, "tvd": 6}
+_BLOCK = 2048
+
+
+def available(device: torch.device) -> bool:
+    return triton is not None and device.type == "cuda"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _expm1_neg(x):
+        """expm1(x) for x <= 0 (Kahan: (u - 1) * x / log(u), u = exp(x); x where u rounds to 1)."""
+        u = tl.exp(x)
+        um1 = u - 1.0
+        safe = tl.where(um1 == 0.0, 1.0, um1)
+        logu = tl.where(um1 == 0.0, 1.0, tl.log(u))
+        return tl.where(um1 == 0.0, x, tl.where(u == 0.0, -1.0, safe * x / logu))
+
+    @triton.jit
+    def _log1p(y):
+        """log1p(y) for y >= -1 (Kahan: log(u) * y / (u - 1), u = 1 + y; y where u rounds to 1)."""
+        u = 1.0 + y
+        um1 = u - 1.0
+        ratio = y / tl.where(um1 == 0.0, 1.0, um1)
+        return tl.where(um1 == 0.0, y, tl.log(u) * ratio)
+
+    @triton.jit
+    def _mix(w, d):
+        """log((1 - w) + w exp(d)), exactly 0 at d = 0 (as hf_distill.losses._log1p_mix)."""
+        c = tl.where(d <= 0.0, w, 1.0 - w)
+        return tl.maximum(d, 0.0) + _log1p(c * _expm1_neg(-tl.abs(d)))
+
+    @triton.jit
+    def _terms(la, lb, KIND: tl.constexpr, beta, alpha):
+        """Per element: the divergence's term and its statistic's term (hf_distill.losses.divergence_rows)."""
+        p = tl.exp(lb)
+        q = tl.exp(la)
+        d = la - lb
+        zero = tl.zeros_like(la)
+        if KIND == 0:
+            v = tl.where(p > 0.0, p * (lb - la), zero)
+            s = zero
+        elif KIND == 1:
+            v = tl.where(p > 0.0, -p * la, zero)
+            s = zero
+        elif KIND == 2:
+            v = tl.where(q > 0.0, q * d, zero)
+            s = v
+        elif KIND == 3:
+            lmq = _mix(beta, -d)
+            tq = tl.where(q > 0.0, q * lmq, zero)
+            tp = tl.where(p > 0.0, p * (lmq + d), zero)
+            v = -(beta * tp + (1.0 - beta) * tq)
+            s = -tq
+        elif KIND == 4:
+            lrp = _mix(1.0 - alpha, d)
+            v = tl.where(p > 0.0, -p * lrp, zero)
+            s = tl.where(q > 0.0, q * tl.exp(-lrp), zero)
+        elif KIND == 5:
+            lrq = _mix(1.0 - alpha, -d)
+            v = tl.where(q > 0.0, -q * lrq, zero)
+            s = tl.where(q > 0.0, q * (-lrq - alpha * tl.exp(-lrq)), zero)
+        else:
+            diff = q - p
+            v = 0.5 * tl.abs(diff)
+            s = 0.5 * q * tl.where(diff > 0.0, 1.0, tl.where(diff < 0.0, -1.0, 0.0))
+        return v, s
+
+    @triton.jit
+    def _row_stats_kernel(zs_ptr, zs_stride, zt_ptr, zt_stride, tgt_ptr, out_ptr, n_rows, n_cols, vocab, inv_t,
+                          beta, alpha, KIND: tl.constexpr, HAS_KD: tl.constexpr, HAS_CE: tl.constexpr,
+                          SAME: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        zs_row = zs_ptr + row.to(tl.int64) * zs_stride
+        zt_row = zt_ptr + row.to(tl.int64) * zt_stride
+        cols = tl.arange(0, BLOCK)
+        neg = -1.0e38
+        m_a = tl.full([BLOCK], neg, tl.float32)
+        s_a = tl.zeros([BLOCK], tl.float32)
+        m_b = tl.full([BLOCK], neg, tl.float32)
+        s_b = tl.zeros([BLOCK], tl.float32)
+        m_1 = tl.full([BLOCK], neg, tl.float32)
+        s_1 = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, n_cols, BLOCK):  # pass 1: online logsumexps
+            c = start + cols
+            zs = tl.load(zs_row + c, mask=c < n_cols, other=float("-inf"))
+            if HAS_KD:
+                a = tl.where(c < vocab, zs * inv_t, float("-inf"))
+                b = tl.load(zt_row + c, mask=c < vocab, other=float("-inf")) * inv_t
+                new = tl.maximum(m_a, a)
+                s_a = s_a * tl.exp(m_a - new) + tl.exp(a - new)
+                m_a = new
+                new = tl.maximum(m_b, b)
+                s_b = s_b * tl.exp(m_b - new) + tl.exp(b - new)
+                m_b = new
+            if HAS_CE and not SAME:
+                new = tl.maximum(m_1, zs)
+                s_1 = s_1 * tl.exp(m_1 - new) + tl.exp(zs - new)
+                m_1 = new
+        lse_a = 0.0
+        lse_b = 0.0
+        value = 0.0
+        stat = 0.0
+        if HAS_KD:
+            big = tl.max(m_a, 0)
+            lse_a = big + tl.log(tl.sum(s_a * tl.exp(m_a - big), 0))
+            big = tl.max(m_b, 0)
+            lse_b = big + tl.log(tl.sum(s_b * tl.exp(m_b - big), 0))
+            acc_v = tl.zeros([BLOCK], tl.float32)
+            acc_s = tl.zeros([BLOCK], tl.float32)
+            for start in range(0, vocab, BLOCK):  # pass 2: the divergence and its statistic
+                c = start + cols
+                inside = c < vocab
+                la = tl.load(zs_row + c, mask=inside, other=0.0) * inv_t - lse_a
+                lb = tl.load(zt_row + c, mask=inside, other=0.0) * inv_t - lse_b
+                v, s = _terms(la, lb, KIND, beta, alpha)
+                acc_v += tl.where(inside, v, 0.0)
+                acc_s += tl.where(inside, s, 0.0)
+            value = tl.sum(acc_v, 0)
+            stat = tl.sum(acc_s, 0)
+        lse_1 = lse_a
+        ce = 0.0
+        if HAS_CE:
+            if not SAME:
+                big = tl.max(m_1, 0)
+                lse_1 = big + tl.log(tl.sum(s_1 * tl.exp(m_1 - big), 0))
+            target = tl.load(tgt_ptr + row)
+            ce = lse_1 - tl.load(zs_row + target)
+        tl.store(out_ptr + row, lse_a)
+        tl.store(out_ptr + n_rows + row, lse_b)
+        tl.store(out_ptr + 2 * n_rows + row, lse_1)
+        tl.store(out_ptr + 3 * n_rows + row, value)
+        tl.store(out_ptr + 4 * n_rows + row, stat)
+        tl.store(out_ptr + 5 * n_rows + row, ce)
+
+
+def row_stats(zs: torch.Tensor, zt: torch.Tensor | None, targets: torch.Tensor | None, kind: str | None,
+              temperature: float, beta: float, alpha: float, vocab: int):
+    """The Triton version of :func:`hf_distill.chunked._row_stats` (same arguments, same results)."""
+    zs = zs if zs.stride(-1) == 1 else zs.contiguous()
+    zt = zt if zt is None or zt.stride(-1) == 1 else zt.contiguous()
+    n, n_cols = zs.shape
+    has_kd, has_ce = kind is not None, targets is not None
+    same = has_kd and temperature == 1.0 and vocab == n_cols
+    out = torch.empty(6, n, device=zs.device, dtype=torch.float32)
+    zt_arg = zt if zt is not None else zs
+    tgt = targets if targets is not None else torch.zeros(1, dtype=torch.long, device=zs.device)
+    _row_stats_kernel[(n,)](zs, zs.stride(0), zt_arg, zt_arg.stride(0), tgt, out, n, n_cols, vocab if has_kd else 0,
+                            1.0 / temperature, float(beta), float(alpha), KIND=KIND_CODES.get(kind, 0),
+                            HAS_KD=has_kd, HAS_CE=has_ce, SAME=same, BLOCK=_BLOCK)
+    lse_a, lse_b, lse_1, value, stat, ce = out
+    if not has_kd:
+        return lse_1, ce, None, None, None, None
+    return (lse_1 if has_ce else None), (ce if has_ce else None), lse_a, lse_b, value, stat
