@@ -203,8 +203,9 @@ class DistillationReport:
         last card said, measured by the trainer); last `results.json` (a recipe's or the demo's
         measurements: `teacher`, `method`, `dataset(s)`, `license`, `speedup`, `student_parameters`/`params`,
         `teacher_parameters`, `*_size_bytes`, `student_metrics`/`teacher_metrics` dicts or flat
-        `student_<metric>`/`teacher_<metric>` numbers, `accuracy`, `learning_rate`, `epochs`, `seed`,
-        `bf16`, `distillation`).
+        `student_<metric>`/`teacher_<metric>` numbers, `accuracy`, `f1`, `perplexity`, `learning_rate`, `epochs`,
+        `max_steps`, `train_steps`, `epochs_trained`, `seed`, `bf16`, `distillation`). A causal LM's loss and
+        perplexity are completed from each other (`lm_metrics`).
         """
 
         _check_fields(fields)
