@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .measure import size_on_disk, stored_parameters
-from .report import LOSS_PLOT, REPORT_FILE, DistillationReport
+from .report import LOSS_PLOT, REPORT_FILE, DistillationReport, hub_id
 
 CARD_FILE = "README.md"
 
@@ -204,8 +204,6 @@ def _library_and_base(r: DistillationReport) -> tuple[str, str | None, list[str]
     (`base_model:adapter:<id>`, `lora`, `transformers`); the teacher stays named in the body."""
     if not r.adapter:
         return "transformers", r.teacher_hub_id, []
-    from .report import hub_id
-
     base = hub_id(r.adapter.get("base_model"))
     tags = ["transformers"]
     if r.adapter.get("peft_type") == "LORA":
@@ -310,8 +308,6 @@ def _teacher_link(r: DistillationReport) -> str:
 
 
 def _model_link(name: str | None) -> str:
-    from .report import hub_id
-
     if hub_id(name):
         return f"[{name}](https://huggingface.co/{name})"
     return f"`{Path(name).name or name}`" if name else ""

@@ -307,7 +307,7 @@ def lm_metrics(metrics: dict[str, float]) -> dict[str, float]:
         if name == "loss" or name.endswith("_loss"):
             ppl_name = name[: -len("loss")] + "perplexity"
             given = metrics.get(ppl_name)
-            out[ppl_name] = given if given is not None else (math.exp(value) if value < 700 else math.inf)
+            out[ppl_name] = given if given is not None else (math.inf if value > 700 else math.exp(value))
     return out
 
 

@@ -134,6 +134,7 @@ def card_rows(text: str) -> dict[str, list[str]]:
     return rows
 
 
+@pytest.mark.slow
 def test_results_and_card_state_the_steps_run_and_keep_every_metric(env, tmp_path):
     """`--max_steps 2` of a 6-step epoch (48 rows, batches of 8): results.json and the card say 2 steps and a third
     of an epoch, not the configured epochs, and the card keeps the student's f1 beside its accuracy."""
