@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .measure import size_on_disk, stored_parameters
-from .report import LOSS_PLOT, REPORT_FILE, DistillationReport
+from .report import LOSS_PLOT, REPORT_FILE, DistillationReport, hub_id
 
 CARD_FILE = "README.md"
 
@@ -38,6 +38,8 @@ METHODS = {  # tag -> (what the card calls it, BibTeX keys)
         "intermediate-feature distillation with FitNets-style hints (Romero et al., 2015)",
         ["romero2015fitnets"],
     ),
+    "gkd": ("generalized JSD distillation (GKD, Agarwal et al., 2024)", ["agarwal2024gkd"]),
+    "reverse-kl": ("reverse KL distillation (MiniLLM, Gu et al., 2024)", ["gu2024minillm"]),
     "fastbert": ("FastBERT self-distilled early exits (Liu et al., 2020)", ["liu2020fastbert"]),
     "deebert": (
         "DeeBERT early-exit off-ramps (Xin et al., 2020), self-distilled as in FastBERT (Liu et al., 2020)",
@@ -101,6 +103,26 @@ BIBTEX = {
   booktitle = {International Conference on Learning Representations (ICLR)},
   year      = {2015}
 }""",
+    "agarwal2024gkd": """@inproceedings{agarwal2024gkd,
+  title     = {On-Policy Distillation of Language Models: Learning from Self-Generated Mistakes},
+  author    = {Agarwal, Rishabh and Vieillard, Nino and Zhou, Yongchao and Stanczyk, Piotr and Ramos, Sabela
+               and Geist, Matthieu and Bachem, Olivier},
+  booktitle = {International Conference on Learning Representations (ICLR)},
+  year      = {2024}
+}""",
+    "gu2024minillm": """@inproceedings{gu2024minillm,
+  title     = {{MiniLLM}: Knowledge Distillation of Large Language Models},
+  author    = {Gu, Yuxian and Dong, Li and Wei, Furu and Huang, Minlie},
+  booktitle = {International Conference on Learning Representations (ICLR)},
+  year      = {2024}
+}""",
+    "men2024shortgpt": """@article{men2024shortgpt,
+  title   = {{ShortGPT}: Layers in Large Language Models are More Redundant Than You Expect},
+  author  = {Men, Xin and Xu, Mingyu and Zhang, Qingyu and Wang, Bingning and Lin, Hongyu and Lu, Yaojie
+             and Han, Xianpei and Chen, Weipeng},
+  journal = {arXiv preprint arXiv:2403.03853},
+  year    = {2024}
+}""",
     "xin2020deebert": """@inproceedings{xin2020deebert,
   title={{DeeBERT}: Dynamic Early Exiting for Accelerating {BERT} Inference},
   author={Xin, Ji and Tang, Raphael and Lee, Jaejun and Yu, Yaoliang and Lin, Jimmy},
@@ -130,6 +152,7 @@ _TRAINING_ROWS = (
     ("epochs", "Epochs"),
     ("max_steps", "Max steps"),
     ("steps", "Optimizer steps done"),
+    ("epochs_trained", "Epochs done"),
     ("per_device_train_batch_size", "Batch size per device"),
     ("gradient_accumulation_steps", "Gradient accumulation steps"),
     ("effective_batch_size", "Effective batch size"),
@@ -142,12 +165,52 @@ _TRAINING_ROWS = (
 )
 
 
+# The paper whose objective a logit loss is, when it is not Hinton et al.'s soft targets / forward KL.
+_KD_PAPERS = {"jsd": "agarwal2024gkd", "reverse_kl": "gu2024minillm"}
+# Token-level heads: the card says which of their tokens the logit loss covered (`kd_token_mask`).
+_TOKEN_TASKS = ("text-generation", "fill-mask", "token-classification")
+
+
 def citations(report: DistillationReport) -> list[str]:
-    """BibTeX keys of the papers the run follows: the method's, plus Hinton et al. for any logit KD."""
+    """BibTeX keys of the papers the run follows: the method's, the logit loss's (Hinton et al.; GKD for the
+    generalized JSD, MiniLLM for the reverse KL) and ShortGPT's for a depth-pruned student."""
     keys = list(METHODS.get(report.method or "", ("", []))[1])
-    if (report.distillation.get("kd_weight") or 0) > 0 and "hinton2015distilling" not in keys:
-        keys.append("hinton2015distilling")
-    return keys
+    d = report.distillation
+    if (d.get("kd_weight") or 0) > 0:
+        keys.append(_KD_PAPERS.get(d.get("kd_loss") or "", "hinton2015distilling"))
+    if report.student_init.get("init") == "prune_depth":
+        keys.append("men2024shortgpt")
+    return list(dict.fromkeys(keys))
+
+
+def method_name(report: DistillationReport) -> str | None:
+    """What the card calls the method, with the settings that define it (GKD's beta; a causal LM's forward KL is
+    named as the objective on next-token distributions)."""
+    if report.method not in METHODS:
+        return None
+    d = report.distillation
+    if report.method == "gkd" and d.get("jsd_beta") is not None:
+        return f"generalized JSD distillation (beta = {d['jsd_beta']:g}; GKD, Agarwal et al., 2024)"
+    if report.method == "logit-kd" and report.pipeline_tag == "text-generation":
+        kind = {"kl": "forward KL", "soft_ce": "soft cross-entropy"}.get(d.get("kd_loss") or "")
+        if kind:
+            return f"{kind} distillation of the next-token distributions (Hinton et al., 2015)"
+    return METHODS[report.method][0]
+
+
+def _library_and_base(r: DistillationReport) -> tuple[str, str | None, list[str]]:
+    """`library_name`, `base_model` and extra tags. A PEFT student's repository holds adapters, so the card is
+    PEFT's: `library_name: peft` and `base_model` the model the adapters load onto, tagged as PEFT tags it
+    (`base_model:adapter:<id>`, `lora`, `transformers`); the teacher stays named in the body."""
+    if not r.adapter:
+        return "transformers", r.teacher_hub_id, []
+    base = hub_id(r.adapter.get("base_model"))
+    tags = ["transformers"]
+    if r.adapter.get("peft_type") == "LORA":
+        tags.append("lora")
+    if base:
+        tags.append(f"base_model:adapter:{base}")
+    return "peft", base, tags
 
 
 def model_card(report: DistillationReport) -> Any:
@@ -170,10 +233,11 @@ def model_card(report: DistillationReport) -> Any:
             )
             for name, value in report.student_metrics.items()
         ]
-    tags = ["distillation", "hf-distill", *([report.method] if report.method else []), *report.tags]
+    library, base_model, library_tags = _library_and_base(report)
+    tags = ["distillation", "hf-distill", *([report.method] if report.method else []), *library_tags, *report.tags]
     data = ModelCardData(
-        base_model=report.teacher_hub_id,
-        library_name="transformers",
+        base_model=base_model,
+        library_name=library,
         pipeline_tag=report.pipeline_tag,
         tags=list(dict.fromkeys(tags)),
         datasets=report.datasets or None,
@@ -232,17 +296,69 @@ def _title(r: DistillationReport) -> str:
     sentence = f"This model is {what} distilled"
     if r.teacher:
         sentence += f" from {_teacher_link(r)}"
-    if r.method in METHODS:
-        sentence += f" with {METHODS[r.method][0]}"
+    if method_name(r):
+        sentence += f" with {method_name(r)}"
     if r.datasets or r.dataset_name:
         sentence += f" on {r.dataset_name or ', '.join(r.datasets)}"
     return f"# {name}\n\n{sentence}."
 
 
 def _teacher_link(r: DistillationReport) -> str:
-    if r.teacher_hub_id:
-        return f"[{r.teacher_hub_id}](https://huggingface.co/{r.teacher_hub_id})"
-    return f"`{Path(r.teacher).name or r.teacher}`" if r.teacher else ""
+    return _model_link(r.teacher)
+
+
+def _model_link(name: str | None) -> str:
+    if hub_id(name):
+        return f"[{name}](https://huggingface.co/{name})"
+    return f"`{Path(name).name or name}`" if name else ""
+
+
+def _tokens(r: DistillationReport) -> str:
+    """Which tokens the logit loss averaged over (`kd_token_mask`), in the words of the student's task."""
+    mask = r.distillation.get("kd_token_mask")
+    if mask == "attention":
+        prompt = ", prompt tokens included" if r.pipeline_tag == "text-generation" else ""
+        return f"every real token (attention_mask = 1){prompt} (`kd_token_mask=attention`)"
+    if mask == "labels":
+        which = {
+            "text-generation": "completion tokens only: positions whose label is not -100, prompt and padding "
+            "excluded",
+            "fill-mask": "masked tokens only: positions whose label is not -100",
+        }.get(r.pipeline_tag or "", "labelled tokens only: positions whose label is not -100")
+        return f"{which} (`kd_token_mask=labels`)"
+    return ""
+
+
+def _initialisation(r: DistillationReport) -> str:
+    """How the student was made (hf_distill.students records it in `config.distillation`)."""
+    init = r.student_init
+    kind = init.get("init")
+    layers = init.get("teacher_layers")
+    causal = r.pipeline_tag == "text-generation"
+    of = f" of its {init['teacher_num_layers']}" if init.get("teacher_num_layers") else ""
+    if kind == "prune_depth" and layers is not None:
+        blocks = "decoder blocks" if causal else "layers"
+        with_ = "the embeddings, final norm and LM head" if causal else "the embeddings and head"
+        removed = ""
+        if init.get("teacher_num_layers"):
+            gone = sorted(set(range(int(init["teacher_num_layers"]))) - set(layers))
+            removed = f", removed {gone}" if gone else ""
+        tokens = f" on {init['calibration_tokens']:,} calibration tokens" if init.get("calibration_tokens") else ""
+        return (
+            f"depth pruning of the teacher: kept {blocks} {layers} (0-based){of}{removed}, the {len(layers)} most "
+            f"important by block importance (1 - mean cosine between a block's input and output, ShortGPT, "
+            f"Men et al., 2024){tokens}; the kept blocks copied bit-exactly with {with_}"
+        )
+    if kind == "from_teacher" and layers is not None:
+        if causal:
+            return f"teacher decoder blocks {layers} (0-based){of}, copied with the embeddings, final norm and LM head"
+        return (
+            f"teacher encoder layers {layers} (0-based){of}, copied with the embeddings, pooler and head "
+            "(DistilBERT-style)"
+        )
+    if kind == "shrink":
+        return "random, a smaller configuration of the teacher's architecture (TinyBERT-style)"
+    return ""
 
 
 def _layer_map(layers: Any) -> str:
@@ -254,8 +370,11 @@ def _layer_map(layers: Any) -> str:
 def _made(r: DistillationReport) -> str:
     lines = []
     if r.method:
-        name = METHODS.get(r.method, (r.method, []))[0]
-        lines.append(f"- **Method**: {name[0].upper()}{name[1:]}")
+        name = method_name(r) or r.method
+        sampled = ""
+        if r.method in ("gkd", "reverse-kl"):  # the papers also train on the student's own samples; this run did not
+            sampled = ", on the training sequences (no student-generated samples)"
+        lines.append(f"- **Method**: {name[0].upper()}{name[1:]}{sampled}")
     if r.teacher:
         lines.append(f"- **Teacher**: {_teacher_link(r)}")
     if r.student_shape:
@@ -271,24 +390,18 @@ def _made(r: DistillationReport) -> str:
             f"- **Adapters**: this repository holds {a.get('peft_type') or 'PEFT'} adapters{rank}{on}{base}; only "
             "the adapters were trained and are published"
         )
-    init = r.student_init
-    if init.get("init") == "from_teacher" and init.get("teacher_layers") is not None:
-        of = f" of its {init['teacher_num_layers']}" if init.get("teacher_num_layers") else ""
-        lines.append(
-            f"- **Initialisation**: teacher encoder layers {init['teacher_layers']} (0-based){of}, copied "
-            "with the embeddings, pooler and head (DistilBERT-style)"
-        )
-    elif init.get("init") == "shrink":
-        lines.append(
-            "- **Initialisation**: random, a smaller configuration of the teacher's architecture "
-            "(TinyBERT-style)"
-        )
+    if _initialisation(r):
+        lines.append(f"- **Initialisation**: {_initialisation(r)}")
+    if r.initialised_from:
+        lines.append(f"- **Initialised from**: {_model_link(r.initialised_from)} (the student's starting checkpoint)")
     d = r.distillation
     rows = []
     if (d.get("task_weight") or 0) > 0:
         rows.append(("task", "the student's own loss on the labels", d["task_weight"], ""))
     if (d.get("kd_weight") or 0) > 0:
         kind = _KD_LOSSES.get(d.get("kd_loss"), d.get("kd_loss"))
+        if d.get("kd_loss") == "jsd" and d.get("jsd_beta") is not None:
+            kind = f"generalized JSD (beta = {d['jsd_beta']:g}) x T^2"
         temp = f", T = {d['temperature']:g}" if d.get("kd_loss") != "mse" and d.get("temperature") else ""
         rows.append(
             ("kd", f"{kind} between student and teacher logits{temp}", d["kd_weight"], "output logits")
@@ -310,6 +423,13 @@ def _made(r: DistillationReport) -> str:
         lines.append("")
     if d.get("temperature") and (d.get("kd_weight") or 0) > 0 and d.get("kd_loss") != "mse":
         lines.append(f"- **Temperature**: {d['temperature']:g}")
+    if (d.get("kd_weight") or 0) > 0 and d.get("kd_loss") == "jsd" and d.get("jsd_beta") is not None:
+        lines.append(
+            f"- **Beta** (generalized JSD): {d['jsd_beta']:g} (0 is the forward KL, 1 the reverse KL; TRL's GKD "
+            "convention)"
+        )
+    if (d.get("kd_weight") or 0) > 0 and r.pipeline_tag in _TOKEN_TASKS and _tokens(r):
+        lines.append(f"- **Distilled tokens**: {_tokens(r)}")
     if d.get("distill_terms") and d.get("projection"):
         lines.append(f"- **Projections** (student -> teacher width, not published): {d['projection']}")
     if r.stages:
@@ -391,7 +511,15 @@ def _comparison(r: DistillationReport) -> str:
         where = " on " + (r.dataset_name or ", ".join(r.datasets)) if (r.dataset_name or r.datasets) else ""
         split = f" ({r.dataset_split})" if r.dataset_split else ""
         step = f", student evaluated at step {r.eval_step}" if r.eval_step else ""
-        parts.append(f"Evaluation{where}{split}{step}:\n\n{head}\n" + "\n".join(lines))
+        note = ""
+        if r.pipeline_tag == "text-generation" and any(
+            n == "perplexity" or n.endswith("_perplexity") for n in r.student_metrics
+        ):
+            note = (
+                "\n\n`loss` is the model's own next-token cross-entropy on the evaluation set (nats per predicted "
+                "token), `perplexity` its exp."
+            )
+        parts.append(f"Evaluation{where}{split}{step}:\n\n{head}\n" + "\n".join(lines) + note)
     return "## Teacher vs student\n\n" + "\n\n".join(parts) if parts else ""
 
 
@@ -481,9 +609,12 @@ def write_trainer_card(
 ) -> Path:
     """`Trainer.create_model_card`'s arguments mapped onto a `DistillationReport`, card written to output_dir.
 
-    `finetuned_from` names the teacher, `dataset_tags` the Hub dataset ids (`dataset` is used when they are
-    missing), `dataset` its display name, `dataset_args` its configuration; any `DistillationReport` field
-    (e.g. `stages`, `augmentation`, `teacher_metrics`) and `from_trainer`'s options may be given too.
+    The teacher is the one the trainer distilled from. `finetuned_from` is what transformers' example scripts
+    pass it, the student's starting checkpoint (`model_name_or_path`): the card shows it as "initialised from",
+    never as the teacher (give `teacher=` to name a teacher loaded from a folder by its Hub id).
+    `dataset_tags` are the Hub dataset ids (`dataset` is used when they are missing), `dataset` its display
+    name, `dataset_args` its configuration; any `DistillationReport` field (e.g. `stages`, `augmentation`,
+    `teacher_metrics`) and `from_trainer`'s options may be given too.
     """
     # A display name such as "GLUE SST-2" is no Hub id: only id-like `dataset` values replace dataset_tags.
     dataset_ids = _as_list(dataset_tags) or [d for d in _as_list(dataset) if " " not in d]
@@ -492,7 +623,7 @@ def write_trainer_card(
         "license": license,
         "tags": _as_list(tags),
         "model_name": model_name,
-        "teacher": finetuned_from,
+        "initialised_from": finetuned_from,
         "pipeline_tag": _first(tasks),
         "datasets": dataset_ids,
         "dataset_name": _first(dataset),

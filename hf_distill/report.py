@@ -13,6 +13,7 @@ import dataclasses
 import importlib
 import inspect
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -81,6 +82,8 @@ class DistillationReport:
     training: dict[str, Any] = field(default_factory=dict)
     loss_plot: str | None = None  # file name, relative to the student folder
     adapter: dict[str, Any] = field(default_factory=dict)  # a PEFT student: type, rank, targets, base model
+    # The checkpoint the student started from (`create_model_card(finetuned_from=...)`), never the teacher.
+    initialised_from: str | None = None
     early_exit: dict[str, Any] = field(default_factory=dict)  # hf_distill.early_exit: exits, speed sweep, plot
 
     # ------------------------------------------------------------------ (de)serialisation
@@ -156,14 +159,16 @@ class DistillationReport:
                 found["teacher_size_bytes"] = measure.size_on_disk(t_path) or None
         found["student_params"] = measure.count_parameters(student)
         if hasattr(args, "distillation_summary"):
-            found["distillation"] = args.distillation_summary()
+            found["distillation"] = distillation_facts(args)
             found["method"] = detect_method(found["distillation"])
         found["training"] = _training_from_args(args, trainer.state)
-        metrics, step = latest_eval_metrics(trainer.state.log_history)
-        found["student_metrics"], found["eval_step"] = metrics, step
+        own_loss = _own_eval_loss(found.get("pipeline_tag"), found.get("distillation"))
+        metrics, step = latest_eval_metrics(trainer.state.log_history, keep_loss=own_loss)
+        found["student_metrics"], found["eval_step"] = lm_metrics(metrics) if own_loss else metrics, step
         evaluated = getattr(trainer, "teacher_metrics", None) or {}
         if teacher is not None and metrics:
-            found["teacher_metrics"] = {k: v for k, v in evaluated.items() if k in metrics}
+            kept = {k: v for k, v in evaluated.items() if k in metrics}
+            found["teacher_metrics"] = lm_metrics(kept) if own_loss else kept
         if teacher is not None and measure_speed:
             if getattr(trainer, "shared_base", False):
                 raise ValueError(
@@ -198,8 +203,9 @@ class DistillationReport:
         last card said, measured by the trainer); last `results.json` (a recipe's or the demo's
         measurements: `teacher`, `method`, `dataset(s)`, `license`, `speedup`, `student_parameters`/`params`,
         `teacher_parameters`, `*_size_bytes`, `student_metrics`/`teacher_metrics` dicts or flat
-        `student_<metric>`/`teacher_<metric>` numbers, `accuracy`, `learning_rate`, `epochs`, `seed`,
-        `bf16`, `distillation`).
+        `student_<metric>`/`teacher_<metric>` numbers, `accuracy`, `f1`, `perplexity`, `learning_rate`, `epochs`,
+        `max_steps`, `train_steps`, `epochs_trained`, `seed`, `bf16`, `distillation`). A causal LM's loss and
+        perplexity are completed from each other (`lm_metrics`).
         """
 
         _check_fields(fields)
@@ -214,16 +220,18 @@ class DistillationReport:
         adapter_config = _read_json(folder / "adapter_config.json")
         if adapter_config:
             found["adapter"] = adapter_summary(adapter_config)
+        targs = _load_training_args(folder / "training_args.bin")
+        if targs is not None and hasattr(targs, "distillation_summary"):
+            found["distillation"] = distillation_facts(targs)
         state_path = find_trainer_state(folder)
         if state_path is not None:
             state = _read_json(state_path)
-            found["student_metrics"], found["eval_step"] = latest_eval_metrics(state.get("log_history", []))
+            own_loss = _own_eval_loss(found.get("pipeline_tag"), found.get("distillation"))
+            metrics, found["eval_step"] = latest_eval_metrics(state.get("log_history", []), keep_loss=own_loss)
+            found["student_metrics"] = lm_metrics(metrics) if own_loss else metrics
             found["training"] = _training_from_state(state)
-        targs = _load_training_args(folder / "training_args.bin")
         if targs is not None:
             found["training"] = {**found.get("training", {}), **_training_from_args(targs, None)}
-            if hasattr(targs, "distillation_summary"):
-                found["distillation"] = targs.distillation_summary()
         found["student_params"] = measure.stored_parameters(folder)
         found["student_size_bytes"] = measure.size_on_disk(folder) or None
         # The teacher's folder, when config.json (or the caller) names a local one: its facts are real too.
@@ -241,6 +249,10 @@ class DistillationReport:
             merged = _merge(merged, layer)
         if "method" not in merged and merged.get("distillation"):
             merged["method"] = detect_method(merged["distillation"])
+        if merged.get("pipeline_tag") == "text-generation":  # a results.json may give perplexity but no loss
+            for key in ("student_metrics", "teacher_metrics"):
+                if merged.get(key):
+                    merged[key] = lm_metrics(merged[key])
         return cls.from_dict(_merge(merged, fields))
 
 
@@ -258,6 +270,45 @@ def pipeline_tag_for(architecture: str | None) -> str | None:
     if not architecture:
         return None
     return next((tag for suffix, tag in _HEAD_TASKS if architecture.endswith(suffix)), None)
+
+
+def distillation_facts(args: Any) -> dict[str, Any]:
+    """`args.distillation_summary()` plus what a card needs to read the run right: which tokens the logit loss
+    covered (`kd_token_mask`) and whether `eval_loss` was the student's own loss (`eval_with_teacher`)."""
+    facts = dict(args.distillation_summary())
+    for name in ("kd_token_mask", "eval_with_teacher"):
+        value = getattr(args, name, None)
+        if value is not None:
+            facts.setdefault(name, value)
+    return facts
+
+
+def _own_eval_loss(pipeline_tag: str | None, distillation: dict[str, Any] | None) -> bool:
+    """Whether a logged `eval_loss` is a causal-LM student's own next-token loss, of which perplexity is exp: only
+    when it is known that the teacher did not join the evaluation (`eval_with_teacher=False`)."""
+    known = distillation or {}
+    return pipeline_tag == "text-generation" and known.get("eval_with_teacher") is False
+
+
+def lm_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """A language model's metrics with `perplexity` = exp(`loss`) beside each loss (`<set>_loss` gives
+    `<set>_perplexity`), and the loss (log perplexity) beside a perplexity given alone."""
+    out: dict[str, float] = {}
+    for name, value in metrics.items():
+        if name.endswith("perplexity") and name[: -len("perplexity")] + "loss" in metrics:
+            continue  # placed right after its loss below
+        if name == "perplexity" or name.endswith("_perplexity"):
+            loss_name = name[: -len("perplexity")] + "loss"
+            if value > 0:
+                out[loss_name] = math.log(value)
+            out[name] = value
+            continue
+        out[name] = value
+        if name == "loss" or name.endswith("_loss"):
+            ppl_name = name[: -len("loss")] + "perplexity"
+            given = metrics.get(ppl_name)
+            out[ppl_name] = given if given is not None else (math.inf if value > 700 else math.exp(value))
+    return out
 
 
 def detect_method(summary: dict[str, Any]) -> str:
@@ -282,24 +333,31 @@ def detect_method(summary: dict[str, Any]) -> str:
         return "distilbert"
     if losses:
         return "feature-kd"
-    return "logit-kd"
+    # Logit distillation alone, named by its objective: GKD's generalized JSD, the reverse KL of MiniLLM, or the
+    # forward KL / soft targets of Hinton et al.
+    return {"jsd": "gkd", "reverse_kl": "reverse-kl"}.get(summary.get("kd_loss") or "", "logit-kd")
 
 
-def _is_metric(name: str) -> bool:
+def _is_metric(name: str, keep_loss: bool = False) -> bool:
     """A quality metric, not a loss or timing; `name` may carry an eval set's prefix (`b_loss`, `b_runtime`)."""
+    if keep_loss and (name == "loss" or name.endswith("_loss")):
+        return True
     return not any(name == k or name.endswith(f"_{k}") for k in _NOT_METRICS)
 
 
-def latest_eval_metrics(log_history: list[dict[str, Any]]) -> tuple[dict[str, float], int | None]:
+def latest_eval_metrics(
+    log_history: list[dict[str, Any]], keep_loss: bool = False
+) -> tuple[dict[str, float], int | None]:
     """The last evaluation's metrics (without the `eval_` prefix, losses and timings) and its step; with several
-    evaluation sets (`eval_dataset={"a": ..., "b": ...}`, one log entry each) those of every set at that step."""
+    evaluation sets (`eval_dataset={"a": ..., "b": ...}`, one log entry each) those of every set at that step.
+    `keep_loss` keeps the losses too (a causal LM's eval loss is its quality measure: perplexity is its exp)."""
     metrics: dict[str, float] = {}
     step = None
     for entry in reversed(log_history or []):
         found = {
             k[len("eval_") :]: float(v)
             for k, v in entry.items()
-            if k.startswith("eval_") and _number(v) and _is_metric(k[len("eval_") :])
+            if k.startswith("eval_") and _number(v) and _is_metric(k[len("eval_") :], keep_loss)
         }
         if not found:
             continue
@@ -324,8 +382,9 @@ def find_trainer_state(folder: str | os.PathLike) -> Path | None:
 def adapter_summary(config: dict[str, Any]) -> dict[str, Any]:
     """What a card says about a PEFT student (the repository then holds adapters, not a full model)."""
     targets = config.get("target_modules")
+    peft_type = config.get("peft_type")
     return {
-        "peft_type": config.get("peft_type"),
+        "peft_type": getattr(peft_type, "value", peft_type),  # "LORA", not PeftType.LORA (str() of the enum)
         "r": config.get("r"),
         "lora_alpha": config.get("lora_alpha"),
         "target_modules": sorted(targets) if isinstance(targets, list | set | tuple) else targets,
@@ -353,7 +412,7 @@ def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     for key, value in update.items():
         if _empty(value):
             continue
-        if isinstance(value, dict) and isinstance(out.get(key), dict) and key == "training":
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and key in ("training", "distillation"):
             out[key] = {**out[key], **value}
         else:
             out[key] = value
@@ -511,8 +570,9 @@ def _from_results(data: dict[str, Any]) -> dict[str, Any]:
         for prefix, target in (("student_", student), ("teacher_", teacher)):
             if key.startswith(prefix) and _number(value) and key[len(prefix) :] not in skip:
                 target[key[len(prefix) :]] = float(value)
-    if _number(data.get("accuracy")):
-        student.setdefault("accuracy", float(data["accuracy"]))
+    for name in ("accuracy", "f1", "perplexity"):  # the flat metrics recipes and the demo write
+        if _number(data.get(name)):
+            student.setdefault(name, float(data[name]))
     out["student_metrics"], out["teacher_metrics"] = student, teacher
     if isinstance(data.get("distillation"), dict):
         out["distillation"] = data["distillation"]
@@ -525,8 +585,11 @@ def _from_results(data: dict[str, Any]) -> dict[str, Any]:
         ("batch_size", "per_device_train_batch_size"),
         ("per_device_train_batch_size", "per_device_train_batch_size"),
         ("gradient_accumulation_steps", "gradient_accumulation_steps"),
+        ("max_steps", "max_steps"),
+        ("train_steps", "steps"),  # what the trainer state says was run (recipes.common.run_length)
+        ("epochs_trained", "epochs_trained"),
     ):
-        if _number(data.get(key)):
+        if _number(data.get(key)) and not (name == "max_steps" and data[key] <= 0):
             training[name] = data[key]
     if isinstance(data.get("bf16"), bool) or isinstance(data.get("fp16"), bool):
         training["precision"] = _precision(data.get("bf16"), data.get("fp16"))

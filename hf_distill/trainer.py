@@ -878,8 +878,10 @@ class DistillationTrainer(Trainer):
     ) -> None:
         """Write the distillation card (teacher, method, losses, size, metrics kept) into `output_dir`, so every
         Trainer flow that writes a card writes this one. It runs no model: the teacher's metrics are those of
-        the last `evaluate_teacher()`, and the speed-up is measured only with `measure_speed=True`. Extra
-        keywords are `DistillationReport` fields (e.g. `stages`, `augmentation`) or `measure_speed`."""
+        the last `evaluate_teacher()`, and the speed-up is measured only with `measure_speed=True`. The teacher is
+        this trainer's; `finetuned_from` (transformers' example scripts pass `model_name_or_path`) is the student's
+        starting checkpoint, shown as such. Extra keywords are `DistillationReport` fields (e.g. `stages`,
+        `augmentation`, `teacher` to name a folder-loaded teacher by its Hub id) or `measure_speed`."""
         if not self.is_world_process_zero():
             return
         from .card import write_trainer_card

@@ -32,9 +32,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import command_line, fail, parse_args, set_offline_defaults, write_results
+from common import command_line, fail, parse_args, run_length, set_offline_defaults, write_results
 
 from hf_distill import DistillationArguments, DistillationTrainer
+from hf_distill.report import distillation_facts
 
 EOS = "<|endoftext|>"
 
@@ -221,8 +222,8 @@ def main() -> None:
                                   data_collator=default_data_collator, processing_class=tokenizer)
     out = trainer.train()
     trainer.save_model()
-    results.update(distillation=args.distillation_summary(), train_runtime_s=out.metrics.get("train_runtime"),
-                   train_steps=out.global_step, epochs=args.num_train_epochs, bf16=args.bf16)
+    results.update(distillation=distillation_facts(args), train_runtime_s=out.metrics.get("train_runtime"),
+                   **run_length(args, trainer.state), bf16=args.bf16)
 
     # 4. The baseline: the same pruned student, CE only, same steps and data.
     if recipe.run_baseline:

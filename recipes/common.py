@@ -536,25 +536,36 @@ def cache_task_logits(teacher, train, collator, cache_dir: str, progress: bool, 
                                      key={"bf16": True} if bf16 else None)
 
 
+def run_length(args, state) -> dict[str, Any]:
+    """How long a run really trained, from the trainer state (`train_steps`, `epochs_trained`), and the limit
+    that ended it: `max_steps` when set (the Trainer then ignores `num_train_epochs`), else `epochs`."""
+    limit = {"max_steps": args.max_steps} if args.max_steps and args.max_steps > 0 else {
+        "epochs": args.num_train_epochs}
+    return {**limit, "train_steps": state.global_step, "epochs_trained": round(float(state.epoch or 0.0), 4)}
+
+
 def train_and_report(trainer, results: dict[str, Any], start: float, *, student, teacher, train, valid, collator,
                      evaluate_teacher: bool) -> None:
-    """The end every recipe shares: train, save the student, evaluate it (and the teacher), write results.json."""
+    """The end every recipe shares: train, save the student, evaluate it (and the teacher), write results.json
+    (every metric of the evaluation in `student_metrics` / `teacher_metrics`, which the model card reads)."""
     args = trainer.args
     train_out = trainer.train()
     trainer.save_model()
     from hf_distill import measure
+    from hf_distill.report import distillation_facts, latest_eval_metrics
 
-    results.update(params=measure.count_parameters(student), train_rows=len(train), epochs=args.num_train_epochs,
-                   bf16=args.bf16, bf16_available=bf16_available(), distillation=args.distillation_summary(),
+    results.update(params=measure.count_parameters(student), train_rows=len(train), **run_length(args, trainer.state),
+                   bf16=args.bf16, bf16_available=bf16_available(), distillation=distillation_facts(args),
                    train_runtime_s=train_out.metrics.get("train_runtime"))
     if teacher is not None:
         results["teacher_params"] = measure.count_parameters(teacher)
     if valid is not None:
         metrics = trainer.evaluate()
-        results.update(accuracy=metrics["eval_accuracy"], f1=metrics["eval_f1"], eval_rows=len(valid))
+        results.update(accuracy=metrics["eval_accuracy"], f1=metrics["eval_f1"], eval_rows=len(valid),
+                       student_metrics=latest_eval_metrics([metrics])[0])
         if evaluate_teacher and teacher is not None:
             t = evaluate_model(teacher, valid, collator, bf16=args.bf16)
-            results.update(teacher_accuracy=t["accuracy"], teacher_f1=t["f1"])
+            results.update(teacher_accuracy=t["accuracy"], teacher_f1=t["f1"], teacher_metrics=t)
     results["wall_s"] = time.time() - start
     write_results(args.output_dir, results)
 

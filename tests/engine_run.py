@@ -116,7 +116,7 @@ def run(out: Path, engine: str, per_device_batch: int, steps: int, use_cpu: bool
     if push_to:  # every rank calls it, as a user's script does: the save is a collective under ZeRO-3 / FSDP
         trainer.args.hub_model_id = push_to
         trainer.evaluate_teacher(token_dataset(6, seed=1))  # every rank: the card's teacher column
-        trainer.push_to_hub(commit_message="engine run", finetuned_from="local-teacher")
+        trainer.push_to_hub(commit_message="engine run", teacher="local-teacher")
     result = {
         "engine": engine,
         "distributed_type": acc.distributed_type.value,

@@ -8,6 +8,7 @@ what the server received.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import socket
@@ -113,7 +114,7 @@ def pushed(tmp_path_factory):
     with FakeHub() as hub, pytest.MonkeyPatch.context() as mp:
         online(mp, hub.endpoint)
         url = trainer.push_to_hub(
-            finetuned_from=TEACHER_ID,
+            teacher=TEACHER_ID,  # the teacher was loaded from a folder: named by its Hub id
             dataset_tags="nyu-mll/glue",
             dataset="GLUE SST-2",
             dataset_args="sst2",
@@ -661,3 +662,139 @@ def test_pushes_during_training_send_the_student_files_only(tmp_path, strategy):
         assert {"optimizer.pt", "distill_projections.pt", "model.safetensors"} <= nested
     else:
         assert files == root
+
+
+# ---------------------------------------------------------------------- causal-LM, PEFT and example-script cards
+
+
+def _causal_run(root: Path, **overrides):
+    """A real run of a causal-LM student pruned from a 4-block tiny Llama teacher (prune_depth keeps 2 blocks) on
+    prompt + completion rows, with an evaluation set and the teacher evaluated on it, then its card."""
+    from helpers import args, labelled_collate, llama, sft_rows
+
+    from hf_distill import students
+
+    teacher = llama(seed=1, layers=4)
+    teacher.config._name_or_path = "fake-org/tiny-llama"  # as from_pretrained("fake-org/tiny-llama") names it
+    calibration = [labelled_collate([sft_rows(4, seed=7)[i] for i in range(4)])]
+    student, pruning = students.prune_depth(teacher, 2, calibration)
+    settings = dict(kd_loss="jsd", jsd_beta=0.5, temperature=1.0, kd_token_mask="labels", kd_weight=0.5,
+                    task_weight=0.5, max_steps=2, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)
+    settings.update(overrides)
+    trainer = DistillationTrainer(model=student, teacher_model=teacher, args=args(root, **settings),
+                                  train_dataset=sft_rows(16), eval_dataset=sft_rows(8, seed=9),
+                                  data_collator=labelled_collate)
+    trainer.train()
+    trainer.evaluate_teacher()
+    trainer.create_model_card()
+    return trainer, pruning, (Path(trainer.args.output_dir) / "README.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("kd_loss", "tag", "named", "paper"),
+    [
+        ("jsd", "gkd", "Generalized JSD distillation (beta = 0.5; GKD, Agarwal et al., 2024)", "agarwal2024gkd"),
+        ("reverse_kl", "reverse-kl", "Reverse KL distillation (MiniLLM, Gu et al., 2024)", "gu2024minillm"),
+        ("kl", "logit-kd", "Forward KL distillation of the next-token distributions (Hinton et al., 2015)",
+         "hinton2015distilling"),
+    ],
+)
+def test_causal_lm_card_names_the_objective_tokens_pruning_and_perplexity(tmp_path, kd_loss, tag, named, paper):
+    """The card of a causal-LM run names its logit objective as the literature does (not "logit distillation" for
+    a JSD or a reverse KL), with beta and T, which tokens were distilled, the blocks prune_depth kept, and the
+    student's and teacher's evaluation loss with its exp, the perplexity."""
+    trainer, pruning, text = _causal_run(tmp_path, kd_loss=kd_loss)
+    meta = front_matter(text)
+    assert tag in meta["tags"] and (tag == "logit-kd") == ("logit-kd" in meta["tags"])
+    assert f"- **Method**: {named}" in text
+    assert ("- **Beta** (generalized JSD): 0.5" in text) == (kd_loss == "jsd")
+    assert "- **Temperature**: 1" in text
+    assert "- **Distilled tokens**: completion tokens only" in text and "`kd_token_mask=labels`" in text
+    assert f"kept decoder blocks {pruning.kept} (0-based) of its 4, removed {pruning.removed}" in text
+    assert "ShortGPT, Men et al., 2024" in text
+    keys = citations(DistillationReport.from_dict(json.loads(
+        (Path(trainer.args.output_dir) / "distillation_report.json").read_text())))
+    assert paper in keys and "men2024shortgpt" in keys
+    assert ("hinton2015distilling" in keys) == (kd_loss == "kl")
+    student_loss = [e for e in trainer.state.log_history if "eval_loss" in e][-1]["eval_loss"]
+    teacher_loss = trainer.teacher_metrics["loss"]
+    metrics = table_with(text, ["Metric", "Teacher", "Student", "% of teacher"])
+    assert metrics["loss"][:2] == [f"{teacher_loss:.4f}", f"{student_loss:.4f}"]
+    assert metrics["perplexity"][:2] == [f"{math.exp(teacher_loss):.4f}", f"{math.exp(student_loss):.4f}"]
+    assert "its exp" in text
+
+
+def test_causal_lm_card_from_the_folder_alone_and_with_the_teacher_in_evaluation(tmp_path):
+    """From saved files only (training_args.bin, trainer_state.json) the card still shows beta, the tokens and
+    the perplexity; when the teacher joined evaluation (eval_with_teacher) eval_loss is the distillation loss,
+    of which no perplexity is given."""
+    trainer, pruning, _ = _causal_run(tmp_path / "own")
+    folder = Path(trainer.args.output_dir)
+    trainer.save_model()
+    trainer.save_state()
+    (folder / "distillation_report.json").unlink()
+    text = write_model_card(folder).read_text()
+    student_loss = [e for e in trainer.state.log_history if "eval_loss" in e][-1]["eval_loss"]
+    metrics = table_with(text, ["Metric", "Student"])
+    assert metrics["loss"] == [f"{student_loss:.4f}"] and metrics["perplexity"] == [f"{math.exp(student_loss):.4f}"]
+    assert "- **Beta** (generalized JSD): 0.5" in text and "completion tokens only" in text
+    assert f"kept decoder blocks {pruning.kept}" in text
+
+    with_teacher, _, text = _causal_run(tmp_path / "with_teacher", eval_with_teacher=True)
+    assert [e for e in with_teacher.state.log_history if "eval_loss" in e]
+    assert "perplexity" not in text and "| loss |" not in text
+
+
+def test_peft_student_card_is_a_peft_card(tmp_path):
+    """A PEFT student's repository holds adapters: the card says `library_name: peft` and names the model the
+    adapters load onto as `base_model` (with PEFT's own tags), while the teacher stays the teacher."""
+    peft = pytest.importorskip("peft")
+    from helpers import args, bert, collate, token_dataset
+    from helpers import teacher as make_teacher
+
+    base = bert(2)
+    base.name_or_path = base.config._name_or_path = "fake-org/bert-base-for-adapters"  # as from_pretrained sets them
+    student = peft.get_peft_model(base, peft.LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8,
+                                                        target_modules=["query", "value"]))
+    teacher = make_teacher()
+    teacher.config._name_or_path = TEACHER_ID
+    trainer = DistillationTrainer(model=student, teacher_model=teacher, args=args(tmp_path, max_steps=2),
+                                  train_dataset=token_dataset(16), data_collator=collate)
+    trainer.train()
+    trainer.save_model()
+    trainer.create_model_card()
+    out = Path(trainer.args.output_dir)
+    from_trainer = (out / "README.md").read_text()
+    (out / "distillation_report.json").unlink()  # then the card of the folder (adapter_config.json) + the teacher's id
+    for text in (from_trainer, write_model_card(out, teacher=TEACHER_ID).read_text()):
+        meta = front_matter(text)
+        assert meta["library_name"] == "peft"
+        assert meta["base_model"] == "fake-org/bert-base-for-adapters"
+        assert {"lora", "transformers", "base_model:adapter:fake-org/bert-base-for-adapters"} <= set(meta["tags"])
+        assert f"- **Teacher**: [{TEACHER_ID}](https://huggingface.co/{TEACHER_ID})" in text
+        assert ModelCard(text).data.library_name == "peft"
+
+
+def test_example_script_finetuned_from_is_the_students_start_not_the_teacher(tmp_path):
+    """transformers' example scripts end with `create_model_card(finetuned_from=model_args.model_name_or_path)`
+    or `push_to_hub(finetuned_from=..., tasks=...)`: that is the student's starting checkpoint. The card, its
+    report and the published card name the teacher the trainer distilled from, and show the start as such."""
+    trainer = tiny_run(tmp_path, max_steps=2, eval_strategy="no", save_strategy="no", hidden_term=False)
+    trainer.teacher.config._name_or_path = TEACHER_ID  # as from_pretrained(TEACHER_ID) names it
+    start = "fake-user/bert-qa-student-init"
+    out = Path(trainer.args.output_dir)
+    trainer.save_model()
+    trainer.create_model_card(finetuned_from=start, tasks="text-classification")
+    report = json.loads((out / "distillation_report.json").read_text())
+    assert report["teacher"] == TEACHER_ID and report["initialised_from"] == start
+    with FakeHub() as hub, pytest.MonkeyPatch.context() as mp:
+        online(mp, hub.endpoint)
+        trainer.push_to_hub(finetuned_from=start, tasks="text-classification")
+    for text in ((out / "README.md").read_text(), hub.files(REPO)["README.md"].decode()):
+        assert front_matter(text)["base_model"] == TEACHER_ID
+        assert f"distilled from [{TEACHER_ID}](https://huggingface.co/{TEACHER_ID})" in text
+        assert f"- **Teacher**: [{TEACHER_ID}]" in text
+        assert f"- **Initialised from**: [{start}](https://huggingface.co/{start}) (the student's starting" in text
+        assert f"distilled from [{start}]" not in text and f"**Teacher**: [{start}]" not in text
+        sizes = table_with(text, ["", "Teacher", "Student", "Student / teacher"])
+        assert sizes["Parameters"][0] == f"{measure.count_parameters(trainer.teacher):,}"

@@ -8,6 +8,7 @@ text corpus, all written into tmp_path.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -121,6 +122,37 @@ def test_distilbert_task(env, tmp_path):
     results = check_results(out)
     assert results["params"] < results["teacher_params"]
     assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
+
+
+def card_rows(text: str) -> dict[str, list[str]]:
+    """Every row of every markdown table of a card, as {first cell: the other cells} (first occurrence wins)."""
+    rows: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if line.startswith("| "):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            rows.setdefault(cells[0], cells[1:])
+    return rows
+
+
+@pytest.mark.slow
+def test_results_and_card_state_the_steps_run_and_keep_every_metric(env, tmp_path):
+    """`--max_steps 2` of a 6-step epoch (48 rows, batches of 8): results.json and the card say 2 steps and a third
+    of an epoch, not the configured epochs, and the card keeps the student's f1 beside its accuracy."""
+    out = tmp_path / "out"
+    proc = run("distilbert", "--config", RECIPES / "configs" / "distilbert_sst2.yaml", *common_flags(env, out),
+               "--student", env["teacher"], "--student_layers", "0", "2", "--max_steps", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = check_results(out)
+    assert results["train_steps"] == 2 and results["max_steps"] == 2 and "epochs" not in results
+    assert results["epochs_trained"] == pytest.approx(2 / 6, abs=1e-4)
+    assert results["student_metrics"] == {"accuracy": results["accuracy"], "f1": results["f1"]}
+    from hf_distill.card import write_model_card
+
+    rows = card_rows(write_model_card(out).read_text())
+    assert rows["Optimizer steps done"] == ["2"] and rows["Epochs done"] == ["0.3333"] and rows["Max steps"] == ["2"]
+    assert "Epochs" not in rows
+    for metric in ("accuracy", "f1"):
+        assert rows[metric][:2] == [f"{results[f'teacher_{metric}']:.4f}", f"{results[metric]:.4f}"], metric
 
 
 @pytest.mark.parametrize(("strategy", "layers", "pairs"), [("skip", ["0", "1"], [[1, 2]]),
@@ -750,6 +782,16 @@ def test_causal_lm_recipe_trains_teacher_prunes_distils_and_compares(tmp_path):
     assert (out / "model.safetensors").is_file() and (out / "baseline" / "model.safetensors").is_file()
     teacher = Path(results["teacher"])
     assert teacher.parent == tmp_path / "teachers" and (teacher / "tokenizer.json").is_file()
+    # The card of the folder: GKD with its beta, the kept blocks, perplexities, the steps and epochs run.
+    from hf_distill.card import write_model_card
+
+    text = write_model_card(out).read_text()
+    assert "(beta = 0.5; GKD, Agarwal et al., 2024)" in text and "Hinton" not in text
+    assert f"kept decoder blocks {results['kept_blocks']} (0-based) of its 2" in text
+    rows = card_rows(text)
+    assert rows["perplexity"][:2] == [f"{results['teacher_perplexity']:.4f}", f"{results['perplexity']:.4f}"]
+    assert rows["loss"][1] == f"{math.log(results['perplexity']):.4f}"
+    assert rows["Optimizer steps done"] == ["2"] and rows["Epochs done"] == ["2.0"] and rows["Epochs"] == ["2.0"]
 
     # Same settings: the trained teacher is reused; --teacher loads a given one (tokenizer and model) instead.
     again = run("causal_lm", *_causal_flags(tmp_path, tmp_path / "again"), "--run_baseline", "false")
