@@ -404,14 +404,15 @@ class EarlyExitModel(nn.Module):
         **kwargs: Any,
     ) -> EarlyExitOutput:
         """One backbone forward; every branch is distilled from the final head. `labels` are not part of the
-        loss: the parameter is there so that the Trainer keeps an evaluation set's labels for
-        `compute_metrics` (`branch_metrics`); in training they are refused, since a task term would only count
-        this loss twice (train on unlabeled rows, or set task_weight=0)."""
+        loss: the parameter is there so that the Trainer keeps an evaluation set's labels for `compute_metrics`
+        (`branch_metrics`). In training they are refused: the Trainer passes them for its task term, which
+        would count this same loss a second time."""
         if labels is not None and self.training and torch.is_grad_enabled():
             raise ValueError(
-                "EarlyExitModel trains its branches by self-distillation from the final head: labels are not used. "
-                "The Trainer passed them for a task term (task_weight > 0), which would add this same loss again: "
-                "drop the labels column from the training rows, or set task_weight=0."
+                "EarlyExitModel trains its branches by self-distillation from the final head: labels are not used, "
+                "and the Trainer passed the training rows' labels for a task term that would add this same loss "
+                "again. Train on unlabeled rows: drop the label column (dataset.remove_columns('label')); an "
+                "eval_dataset keeps its labels, for compute_metrics=branch_metrics(...)."
             )
         kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids,
                   **kwargs}
