@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import operator
 import os
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -276,10 +278,43 @@ def check_first_token(attention_mask: torch.Tensor | None) -> None:
 def check_rule(speed: float | None, patience: int | None) -> None:
     if speed is not None and patience is not None:
         raise ValueError("Give either speed (FastBERT) or patience (PABEE), not both.")
-    if speed is not None and not (isinstance(speed, int | float) and 0.0 <= speed <= 1.0):
-        raise ValueError(f"speed must be in [0, 1] (normalised entropy threshold; 0 = never exit early), got {speed}.")
+    if speed is not None and (type(speed) is not float or not 0.0 <= speed <= 1.0):  # a float in range: 2 checks
+        _check_speed(speed)
     if patience is not None and (isinstance(patience, bool) or not isinstance(patience, int) or patience < 1):
         raise ValueError(f"patience must be an integer >= 1 (branches with an unchanged argmax), got {patience}.")
+
+
+def _check_speed(speed: Any) -> None:
+    """`speed` is a real number in [0, 1]; anything else is refused with the fix. A bool is an int to Python
+    (True would mean 1.0, every row leaving at the first branch); a string compares with nothing."""
+    rule = "speed must be in [0, 1] (normalised entropy threshold; 0 = never exit early)"
+    if isinstance(speed, bool):
+        raise ValueError(f"{rule}, a real number, got the bool {speed}: pass a float such as speed=0.5.")
+    if isinstance(speed, str):
+        raise ValueError(f"{rule}, a real number, got the string {speed!r}: convert it first, "
+                         f"speed=float({speed!r}).")
+    if isinstance(speed, Mapping):
+        raise ValueError(f"{rule}, a real number, got a {type(speed).__name__} (the batch?): pass the inputs as "
+                         "keywords, exit_forward(speed=0.5, **batch).")
+    if torch.is_tensor(speed) or not isinstance(speed, numbers.Real):
+        raise ValueError(f"{rule}, a real number, got {type(speed).__name__} {speed!r}"
+                         + (": pass speed.item()." if torch.is_tensor(speed) else "."))
+    if not 0.0 <= speed <= 1.0:  # NaN fails both comparisons
+        raise ValueError(f"{rule}, got {speed!r}.")
+
+
+def _input_tensor(inputs: dict[str, Any], where: str) -> torch.Tensor:
+    """The `input_ids` (or `inputs_embeds`) tensor of a call, or a ValueError naming what is missing."""
+    ids = inputs.get("input_ids", inputs.get("inputs_embeds"))
+    if ids is None:
+        given = ", ".join(sorted(k for k, v in inputs.items() if v is not None)) or "none"
+        raise ValueError(f"{where} needs input_ids (or inputs_embeds); the inputs given were: {given}. Pass the "
+                         "tokenizer's output, e.g. **tokenizer(texts, padding=True, return_tensors='pt').")
+    if not torch.is_tensor(ids):
+        name = "input_ids" if "input_ids" in inputs else "inputs_embeds"
+        raise ValueError(f"{where}: {name} must be a tensor, got {type(ids).__name__} (tokenize with "
+                         "return_tensors='pt', or collate the rows).")
+    return ids
 
 
 def _runner(branch: nn.Module) -> Any:
@@ -365,12 +400,24 @@ class EarlyExitModel(nn.Module):
         input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> EarlyExitOutput:
-        """One backbone forward; every branch is distilled from the final head (labels are not used)."""
+        """One backbone forward; every branch is distilled from the final head. `labels` are not part of the
+        loss: the parameter is there so that the Trainer keeps an evaluation set's labels for `compute_metrics`
+        (`branch_metrics`). In training they are refused: the Trainer passes them for its task term, which
+        would count this same loss a second time."""
+        if labels is not None and self.training and torch.is_grad_enabled():
+            raise ValueError(
+                "EarlyExitModel trains its branches by self-distillation from the final head: labels are not used, "
+                "and the Trainer passed the training rows' labels for a task term that would add this same loss "
+                "again. Train on unlabeled rows: drop the label column (dataset.remove_columns('label')); an "
+                "eval_dataset keeps its labels, for compute_metrics=branch_metrics(...)."
+            )
         kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids,
                   **kwargs}
         kwargs = {k: v for k, v in kwargs.items() if v is not None and k != "labels"}
+        _input_tensor(kwargs, "EarlyExitModel.forward")
         check_first_token(attention_mask)
         with torch.no_grad():
             out, feats = self._taps.run(self.model, kwargs)
@@ -398,6 +445,8 @@ class EarlyExitModel(nn.Module):
         check_rule(speed, patience)
         inputs = {k: v for k, v in inputs.items() if k != "labels"}
         ids = inputs.get("input_ids", inputs.get("inputs_embeds"))
+        if not torch.is_tensor(ids):
+            _input_tensor(inputs, "exit_forward")  # raises, naming what is missing
         n = ids.shape[0]
         if not (speed is not None and speed > 0 or patience is not None):  # no row can leave: no branch runs
             final = self.model(**inputs).logits
@@ -587,11 +636,7 @@ class EarlyExitModel(nn.Module):
                     "(save one with EarlyExitModel.save_pretrained)."
                 )
         else:
-            from huggingface_hub import hf_hub_download
-
-            hub = {k: kwargs[k] for k in ("revision", "token") if k in kwargs}
-            cfg_path = Path(hf_hub_download(folder, BRANCH_CONFIG_FILE, **hub))
-            weights_path = Path(hf_hub_download(folder, BRANCH_FILE, **hub))
+            cfg_path, weights_path = _download(folder, {k: kwargs[k] for k in ("revision", "token") if k in kwargs})
         spec = json.loads(cfg_path.read_text(encoding="utf-8"))
         branch = spec.get("branch", "fastbert")  # files written before `branch` existed: FastBERT's
         if spec.get("format") != FORMATS.get(branch):
@@ -639,6 +684,24 @@ class EarlyExitModel(nn.Module):
         return push_student(folder, repo_id, **hub_kwargs)
 
 
+def _download(repo_id: str, hub: dict[str, Any]) -> tuple[Path, Path]:
+    """The branch files of a Hub repo, or one clear error for a path that is no folder: a missing local folder,
+    a file, or a Hub id that cannot be read (huggingface_hub's own errors never say the folder is missing)."""
+    from huggingface_hub import hf_hub_download
+
+    if Path(repo_id).exists():
+        raise NotADirectoryError(f"{repo_id} is a file: give the folder EarlyExitModel.save_pretrained wrote.")
+    if not re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?", repo_id):
+        raise FileNotFoundError(f"{repo_id}: no such folder (and not a Hub repo id, which reads `name` or "
+                                "`org/name`): give the folder EarlyExitModel.save_pretrained wrote.")
+    try:
+        return tuple(Path(hf_hub_download(repo_id, name, **hub)) for name in (BRANCH_CONFIG_FILE, BRANCH_FILE))
+    except (OSError, ValueError) as err:  # not found, offline, gated, invalid id: all OSError or ValueError
+        first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        raise FileNotFoundError(f"{repo_id} is not a local folder, and as a Hub repo id its {BRANCH_CONFIG_FILE} "
+                                f"could not be read: {first}") from err
+
+
 def block_flops(tokens: int, hidden: int, intermediate: int) -> int:
     """Analytic forward FLOPs of one encoder block on one row (2 per multiply-add): Q/K/V/O, FFN, attention."""
     return tokens * (2 * 4 * hidden * hidden + 2 * 2 * hidden * intermediate) + 2 * 2 * tokens * tokens * hidden
@@ -648,3 +711,64 @@ def flops_per_row(num_layers_run: int, branches_run: int, tokens: int, hidden: i
                   branch: nn.Module) -> int:
     """Forward FLOPs of one row that ran `num_layers_run` blocks and `branches_run` branches like `branch`."""
     return num_layers_run * block_flops(tokens, hidden, intermediate) + branches_run * branch.flops(tokens)
+
+
+def branch_metrics(speed: float | None = None, patience: int | None = None) -> Callable[[Any], dict[str, float]]:
+    """`compute_metrics` for a Trainer that evaluates an `EarlyExitModel` on labelled rows (`eval_dataset`).
+
+    Why: the final head is the frozen teacher, so the Trainer's own metrics say nothing about the branches. Per
+    branch i: `exit_{i}_accuracy` (its argmax against the labels) and `exit_{i}_agreement` (against the final
+    head's, what self-distillation trains); `final_accuracy` for the final head. With `speed` (or `patience`),
+    also `accuracy` and `mean_exit_layer` of adaptive inference under that rule: each row leaves at the first
+    branch whose normalised entropy is below `speed`, as `exit_forward` decides, computed here from the
+    evaluation forward, which runs every branch on every row. The Trainer prefixes the keys with `eval_`."""
+    check_rule(speed, patience)
+
+    def compute(eval_pred: Any) -> dict[str, float]:
+        import numpy as np
+
+        predictions, labels = eval_pred.predictions, eval_pred.label_ids
+        if not (isinstance(predictions, tuple | list) and len(predictions) == 2
+                and isinstance(predictions[1], tuple | list) and len(predictions[1]) > 0):
+            raise ValueError("branch_metrics reads an EarlyExitModel's predictions (logits, exit_logits); got "
+                             f"{type(predictions).__name__}: evaluate an EarlyExitModel, with no "
+                             "preprocess_logits_for_metrics.")
+        final = np.asarray(predictions[0], dtype=np.float64)
+        exits = [np.asarray(e, dtype=np.float64) for e in predictions[1]]
+        labels = np.asarray(labels).reshape(-1)
+        if final.ndim != 2 or len(labels) != len(final):
+            raise ValueError(f"branch_metrics needs one class label per row: {len(labels)} labels for logits of "
+                             f"shape {final.shape}.")
+        final_pred = final.argmax(-1)
+        out = {"final_accuracy": float((final_pred == labels).mean())}
+        for i, logits in enumerate(exits, start=1):
+            pred = logits.argmax(-1)
+            out[f"exit_{i}_accuracy"] = float((pred == labels).mean())
+            out[f"exit_{i}_agreement"] = float((pred == final_pred).mean())
+        if speed is None and patience is None:
+            return out
+        stack = np.stack([*exits, final])  # (exits + final head, rows, classes)
+        n_rows = final.shape[0]
+        exit_at = np.full(n_rows, len(exits))  # index into stack: the final head unless a branch lets the row go
+        left = np.zeros(n_rows, dtype=bool)
+        same = np.zeros(n_rows, dtype=np.int64)
+        for i, logits in enumerate(exits):
+            if patience is not None:  # PABEE: the argmax stayed the same for `patience` branches
+                pred = logits.argmax(-1)
+                if i > 0:
+                    same = np.where(pred == exits[i - 1].argmax(-1), same + 1, 0)
+                leave = same >= patience
+            else:
+                z = logits - logits.max(-1, keepdims=True)
+                p = np.exp(z) / np.exp(z).sum(-1, keepdims=True)
+                entropy = -(p * np.log(np.where(p > 0, p, 1.0))).sum(-1) / math.log(logits.shape[-1])
+                leave = entropy < speed  # NaN never leaves, as in exit_forward
+            new = leave & ~left
+            exit_at[new] = i
+            left |= leave
+        chosen = stack[exit_at, np.arange(n_rows)]
+        out["accuracy"] = float((chosen.argmax(-1) == labels).mean())
+        out["mean_exit_layer"] = float((exit_at + 1).mean())
+        return out
+
+    return compute

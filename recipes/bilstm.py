@@ -43,9 +43,11 @@ from common import (
     fail,
     load_model,
     load_task,
+    load_tokenizer,
     order_seed,
     parse_args,
     refuse_unused,
+    run_main,
     set_offline_defaults,
     task_labels,
     tokenize_task,
@@ -147,7 +149,7 @@ def main() -> None:
         [ModelArguments, DataArguments, BiLSTMArguments, DistillationArguments], __doc__.split("\n\n")[0])
     start = time.time()
     import torch
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, set_seed
+    from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, set_seed
 
     from hf_distill import bilstm
     from hf_distill.tang_augment import AUGMENTED_COLUMN, tang_augment_dataset
@@ -157,7 +159,7 @@ def main() -> None:
     check(margs, recipe, data, args)
     tagger = nltk_tagger() if recipe.pos_tagger == "nltk" and recipe.p_pos > 0 and recipe.n_iter > 0 else None
     set_seed(args.seed)
-    tokenizer = AutoTokenizer.from_pretrained(margs.teacher)
+    tokenizer = load_tokenizer(margs.teacher, "teacher")
     tokenizer.padding_side = "right"  # the packed LSTM reads each row from its first token
     results = {"recipe": "bilstm", "command": command_line(), "config": config}
 
@@ -222,4 +224,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -32,7 +32,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import command_line, fail, parse_args, run_length, set_offline_defaults, write_results
+from common import (
+    command_line,
+    fail,
+    load_model,
+    load_tokenizer,
+    parse_args,
+    run_length,
+    run_main,
+    set_offline_defaults,
+    write_results,
+)
 
 from hf_distill import DistillationArguments, DistillationTrainer
 from hf_distill.report import distillation_facts
@@ -178,7 +188,7 @@ def main() -> None:
     recipe, args, config = parse_args([CausalLMArguments, DistillationArguments], __doc__.split("\n\n")[0])
     start = time.time()
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, default_data_collator, set_seed
+    from transformers import AutoModelForCausalLM, default_data_collator, set_seed
 
     from hf_distill import measure, students
 
@@ -194,8 +204,8 @@ def main() -> None:
     teacher_path = recipe.teacher
     if teacher_path is None:
         teacher_path, results["teacher_training"] = train_teacher(recipe, text, args)
-    tokenizer = AutoTokenizer.from_pretrained(teacher_path)
-    teacher = AutoModelForCausalLM.from_pretrained(teacher_path)
+    tokenizer = load_tokenizer(teacher_path, "teacher")
+    teacher = load_model(AutoModelForCausalLM, teacher_path, "teacher")
     results["teacher"] = teacher_path
     set_seed(args.seed)
     train = blocks(text, tokenizer, recipe.block_size, recipe.max_train_blocks)
@@ -222,6 +232,7 @@ def main() -> None:
                                   data_collator=default_data_collator, processing_class=tokenizer)
     out = trainer.train()
     trainer.save_model()
+    trainer.save_state()  # trainer_state.json: `hf-distill report` plots the run
     results.update(distillation=distillation_facts(args), train_runtime_s=out.metrics.get("train_runtime"),
                    **run_length(args, trainer.state), bf16=args.bf16)
 
@@ -234,6 +245,7 @@ def main() -> None:
                                        data_collator=default_data_collator, processing_class=tokenizer)
         bout = btrainer.train()
         btrainer.save_model()
+        btrainer.save_state()
         results.update(baseline_train_runtime_s=bout.metrics.get("train_runtime"), baseline_steps=bout.global_step)
 
     # 5. Held-out perplexity.
@@ -248,4 +260,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

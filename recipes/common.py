@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import shlex
 import sys
 import time
@@ -230,7 +231,38 @@ def parse_args(dataclass_types: list[type], description: str, argv: list[str] | 
     except (ConfigError, ValueError, TypeError) as err:
         fail(str(err))
     objs = outputs[: len(dataclass_types)]
+    for obj in objs:
+        for name in MODEL_PATH_FIELDS:
+            check_model_path(name, getattr(obj, name, None))
+        if getattr(obj, "resume_from_checkpoint", None):  # TrainingArguments leaves it to scripts; these ignore it
+            fail("resume_from_checkpoint: the recipes do not resume a run (they rebuild their students and stages "
+                 "from the start); run the recipe again without it")
     return (*objs, known.config)
+
+
+# Fields that name a model (a saved folder or a Hub id), checked by parse_args before anything loads (a recipe
+# checks the fields it reads only in some runs, such as tinybert's augment_mlm, where it knows it will).
+MODEL_PATH_FIELDS = ("teacher", "general_teacher", "student")
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+def check_model_path(name: str, value: str | None) -> None:
+    """Fail in one line on a model path that cannot be one: a missing folder, a file, a folder without a
+    config. Why here: transformers reads a missing local path as a Hub id and answers with a Hub error
+    ("Repo id must use alphanumeric chars", "couldn't connect") that never says the folder is not there.
+    Names that can be Hub ids (`name`, `org/name`) and are no local folder are left to the loader."""
+    if not value:
+        return
+    path = Path(value).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
+            fail(f"{name} {value!r} is a folder without config.json: give the folder the model was saved to "
+                 "(save_pretrained writes config.json)")
+        return
+    if path.exists():
+        fail(f"{name} {value!r} is a file: give the model's folder (with config.json) or a Hub id")
+    if not _HUB_ID.fullmatch(value) or value.startswith((".", "~")):
+        fail(f"{name} {value!r}: no such folder (and not a Hub id, which reads `name` or `org/name`)")
 
 
 def _has_accelerator() -> bool:
@@ -244,6 +276,44 @@ def fail(message: str, code: int = 2) -> typing.NoReturn:
     lines = [line for line in str(message).splitlines() if line.strip()]
     print(f"error: {lines[0] if lines else message}", file=sys.stderr)
     raise SystemExit(code)
+
+
+# Exceptions of loading and validation (FileNotFoundError and the other OSErrors; huggingface_hub's
+# HFValidationError is a ValueError) that run_main reports in one line when raised outside training.
+SETUP_ERRORS = (ValueError, OSError)
+# Frames of running code: an error raised under one of them is a crash, reported with its traceback; except
+# under the callbacks' on_train_begin, where callbacks check their settings before the first step.
+_RUNNING_FRAMES = (("/transformers/trainer.py", ("_inner_training_loop", "evaluation_loop", "prediction_loop")),
+                   ("/torch/nn/modules/module.py", ("_call_impl",)))
+_SETUP_FRAMES = (("/transformers/trainer_callback.py", ("on_train_begin",)),)
+
+
+def raised_while_running(tb: types.TracebackType | None) -> bool:
+    """Whether a traceback passes through the Trainer's training or evaluation loop or a module's forward (and
+    not through the callbacks' on_train_begin)."""
+    running = False
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        filename = code.co_filename.replace(os.sep, "/")
+        if any(filename.endswith(f) and code.co_name in names for f, names in _SETUP_FRAMES):
+            return False
+        running = running or any(filename.endswith(f) and code.co_name in names for f, names in _RUNNING_FRAMES)
+        tb = tb.tb_next
+    return running
+
+
+def run_main(main: typing.Callable[[], None]) -> None:
+    """Run a recipe's `main`: a ValueError or OSError raised while it loads, checks and builds (a wrong path,
+    an out-of-range layer list, a flag the library refuses) ends the program with one `error:` line and exit
+    code 2, as argparse does; raised inside the Trainer's training or evaluation loop or a model's forward, it
+    is a crash and keeps its traceback."""
+    try:
+        main()
+    except SETUP_ERRORS as err:
+        if raised_while_running(err.__traceback__):
+            raise
+        print(f"error: {_one_line(err)}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def command_line() -> str:
@@ -568,6 +638,7 @@ def train_and_report(trainer, results: dict[str, Any], start: float, *, student,
             results.update(teacher_accuracy=t["accuracy"], teacher_f1=t["f1"], teacher_metrics=t)
     results["wall_s"] = time.time() - start
     write_results(args.output_dir, results)
+    trainer.save_state()  # trainer_state.json (train and eval logs): `hf-distill report` plots the run
 
 
 def bf16_available() -> bool:
@@ -637,7 +708,26 @@ def load_model(auto_class, path: str, what: str, **kwargs):
     try:
         return auto_class.from_pretrained(path, **kwargs)
     except OSError as err:
-        fail(f"cannot load the {what} from {path!r}: {str(err).splitlines()[0]}")
+        fail(f"cannot load the {what} from {path!r}{_as_hub_id(path)}: {_one_line(err)}")
+
+
+def load_tokenizer(path: str, what: str, **kwargs):
+    """`AutoTokenizer.from_pretrained` with a one-line error naming whose tokenizer could not be read (a folder
+    without tokenizer files raises a ValueError listing the converters it tried)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as err:
+        fail(f"cannot load the tokenizer of the {what} from {path!r}{_as_hub_id(path)}: {_one_line(err)}")
+
+
+def _as_hub_id(path: str) -> str:
+    return "" if Path(path).expanduser().is_dir() else " (not a local folder, so read as a Hub id)"
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(line.strip() for line in str(err).splitlines() if line.strip()) or type(err).__name__
 
 
 def fit_mlm_head(mlm, missing: list[str], corpus, tokenizer, steps: int, seed: int, bf16: bool,

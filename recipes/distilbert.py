@@ -42,7 +42,9 @@ from common import (
     load_corpus,
     load_model,
     load_task,
+    load_tokenizer,
     parse_args,
+    run_main,
     set_offline_defaults,
     task_labels,
     tokenize_task,
@@ -104,6 +106,7 @@ def general_distillation(margs, data, recipe, args, tokenizer) -> str:
                                   data_collator=collator, processing_class=tokenizer)
     trainer.train()
     trainer.save_model()
+    trainer.save_state()  # trainer_state.json: `hf-distill report` plots the stage
     return gargs.output_dir
 
 
@@ -112,12 +115,12 @@ def main() -> None:
     margs, data, recipe, args, config = parse_args(
         [ModelArguments, DataArguments, DistilBertArguments, DistillationArguments], __doc__.split("\n\n")[0])
     start = time.time()
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, set_seed
+    from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, set_seed
 
     if not margs.teacher:
         fail("set teacher (a fine-tuned teacher folder for the task, or the pre-trained one for general distillation)")
     set_seed(args.seed)
-    tokenizer = AutoTokenizer.from_pretrained(margs.teacher)
+    tokenizer = load_tokenizer(margs.teacher, "teacher")
     results = {"recipe": "distilbert", "command": command_line(), "config": config}
 
     # 0. Task data and teacher first: a label the teacher does not know is refused before anything trains.
@@ -157,4 +160,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

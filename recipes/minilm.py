@@ -44,7 +44,9 @@ from common import (
     load_corpus,
     load_model,
     load_task,
+    load_tokenizer,
     parse_args,
+    run_main,
     set_offline_defaults,
     task_labels,
     tokenize_task,
@@ -110,6 +112,7 @@ def general_distillation(margs, data, recipe, args, tokenizer, name: str = "gene
                                   data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer)
     trainer.train()
     trainer.save_model()
+    trainer.save_state()  # trainer_state.json: `hf-distill report` plots the stage
     return gargs.output_dir
 
 
@@ -134,14 +137,14 @@ def main() -> None:
     margs, data, recipe, args, config = parse_args(
         [ModelArguments, DataArguments, MiniLMArguments, DistillationArguments], __doc__.split("\n\n")[0])
     start = time.time()
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, set_seed
+    from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, set_seed
 
     if not (margs.teacher or margs.general_teacher):
         fail("set teacher (fine-tuned, for the task step) and/or general_teacher (pre-trained, for the general step)")
     if recipe.assistant_layers:
         check_assistant(margs, data, recipe)
     set_seed(args.seed)
-    tokenizer = AutoTokenizer.from_pretrained(margs.general_teacher or margs.teacher)
+    tokenizer = load_tokenizer(margs.general_teacher or margs.teacher, "teacher")
     results = {"recipe": "minilm", "command": command_line(), "config": config}
 
     # 0. Task data and teacher first: a label the teacher does not know is refused before anything trains.
@@ -199,4 +202,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -43,8 +43,10 @@ from common import (
     load_corpus,
     load_model,
     load_task,
+    load_tokenizer,
     parse_args,
     refuse_unused,
+    run_main,
     set_offline_defaults,
     task_labels,
     tokenize_task,
@@ -119,6 +121,7 @@ def progressive_transfer(margs, data, recipe, args, tokenizer, config) -> tuple[
                                   callbacks=[switch])
     trainer.train()
     trainer.save_model()
+    trainer.save_state()  # trainer_state.json: `hf-distill report` plots the stage
     return pargs.output_dir, switch.describe()
 
 
@@ -128,7 +131,7 @@ def main() -> None:
         [ModelArguments, DataArguments, MobileBertArguments, DistillationArguments], __doc__.split("\n\n")[0])
     start = time.time()
     import torch
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, set_seed
+    from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, set_seed
 
     if not margs.teacher:
         fail("set teacher (the fine-tuned task teacher; general_teacher is the pre-trained one)")
@@ -141,7 +144,7 @@ def main() -> None:
     if args.terms:
         fail("distill_terms: the task step of this recipe is logit KD; the progressive stage sets its own terms")
     set_seed(args.seed)
-    tokenizer = AutoTokenizer.from_pretrained(margs.general_teacher or margs.teacher)
+    tokenizer = load_tokenizer(margs.general_teacher or margs.teacher, "teacher")
     results = {"recipe": "mobilebert", "command": command_line(), "config": config}
 
     # 0. Task data and teacher first: a label the teacher does not know is refused before anything trains.
@@ -185,4 +188,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -42,7 +42,9 @@ from common import (
     fail,
     load_model,
     load_task,
+    load_tokenizer,
     parse_args,
+    run_main,
     set_offline_defaults,
     task_labels,
     tokenize_task,
@@ -86,7 +88,7 @@ def main() -> None:
     margs, data, recipe, args, config = parse_args(
         [ModelArguments, DataArguments, PkdArguments, DistillationArguments], __doc__.split("\n\n")[0])
     start = time.time()
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, set_seed
+    from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, set_seed
 
     if not margs.teacher:
         fail("set teacher (the fine-tuned task teacher)")
@@ -97,7 +99,7 @@ def main() -> None:
     if recipe.pkd_beta < 0:
         fail(f"pkd_beta must be >= 0, got {recipe.pkd_beta:g}")
     set_seed(args.seed)
-    tokenizer = AutoTokenizer.from_pretrained(margs.teacher)
+    tokenizer = load_tokenizer(margs.teacher, "teacher")
     results = {"recipe": "pkd", "command": command_line(), "config": config}
 
     # 1. Task data, teacher and student (the first k layers of the pre-trained model, as in the paper).
@@ -130,4 +132,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -49,6 +49,7 @@ from common import (
     ModelArguments,
     build_student,
     cache_task_logits,
+    check_model_path,
     command_line,
     compute_metrics,
     fail,
@@ -56,8 +57,10 @@ from common import (
     load_corpus,
     load_model,
     load_task,
+    load_tokenizer,
     order_seed,
     parse_args,
+    run_main,
     set_offline_defaults,
     task_labels,
     tokenize_task,
@@ -207,6 +210,7 @@ def general_distillation(margs, data, recipe, args, tokenizer, corpus) -> tuple[
                                   callbacks=callbacks)
     trainer.train()
     trainer.save_model()
+    trainer.save_state()  # trainer_state.json: `hf-distill report` plots the stage
     return gargs.output_dir, [s.describe() for s in stages]
 
 
@@ -245,15 +249,17 @@ def main() -> None:
     margs, data, recipe, args, config = parse_args(
         [ModelArguments, DataArguments, TinyBertArguments, DistillationArguments], __doc__.split("\n\n")[0])
     start = time.time()
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, set_seed
+    from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, set_seed
 
     from hf_distill.callbacks import Stage, StageSwitchCallback
 
     if not margs.teacher:
         fail("set teacher (the fine-tuned task teacher; general_teacher is the pre-trained one)")
     check_general(recipe, data)
+    if recipe.augment_n > 0:
+        check_model_path("augment_mlm", recipe.augment_mlm)
     set_seed(args.seed)
-    tokenizer = AutoTokenizer.from_pretrained(margs.general_teacher or margs.teacher)
+    tokenizer = load_tokenizer(margs.general_teacher or margs.teacher, "teacher")
     results = {"recipe": "tinybert", "command": command_line(), "config": config}
     corpus = load_corpus(data, tokenizer) if data.corpus_files else None
 
@@ -330,4 +336,4 @@ def main() -> None:
                      collator=collator, evaluate_teacher=recipe.evaluate_teacher)
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -537,6 +537,96 @@ def test_self_distillation_through_the_trainer_on_unlabeled_rows(tmp_path, branc
     assert not torch.equal(helpers.flat_params(ee.branches), branches)
 
 
+def _exits_by_hand(ee: EarlyExitModel, b: dict, speed: float) -> tuple[list[int], list[int]]:
+    """Predicted class and exit layer of each row under `speed`, read from exit_forward one row at a time."""
+    preds, layers = [], []
+    for i in range(b["input_ids"].shape[0]):
+        n = int(b["attention_mask"][i].sum())
+        res = ee.exit_forward(speed=speed, input_ids=b["input_ids"][i : i + 1, :n])
+        preds.append(int(res.logits.argmax(-1)))
+        layers.append(int(res.exit_layer))
+    return preds, layers
+
+
+@pytest.mark.parametrize("branch", ["fastbert", "deebert"])
+def test_branch_metrics_on_an_eval_set(tmp_path, branch):
+    """With an eval_dataset (labelled rows) and compute_metrics=branch_metrics(speed), evaluate() reports every
+    branch's accuracy and agreement, and adaptive inference's accuracy and mean exit layer at that speed, equal
+    to what exit_forward does row by row (before: no metrics at all, not even eval_loss)."""
+    from hf_distill.early_exit import branch_metrics
+
+    ee = EarlyExitModel(helpers.teacher(layers=4, seed=1).eval(), branch=branch)
+    train = helpers.token_dataset(32).remove_columns("label")
+    evalset = helpers.token_dataset(24, seed=7)
+    trainer = DistillationTrainer(model=ee, args=helpers.args(tmp_path, kd_weight=0.0, max_steps=4,
+                                                              learning_rate=1e-2, per_device_eval_batch_size=8),
+                                  train_dataset=train, eval_dataset=evalset, data_collator=helpers.collate)
+    trainer.train()
+    ee.eval()
+    b = helpers.collate(evalset.to_list())
+    labels = b.pop("labels")
+    with torch.no_grad():
+        out = ee(**b)
+    # a speed between two rows' uncertainties at the first branch: some rows leave there, others go on
+    first = sorted(uncertainty(out.exit_logits[0]).tolist())
+    speed = (first[len(first) // 2] + first[len(first) // 2 + 1]) / 2
+    trainer.compute_metrics = branch_metrics(speed=speed)
+    metrics = trainer.evaluate()
+    for i, logits in enumerate(out.exit_logits, start=1):
+        pred = logits.argmax(-1)
+        assert metrics[f"eval_exit_{i}_accuracy"] == pytest.approx((pred == labels).float().mean().item())
+        agreement = (pred == out.logits.argmax(-1)).float().mean().item()
+        assert metrics[f"eval_exit_{i}_agreement"] == pytest.approx(agreement)
+    assert metrics["eval_final_accuracy"] == pytest.approx((out.logits.argmax(-1) == labels).float().mean().item())
+    preds, layers = _exits_by_hand(ee, b, speed)
+    assert 1 < sum(layers) / len(layers) < 4 and 1 in layers  # the rule let some rows go, not all
+    assert metrics["eval_mean_exit_layer"] == pytest.approx(sum(layers) / len(layers))
+    assert metrics["eval_accuracy"] == pytest.approx(sum(p == y for p, y in zip(preds, labels.tolist())) / len(preds))
+    # eval_loss: the branches' self-distillation loss on the eval rows
+    assert metrics["eval_loss"] == pytest.approx(out.loss.item(), rel=1e-4)
+
+
+def test_branch_metrics_patience_and_bad_predictions():
+    """PABEE's rule on hand-made logits; predictions that are not an EarlyExitModel's are refused."""
+    import numpy as np
+    from transformers import EvalPrediction
+
+    from hf_distill.early_exit import branch_metrics
+
+    a, b = [2.0, 0.0], [0.0, 2.0]  # class 0, class 1
+    exits = (np.array([a, a, b]), np.array([a, b, b]), np.array([a, b, a]))  # 3 branches, 3 rows
+    final = np.array([b, b, b])
+    labels = np.array([0, 1, 1])
+    m = branch_metrics(patience=1)(EvalPrediction((final, exits), labels))
+    # row 0: same argmax at branches 1 and 2 -> leaves at 2 (class 0); row 1: changes at 2, same at 3 -> leaves
+    # at 3 (class 1); row 2: b, b -> leaves at 2 (class 1)
+    assert m["mean_exit_layer"] == pytest.approx((2 + 3 + 2) / 3) and m["accuracy"] == 1.0
+    assert m["exit_1_accuracy"] == pytest.approx(2 / 3) and m["exit_3_agreement"] == pytest.approx(1 / 3)
+    assert "accuracy" not in branch_metrics()(EvalPrediction((final, exits), labels))
+    with pytest.raises(ValueError, match="reads an EarlyExitModel's predictions"):
+        branch_metrics()(EvalPrediction(final, labels))
+    with pytest.raises(ValueError, match="speed must be in"):
+        branch_metrics(speed="0.5")
+
+
+def test_labelled_training_rows_are_refused_with_the_fix(tmp_path):
+    """Labels now reach the model (so that an eval set keeps them for branch_metrics); in training the Trainer
+    would use them for a task term that adds the same loss again, so they are refused, saying how to drop them."""
+    ee = EarlyExitModel(helpers.teacher(layers=3).eval())
+    rows = helpers.token_dataset(16)  # labelled
+    trainer = DistillationTrainer(model=ee, args=helpers.args(tmp_path, kd_weight=0.0, max_steps=1),
+                                  train_dataset=rows, data_collator=helpers.collate)
+    with pytest.raises(ValueError, match=r"labels are not used.*remove_columns\('label'\)"):
+        trainer.train()
+    trainer = DistillationTrainer(model=ee, args=helpers.args(tmp_path, kd_weight=0.0, max_steps=2),
+                                  train_dataset=rows.remove_columns("label"), eval_dataset=rows,
+                                  data_collator=helpers.collate)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert logs and all(h["loss"] == pytest.approx(h["loss_exit_1"] + h["loss_exit_2"], rel=1e-4) for h in logs)
+    assert "eval_loss" in trainer.evaluate()
+
+
 # ---------------------------------------------------------------------- saving and publishing
 
 
@@ -617,6 +707,62 @@ def test_bad_rule_is_refused(kwargs, match):
     ee = wrapped()
     with pytest.raises(ValueError, match=match):
         ee.exit_forward(**kwargs, **batch(2))
+
+
+@pytest.mark.parametrize(("speed", "match"), [
+    (True, "a real number, got the bool True: pass a float"),
+    ("0.5", r"got the string '0.5': convert it first, speed=float\('0.5'\)"),
+    (float("nan"), "speed must be in .*got nan"),
+    (torch.tensor(0.5), "got Tensor .*pass speed.item()"),
+    ({"input_ids": None}, r"got a dict \(the batch\?\): pass the inputs as keywords"),
+])
+def test_speed_must_be_a_real_number(speed, match):
+    """A bool is an int to Python (True meant speed 1.0: every row left at the first branch); a string was
+    refused without saying why ("got 0.5")."""
+    ee = wrapped(layers=3)
+    with pytest.raises(ValueError, match=match):
+        ee.exit_forward(speed=speed, **batch(2))
+    with pytest.raises(ValueError, match=match):
+        ee.predict(["a"], tokenizer=None, speed=speed)
+
+
+def test_real_numbers_of_any_type_are_speeds():
+    import numpy as np
+
+    ee = wrapped(layers=3)
+    b = batch(4)
+    want = ee.exit_forward(speed=0.5, **b)
+    for speed in (np.float64(0.5), np.float32(0.5), 0.5):
+        got = ee.exit_forward(speed=speed, **b)
+        assert torch.equal(got.logits, want.logits) and torch.equal(got.exit_layer, want.exit_layer)
+    assert ee.exit_forward(speed=1, **b).exit_layer.tolist() == ee.exit_forward(speed=1.0, **b).exit_layer.tolist()
+    assert ee.exit_forward(speed=0, **b).exit_layer.tolist() == [3] * 4
+
+
+def test_missing_inputs_are_named():
+    ee = wrapped(layers=3)
+    b = batch(2)
+    mask = b["attention_mask"]
+    for call in (lambda: ee.exit_forward(speed=0.5, attention_mask=mask), lambda: ee(attention_mask=mask),
+                 lambda: ee.exit_forward(speed=0.0, attention_mask=mask)):
+        with pytest.raises(ValueError, match="needs input_ids \\(or inputs_embeds\\); the inputs given were: "
+                                             "attention_mask. Pass the tokenizer's output"):
+            call()
+    with pytest.raises(ValueError, match="input_ids must be a tensor, got list"):
+        ee.exit_forward(speed=0.5, input_ids=b["input_ids"].tolist())
+
+
+def test_from_pretrained_of_a_bad_path_is_one_clear_error(tmp_path):
+    """A missing folder, a file, a Hub id that cannot be read: each one error naming the path (the missing
+    folder was a huggingface_hub HFValidationError about repo id characters)."""
+    with pytest.raises(FileNotFoundError, match="no such folder \\(and not a Hub repo id"):
+        EarlyExitModel.from_pretrained(tmp_path / "missing" / "model")
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(NotADirectoryError, match="weights.bin is a file: give the folder"):
+        EarlyExitModel.from_pretrained(tmp_path / "weights.bin")
+    with pytest.raises(FileNotFoundError, match="nobody/no-such-model is not a local folder, and as a Hub repo id "
+                                                "its early_exit_config.json could not be read: "):
+        EarlyExitModel.from_pretrained("nobody/no-such-model")  # offline in the tests (conftest)
 
 
 def test_unknown_branch_and_unused_branch_shape_are_refused():
@@ -716,6 +862,12 @@ def test_fastbert_recipe_end_to_end(tmp_path, branch):
     assert res["distill_args"]["max_steps"] == 3 and res["distill_args"]["num_train_epochs"] == 5  # config's epochs
     back = EarlyExitModel.from_pretrained(out)
     assert (out / BRANCH_FILE).is_file() and back.num_exits == 4 and back.branch == branch
+    # the validation set is the Trainer's eval set: each branch's accuracy there, and the state for the report
+    metrics = res["branch_metrics"]
+    assert metrics["eval_final_accuracy"] == pytest.approx(res["teacher_accuracy"])
+    assert all(0 <= metrics[f"eval_exit_{i}_accuracy"] <= 1 for i in (1, 2, 3))
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["global_step"] == 3 and any("eval_exit_1_accuracy" in h for h in state["log_history"])
 
 
 @pytest.mark.parametrize(("flag", "message"), [

@@ -111,6 +111,8 @@ def check_results(out: Path) -> dict:
     assert results["params"] > 0 and results["wall_s"] > 0 and "recipes/" in results["command"]
     assert "teacher_accuracy" in results
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    # trainer_state.json as Trainer.save_state() writes it: `hf-distill report` plots the run
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] > 0
     return results
 
 
@@ -604,6 +606,175 @@ def test_out_of_range_integer_label_is_refused(env, tmp_path, recipe):
     proc = run(recipe, *common_flags(env, tmp_path / "out"), "--train_file", tmp_path / "train.tsv",
                "--student_layers", "0", "2")
     one_line_error(proc, "label 2", "2 labels", "train")
+
+
+# ------------------------------------------------------------------- bad paths and layer lists (issue #28)
+
+
+def _recipe_run_main(recipe: str, argv: list, monkeypatch) -> int:
+    """A recipe as `python recipes/<recipe>.py` runs it (through common.run_main), in this process."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(RECIPES))
+    module = importlib.import_module(recipe)
+    monkeypatch.setattr(sys, "argv", [f"recipes/{recipe}.py", *map(str, argv)])
+    with pytest.raises(SystemExit) as exit_info:
+        importlib.import_module("common").run_main(module.main)
+    return exit_info.value.code
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.strip()]
+    errors = [x for x in lines if x.startswith("error:")]
+    assert len(errors) == 1 and lines[-1] == errors[0] and "Traceback" not in err, err[-3000:]
+    return errors[0]
+
+
+ALL_RECIPES = ["distilbert", "tinybert", "minilm", "pkd", "bilstm", "mobilebert", "fastbert", "causal_lm"]
+
+
+@pytest.mark.parametrize("recipe", ALL_RECIPES)
+@pytest.mark.parametrize("bad", ["missing", "file", "not_a_model"])
+def test_a_bad_teacher_path_is_one_line_in_every_recipe(env, tmp_path, monkeypatch, capsys, recipe, bad):
+    """A missing folder, a file, a folder without config.json: named with its field before anything loads
+    (transformers would read the path as a Hub id and answer "Repo id must use alphanumeric chars")."""
+    path, needle = {"missing": (tmp_path / "no" / "such", "no such folder"),
+                    "file": (env["teacher"] / "config.json", "is a file"),
+                    "not_a_model": (env["tmp"], "without config.json")}[bad]
+    assert _recipe_run_main(recipe, ["--teacher", path, "--output_dir", tmp_path / "out"], monkeypatch) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith(f"error: teacher {str(path)!r}") and needle in line, line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("recipe", ["distilbert", "tinybert", "minilm", "pkd"])
+def test_out_of_range_student_layers_are_one_line(env, tmp_path, monkeypatch, capsys, recipe):
+    """--student_layers 0 9 of a 4-layer teacher: the library's ValueError, as one line (was a 68-line traceback)."""
+    flags = common_flags(env, tmp_path / "out", cache=recipe != "pkd")
+    assert _recipe_run_main(recipe, [*flags, "--student_layers", "0", "9"], monkeypatch) == 2
+    line = _one_error_line(capsys)
+    assert "out-of-range index 9" in line and "valid indices are 0..3" in line, line
+    assert not (tmp_path / "out" / "results.json").exists()
+
+
+def test_a_hub_id_that_cannot_be_loaded_is_one_line(env, tmp_path, monkeypatch, capsys):
+    """A name that could be a Hub id goes to the loader; offline, its error is one line saying so."""
+    flags = common_flags(env, tmp_path / "out")
+    flags[flags.index("--teacher") + 1] = "nobody/no-such-teacher"
+    assert _recipe_run_main("distilbert", [*flags, "--student_layers", "0", "1"], monkeypatch) == 2
+    line = _one_error_line(capsys)
+    assert "'nobody/no-such-teacher' (not a local folder, so read as a Hub id)" in line, line
+
+
+def test_resume_from_checkpoint_is_refused(env, tmp_path, monkeypatch, capsys):
+    """TrainingArguments leaves resume_from_checkpoint to the script; the recipes never resumed, silently."""
+    flags = [*common_flags(env, tmp_path / "out"), "--resume_from_checkpoint", tmp_path / "checkpoint-2"]
+    assert _recipe_run_main("distilbert", flags, monkeypatch) == 2
+    assert "resume_from_checkpoint: the recipes do not resume" in _one_error_line(capsys)
+
+
+def test_out_of_range_student_layers_in_a_subprocess(env, tmp_path):
+    """As a user sees it: exit code 2, one `error:` line, no traceback."""
+    proc = run("distilbert", *common_flags(env, tmp_path / "out"), "--student_layers", "0", "9")
+    one_line_error(proc, "out-of-range index 9")
+
+
+def test_run_main_reports_setup_errors_in_one_line_and_keeps_crashes(tmp_path, monkeypatch, capsys):
+    """Raised while building or in on_train_begin: one `error:` line, exit code 2. Raised inside a model's forward
+    or the Trainer's training loop: the exception itself, traceback and all."""
+    import helpers
+    from transformers import TrainerCallback
+
+    from hf_distill import DistillationTrainer
+
+    common = _common(monkeypatch)
+
+    def setup():
+        raise FileNotFoundError("data file x.tsv does not exist\nsecond line")
+
+    with pytest.raises(SystemExit) as exit_info:
+        common.run_main(setup)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == "error: data file x.tsv does not exist second line\n"
+
+    class Broken(torch.nn.Module):
+        def forward(self, x):
+            raise ValueError("a bug in a forward")
+
+    with pytest.raises(ValueError, match="a bug in a forward"):
+        common.run_main(lambda: Broken()(torch.zeros(1)))
+
+    class RaiseAt(TrainerCallback):
+        def __init__(self, event):
+            self.event = event
+
+        def on_train_begin(self, *args, **kwargs):
+            if self.event == "begin":
+                raise ValueError("a setting the callback refuses")
+
+        def on_step_begin(self, *args, **kwargs):
+            if self.event == "step":
+                raise ValueError("a crash during training")
+
+    def train(event):
+        trainer = DistillationTrainer(model=helpers.bert(layers=2), args=helpers.args(tmp_path, kd_weight=0.0),
+                                      train_dataset=helpers.token_dataset(8), data_collator=helpers.collate,
+                                      callbacks=[RaiseAt(event)])
+        return lambda: trainer.train()
+
+    with pytest.raises(ValueError, match="a crash during training"):
+        common.run_main(train("step"))
+    with pytest.raises(SystemExit) as exit_info:
+        common.run_main(train("begin"))
+    assert exit_info.value.code == 2 and capsys.readouterr().err.endswith("error: a setting the callback refuses\n")
+
+
+# --------------------------------------------------------------- fastbert's labels and the report (issue #28)
+
+
+def test_fastbert_reads_class_name_labels_through_the_teacher(env, tmp_path):
+    """RTE's entailment / not_entailment, a sentence pair, with a teacher that names its classes in another order
+    than the sorted one: the names map through its label2id (the final head's accuracy on them is the teacher's)."""
+    out = tmp_path / "out"
+    proc = run("fastbert", "--config", RECIPES / "configs" / "fastbert_sst2.yaml",
+               *common_flags(env, out, "rte", teacher="nli_teacher", cache=False), "--max_steps", "2",
+               "--speeds", "0.0", "1.0", "--max_length", "32")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "'entailment' -> 1" in proc.stdout and "'not_entailment' -> 0" in proc.stdout
+    results = json.loads((out / "results.json").read_text())
+    assert results["id2label"] == {"0": "not_entailment", "1": "entailment"}
+    assert json.loads((out / "config.json").read_text())["label2id"] == {"not_entailment": 0, "entailment": 1}
+    # The labels the sweep scores against are the ones the branch metrics score against: the teacher's ids.
+    assert results["sweep"][0]["accuracy"] == results["teacher_accuracy"]
+    assert results["branch_metrics"]["eval_final_accuracy"] == pytest.approx(results["teacher_accuracy"])
+    rows = [line.split("\t") for line in (env["tmp"] / "rte_validation.tsv").read_text().splitlines()[1:]]
+    assert 0 < results["teacher_accuracy"] < 1 and results["eval_rows"] == len(rows)
+
+
+def test_fastbert_class_names_a_teacher_cannot_map_are_one_line(env, tmp_path):
+    """A teacher named only LABEL_0/LABEL_1 and string labels: refused before anything trains, with the fix."""
+    proc = run("fastbert", "--config", RECIPES / "configs" / "fastbert_sst2.yaml",
+               *common_flags(env, tmp_path / "out", "rte", cache=False), "--max_steps", "2")
+    one_line_error(proc, "class_names", "LABEL_0", "'entailment'")
+    assert not (tmp_path / "out").exists()
+
+
+def test_report_plots_a_recipe_run(env, tmp_path, capsys):
+    """`hf-distill report <recipe output dir>` draws the loss components from the trainer_state.json the recipe
+    wrote (it said "Nothing to plot")."""
+    from hf_distill.cli import main
+
+    out = tmp_path / "out"
+    proc = run("distilbert", "--config", RECIPES / "configs" / "distilbert_sst2.yaml", *common_flags(env, out),
+               "--student", env["teacher"], "--student_layers", "0", "2", "--max_steps", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["global_step"] == 3 and sum("loss_kd" in h for h in state["log_history"]) == 3
+    assert any("eval_accuracy" in h for h in state["log_history"])  # written after the final evaluation
+    assert main(["report", str(out)]) == 0
+    assert f"Wrote {out / 'loss_components.png'}" in capsys.readouterr().out
+    assert (out / "loss_components.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def _common(monkeypatch):
