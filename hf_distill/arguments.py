@@ -108,7 +108,8 @@ class DistillationArguments(TrainingArguments):
             "attention_score_mse, relation_kl, pkd_loss, incremental_mse), layers (uniform, last, or "
             "student:teacher pairs separated by `;`, layer 0 being the embeddings), weight, name, and for "
             "relation_kl: "
-            "relations (qq, kk, vv, qk separated by `;`) and relation_heads. Example: "
+            "relations (qq, kk, vv, qk separated by `;`) and relation_heads; for encoder-decoder models, stack "
+            "(encoder or decoder: the stack whose layers the term compares). Example: "
             "`loss=hidden_mse,layers=uniform,weight=1`. Default: none, or the preset's terms; an empty list "
             "(`[]` in YAML or Python) removes the preset's terms."
         },
