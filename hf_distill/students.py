@@ -181,6 +181,11 @@ def from_teacher(
         )
     if layers is None:
         raise TypeError("from_teacher() needs layers=[...]: the teacher blocks the student keeps.")
+    return _from_one_stack(teacher, family, layers)
+
+
+def _from_one_stack(teacher: PreTrainedModel, family: Family, layers: Sequence[int]) -> PreTrainedModel:
+    """`from_teacher` for encoder-only and decoder-only models (one stack of blocks)."""
     teacher_layers = encoder_layers(teacher)
     num_teacher_layers = len(teacher_layers)
     layers = _check_layers(layers, num_teacher_layers)

@@ -130,15 +130,19 @@ def test_kd_is_the_decoder_token_kl_over_label_positions(tmp_path, family, token
     assert batch["input_ids"].shape[1] != batch["labels"].shape[1] and (batch["labels"] == -100).any()
     student.train()
     loss = trainer.compute_loss(student, dict(batch)).detach()
+    expected = kd_by_hand(student, teacher, batch)
+    assert float(loss) == pytest.approx(expected, rel=1e-5)
+    assert expected > 0.05  # a real signal, not two equal models
 
+
+def kd_by_hand(student, teacher, batch, temperature=2.0) -> float:
+    """T**2 * KL(softmax(t/T) || softmax(s/T)) per decoder position, in float64, averaged over the labels != -100."""
     with torch.no_grad():
         feed = {k: batch[k] for k in ("input_ids", "attention_mask", "decoder_input_ids")}
-        s, t = student(**feed).logits.double() / 2.0, teacher(**feed).logits.double() / 2.0
+        s = student(**feed).logits.double() / temperature
+        t = teacher(**feed).logits.double() / temperature
     kl = (t.softmax(-1) * (t.log_softmax(-1) - s.log_softmax(-1))).sum(-1)
-    real = batch["labels"] != -100
-    expected = 4.0 * kl[real].mean()
-    assert float(loss) == pytest.approx(float(expected), rel=1e-5)
-    assert float(expected) > 0.05  # a real signal, not two equal models
+    return float(temperature**2 * kl[batch["labels"] != -100].mean())
 
 
 def test_teacher_gets_decoder_inputs_when_the_collator_has_no_model(tmp_path):
@@ -161,18 +165,23 @@ def test_teacher_gets_decoder_inputs_when_the_collator_has_no_model(tmp_path):
 
 
 def test_gradient_accumulation_matches_one_big_batch(tmp_path):
-    """The KD and task terms are means over the optimizer step's decoder positions (hf_distill.normalise), so
-    accumulating 2 micro-batches of different target lengths gives the big batch's update."""
+    """The KD and task terms are means over the optimizer step's decoder positions (hf_distill.normalise): one
+    step over all 16 rows logs the decoder-token KD by hand, and accumulating 2 micro-batches of different target
+    lengths gives that big batch's update."""
     teacher = sharpen(bart(seed=1))
+    data = rows(16)
+    full = DataCollatorForSeq2Seq(tokenizer(), model=teacher, label_pad_token_id=-100)([data[i] for i in range(16)])
+    expected = kd_by_hand(bart(decoder=2, seed=2), teacher, full)
     runs = []
-    for name, extra in (("big", dict(per_device_train_batch_size=8)),
-                        ("acc", dict(per_device_train_batch_size=4, gradient_accumulation_steps=2))):
-        student = students.from_teacher(teacher, decoder_layers=[0, 3])
+    for name, extra in (("big", dict(per_device_train_batch_size=16)),
+                        ("acc", dict(per_device_train_batch_size=8, gradient_accumulation_steps=2))):
+        student = bart(decoder=2, seed=2)
         terms = [{"loss": "hidden_mse", "layers": "last", "stack": "decoder"}]
-        trainer = trainer_for(tmp_path / name, student, teacher, max_steps=2, optim="sgd", learning_rate=0.5,
-                              distill_terms=terms, **extra)
+        trainer = trainer_for(tmp_path / name, student, teacher, data=data, max_steps=1, optim="sgd",
+                              learning_rate=0.5, distill_terms=terms, **extra)
         trainer.train()
         runs.append(trainer)
+    assert runs[0].state.log_history[0]["loss_kd"] == pytest.approx(expected, rel=1e-5)
     torch.testing.assert_close(flat_params(runs[1].model), flat_params(runs[0].model), atol=1e-6, rtol=0)
 
 
@@ -451,3 +460,23 @@ def test_cached_teacher_columns_are_refused_for_seq2seq_students(tmp_path):
     teacher = t5(seed=1)
     with pytest.raises(ValueError, match="does not cache encoder-decoder teachers"):
         trainer_for(tmp_path, students.from_teacher(teacher, decoder_layers=[0]), teacher, data=data)
+
+
+def test_batch_counts_of_an_encoder_decoder_batch_count_the_decoder():
+    """KD and decoder-stack terms count decoder positions (labels != -100, or a decoder_attention_mask), not the
+    encoder's attention mask."""
+    from hf_distill.normalise import COUNT_KINDS, batch_counts
+
+    batch = {
+        "input_ids": torch.ones(2, 5, dtype=torch.long),
+        "attention_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]),
+        "labels": torch.tensor([[4, 5, 6], [7, -100, -100]]),
+    }
+    counts = dict(zip(COUNT_KINDS, batch_counts(batch, "labels", "attention", False, True).tolist(), strict=True))
+    assert (counts["tokens"], counts["labels"], counts["kd"]) == (7, 4, 4)
+    assert (counts["decoder_tokens"], counts["decoder_causal_pairs"]) == (4, 6 + 1)
+    batch["decoder_attention_mask"] = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    counts = dict(zip(COUNT_KINDS, batch_counts(batch, "labels", "attention", False, True).tolist(), strict=True))
+    assert (counts["kd"], counts["decoder_tokens"], counts["labels"]) == (5, 5, 4)
+    counts = dict(zip(COUNT_KINDS, batch_counts(batch, "labels", "labels", False, True).tolist(), strict=True))
+    assert counts["kd"] == 4
