@@ -97,7 +97,9 @@ class DistillationArguments(TrainingArguments):
         metadata={
             "help": "For token-level logits (B, T, C): which positions the logit loss averages over. "
             "`attention`: every real token (attention_mask == 1); `labels`: only positions whose label "
-            "is not -100, e.g. the masked tokens of MLM (DistilBERT's --restrict_ce_to_mask)."
+            "is not -100, e.g. the masked tokens of MLM (DistilBERT's --restrict_ce_to_mask). Encoder-decoder "
+            "LMs count decoder positions: `labels` as above, `attention` the decoder_attention_mask when the batch "
+            "has one, else the same label positions."
         },
     )
     distill_terms: list[str] | None = field(
