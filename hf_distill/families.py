@@ -16,6 +16,13 @@ A decoder with a fused Q|K|V projection, grouped-query attention and rotary posi
     register_family("my-decoder", layers="layers", embeddings=("embed_tokens",), qkv="self_attn.Wqkv",
                     num_kv_heads_field="num_key_value_heads", head_dim_field="head_dim", rotary="rotary_emb",
                     final_norm="norm", causal=True)
+
+An encoder-decoder model registers each stack (terms name one with `stack=encoder|decoder`):
+
+    register_encoder_decoder("my-seq2seq", encoder={"layers": "encoder.layers", "num_layers_field": "encoder_layers"},
+                             decoder={"layers": "decoder.layers", "num_layers_field": "decoder_layers"},
+                             query="self_attn.q_proj", key="self_attn.k_proj", value="self_attn.v_proj",
+                             hidden_size_field="d_model", embeddings=(), embeddings_from_block_input=True)
 """
 
 from __future__ import annotations
