@@ -453,6 +453,8 @@ def test_from_teacher_names_the_stacks(tmp_path):
         students.from_teacher(teacher, decoder_layers=[0, 7])
     with pytest.raises(ValueError, match="encoder-decoder models"):
         students.from_teacher(bert(layers=2), decoder_layers=[0])
+    with pytest.raises(ValueError, match="two layer stacks"):
+        students.prune_depth(teacher, 1, [])
 
 
 def test_cached_teacher_columns_are_refused_for_seq2seq_students(tmp_path):
