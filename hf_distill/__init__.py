@@ -1,6 +1,7 @@
 """hf_distill: knowledge distillation native to `transformers.Trainer`.
 
-Swap `Trainer` for `DistillationTrainer` and `TrainingArguments` for `DistillationArguments`.
+Swap `Trainer` for `DistillationTrainer` and `TrainingArguments` for `DistillationArguments` (`Seq2SeqTrainer` for
+`DistillationSeq2SeqTrainer` and `Seq2SeqTrainingArguments` for `DistillationSeq2SeqArguments`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ __version__ = "0.1.0.dev0"
 # seconds torch and transformers take to import.
 _CLASSES = {
     "DistillationArguments": "arguments",
+    "DistillationSeq2SeqArguments": "seq2seq",
+    "DistillationSeq2SeqTrainer": "seq2seq",
     "DistillationTrainer": "trainer",
     "DistillTerm": "terms",
     "TeacherOutputsCollator": "collators",
@@ -23,6 +26,8 @@ _MODULES = ("families", "layer_map", "losses", "presets", "students", "taps")
 __all__ = [
     "DistillTerm",
     "DistillationArguments",
+    "DistillationSeq2SeqArguments",
+    "DistillationSeq2SeqTrainer",
     "DistillationTrainer",
     "TeacherOutputsCollator",
     "families",
@@ -53,5 +58,6 @@ if TYPE_CHECKING:
     from . import families, layer_map, losses, presets, students, taps
     from .arguments import DistillationArguments
     from .collators import TeacherOutputsCollator
+    from .seq2seq import DistillationSeq2SeqArguments, DistillationSeq2SeqTrainer
     from .terms import DistillTerm
     from .trainer import DistillationTrainer

@@ -109,7 +109,9 @@ class DistillationArguments(TrainingArguments):
         metadata={
             "help": "For token-level logits (B, T, C): which positions the logit loss averages over. "
             "`attention`: every real token (attention_mask == 1); `labels`: only positions whose label "
-            "is not -100, e.g. the masked tokens of MLM (DistilBERT's --restrict_ce_to_mask)."
+            "is not -100, e.g. the masked tokens of MLM (DistilBERT's --restrict_ce_to_mask). Encoder-decoder "
+            "LMs count decoder positions: `labels` as above, `attention` the decoder_attention_mask when the batch "
+            "has one, else the same label positions."
         },
     )
     distill_terms: list[str] | None = field(
@@ -120,7 +122,8 @@ class DistillationArguments(TrainingArguments):
             "attention_score_mse, relation_kl, pkd_loss, incremental_mse), layers (uniform, last, or "
             "student:teacher pairs separated by `;`, layer 0 being the embeddings), weight, name, and for "
             "relation_kl: "
-            "relations (qq, kk, vv, qk separated by `;`) and relation_heads. Example: "
+            "relations (qq, kk, vv, qk separated by `;`) and relation_heads; for encoder-decoder models, stack "
+            "(encoder or decoder: the stack whose layers the term compares). Example: "
             "`loss=hidden_mse,layers=uniform,weight=1`. Default: none, or the preset's terms; an empty list "
             "(`[]` in YAML or Python) removes the preset's terms."
         },

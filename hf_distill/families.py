@@ -16,6 +16,13 @@ A decoder with a fused Q|K|V projection, grouped-query attention and rotary posi
     register_family("my-decoder", layers="layers", embeddings=("embed_tokens",), qkv="self_attn.Wqkv",
                     num_kv_heads_field="num_key_value_heads", head_dim_field="head_dim", rotary="rotary_emb",
                     final_norm="norm", causal=True)
+
+An encoder-decoder model registers each stack (terms name one with `stack=encoder|decoder`):
+
+    register_encoder_decoder("my-seq2seq", encoder={"layers": "encoder.layers", "num_layers_field": "encoder_layers"},
+                             decoder={"layers": "decoder.layers", "num_layers_field": "decoder_layers"},
+                             query="self_attn.q_proj", key="self_attn.k_proj", value="self_attn.v_proj",
+                             hidden_size_field="d_model", embeddings=(), embeddings_from_block_input=True)
 """
 
 from __future__ import annotations
@@ -62,7 +69,27 @@ class Family:
     rotary: str | None = None
     final_norm: str | None = None
     causal: bool = False
+    # Encoder-decoder models. `stacks`: ("encoder", Family), ("decoder", Family), each with its own block list, Q/K/V
+    # paths (self-attention only) and config fields, paths relative to model.base_model; a distill term names its
+    # stack (`stack=encoder|decoder`). The entry's own fields describe its encoder (see register_encoder_decoder).
+    # `embeddings_from_block_input`: hidden_states[0] is the first block's input (read with a forward pre-hook),
+    # because the stack scales, normalises or drops out its embeddings in its own forward, outside any module
+    # whose output would be that tensor. `first_block_only`: parameters (paths relative to a block) that only the
+    # first block holds and the whole stack uses (T5's relative position bias): a student copied from other blocks
+    # takes them from the teacher's first block. `score_bias`: the attention adds a bias that Q and K do not carry
+    # and does not scale by 1/sqrt(head_dim) (T5), so its pre-softmax scores cannot be rebuilt from Q and K.
+    stacks: tuple[tuple[str, Family], ...] = ()
+    embeddings_from_block_input: bool = False
+    first_block_only: tuple[str, ...] = ()
+    score_bias: bool = False
 
+    def stack(self, name: str) -> Family | None:
+        """The family of one stack of an encoder-decoder model (None when it has no such stack)."""
+        return dict(self.stacks).get(name)
+
+
+STACKS = ("encoder", "decoder")
+"""The stacks of an encoder-decoder model a distill term can name."""
 
 FAMILIES: dict[str, Family] = {}
 
@@ -81,6 +108,11 @@ def register_family(model_type: str, layers: str, *, overwrite: bool = False, **
     if unknown:
         raise ValueError(f"register_family: unknown field(s) {unknown}. Known: {', '.join(sorted(known))}.")
     spec = {k: tuple(v) if isinstance(v, list) else v for k, v in spec.items()}
+    if isinstance(spec.get("stacks"), dict):
+        spec["stacks"] = tuple(spec["stacks"].items())
+    bad = [name for name, _ in spec.get("stacks", ()) if name not in STACKS]
+    if bad:
+        raise ValueError(f"register_family: unknown stack(s) {bad}. Known: {', '.join(STACKS)}.")
     family = Family(layers=layers, **spec)
     existing = FAMILIES.get(model_type)
     if existing is not None and existing != family and not overwrite:
@@ -90,6 +122,19 @@ def register_family(model_type: str, layers: str, *, overwrite: bool = False, **
         )
     FAMILIES[model_type] = family
     return family
+
+
+def register_encoder_decoder(
+    model_type: str, encoder: dict[str, Any], decoder: dict[str, Any], *, overwrite: bool = False, **common: Any
+) -> Family:
+    """Add an encoder-decoder family: `encoder` and `decoder` are the `register_family` fields of each stack (its
+    `layers`, config fields, ...), `common` the fields both share (Q/K/V paths, hidden size field). The decoder
+    stack is causal. The entry itself describes the encoder, so code that knows one stack only sees that one."""
+    stacks = {
+        "encoder": Family(**{**common, **encoder}),
+        "decoder": Family(**{"causal": True, **common, **decoder}),
+    }
+    return register_family(model_type, overwrite=overwrite, stacks=stacks, **{**common, **encoder})
 
 
 def get_family(model_type: str | None) -> Family | None:
@@ -148,3 +193,59 @@ register_family(
     final_norm="ln_f",
     causal=True,
 )
+
+# Encoder-decoder models (T5, mT5; BART, mBART, Marian, Pegasus). Each stack applies dropout (T5) or a scale, a norm
+# and dropout (BART-like) to its embeddings inside its own forward, so hidden_states[0] is read at the first block's
+# input; the last entry is the stack's final norm where it has one (T5 `final_layer_norm`, mBART/Pegasus
+# `layer_norm`). Only self-attention is tapped: cross-attention Q/K/V are not features a term can name.
+_T5 = {
+    "query": "layer.0.SelfAttention.q",
+    "key": "layer.0.SelfAttention.k",
+    "value": "layer.0.SelfAttention.v",
+    "hidden_size_field": "d_model",
+    "num_heads_field": "num_heads",
+    "intermediate_size_field": "d_ff",
+    "head_dim_field": "d_kv",
+    "embeddings": (),
+    "embeddings_from_block_input": True,
+    "first_block_only": ("layer.0.SelfAttention.relative_attention_bias.weight",),
+    "score_bias": True,
+}
+for _model_type in ("t5", "mt5"):
+    register_encoder_decoder(
+        _model_type,
+        encoder={"layers": "encoder.block", "num_layers_field": "num_layers", "final_norm": "encoder.final_layer_norm"},
+        decoder={
+            "layers": "decoder.block",
+            "num_layers_field": "num_decoder_layers",
+            "final_norm": "decoder.final_layer_norm",
+        },
+        **_T5,
+    )
+_BART = {
+    "query": "self_attn.q_proj",
+    "key": "self_attn.k_proj",
+    "value": "self_attn.v_proj",
+    "hidden_size_field": "d_model",
+    "embeddings": (),
+    "embeddings_from_block_input": True,
+}
+for _model_type, _norm in (("bart", None), ("marian", None), ("mbart", "layer_norm"), ("pegasus", "layer_norm")):
+    register_encoder_decoder(
+        _model_type,
+        encoder={
+            "layers": "encoder.layers",
+            "num_layers_field": "encoder_layers",
+            "num_heads_field": "encoder_attention_heads",
+            "intermediate_size_field": "encoder_ffn_dim",
+            "final_norm": f"encoder.{_norm}" if _norm else None,
+        },
+        decoder={
+            "layers": "decoder.layers",
+            "num_layers_field": "decoder_layers",
+            "num_heads_field": "decoder_attention_heads",
+            "intermediate_size_field": "decoder_ffn_dim",
+            "final_norm": f"decoder.{_norm}" if _norm else None,
+        },
+        **_BART,
+    )

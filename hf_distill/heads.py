@@ -3,8 +3,10 @@
 `DistillationTrainer` distils any head a `Trainer` trains, but the right comparison depends on the head:
 a softmax over classes (sequence or token classification, masked LM), a softmax over the *next* token
 (causal LM: position t is compared where token t+1 is counted), independent sigmoids (multi-label), a
-real number (regression: only `mse` makes sense), or two softmaxes over positions (extractive QA:
-the mean of the start and end terms, as DistilBERT and TextBrewer distil SQuAD). Heads are recognised by
+real number (regression: only `mse` makes sense), two softmaxes over positions (extractive QA:
+the mean of the start and end terms, as DistilBERT and TextBrewer distil SQuAD), or a softmax over the
+vocabulary at each decoder position of an encoder-decoder LM (T5, BART, Marian: position t predicts label t, no
+shift). Heads are recognised by
 class name and config, the same facts transformers' own loss functions use; anything else is refused with
 an error rather than distilled with the wrong loss.
 """
@@ -29,6 +31,11 @@ class Head(enum.Enum):
     MULTI_LABEL = "multi-label classification"
     REGRESSION = "regression"
     QUESTION_ANSWERING = "extractive question answering"
+    SEQ2SEQ_LM = "encoder-decoder LM (decoder-token logits)"
+
+
+TOKEN_LEVEL = (Head.TOKEN, Head.CAUSAL_LM, Head.SEQ2SEQ_LM)
+"""Heads whose logits are (batch, positions, classes) and whose terms are means over counted positions."""
 
 
 LOGIT_KEYS = {Head.QUESTION_ANSWERING: ("start_logits", "end_logits")}
@@ -47,11 +54,23 @@ def is_causal_lm(model: nn.Module) -> bool:
     )
 
 
+def is_seq2seq_lm(model: nn.Module) -> bool:
+    """An encoder-decoder with a language-model head over the decoder (`AutoModelForSeq2SeqLM`'s classes)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
+
+    inner = unwrap(model)
+    if not getattr(getattr(inner, "config", None), "is_encoder_decoder", False):
+        return False
+    return type(inner).__name__ in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.values()
+
+
 def static_head(model: nn.Module) -> Head | None:
     """The head as far as the class and config tell it; None for a plain module (decided from its logits)."""
     inner = unwrap(model)
     name = type(inner).__name__
     config = getattr(inner, "config", None)
+    if is_seq2seq_lm(inner):
+        return Head.SEQ2SEQ_LM
     if name.endswith("ForQuestionAnswering"):
         return Head.QUESTION_ANSWERING
     if is_causal_lm(inner):
@@ -126,3 +145,20 @@ def _logits(out: Any) -> torch.Tensor:
     if isinstance(out, tuple | list):
         return out[0]
     raise TypeError(f"Cannot find logits in the model output of type {type(out).__name__}.")
+
+
+def with_decoder_inputs(model: nn.Module, inputs: dict[str, Any], label_name: str = "labels") -> dict[str, Any]:
+    """`inputs` with the decoder's input ids made from the labels when the batch has none, as the model itself (and
+    `DataCollatorForSeq2Seq(model=...)`) makes them: teacher and student then read the same decoder inputs, also
+    when the student is not given the labels (`task_weight=0`)."""
+    labels = inputs.get(label_name)
+    if "decoder_input_ids" in inputs or "decoder_inputs_embeds" in inputs or not isinstance(labels, torch.Tensor):
+        return inputs
+    prepare = getattr(unwrap(model), "prepare_decoder_input_ids_from_labels", None)
+    if prepare is None:
+        raise ValueError(
+            f"The batch has no decoder_input_ids and {type(unwrap(model)).__name__} cannot make them from the labels "
+            "(no prepare_decoder_input_ids_from_labels): give DataCollatorForSeq2Seq the model (model=student) or "
+            "add decoder_input_ids to the batch."
+        )
+    return {**inputs, "decoder_input_ids": prepare(labels=labels)}

@@ -19,6 +19,11 @@ before the rotary embedding, as MiniLM-style relations on decoders commonly do: 
 content, not of positions. Sliding-window blocks (Mistral, Gemma-2, Qwen with layer_types) are accepted for
 these terms only while the batch is no longer than the window (then they attend like full-causal blocks);
 a longer batch is refused with an error rather than compared against attention the model never computes.
+
+Encoder-decoder models: each term names its stack (`stack=encoder|decoder`, hf_distill.terms); its layer map,
+features, projection keys and masks are that stack's. The encoder's real tokens are the attention mask's; the
+decoder's are its label positions (`decoder_mask`, hf_distill.normalise.decoder_positions), and its attention and
+relation terms are causal. Only self-attention is tapped.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from torch import nn
 from . import layer_map, losses
 from .collators import TEACHER_PREFIX
 from .projections import Projections
-from .taps import Features, FeatureTaps, ModelInfo, TapRequest, attention_scores, expand_kv, model_info
+from .taps import Features, FeatureTaps, ModelInfo, TapRequest, attention_scores, expand_kv, model_info, unwrap
 from .terms import DistillTerm, check_incremental_pairs, parse_terms
 
 
@@ -44,10 +49,13 @@ class IntermediateDistiller:
         self.student_info, self.teacher_info = s, t
         self.bound: list[tuple[DistillTerm, list[tuple[int, int]], int | None]] = []
         self._requests: dict[str, tuple[TapRequest, TapRequest]] = {}
-        projected_layers: list[int] = []
+        self._infos: dict[str, tuple[ModelInfo, ModelInfo]] = {}  # per term: its stack's (or the models') infos
+        projected_layers: list[int | str] = []
         for term in terms:
             s_req, t_req = TapRequest(), TapRequest()  # this term's features
             what = f"distill_terms[{term.name}] ({term.loss})"
+            s, t = _stack_infos(term, student, teacher, self.student_info, self.teacher_info, what)
+            self._infos[term.name] = (s, t)
             for info, role in ((s, "student"), (t, "teacher")):
                 if info.num_layers is None or info.hidden_size is None:
                     raise ValueError(
@@ -68,13 +76,20 @@ class IntermediateDistiller:
                             "and projection='none'. Set projection='shared' or 'per_layer' to learn a map "
                             "from the student's width to the teacher's."
                         )
-                    projected_layers += [p[0] for p in pairs]
+                    projected_layers += [_projection_key(term, p[0]) for p in pairs]
                 for ls, lt in pairs:
                     s_req.hidden.add(ls)
                     t_req.hidden.add(lt)
             elif feature == "attention":
                 _need_heads(s, t, what)
                 _same_causality(s, t, what)
+                for info, role in ((s, "student"), (t, "teacher")):
+                    if info.family is not None and info.family.score_bias:
+                        raise ValueError(
+                            f"{what}: the {role} ({info.model_type}) adds a relative position bias to its attention "
+                            "scores and does not scale them by 1/sqrt(head_dim), so its pre-softmax scores cannot be "
+                            "rebuilt from Q and K. Use relation_kl (MiniLM relations of Q/K/V) or hidden-state terms."
+                        )
                 if s.num_heads != t.num_heads:
                     raise ValueError(
                         f"{what}: attention_score_mse compares scores head by head, but the student has "
@@ -93,6 +108,8 @@ class IntermediateDistiller:
                             getattr(s_req, kind).add(ls)
                             getattr(t_req, kind).add(lt)
             self.bound.append((term, pairs, heads))
+            if term.stack is not None:  # captured inside that stack (hf_distill.taps)
+                s_req, t_req = TapRequest(stacks={term.stack: s_req}), TapRequest(stacks={term.stack: t_req})
             self._requests[term.name] = (s_req, t_req)
         self._student, self._teacher = student, (None if isinstance(teacher, ModelInfo) else teacher)
         self._taps: dict[tuple[str, ...], tuple[FeatureTaps, FeatureTaps | None, TapRequest]] = {}
@@ -153,7 +170,7 @@ class IntermediateDistiller:
         """The teacher features from cached `teacher_hidden_<i>` batch columns, or None when any needed
         feature is missing (Q/K/V are never cached), in which case the teacher must run."""
         req = self._select(self.active)[2]
-        if req.q or req.k or req.v:
+        if req.q or req.k or req.v or req.stacks:  # encoder-decoder stacks are never cached
             return None
         names = {i: f"{TEACHER_PREFIX}hidden_{i}" for i in req.hidden}
         if not all(n in cached for n in names.values()):
@@ -167,46 +184,66 @@ class IntermediateDistiller:
         """Per component, the positions its value is a mean over (hf_distill.normalise): real tokens for
         hidden_mse/cosine_loss/incremental_mse (a sum of hidden_mse means), real (query, key) pairs for
         attention_score_mse (key <= query on decoders), None for the per-row terms (relation_kl averages per
-        example, pkd_loss per row)."""
-        pairs = "causal_pairs" if self.student_info.causal and self.teacher_info.causal else "pairs"
-        kinds = {"hidden_mse": "tokens", "cosine_loss": "tokens", "incremental_mse": "tokens",
-                 "attention_score_mse": pairs}
-        return {n: kinds.get(t.loss) for t, _, _ in self.bound for n in t.component_names()}
+        example, pkd_loss per row). A decoder stack's terms count the decoder's positions (`decoder_*` kinds)."""
+        out: dict[str, str | None] = {}
+        for t, _, _ in self.bound:
+            s_info, t_info = self._infos[t.name]
+            if t.stack == "decoder":
+                kinds = {"hidden_mse": "decoder_tokens", "cosine_loss": "decoder_tokens",
+                         "incremental_mse": "decoder_tokens", "attention_score_mse": "decoder_causal_pairs"}
+            else:
+                pairs = "causal_pairs" if s_info.causal and t_info.causal else "pairs"
+                kinds = {"hidden_mse": "tokens", "cosine_loss": "tokens", "incremental_mse": "tokens",
+                         "attention_score_mse": pairs}
+            out.update({n: kinds.get(t.loss) for n in t.component_names()})
+        return out
 
     def weights(self) -> dict[str, float]:
         """Current weight of each component of the active terms."""
         active = self.active
         return {n: self._weights[t.name] for t, _, _ in self.bound if t.name in active for n in t.component_names()}
 
-    def _project(self, x: torch.Tensor, layer: int) -> torch.Tensor:
+    def _project(self, x: torch.Tensor, layer: int | str) -> torch.Tensor:
         if self.projections is None:
             return x
         # Features may be bf16 (autocast); projections and losses run in float32.
         return self.projections(x.float(), layer)
 
-    def losses(self, s: Features, t: Features, mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    def losses(
+        self,
+        s_all: Features,
+        t_all: Features,
+        input_mask: torch.Tensor | None,
+        decoder_mask: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
         """One value per component of the active terms, each summed over the term's layer pairs (as
-        TinyBERT sums layers)."""
+        TinyBERT sums layers). `input_mask` marks the real tokens of the input (an encoder-decoder's encoder),
+        `decoder_mask` those of an encoder-decoder's decoder."""
         out: dict[str, torch.Tensor] = {}
-        si, ti = self.student_info, self.teacher_info
-        sh, th = si.num_heads, ti.num_heads
-        causal = si.causal and ti.causal
         active = self.active
         for term, pairs, heads in self.bound:
             if term.name not in active:
                 continue
+            si, ti = self._infos[term.name]
+            sh, th = si.num_heads, ti.num_heads
+            causal = si.causal and ti.causal
+            s, t = (s_all, t_all) if term.stack is None else (s_all.stacks[term.stack], t_all.stacks[term.stack])
+            mask = decoder_mask if term.stack == "decoder" else input_mask
             if term.loss in ("hidden_mse", "cosine_loss"):
                 fn = losses.FEATURE_LOSSES[term.loss]
-                out[term.name] = sum(fn(self._project(s.hidden[a], a), t.hidden[b], mask) for a, b in pairs)
+                out[term.name] = sum(
+                    fn(self._project(s.hidden[a], _projection_key(term, a)), t.hidden[b], mask) for a, b in pairs
+                )
             elif term.loss == "incremental_mse":
                 targets = incremental_targets(t.hidden, [b for _, b in pairs])
                 out[term.name] = sum(
-                    losses.hidden_mse(self._project(s.hidden[a], a), target, mask)
+                    losses.hidden_mse(self._project(s.hidden[a], _projection_key(term, a)), target, mask)
                     for (a, _), target in zip(pairs, targets, strict=True)
                 )
             elif term.loss == "pkd_loss":
                 out[term.name] = sum(
-                    losses.pkd_loss(self._project(s.hidden[a][:, 0], a), t.hidden[b][:, 0]) for a, b in pairs
+                    losses.pkd_loss(self._project(s.hidden[a][:, 0], _projection_key(term, a)), t.hidden[b][:, 0])
+                    for a, b in pairs
                 )
             elif term.loss == "attention_score_mse":
                 _check_windows(term, pairs, si, ti, s.q, mask)
@@ -231,6 +268,37 @@ class IntermediateDistiller:
                         for a, b in pairs
                     )
         return out
+
+
+def _projection_key(term: DistillTerm, layer: int) -> int | str:
+    """The student layer a per-layer projection is keyed by (`encoder_1`, `decoder_1` inside stacks)."""
+    return layer if term.stack is None else f"{term.stack}_{layer}"
+
+
+def _stack_infos(term: DistillTerm, student: nn.Module, teacher, s: ModelInfo, t: ModelInfo, what: str):
+    """The student's and teacher's infos for this term: of its stack on encoder-decoder models, else the models'."""
+    encoder_decoder = [
+        role for role, m in (("student", student), ("teacher", teacher))
+        if not isinstance(m, ModelInfo) and getattr(getattr(unwrap(m), "config", None), "is_encoder_decoder", False)
+    ]
+    if term.stack is None:
+        if encoder_decoder:
+            raise ValueError(
+                f"{what}: the {' and the '.join(encoder_decoder)} {'is an' if len(encoder_decoder) == 1 else 'are'} "
+                "encoder-decoder model(s), whose encoder and decoder each have their own layers: say which stack the "
+                "term compares with stack=encoder or stack=decoder (one term per stack)."
+            )
+        return s, t
+    if isinstance(teacher, ModelInfo):
+        raise ValueError(f"{what}: cached teacher features have no stacks; pass teacher_model (stack={term.stack}).")
+    if len(encoder_decoder) < 2:
+        other = "student" if "student" not in encoder_decoder else "teacher"
+        raise ValueError(
+            f"{what}: stack={term.stack!r} compares a stack of two encoder-decoder models, but the {other} "
+            f"({type(unwrap(student if other == 'student' else teacher)).__name__}) is not one. Leave `stack` out "
+            "for encoder-only or decoder-only models."
+        )
+    return model_info(student, term.stack), model_info(teacher, term.stack)
 
 
 def incremental_targets(hidden: dict[int, torch.Tensor], layers: list[int]) -> list[torch.Tensor]:
@@ -266,9 +334,13 @@ def _qkv(feats: Features, kind: str, layer: int, info: ModelInfo) -> torch.Tenso
 
 def _union(requests) -> TapRequest:
     out = TapRequest()
+    stacks: dict[str, list[TapRequest]] = {}
     for r in requests:
         for kind in ("hidden", "q", "k", "v"):
             getattr(out, kind).update(getattr(r, kind))
+        for name, sub in r.stacks.items():
+            stacks.setdefault(name, []).append(sub)
+    out.stacks = {name: _union(subs) for name, subs in stacks.items()}
     return out
 
 

@@ -17,10 +17,12 @@ from typing import Any
 
 import torch
 
-COUNT_KINDS = ("tokens", "pairs", "labels", "kd", "causal_pairs")
+COUNT_KINDS = ("tokens", "pairs", "labels", "kd", "causal_pairs", "decoder_tokens", "decoder_causal_pairs")
 """tokens: real tokens (hidden states, cosine); pairs: real (query, key) pairs (attention scores); labels: the
 positions the task loss counts; kd: the positions the token-level KD term counts; causal_pairs: real (query,
-key) pairs with the key not after the query (attention scores of decoders)."""
+key) pairs with the key not after the query (attention scores of decoders); decoder_tokens and
+decoder_causal_pairs: the same for the decoder stack of an encoder-decoder model (its positions are
+`decoder_positions`)."""
 
 
 def _positions_shape(batch: dict[str, Any]) -> tuple[int, int] | None:
@@ -47,6 +49,29 @@ def kd_positions(
     return real[:, :-1] & real[:, 1:] if causal else real
 
 
+def decoder_positions(batch: dict[str, Any], label_name: str = "labels") -> torch.Tensor | None:
+    """The real positions of an encoder-decoder's decoder, aligned with its logits (no shift: the decoder's input
+    is its labels shifted right, so position t predicts label t): the batch's `decoder_attention_mask` when it has
+    one, else the labels that are not -100 (DataCollatorForSeq2Seq pads labels with -100, and the decoder's inputs
+    are made from them). None (every position) when the batch has neither."""
+    dec_mask = batch.get("decoder_attention_mask")
+    if isinstance(dec_mask, torch.Tensor) and dec_mask.dim() == 2:
+        return dec_mask != 0
+    labels = batch.get(label_name)
+    if isinstance(labels, torch.Tensor) and labels.dim() == 2:
+        return labels != -100
+    return None
+
+
+def seq2seq_kd_positions(batch: dict[str, Any], label_name: str, mode: str) -> torch.Tensor | None:
+    """The decoder positions a seq2seq KD term averages over: labels that are not -100 (`mode="labels"`), or the
+    decoder's real tokens (`"attention"`, `decoder_positions`); the same unless a decoder_attention_mask differs."""
+    labels = batch.get(label_name)
+    if mode == "labels" and isinstance(labels, torch.Tensor) and labels.dim() == 2:
+        return labels != -100
+    return decoder_positions(batch, label_name)
+
+
 def label_positions(labels: torch.Tensor | None, causal: bool) -> torch.Tensor | None:
     """The positions a token-level task loss counts (transformers' losses ignore -100, causal LMs shift)."""
     if not isinstance(labels, torch.Tensor) or labels.dim() != 2:
@@ -54,8 +79,11 @@ def label_positions(labels: torch.Tensor | None, causal: bool) -> torch.Tensor |
     return (labels[:, 1:] if causal else labels) != -100
 
 
-def batch_counts(batch: dict[str, Any], label_name: str, kd_mode: str, causal: bool) -> torch.Tensor:
-    """Counts of each kind in `COUNT_KINDS` for one micro-batch, as a float64 vector (zeros if unknown)."""
+def batch_counts(
+    batch: dict[str, Any], label_name: str, kd_mode: str, causal: bool, seq2seq: bool = False
+) -> torch.Tensor:
+    """Counts of each kind in `COUNT_KINDS` for one micro-batch, as a float64 vector (zeros if unknown).
+    `seq2seq`: an encoder-decoder student, whose KD term counts the decoder's positions."""
     shape = _positions_shape(batch)
     if shape is None:
         return torch.zeros(len(COUNT_KINDS), dtype=torch.float64)
@@ -74,7 +102,20 @@ def batch_counts(batch: dict[str, Any], label_name: str, kd_mode: str, causal: b
     n_labels = lab.sum() if lab is not None else torch.tensor(0.0)
     kd = kd_positions(mask, labels, kd_mode, causal)
     n_kd = kd.sum() if kd is not None else torch.tensor(float(b * (t - 1 if causal else t)))
-    counts = (tokens, pairs, n_labels, n_kd, causal_pairs)
+    dec_tokens = dec_pairs = torch.tensor(0.0)
+    if seq2seq:
+        # Without labels or a decoder mask every decoder position counts (the decoder_input_ids' shape).
+        ids = batch.get("decoder_input_ids")
+        every = torch.ones(ids.shape[:2], dtype=torch.bool) if isinstance(ids, torch.Tensor) else None
+        dec = decoder_positions(batch, label_name)
+        dec = dec if dec is not None else every
+        if dec is not None:
+            per_row = dec.sum(-1).double()
+            dec_tokens, dec_pairs = per_row.sum(), (per_row * (per_row + 1) / 2).sum()
+        kd = seq2seq_kd_positions(batch, label_name, kd_mode)
+        kd = kd if kd is not None else every
+        n_kd = kd.sum() if kd is not None else torch.tensor(0.0)
+    counts = (tokens, pairs, n_labels, n_kd, causal_pairs, dec_tokens, dec_pairs)
     return torch.stack([torch.as_tensor(x, dtype=torch.float64).cpu() for x in counts])
 
 

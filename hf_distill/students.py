@@ -15,6 +15,13 @@ Decoder-only causal LMs (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma-2, Phi-3, GP
 final norm, rotary embedding, ``lm_head`` (tied or not) and per-layer config lists (``layer_types``) are kept
 right, and ``shrink`` handles grouped-query attention (``num_key_value_heads``) and ``head_dim``.
 
+Encoder-decoder models (T5, mT5, BART, mBART, Marian, Pegasus) have two stacks: :func:`from_teacher` takes
+``decoder_layers=`` and/or ``encoder_layers=`` (a stack not named is kept whole). DistilBART ("shrink and
+fine-tune", Shleifer & Rush 2020) keeps the whole encoder and alternating decoder layers, e.g. ``[0, 2, 4, 7, 9,
+11]`` of BART-large's 12 for a 6-layer decoder. T5's relative position bias lives in each stack's first block and
+serves them all: a student without the teacher's first block gets it from there. ``shrink`` gives both stacks the
+same depth and sizes; ``prune_depth`` is for encoder-only and decoder-only models.
+
 Both record their provenance in ``student.config.distillation`` so that it survives ``save_pretrained`` and a
 model card can cite the teacher later.
 
@@ -71,6 +78,12 @@ def get_family(config: PreTrainedConfig) -> Family:
 def encoder_layers(model: PreTrainedModel) -> nn.ModuleList:
     """The model's encoder-layer list, wherever its family keeps it (also useful for layer-wise KD hooks)."""
     family = get_family(model.config)
+    if family.stacks:
+        raise ValueError(
+            f"{type(model).__name__} is an encoder-decoder model with two layer stacks (encoder and decoder); this "
+            "function works on one-stack models. Name the stacks where it matters (students.from_teacher("
+            "teacher, decoder_layers=..., encoder_layers=...))."
+        )
     try:
         layers = model.base_model.get_submodule(family.layers)
     except AttributeError as err:
@@ -127,11 +140,21 @@ def _check_layers(layers: Sequence[int], num_teacher_layers: int) -> list[int]:
     return checked
 
 
-def from_teacher(teacher: PreTrainedModel, layers: Sequence[int]) -> PreTrainedModel:
+def from_teacher(
+    teacher: PreTrainedModel,
+    layers: Sequence[int] | None = None,
+    *,
+    encoder_layers: Sequence[int] | None = None,
+    decoder_layers: Sequence[int] | None = None,
+) -> PreTrainedModel:
     """Student of the teacher's class keeping only the blocks ``layers`` (0-based, strictly increasing): encoder
     layers, or decoder layers of a causal LM (its final norm, rotary embedding and ``lm_head`` are kept, tied to
     the input embeddings exactly when the teacher's are; per-layer config lists such as ``layer_types`` follow
     the kept layers).
+
+    Encoder-decoder teachers take ``encoder_layers`` and/or ``decoder_layers`` instead of ``layers`` (a stack not
+    named keeps all its blocks; DistilBART keeps the encoder and alternating decoder layers); the student also
+    gets a copy of the teacher's generation config, so it generates with the same settings.
 
     The student is built fresh from the reduced config, exactly as ``from_pretrained`` would build it (so
     per-layer state such as ``layer_idx`` is renumbered and tied weights are tied), then filled from the
@@ -143,6 +166,26 @@ def from_teacher(teacher: PreTrainedModel, layers: Sequence[int]) -> PreTrainedM
         raise TypeError(f"teacher must be a transformers PreTrainedModel, got {type(teacher).__name__}.")
     _reject_heterogeneous(teacher.config)
     family = get_family(teacher.config)
+    if family.stacks:
+        if layers is not None:
+            raise ValueError(
+                f"{type(teacher).__name__} is an encoder-decoder model: name the layers of each stack with "
+                "decoder_layers=[...] and/or encoder_layers=[...] (DistilBART keeps the encoder and alternating "
+                "decoder layers) instead of layers=."
+            )
+        return _from_encoder_decoder(teacher, family, encoder_layers, decoder_layers)
+    if encoder_layers is not None or decoder_layers is not None:
+        raise ValueError(
+            f"encoder_layers/decoder_layers are for encoder-decoder models; {type(teacher).__name__} has one stack of "
+            "blocks: pass layers=[...]."
+        )
+    if layers is None:
+        raise TypeError("from_teacher() needs layers=[...]: the teacher blocks the student keeps.")
+    return _from_one_stack(teacher, family, layers)
+
+
+def _from_one_stack(teacher: PreTrainedModel, family: Family, layers: Sequence[int]) -> PreTrainedModel:
+    """`from_teacher` for encoder-only and decoder-only models (one stack of blocks)."""
     teacher_layers = encoder_layers(teacher)
     num_teacher_layers = len(teacher_layers)
     layers = _check_layers(layers, num_teacher_layers)
@@ -177,6 +220,59 @@ def from_teacher(teacher: PreTrainedModel, layers: Sequence[int]) -> PreTrainedM
         state[key] = tensor
     # strict: every student parameter and persistent buffer must come from the teacher, none may be left over.
     student.load_state_dict(state, strict=True)
+    student.to(teacher.device)
+    student.train(teacher.training)
+    return student
+
+
+def _from_encoder_decoder(
+    teacher: PreTrainedModel, family: Family, encoder: Sequence[int] | None, decoder: Sequence[int] | None
+) -> PreTrainedModel:
+    """`from_teacher` for two stacks: each keeps the named blocks (all when None), renumbered from 0; parameters
+    only a stack's first block holds (`Family.first_block_only`) come from the teacher's first block."""
+    if encoder is None and decoder is None:
+        raise ValueError(
+            f"{type(teacher).__name__} is an encoder-decoder model: name the blocks the student keeps with "
+            "decoder_layers=[...] and/or encoder_layers=[...] (a stack not named is kept whole)."
+        )
+    config = copy.deepcopy(teacher.config)
+    teacher_state = teacher.state_dict()
+    plans = []  # (state-dict prefix of the stack's blocks, {old: new}, its family)
+    record: dict[str, Any] = {"init": "from_teacher", "teacher_name_or_path": teacher.config._name_or_path}
+    for name, wanted in (("encoder", encoder), ("decoder", decoder)):
+        stack = family.stack(name)
+        blocks = teacher.base_model.get_submodule(stack.layers)
+        total = len(blocks)
+        try:
+            kept = list(range(total)) if wanted is None else _check_layers(wanted, total)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"{name}_layers: {err}") from None
+        setattr(config, stack.num_layers_field, len(kept))
+        prefix = next(n for n, module in teacher.named_modules() if module is blocks) + "."
+        plans.append((prefix, {old: new for new, old in enumerate(kept)}, stack))
+        record[f"teacher_{name}_layers"] = kept
+        record[f"teacher_num_{name}_layers"] = total
+    config.distillation = record
+    config._name_or_path = ""  # see from_teacher: the student is not the teacher checkpoint
+    config.validate()
+
+    student = type(teacher)._from_config(config, dtype=teacher.dtype)
+    state = {}
+    for key, tensor in teacher_state.items():
+        plan = next((p for p in plans if key.startswith(p[0])), None)
+        if plan is not None:
+            prefix, new_index, _ = plan
+            old, _, rest = key[len(prefix) :].partition(".")
+            if int(old) not in new_index:
+                continue
+            key = f"{prefix}{new_index[int(old)]}.{rest}"
+        state[key] = tensor
+    for prefix, new_index, stack in plans:
+        for path in stack.first_block_only:
+            if 0 not in new_index:  # the student's first block is another teacher block, without this parameter
+                state[f"{prefix}0.{path}"] = teacher_state[f"{prefix}0.{path}"]
+    student.load_state_dict(state, strict=True)
+    student.generation_config = copy.deepcopy(teacher.generation_config)
     student.to(teacher.device)
     student.train(teacher.training)
     return student
@@ -263,6 +359,9 @@ def shrink(
     }
     if family.num_kv_heads_field:
         size_fields[family.num_kv_heads_field] = "num_key_value_heads"
+    for _, stack in family.stacks:
+        size_fields.update({stack.num_layers_field: "num_layers", stack.num_heads_field: "num_attention_heads",
+                            stack.intermediate_size_field: "intermediate_size"})
     for key in overrides:
         if key in size_fields:
             raise ValueError(
@@ -276,6 +375,10 @@ def shrink(
             )
 
     values = teacher_config.to_dict()
+    # Encoder-decoder models: every stack gets the depth and sizes (fields may differ: BART's encoder_*/decoder_*).
+    for _, stack in family.stacks:
+        values.update({stack.num_layers_field: num_layers, stack.num_heads_field: num_attention_heads,
+                       stack.intermediate_size_field: intermediate_size})
     for field in family.follows_hidden_size:
         if field in values and values[field] == getattr(teacher_config, family.hidden_size_field):
             values[field] = hidden_size

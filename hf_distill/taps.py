@@ -68,10 +68,42 @@ class ModelInfo:
         return self.num_heads * self.head_dim
 
 
-def model_info(model: nn.Module) -> ModelInfo:
+def stack_family(model: nn.Module, stack: str) -> Family:
+    """The registered family of one stack (`encoder`/`decoder`) of an encoder-decoder model, or a ValueError."""
     inner = unwrap(model)
     config = getattr(inner, "config", None)
     model_type = getattr(config, "model_type", None)
+    if not getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"stack={stack!r} names a stack of an encoder-decoder model, but {type(inner).__name__} "
+            f"(model_type={model_type!r}) is not one: leave `stack` out of its terms."
+        )
+    family = get_family(model_type)
+    found = family.stack(stack) if family is not None else None
+    if found is None:
+        raise ValueError(
+            f"The encoder-decoder {type(inner).__name__} (model_type={model_type!r}) has no {stack} stack in the "
+            "hf_distill.families registry. Register it with hf_distill.families.register_encoder_decoder(model_type, "
+            "encoder={...}, decoder={...}, ...) (see that module)."
+        )
+    return found
+
+
+def model_info(model: nn.Module, stack: str | None = None) -> ModelInfo:
+    """Shape facts of the model, or with `stack` of one stack of an encoder-decoder model (its own config fields)."""
+    inner = unwrap(model)
+    config = getattr(inner, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if stack is not None:
+        family = stack_family(model, stack)
+        heads = getattr(config, family.num_heads_field)
+        hidden = getattr(config, family.hidden_size_field)
+        head_dim = getattr(config, family.head_dim_field, None) if family.head_dim_field else None
+        blocks = getattr(inner, "base_model", inner).get_submodule(family.layers)
+        return ModelInfo(
+            num_layers=len(blocks), hidden_size=hidden, num_heads=heads, family=family, model_type=model_type,
+            num_kv_heads=heads, head_dim=head_dim or hidden // heads, causal=family.causal,
+        )
     family = get_family(model_type)
     num_layers = getattr(config, "num_hidden_layers", None)
     if family is not None:
@@ -117,9 +149,11 @@ class TapRequest:
     q: set[int] = field(default_factory=set)
     k: set[int] = field(default_factory=set)
     v: set[int] = field(default_factory=set)
+    # Encoder-decoder models: the request of each stack (`encoder`/`decoder`), captured in the same forward pass.
+    stacks: dict[str, TapRequest] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
-        return bool(self.hidden or self.q or self.k or self.v)
+        return bool(self.hidden or self.q or self.k or self.v or any(self.stacks.values()))
 
 
 @dataclass
@@ -136,19 +170,21 @@ class Features:
     k: dict[int, torch.Tensor] = field(default_factory=dict)
     v: dict[int, torch.Tensor] = field(default_factory=dict)
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    stacks: dict[str, Features] = field(default_factory=dict)  # encoder-decoder models: each stack's features
 
 
 class FeatureTaps:
     """Forward hooks on exactly the modules a set of losses needs, attached only while capturing."""
 
-    def __init__(self, model: nn.Module, request: TapRequest, role: str = "model") -> None:
+    def __init__(self, model: nn.Module, request: TapRequest, role: str = "model", stack: str | None = None) -> None:
         self.request = request
-        self.info = model_info(model)
+        self.info = model_info(model, stack)
         self._targets: list[tuple[nn.Module, str | tuple[str, ...], int]] = []
         self._split: tuple[int, int, int] | None = None
         # Without a registered family, hidden states still come from `output_hidden_states`.
         self.use_hidden_states_output = False
-        if not request:
+        self._stacks = {name: FeatureTaps(model, sub, role, name) for name, sub in request.stacks.items() if sub}
+        if not (request.hidden or request.q or request.k or request.v):
             return
         family = self.info.family
         if family is None:
@@ -163,7 +199,9 @@ class FeatureTaps:
         base = getattr(unwrap(model), "base_model", unwrap(model))
         blocks = base.get_submodule(family.layers)
         for i in sorted(request.hidden):
-            if i == 0:
+            if i == 0 and family.embeddings_from_block_input:
+                self._targets.append((blocks[0], "block_input", 0))
+            elif i == 0:
                 emb = next((m for p in family.embeddings if (m := _get(base, p)) is not None), None)
                 if emb is None:
                     raise ValueError(f"The {role} has none of the modules {family.embeddings}. " + REGISTER_HINT)
@@ -209,13 +247,20 @@ class FeatureTaps:
         """Attach the hooks for one forward pass; they are removed on exit, even on error."""
         feats = Features()
         handles = []
-        try:
-            for module, kind, i in self._targets:
-                handles.append(module.register_forward_hook(self._hook(feats, kind, i)))
-            yield feats
-        finally:
-            for h in handles:
-                h.remove()
+        with contextlib.ExitStack() as stacks:
+            for name, taps in self._stacks.items():
+                feats.stacks[name] = stacks.enter_context(taps.capture())
+            try:
+                for module, kind, i in self._targets:
+                    if kind == "block_input":
+                        hook = _store_input(feats.hidden, i)
+                        handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+                    else:
+                        handles.append(module.register_forward_hook(self._hook(feats, kind, i)))
+                yield feats
+            finally:
+                for h in handles:
+                    h.remove()
 
     def _hook(self, feats: Features, kind: str | tuple[str, ...], i: int):
         if kind == "rope":
@@ -257,6 +302,15 @@ class FeatureTaps:
         hidden_states = outputs["hidden_states"] if isinstance(outputs, dict) else outputs.hidden_states
         for i in self.request.hidden:
             feats.hidden[i] = hidden_states[i]
+
+
+def _store_input(store: dict[int, torch.Tensor], i: int):
+    """A forward pre-hook keeping a block's input hidden states (positional or keyword) as `store[i]`."""
+
+    def hook(_m, args, kwargs):
+        store[i] = args[0] if args else kwargs["hidden_states"]
+
+    return hook
 
 
 def forward(model: nn.Module, kwargs: dict, taps: FeatureTaps | None = None) -> tuple[object, Features | None]:

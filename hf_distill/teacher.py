@@ -22,6 +22,7 @@ _AUTO_CLASSES = (
     "AutoModelForQuestionAnswering",
     "AutoModelForMaskedLM",
     "AutoModelForCausalLM",
+    "AutoModelForSeq2SeqLM",
     "AutoModelForMultipleChoice",
 )
 
@@ -101,6 +102,8 @@ def validate_pair(student: nn.Module, teacher: nn.Module, args, tokenizer=None) 
     from .heads import Head, static_head
 
     s_kind, t_kind = static_head(student), static_head(teacher)
+    if Head.SEQ2SEQ_LM in (s_kind, t_kind):
+        check_seq2seq_pair(student, teacher, args)
     if s_kind is Head.CAUSAL_LM and t_kind is not Head.CAUSAL_LM and args.kd_weight > 0:
         raise ValueError(
             f"The student is a causal LM but the teacher is a {type(unwrap(teacher)).__name__}: next-token logits "
@@ -179,3 +182,30 @@ def _teacher_tokenizer(teacher: nn.Module):
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError):
         return None
+
+
+def check_seq2seq_pair(student: nn.Module, teacher: nn.Module, args) -> None:
+    """Refuse an encoder-decoder student or teacher whose partner cannot be compared with it: logit KD needs two
+    encoder-decoder LMs reading the same decoder inputs (the same decoder start token)."""
+    from .heads import Head, static_head
+
+    s_kind, t_kind = static_head(student), static_head(teacher)
+    if (s_kind is Head.SEQ2SEQ_LM) == (t_kind is Head.SEQ2SEQ_LM):
+        s_start = getattr(unwrap(student).config, "decoder_start_token_id", None)
+        t_start = getattr(unwrap(teacher).config, "decoder_start_token_id", None)
+        if s_kind is Head.SEQ2SEQ_LM and s_start != t_start:
+            raise ValueError(
+                f"The student's decoder starts with token {s_start} and the teacher's with {t_start} "
+                "(config.decoder_start_token_id): both read the decoder inputs made from the labels by the student, "
+                "so the teacher would start from a token it was not trained with. Use one tokenizer and set the "
+                "student's decoder_start_token_id to the teacher's."
+            )
+        return
+    if args.kd_weight > 0 or args.terms:
+        seq2seq, other = (student, teacher) if s_kind is Head.SEQ2SEQ_LM else (teacher, student)
+        raise ValueError(
+            f"The {'student' if seq2seq is student else 'teacher'} is an encoder-decoder LM "
+            f"({type(unwrap(seq2seq)).__name__}) but the {'teacher' if seq2seq is student else 'student'} is a "
+            f"{type(unwrap(other)).__name__}: decoder-token logits and encoder/decoder layers can only be distilled "
+            "between two encoder-decoder LMs. Load the teacher with AutoModelForSeq2SeqLM."
+        )

@@ -5,12 +5,19 @@ into a `DistillTerm`. Layer numbers follow `hidden_states` of transformers: 0 is
 and `i` the output of transformer block `i` (1-based); attention scores and Q/K/V of block `i` use the
 same `i`. So TinyBERT's uniform map "student layer m <- teacher layer m*k" reads the same for every
 feature.
+
+Encoder-decoder models (T5, BART, Marian, ...) have two stacks, each numbered that way: a term names one with
+`stack=encoder` or `stack=decoder` (required for them, refused for other models), and its layer map, features
+and masks are that stack's (the decoder's real tokens are its label positions). Its default name is prefixed by
+the stack (`encoder_hidden`, `decoder_attention`), so the same loss on both stacks logs under two names.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from .families import STACKS
 
 # Which captured feature each loss compares. The loss decides the feature, so a term names its loss only.
 LOSS_FEATURE = {
@@ -30,7 +37,7 @@ _DEFAULT_NAMES = {
     "pkd_loss": "pkd",
     "incremental_mse": "incremental",
 }
-_KEYS = ("loss", "layers", "weight", "name", "relations", "relation_heads")
+_KEYS = ("loss", "layers", "weight", "name", "relations", "relation_heads", "stack")
 
 
 @dataclass
@@ -41,6 +48,7 @@ class DistillTerm:
     `incremental_mse` needs two pairs at least (so not `"last"`), each teacher layer once.
     `relations` and `relation_heads` are for `relation_kl` only: `qk` is MiniLM's attention relation,
     `vv` its value relation, `qq`/`kk`/`vv` MiniLMv2's; `relation_heads=None` uses each model's own heads.
+    `stack` (`encoder` or `decoder`) is for encoder-decoder models only, where it is required.
     """
 
     loss: str
@@ -49,6 +57,7 @@ class DistillTerm:
     name: str | None = None
     relations: list[str] = field(default_factory=list)
     relation_heads: int | None = None
+    stack: str | None = None
 
     def __post_init__(self) -> None:
         if self.loss not in LOSS_FEATURE:
@@ -87,8 +96,13 @@ class DistillTerm:
                     raise ValueError("distill_terms: relation_heads must be a positive integer.")
         elif self.relations or self.relation_heads is not None:
             raise ValueError(f"distill_terms: relations/relation_heads apply to relation_kl only, not {self.loss}.")
+        if self.stack is not None and self.stack not in STACKS:
+            raise ValueError(
+                f"distill_terms: stack={self.stack!r} is unknown. Known: {', '.join(STACKS)} (the stacks of an "
+                "encoder-decoder model)."
+            )
         if self.name is None:
-            self.name = _DEFAULT_NAMES[self.loss]
+            self.name = _DEFAULT_NAMES[self.loss] if self.stack is None else f"{self.stack}_{_DEFAULT_NAMES[self.loss]}"
 
     @property
     def feature(self) -> str:
@@ -107,6 +121,8 @@ class DistillTerm:
         if self.loss != "relation_kl":
             d.pop("relations")
             d.pop("relation_heads")
+        if self.stack is None:
+            d.pop("stack")
         return d
 
 

@@ -25,9 +25,9 @@ from . import heads as heads_mod
 from .arguments import DistillationArguments, as_distillation_arguments
 from .cache import LOGITS_COLUMN, TOPK_INDICES_COLUMN, TOPK_VALUES_COLUMN, cached_hidden_layers, cached_teacher_info
 from .collators import TEACHER_PREFIX, KeepTeacherColumnsCollator, TeacherOutputsCollator
-from .heads import Head, check_kd_loss, head_logits, runtime_head, static_head
+from .heads import TOKEN_LEVEL, Head, check_kd_loss, head_logits, runtime_head, static_head, with_decoder_inputs
 from .intermediate import IntermediateDistiller
-from .normalise import COUNT_KINDS, StepCounts, batch_counts, kd_positions
+from .normalise import COUNT_KINDS, StepCounts, batch_counts, decoder_positions, kd_positions, seq2seq_kd_positions
 from .placement import check_engine, check_fsdp2_wrap, place_teacher, send_teacher_outputs, teacher_input_device
 from .taps import forward, unwrap
 from .teacher import load_teacher, shared_base_teacher, shares_parameters, validate_pair
@@ -220,6 +220,13 @@ class DistillationTrainer(Trainer):
             return
         names, first = self._first_row(dataset, needed=self.teacher is None)
         cached_logits = [c for c in names if c.startswith(LOGITS_COLUMN) or c.startswith(TOPK_VALUES_COLUMN)]
+        cached = [c for c in names if c.startswith(TEACHER_PREFIX)]
+        if cached and self._head is Head.SEQ2SEQ_LM:
+            raise ValueError(
+                f"The {which} dataset carries cached teacher outputs ({', '.join(cached)}), but hf_distill.cache does "
+                "not cache encoder-decoder teachers (their outputs depend on the decoder inputs): drop those columns "
+                "and let the teacher run."
+            )
         if cached_logits and self._head is Head.QUESTION_ANSWERING:
             raise ValueError(
                 f"The {which} dataset carries cached teacher logits ({', '.join(cached_logits)}), but a question-"
@@ -289,7 +296,8 @@ class DistillationTrainer(Trainer):
         token-level terms over the whole step (hf_distill.normalise)."""
         batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
         counts = sum(
-            (batch_counts(b, self._token_labels, self.args.kd_token_mask, self._causal) for b in batch_samples),
+            (batch_counts(b, self._token_labels, self.args.kd_token_mask, self._causal, self._head is Head.SEQ2SEQ_LM)
+             for b in batch_samples),
             torch.zeros(len(COUNT_KINDS), dtype=torch.float64),
         )
         processes = self.accelerator.num_processes if self.args.average_tokens_across_devices else 1
@@ -306,11 +314,15 @@ class DistillationTrainer(Trainer):
         num_items_in_batch: torch.Tensor | int | None = None,
     ):
         cached = {k: inputs.pop(k) for k in list(inputs) if k.startswith(TEACHER_PREFIX)}
+        seq2seq = self._head is Head.SEQ2SEQ_LM
+        if seq2seq:  # teacher and student read the same decoder inputs, made from the labels if the batch has none
+            inputs = with_decoder_inputs(model, inputs, self._token_labels)
         distill = model.training or self.args.eval_with_teacher
         mask = inputs.get("attention_mask")
         # In the training loop, token-level means are rescaled to the whole optimizer step's mean.
         step_mean = model.training and self._step.take()
-        local = batch_counts(inputs, self._token_labels, self.args.kd_token_mask, self._causal) if step_mean else None
+        local = (batch_counts(inputs, self._token_labels, self.args.kd_token_mask, self._causal, seq2seq)
+                 if step_mean else None)
         if self.intermediate is not None:
             # Term weights are re-read every step, like kd_weight and temperature, so callbacks
             # (hf_distill.callbacks) can change them; a term of weight 0 is neither captured nor computed.
@@ -351,7 +363,7 @@ class DistillationTrainer(Trainer):
         head = Head.CAUSAL_LM if chunks is not None else runtime_head(
             model, heads_mod._logits(s_out) if self._head is None else None, inputs.get(self._token_labels)
         )
-        token_level = head in (Head.TOKEN, Head.CAUSAL_LM)
+        token_level = head in TOKEN_LEVEL
         if distill and self.args.kd_weight > 0:
             check_kd_loss(head, self.args.kd_loss)
 
@@ -380,7 +392,8 @@ class DistillationTrainer(Trainer):
             weights["kd"] = self.args.kd_weight
         if distill:
             if self.intermediate is not None:
-                terms = self.intermediate.losses(s_feats, t_feats, mask)
+                decoder_mask = decoder_positions(inputs, self._token_labels) if seq2seq else None
+                terms = self.intermediate.losses(s_feats, t_feats, mask, decoder_mask)
                 if step_mean:
                     kinds = self.intermediate.count_kinds()
                     for name, value in terms.items():
@@ -523,7 +536,10 @@ class DistillationTrainer(Trainer):
                     s, teachers = s[:, :-1], [_shift(t) for t in teachers]
                 labels = inputs.get(self._token_labels)
                 causal = head is Head.CAUSAL_LM
-                mask = kd_positions(inputs.get("attention_mask"), labels, self.args.kd_token_mask, causal)
+                if head is Head.SEQ2SEQ_LM:  # the decoder's positions, not the encoder's attention mask
+                    mask = seq2seq_kd_positions(inputs, self._token_labels, self.args.kd_token_mask)
+                else:
+                    mask = kd_positions(inputs.get("attention_mask"), labels, self.args.kd_token_mask, causal)
             elif head is Head.QUESTION_ANSWERING and inputs.get("attention_mask") is not None:
                 # Span logits are distributions over positions: padding is no candidate answer, for either model.
                 real = inputs["attention_mask"] != 0

@@ -88,7 +88,8 @@ def test_batch_counts_follow_the_masks_each_term_uses():
     }
     counts = dict(zip(COUNT_KINDS, batch_counts(batch, "labels", "labels", causal=False).tolist(), strict=True))
     # causal_pairs: key <= query among real tokens (decoder attention scores), n(n+1)/2 per row
-    assert counts == {"tokens": 5, "pairs": 9 + 4, "labels": 3, "kd": 3, "causal_pairs": 6 + 3}
+    assert counts == {"tokens": 5, "pairs": 9 + 4, "labels": 3, "kd": 3, "causal_pairs": 6 + 3,
+                      "decoder_tokens": 0, "decoder_causal_pairs": 0}  # not an encoder-decoder batch
     causal = dict(zip(COUNT_KINDS, batch_counts(batch, "labels", "attention", causal=True).tolist(), strict=True))
     # next-token positions: labels[:, 1:] != -100 -> 2; both t and t+1 real -> 2 + 1
     assert causal["labels"] == 2 and causal["kd"] == 3
@@ -97,7 +98,7 @@ def test_batch_counts_follow_the_masks_each_term_uses():
 def test_step_counts_scale_and_are_used_up_by_the_steps_micro_batches():
     step = StepCounts()
     assert not step.take()  # outside the training loop: no rescaling
-    step.start(torch.tensor([10.0, 0.0, 4.0, 4.0, 0.0], dtype=torch.float64), micro_batches=2, processes=1)
+    step.start(torch.tensor([10.0, 0.0, 4.0, 4.0, 0.0, 0.0, 0.0], dtype=torch.float64), micro_batches=2, processes=1)
     assert step.take() and step.take() and not step.take()
     assert step.scale("tokens", 3) == pytest.approx(3 * 2 / 10)
     assert step.scale("pairs", 3) == 0.0  # nothing counted in the whole step: the term contributes nothing

@@ -1,0 +1,110 @@
+"""Encoder-decoder students (T5, BART, Marian, ...): `Seq2SeqTrainer` with a teacher.
+
+transformers' `run_summarization.py` and `run_translation.py` train with `Seq2SeqTrainer` and
+`Seq2SeqTrainingArguments` (`predict_with_generate=True` evaluates generated text). The same one-line swaps as
+for `Trainer` work here:
+
+    from hf_distill import DistillationSeq2SeqArguments, DistillationSeq2SeqTrainer
+
+    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, DistillationSeq2SeqArguments))
+    trainer = DistillationSeq2SeqTrainer(model=model, args=training_args, teacher_model=teacher, ...)
+
+What distillation means for these models:
+
+* Logit KD compares the decoder's logits position by position (position t predicts label t: the decoder's input
+  is the labels shifted right, so nothing is shifted here), over the label positions that are not -100
+  (`kd_token_mask="labels"`) or the decoder's real tokens (`"attention"`: a `decoder_attention_mask` when the
+  batch has one, else the same label positions). Teacher and student read the same decoder inputs: the batch's
+  `decoder_input_ids`, or the student's shift of the labels (`prepare_decoder_input_ids_from_labels`, what
+  `DataCollatorForSeq2Seq(model=student)` does), so their decoder start tokens must agree.
+* Intermediate terms name the stack they compare (`stack=encoder` or `stack=decoder`, hf_distill.terms).
+* Generation is the student's own: `predict_with_generate` evaluation runs `student.generate` exactly as
+  `Seq2SeqTrainer` does, and its `eval_loss` is the student's cross-entropy, unless `eval_with_teacher=True`,
+  which makes it the distillation loss (the teacher then runs on every evaluation batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel, Seq2SeqTrainer, Seq2SeqTrainingArguments, TrainingArguments
+from transformers.utils import logging
+
+from .arguments import PRESET_DEFAULTS, DistillationArguments
+from .trainer import DistillationTrainer
+
+logger = logging.get_logger(__name__)
+
+__all__ = ["DistillationSeq2SeqArguments", "DistillationSeq2SeqTrainer"]
+
+
+@dataclass
+class DistillationSeq2SeqArguments(DistillationArguments, Seq2SeqTrainingArguments):
+    """`Seq2SeqTrainingArguments` (`predict_with_generate`, `generation_max_length`, `generation_num_beams`,
+    `generation_config`) plus the distillation fields of `DistillationArguments`: the arguments of
+    `DistillationSeq2SeqTrainer`, and what `HfArgumentParser` parses in place of `Seq2SeqTrainingArguments`."""
+
+
+class DistillationSeq2SeqTrainer(DistillationTrainer, Seq2SeqTrainer):
+    """`Seq2SeqTrainer` + a frozen teacher: `DistillationTrainer`'s loss, checkpoints and card, `Seq2SeqTrainer`'s
+    generation in `evaluate`/`predict` (`predict_with_generate`, `max_length`, `num_beams`, gen kwargs).
+
+    Takes `DistillationSeq2SeqArguments`; `Seq2SeqTrainingArguments`, `DistillationArguments` or plain
+    `TrainingArguments` are upgraded to them (every field kept, a warning logged). Other arguments as
+    `DistillationTrainer` (`teacher_model=`) and `Seq2SeqTrainer`.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel | nn.Module | None = None,
+        args: TrainingArguments | None = None,
+        *trainer_args: Any,
+        teacher_model: nn.Module | str | list[nn.Module | str] | None = None,
+        **trainer_kwargs: Any,
+    ) -> None:
+        args = _as_seq2seq_arguments(args)
+        super().__init__(model, args, *trainer_args, teacher_model=teacher_model, **trainer_kwargs)
+
+    def prediction_step(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+        **gen_kwargs: Any,
+    ):
+        """`Seq2SeqTrainer.prediction_step` (the student generates); with `eval_with_teacher=True` the loss it
+        reports is the distillation loss, as in evaluation without generation, not the student's cross-entropy."""
+        generate = self.args.predict_with_generate and not prediction_loss_only
+        if not (generate and self.args.eval_with_teacher):
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs)
+        loss, tokens, labels = super().prediction_step(
+            model, dict(inputs), prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs
+        )
+        if loss is not None:
+            with torch.no_grad(), self.compute_loss_context_manager():
+                loss = self.compute_loss(model, self._prepare_inputs(dict(inputs))).detach().mean()
+        return loss, tokens, labels
+
+
+def _as_seq2seq_arguments(args: TrainingArguments | None) -> DistillationSeq2SeqArguments:
+    if args is None:
+        return DistillationSeq2SeqArguments(output_dir="trainer_output")
+    if isinstance(args, DistillationSeq2SeqArguments):
+        return args
+    if not isinstance(args, TrainingArguments):
+        raise TypeError(
+            f"DistillationSeq2SeqTrainer needs DistillationSeq2SeqArguments (or Seq2SeqTrainingArguments), got "
+            f"{type(args).__name__}."
+        )
+    upgraded = DistillationSeq2SeqArguments.from_training_arguments(args)
+    settings = ", ".join(f"{name}={getattr(upgraded, name)!r}" for name in PRESET_DEFAULTS)
+    logger.warning(
+        f"DistillationSeq2SeqTrainer got {type(args).__name__}; upgraded them to DistillationSeq2SeqArguments with "
+        f"every field kept (predict_with_generate={upgraded.predict_with_generate}) and the distillation settings "
+        f"{settings}. Pass DistillationSeq2SeqArguments to choose them."
+    )
+    return upgraded
