@@ -137,6 +137,18 @@ def padded_llama(seed=1, real=VOCAB, extra=16, **kw) -> LlamaForCausalLM:
     return model
 
 
+def word_tokenizer(words: list[str]):
+    """A real fast tokenizer whose ids are `<unk>`, `<pad>`, then `words` in order (two lists of the same length
+    give two tokenizers of the same size whose ids mean different tokens)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "<pad>", *words])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>")
+
+
 def sft_rows(n=8, seed=3) -> Dataset:
     """Prompt + completion rows whose prompt is masked with -100 in `labels`: only the completion is learnt."""
     g = torch.Generator().manual_seed(seed)
