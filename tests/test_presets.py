@@ -185,7 +185,8 @@ def test_a_causal_lm_student_gets_temperature_1_and_the_completion_tokens(tmp_pa
 
 def test_a_value_given_or_from_a_preset_wins_over_the_head_default(tmp_path):
     llama = helpers.llama
-    assert _trainer(tmp_path, llama(0), llama(1), temperature=2.0).args.temperature == 2.0
+    assert _trainer(tmp_path, llama(0), llama(1)).args.temperature == 1.0  # not given
+    assert _trainer(tmp_path, llama(0), llama(1), temperature=2.0).args.temperature == 2.0  # given: the default's
     assert _trainer(tmp_path, llama(0), llama(1), kd_token_mask="attention").args.kd_token_mask == "attention"
     assert _trainer(tmp_path, llama(0), llama(1), distill_preset="distilbert").args.temperature == 2.0
     tiny = _trainer(tmp_path, helpers.bert(2), helpers.teacher(), distill_preset="tinybert_prediction")
