@@ -4,10 +4,20 @@ Every field is a plain dataclass field so that `HfArgumentParser` exposes it as 
 `parse_yaml_file` / `parse_json_file` accept it. Validation happens in `__post_init__`, so a bad value
 fails when the arguments are built, long before the first training step.
 
-The loss fields a preset may fill (`PRESET_DEFAULTS`, plus `distill_terms`) default to None, meaning "not
-given": `__post_init__` replaces None by the preset's value, or else by the plain default. So a value the user
-gave wins even when it equals the default, and after `__post_init__` every field holds a real value, which is
+The loss fields a preset may fill (`PRESET_DEFAULTS`, `temperature` and `distill_terms`) default to None, meaning
+"not given": `__post_init__` replaces None by the preset's value, or else by the plain default. So a value the
+user gave wins even when it equals the default, and after `__post_init__` those fields hold real values, which is
 why `dataclasses.replace` (it passes every field again) keeps them instead of applying the preset again.
+
+Two fields have defaults that depend on the student (`HEAD_DEFAULTS`): `temperature` and `kd_token_mask` stay
+None when neither you nor the preset gave them, and `DistillationTrainer` fills them once it knows the student's
+head (`resolve_head_defaults`): a causal LM distils at T = 1 on the tokens its own loss counts (the completion
+when the labels mask the prompt), as TRL's GKD does; every other head keeps T = 2 on every real token.
+
+Fields that do nothing in the configuration you chose are refused when you give them (`jsd_beta` without
+`kd_loss="jsd"`; the trainer refuses `kd_token_mask` for a sequence-level head, `teacher_weights` and
+`multi_teacher` with fewer than two teachers, `projection_lr` when no projection is trained). Such fields
+default to None and are never filled in, so `dataclasses.replace` does not turn a default into a given value.
 """
 
 from __future__ import annotations
@@ -31,8 +41,11 @@ PROJECTION_KINDS = ("shared", "per_layer", "none")
 KD_TOKEN_MASKS = ("attention", "labels")
 MULTI_TEACHER_MODES = ("probs", "losses")
 # The plain defaults of the fields a preset may set; the fields themselves default to None ("not given").
-PRESET_DEFAULTS: dict[str, Any] = {"temperature": 2.0, "kd_loss": "kl", "kd_weight": 0.5, "task_weight": 0.5,
-                                   "projection": "shared"}
+PRESET_DEFAULTS: dict[str, Any] = {"kd_loss": "kl", "kd_weight": 0.5, "task_weight": 0.5, "projection": "shared"}
+# Defaults that depend on the student's head, as (any other head, causal LM): filled by `resolve_head_defaults`
+# (DistillationTrainer) where neither the user nor the preset gave a value. A preset may set `temperature`.
+HEAD_DEFAULTS: dict[str, tuple[Any, Any]] = {"temperature": (2.0, 1.0), "kd_token_mask": ("attention", "labels")}
+JSD_BETA_DEFAULT = 0.5  # `jsd_beta` when not given (TRL's GKD default)
 _GIVEN_WINS = " Default: {}, or the value of `distill_preset`; a value you give always wins over the preset."
 
 
@@ -50,7 +63,10 @@ class DistillationArguments(TrainingArguments):
         metadata={
             "help": "Softmax temperature T of the logit-distillation loss (Hinton et al. 2015). `kl` is "
             "multiplied by T**2 so that its gradient scale does not depend on T; `soft_ce` is not "
-            "(TinyBERT's prediction loss); `mse` ignores T. Must be > 0." + _GIVEN_WINS.format(2.0)
+            "(TinyBERT's prediction loss); `mse` ignores T. Must be > 0. Default: 1.0 for a causal-LM student "
+            "(next-token distillation as in TRL's GKD and MiniLLM), 2.0 for every other head (DistilBERT), filled in "
+            "by DistillationTrainer once it knows the student (None until then), or the value of `distill_preset`; "
+            "a value you give always wins."
         },
     )
     kd_loss: str | None = field(
@@ -74,11 +90,12 @@ class DistillationArguments(TrainingArguments):
             "cannot be honoured. Must be > 0."
         },
     )
-    jsd_beta: float = field(
-        default=0.5,
+    jsd_beta: float | None = field(
+        default=None,
         metadata={
             "help": "`kd_loss=jsd` only: the mixture weight beta of the generalized JSD (TRL's GKD convention): 0 is "
-            "the forward KL (`kl`), 1 the reverse KL (`reverse_kl`), 0.5 the symmetric JSD. Must be in [0, 1]."
+            "the forward KL (`kl`), 1 the reverse KL (`reverse_kl`), 0.5 the symmetric JSD. Must be in [0, 1]. "
+            "Default (unset): 0.5. Refused with any other kd_loss, where it would do nothing."
         },
     )
     skew_alpha: float | None = field(
@@ -104,12 +121,17 @@ class DistillationArguments(TrainingArguments):
             + _GIVEN_WINS.format(0.5)
         },
     )
-    kd_token_mask: str = field(
-        default="attention",
+    kd_token_mask: str | None = field(
+        default=None,
         metadata={
             "help": "For token-level logits (B, T, C): which positions the logit loss averages over. "
             "`attention`: every real token (attention_mask == 1); `labels`: only positions whose label "
-            "is not -100, e.g. the masked tokens of MLM (DistilBERT's --restrict_ce_to_mask). Encoder-decoder "
+            "is not -100, e.g. the masked tokens of MLM (DistilBERT's --restrict_ce_to_mask) or the completion "
+            "of a prompt-masked SFT row. Default: `labels` for a causal-LM student (the tokens its own loss counts: "
+            "the completion where the labels mask the prompt with -100, every real token where they mask only "
+            "padding; every real token for a batch without labels), `attention` for other token-level heads, filled "
+            "in by DistillationTrainer. Refused for heads without token-level logits (sequence classification, "
+            "regression, question answering), where it does nothing. Encoder-decoder "
             "LMs count decoder positions: `labels` as above, `attention` the decoder_attention_mask when the batch "
             "has one, else the same label positions."
         },
@@ -148,17 +170,24 @@ class DistillationArguments(TrainingArguments):
     )
     projection_lr: float | None = field(
         default=None,
-        metadata={"help": "Learning rate of the projections. Defaults to `learning_rate`."},
+        metadata={
+            "help": "Learning rate of the projections. Defaults to `learning_rate`. Refused when the run trains no "
+            "projection (no intermediate terms, or widths that already match)."
+        },
     )
     teacher_weights: list[float] | None = field(
         default=None,
-        metadata={"help": "With several teachers: one weight per teacher (normalised to sum to 1). Default: equal."},
+        metadata={
+            "help": "With several teachers: one weight per teacher (normalised to sum to 1). Default: equal. "
+            "Refused with a single teacher."
+        },
     )
-    multi_teacher: str = field(
-        default="probs",
+    multi_teacher: str | None = field(
+        default=None,
         metadata={
             "help": "With several teachers: `probs` distils the weighted average of their softened distributions; "
-            "`losses` sums one logit-distillation loss per teacher, weighted."
+            "`losses` sums one logit-distillation loss per teacher, weighted. Default (unset): `probs`. Refused "
+            "with a single teacher."
         },
     )
     eval_with_teacher: bool = field(
@@ -183,6 +212,10 @@ class DistillationArguments(TrainingArguments):
         for name, default in PRESET_DEFAULTS.items():
             if getattr(self, name) is None:
                 setattr(self, name, preset.get(name, default))
+        for name in HEAD_DEFAULTS:  # else left to resolve_head_defaults, once the student is known
+            if getattr(self, name) is None and name in preset:
+                setattr(self, name, preset[name])
+        self._head_filled: set[str] = set()
         if self.distill_terms is None and "distill_terms" in preset:
             self.distill_terms = copy.deepcopy(preset["distill_terms"])
 
@@ -214,7 +247,7 @@ class DistillationArguments(TrainingArguments):
         return cls(**values, **distillation)
 
     def _validate_distillation(self) -> None:
-        if not self.temperature > 0:
+        if self.temperature is not None and not self.temperature > 0:
             raise ValueError(
                 f"DistillationArguments.temperature must be > 0, got {self.temperature}. "
                 "Use 1.0 for plain softmax; 2-8 is usual for distillation."
@@ -223,10 +256,18 @@ class DistillationArguments(TrainingArguments):
             raise ValueError(
                 f"DistillationArguments.kd_loss={self.kd_loss!r} is unknown. Known: {', '.join(KD_LOSS_KINDS)}."
             )
-        if not (isinstance(self.jsd_beta, int | float) and 0.0 <= self.jsd_beta <= 1.0):
+        if self.jsd_beta is not None and not (
+            isinstance(self.jsd_beta, int | float) and not isinstance(self.jsd_beta, bool) and 0.0 <= self.jsd_beta <= 1
+        ):
             raise ValueError(
                 f"DistillationArguments.jsd_beta must be in [0, 1] (0 = forward KL, 1 = reverse KL), got "
                 f"{self.jsd_beta!r}."
+            )
+        if self.jsd_beta is not None and self.kd_loss != "jsd":
+            raise ValueError(
+                f"DistillationArguments.jsd_beta={self.jsd_beta} does nothing with kd_loss={self.kd_loss!r}: beta is "
+                "the mixture weight of kd_loss='jsd' only. Set kd_loss='jsd' (beta 0 = 'kl', 1 = 'reverse_kl'), or "
+                "leave jsd_beta unset."
             )
         if self.skew_alpha is not None:
             if self.kd_loss not in SKEW_KINDS:
@@ -248,12 +289,12 @@ class DistillationArguments(TrainingArguments):
                 f"DistillationArguments.projection={self.projection!r} is unknown. "
                 f"Known: {', '.join(PROJECTION_KINDS)}."
             )
-        if self.kd_token_mask not in KD_TOKEN_MASKS:
+        if self.kd_token_mask is not None and self.kd_token_mask not in KD_TOKEN_MASKS:
             raise ValueError(
                 f"DistillationArguments.kd_token_mask={self.kd_token_mask!r} is unknown. "
                 f"Known: {', '.join(KD_TOKEN_MASKS)}."
             )
-        if self.multi_teacher not in MULTI_TEACHER_MODES:
+        if self.multi_teacher is not None and self.multi_teacher not in MULTI_TEACHER_MODES:
             raise ValueError(
                 f"DistillationArguments.multi_teacher={self.multi_teacher!r} is unknown. "
                 f"Known: {', '.join(MULTI_TEACHER_MODES)}."
@@ -280,6 +321,38 @@ class DistillationArguments(TrainingArguments):
                 "nothing would be trained. Set kd_weight > 0 for logit distillation."
             )
 
+    def resolve_head_defaults(self, causal: bool, token_level: bool = True) -> dict[str, Any]:
+        """Fill the fields of `HEAD_DEFAULTS` that neither the user nor the preset gave, for the student's head, and
+        return what was filled (for a log line). Why here and not in `__post_init__`: the arguments are built before
+        the model, and a causal LM's usual settings (T = 1, the completion tokens) are not an encoder's.
+
+        `kd_token_mask` is filled only for a head with token-level logits (`token_level`; a causal LM has them):
+        elsewhere it does nothing and stays None. Filled values are remembered on this object, so the same
+        arguments given to a trainer of another head are filled again for it; `dataclasses.replace` passes every
+        field again, so on its copy they count as given."""
+        done = self.__dict__.setdefault("_head_filled", set())
+        filled: dict[str, Any] = {}
+        for name, (other, causal_default) in HEAD_DEFAULTS.items():
+            if getattr(self, name) is not None and name not in done:
+                continue  # given by the user or the preset
+            if name == "kd_token_mask" and not token_level:
+                value = None
+            else:
+                value = causal_default if causal else other
+                filled[name] = value
+            setattr(self, name, value)
+            done.add(name)
+        return filled
+
+    def given(self, name: str) -> bool:
+        """True when the field holds a value the user (or the preset) gave, not one `resolve_head_defaults` filled."""
+        return getattr(self, name) is not None and name not in getattr(self, "_head_filled", set())
+
+    @property
+    def effective_jsd_beta(self) -> float:
+        """`jsd_beta`, or its default when unset (a callback may switch `kd_loss` to `jsd` during training)."""
+        return JSD_BETA_DEFAULT if self.jsd_beta is None else self.jsd_beta
+
     @property
     def terms(self) -> list[DistillTerm]:
         """The intermediate-layer terms as objects (parsed from `distill_terms`)."""
@@ -295,7 +368,7 @@ class DistillationArguments(TrainingArguments):
         return {
             "temperature": self.temperature,
             "kd_loss": self.kd_loss,
-            **({"jsd_beta": self.jsd_beta} if self.kd_loss == "jsd" else {}),
+            **({"jsd_beta": self.effective_jsd_beta} if self.kd_loss == "jsd" else {}),
             **({"skew_alpha": self.resolved_skew_alpha} if self.kd_loss in SKEW_KINDS else {}),
             "kd_weight": self.kd_weight,
             "task_weight": self.task_weight,
@@ -303,7 +376,7 @@ class DistillationArguments(TrainingArguments):
             "distill_terms": self.distill_terms or [],
             "projection": self.projection,
             "teacher_weights": self.teacher_weights,
-            "multi_teacher": self.multi_teacher,
+            "multi_teacher": self.multi_teacher or "probs",
         }
 
 
@@ -318,6 +391,7 @@ def as_distillation_arguments(args: TrainingArguments, who: str = "DistillationT
     settings = ", ".join(f"{name}={getattr(upgraded, name)!r}" for name in PRESET_DEFAULTS)
     logger.warning(
         f"{who} got {type(args).__name__}; upgraded them to DistillationArguments with every field kept and the "
-        f"distillation defaults ({settings}). Pass DistillationArguments to choose the loss."
+        f"distillation defaults ({settings}; temperature and kd_token_mask by the student's head, see "
+        "DistillationArguments). Pass DistillationArguments to choose the loss."
     )
     return upgraded

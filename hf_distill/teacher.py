@@ -2,6 +2,16 @@
 
 Placement (replica or shard) is `hf_distill.placement`'s job. A teacher that does not fit the student
 (vocabulary, label set) fails here, before training, with the fix in the message.
+
+Vocabularies. The teacher reads the student's input ids and its logit k is compared with the student's logit k,
+so id k must mean the same token for both. Tokenizers are compared by their vocabulary (id -> token, added and
+special tokens included) whatever the sizes: the student's is the trainer's `processing_class`, the teacher's is
+`teacher_processing_class`, else the one saved beside a teacher given as a folder or Hub id, else the one at an
+in-memory teacher's `name_or_path` (a local folder, or a Hub id already in the local cache: no download). When
+either cannot be known a warning says so; nothing is guessed. Vocabulary sizes may differ only by padding rows
+(sizes of one family padded differently, e.g. 151,936 vs 152,064): the tokenizer must fit the smaller model, and
+the trainer measures the teacher's probability on its extra ids on the first distilled batch
+(`check_padding_mass`), refusing more than `PADDING_MASS_BOUND`.
 """
 
 from __future__ import annotations
@@ -9,11 +19,20 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from typing import Any
 
+import torch
 import transformers
 from torch import nn
+from transformers.utils import logging
 
 from .taps import unwrap
+
+logger = logging.get_logger(__name__)
+
+PADDING_MASS_BOUND = 1e-4
+"""The most probability (temperature 1, mean over the first distilled batch's counted tokens) a teacher may put on
+the ids the student lacks for them to count as padding rather than tokens."""
 
 # Auto classes tried, most specific first, to load a teacher "like" the student.
 _AUTO_CLASSES = (
@@ -89,14 +108,20 @@ def _default_id2label(id2label: dict) -> bool:
     return all(str(v) == f"LABEL_{k}" for k, v in id2label.items())
 
 
-def validate_pair(student: nn.Module, teacher: nn.Module, args, tokenizer=None) -> int | None:
+def validate_pair(
+    student: nn.Module, teacher: nn.Module, args, tokenizer=None, teacher_tokenizer=None, source: str | None = None
+) -> int | None:
     """Refuse teacher/student pairs whose outputs or inputs cannot be compared.
 
-    Returns the number of leading vocabulary ids the token-level logits are compared on when the two vocabulary
-    sizes differ but the tokenizer is shared (sizes of one family padded differently, e.g. 151,936 vs 152,064),
-    else None."""
+    `tokenizer` is the student's (the trainer's processing_class), `teacher_tokenizer` the teacher's if the user
+    gave it, `source` the folder or Hub id the teacher was loaded from. Returns the number of leading vocabulary
+    ids the token-level logits are compared on when the two vocabulary sizes differ but the tokenizer is shared
+    (sizes of one family padded differently, e.g. 151,936 vs 152,064), else None."""
     s_cfg = getattr(unwrap(student), "config", None)
     t_cfg = getattr(unwrap(teacher), "config", None)
+    t_tokenizer = None
+    if not shares_parameters(student, teacher):  # self-distillation: one model, one tokenizer
+        t_tokenizer = _compare_tokenizers(tokenizer, teacher, teacher_tokenizer, source)
     if s_cfg is None or t_cfg is None:
         return None
     from .heads import Head, static_head
@@ -115,7 +140,7 @@ def validate_pair(student: nn.Module, teacher: nn.Module, args, tokenizer=None) 
         get_head = getattr(unwrap(student), "get_output_embeddings", None)
         token_level = get_head is not None and get_head() is not None
         if token_level and args.kd_weight > 0:
-            shared = _shared_vocabulary(s_cfg, t_cfg, teacher, tokenizer)
+            shared = _shared_vocabulary(s_cfg, t_cfg, t_tokenizer, tokenizer)
         elif s_vocab > t_vocab:
             raise ValueError(
                 f"The student's vocabulary ({s_vocab}) is larger than the teacher's ({t_vocab}): the teacher "
@@ -139,22 +164,18 @@ def validate_pair(student: nn.Module, teacher: nn.Module, args, tokenizer=None) 
     return shared
 
 
-def _shared_vocabulary(s_cfg, t_cfg, teacher: nn.Module, tokenizer) -> int:
-    """The ids both models can compare when their vocabulary sizes differ: only with one tokenizer."""
+def _shared_vocabulary(s_cfg, t_cfg, t_tokenizer, tokenizer) -> int:
+    """The ids both models can compare when their vocabulary sizes differ: only with one tokenizer (compared in
+    `_compare_tokenizers` where the teacher's is known), and only padding beyond the smaller size (the trainer
+    measures the teacher's mass there on the first batch)."""
     s_vocab, t_vocab = s_cfg.vocab_size, t_cfg.vocab_size
     sizes = f"Vocabulary sizes differ (student {s_vocab}, teacher {t_vocab})"
-    if tokenizer is None or not hasattr(tokenizer, "get_vocab"):
+    tokenizer = student_tokenizer(tokenizer)
+    if tokenizer is None:
         raise ValueError(
             f"{sizes}, so token-level logits can be compared only if both models use one tokenizer (then on their "
             "shared first ids). Pass the student's tokenizer as processing_class so that this can be checked, or "
             "use the teacher's vocabulary for the student (students.shrink / from_teacher keep it)."
-        )
-    t_tokenizer = _teacher_tokenizer(teacher)
-    if t_tokenizer is not None and t_tokenizer.get_vocab() != tokenizer.get_vocab():
-        raise ValueError(
-            f"{sizes} and the teacher's tokenizer ({getattr(t_tokenizer, 'name_or_path', '?')}) is not the "
-            "student's: the same id means different tokens, so their logits cannot be compared. Distil with one "
-            "tokenizer (cross-tokenizer distillation is not supported)."
         )
     shared = min(s_vocab, t_vocab)
     if len(tokenizer) > shared:
@@ -171,17 +192,118 @@ def _shared_vocabulary(s_cfg, t_cfg, teacher: nn.Module, tokenizer) -> int:
     return shared
 
 
-def _teacher_tokenizer(teacher: nn.Module):
-    """The tokenizer saved beside a teacher loaded from a local folder, if any (never a Hub lookup)."""
-    path = getattr(getattr(unwrap(teacher), "config", None), "_name_or_path", "") or ""
-    if not os.path.isdir(path):
+def student_tokenizer(processing_class: Any):
+    """The tokenizer in a Trainer's `processing_class` (a tokenizer, or a processor holding one), else None."""
+    if processing_class is None:
         return None
+    if hasattr(processing_class, "get_vocab"):
+        return processing_class
+    inner = getattr(processing_class, "tokenizer", None)
+    return inner if hasattr(inner, "get_vocab") else None
+
+
+def teacher_tokenizer(teacher: nn.Module, given: Any = None, source: str | None = None) -> tuple[Any, str]:
+    """The teacher's tokenizer and where it came from, or (None, why it cannot be known).
+
+    In order: `given` (`teacher_processing_class`); the tokenizer saved at `source`, the folder or Hub id the
+    trainer loaded the teacher from (the user asked for that id, so it may be downloaded like the model); the one at
+    the teacher's `name_or_path` when that is a local folder or a Hub id in the local cache (an in-memory teacher:
+    never a download)."""
+    if given is not None:
+        found = student_tokenizer(given)
+        if found is None:
+            raise TypeError(
+                "teacher_processing_class must be a tokenizer (or a processor holding one), got "
+                f"{type(given).__name__}."
+            )
+        return found, "teacher_processing_class"
+    if source is not None:
+        return _load_tokenizer(str(source), local_only=False, what=f"the teacher's {source}")
+    inner = unwrap(teacher)
+    path = getattr(inner, "name_or_path", "") or getattr(getattr(inner, "config", None), "_name_or_path", "") or ""
+    if not path:
+        return None, "the teacher was given as a model without a name_or_path (built from a config)"
+    return _load_tokenizer(path, local_only=not os.path.isdir(path), what=f"the teacher's name_or_path {path}")
+
+
+def _load_tokenizer(path: str, local_only: bool, what: str) -> tuple[Any, str]:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError):
+        return AutoTokenizer.from_pretrained(path, local_files_only=local_only), path
+    except (OSError, ValueError, KeyError, TypeError) as err:  # no tokenizer files there (or not in the cache)
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        cached = " in the local cache" if local_only else ""
+        return None, f"no tokenizer could be loaded from {what}{cached} ({first[:160]})"
+
+
+def vocabulary_difference(a, b) -> str | None:
+    """None when two tokenizers map every id to the same token (added and special tokens included), else a short
+    description of where they differ. Which token plays which role (pad, eos) is not compared: it does not change
+    what an id means, and it is often set at run time (`tokenizer.pad_token = tokenizer.eos_token`)."""
+    va, vb = a.get_vocab(), b.get_vocab()
+    if va == vb:
         return None
+    ia, ib = {i: t for t, i in va.items()}, {i: t for t, i in vb.items()}
+    differ = sorted(i for i in ia.keys() | ib.keys() if ia.get(i) != ib.get(i))
+    shown = ", ".join(f"id {i}: {ia.get(i)!r} vs {ib.get(i)!r}" for i in differ[:3])
+    return f"{len(differ)} of {max(len(ia), len(ib))} ids differ ({shown}{', ...' if len(differ) > 3 else ''})"
+
+
+def _compare_tokenizers(tokenizer, teacher: nn.Module, given, source: str | None):
+    """Refuse a teacher whose tokenizer is not the student's; warn when either cannot be known. Returns the
+    teacher's tokenizer (None when unknown)."""
+    s_tok = student_tokenizer(tokenizer)
+    t_tok, where = teacher_tokenizer(teacher, given, source)
+    if s_tok is None:
+        logger.warning(
+            "The student's tokenizer is unknown (processing_class holds none), so the teacher's vocabulary is not "
+            "compared with it: make sure both models use one tokenizer, or pass processing_class=<tokenizer>."
+        )
+        return t_tok
+    if t_tok is None:
+        logger.warning(
+            f"The teacher's tokenizer is unknown: {where}. Its vocabulary is not compared with the student's; if "
+            "they differ, the same id means different tokens and distillation is silently wrong. Pass "
+            "teacher_processing_class=<the teacher's tokenizer> to DistillationTrainer to have it checked."
+        )
+        return None
+    differ = vocabulary_difference(s_tok, t_tok)
+    if differ is not None:
+        raise ValueError(
+            f"The teacher's tokenizer (from {where}) is not the student's: {differ}. The teacher reads the "
+            "student's input ids and logit k is compared with logit k, so the same id would mean different tokens "
+            "to the two models. Distil with one tokenizer (cross-tokenizer distillation is not supported): build "
+            "the student from the teacher (students.from_teacher / students.shrink keep its vocabulary) and pass "
+            "the teacher's tokenizer as processing_class."
+        )
+    return t_tok
+
+
+def padding_mass(teacher_logits: torch.Tensor, shared: int, mask: torch.Tensor | None = None) -> float | None:
+    """The teacher's mean probability (temperature 1) on ids >= `shared`, over the positions `mask` selects
+    (every position when None); None when no position is selected. `teacher_logits` is (..., V)."""
+    logits = teacher_logits.detach()
+    logits = logits[mask.bool()] if mask is not None else logits.reshape(-1, logits.shape[-1])
+    if logits.shape[0] == 0:
+        return None
+    logits = logits.float()
+    extra = torch.logsumexp(logits[:, shared:], -1) - torch.logsumexp(logits, -1)
+    return float(extra.exp().mean())
+
+
+def check_padding_mass(mass: float | None, s_vocab: int, t_vocab: int) -> None:
+    """Refuse a teacher whose ids beyond the student's vocabulary carry probability: they are tokens, not padding,
+    and distilling on the shared ids would teach a renormalised, different distribution."""
+    if mass is None or mass <= PADDING_MASS_BOUND:
+        return
+    raise ValueError(
+        f"Vocabulary sizes differ (student {s_vocab}, teacher {t_vocab}) and the teacher puts {mass:.3g} of its "
+        f"probability (T = 1, mean over the first batch's distilled tokens) on ids {s_vocab}..{t_vocab - 1}, which "
+        f"the student lacks; padding rows would carry less than {PADDING_MASS_BOUND:g}. They are tokens, so the two "
+        "vocabularies differ. Give the student the teacher's vocabulary (students.from_teacher / students.shrink "
+        f"keep it, or student.resize_token_embeddings({t_vocab}) with the teacher's tokenizer)."
+    )
 
 
 def check_seq2seq_pair(student: nn.Module, teacher: nn.Module, args) -> None:

@@ -30,7 +30,14 @@ from .intermediate import IntermediateDistiller
 from .normalise import COUNT_KINDS, StepCounts, batch_counts, decoder_positions, kd_positions, seq2seq_kd_positions
 from .placement import check_engine, check_fsdp2_wrap, place_teacher, send_teacher_outputs, teacher_input_device
 from .taps import forward, unwrap
-from .teacher import load_teacher, shared_base_teacher, shares_parameters, validate_pair
+from .teacher import (
+    check_padding_mass,
+    load_teacher,
+    padding_mass,
+    shared_base_teacher,
+    shares_parameters,
+    validate_pair,
+)
 from .tracking import ComponentTracker
 
 PROJECTIONS_FILE = "distill_projections.pt"
@@ -52,6 +59,10 @@ class DistillationTrainer(Trainer):
             intermediate terms use the first). It may be the student itself when the student is a PEFT
             model: the teacher is then the shared base with adapters off (self-distillation). May be `None`
             when every training row carries cached teacher outputs (hf_distill.cache).
+        teacher_processing_class: the teacher's tokenizer (or a list, one per teacher; None entries allowed), so that
+            its vocabulary can be compared with the student's (`processing_class`). Not needed for a teacher given
+            as a folder or Hub id (its saved tokenizer is read) or one whose `name_or_path` holds a tokenizer; where
+            the teacher's tokenizer cannot be found a warning says that the vocabularies were not compared.
         All other arguments are `Trainer`'s.
     """
 
@@ -65,6 +76,7 @@ class DistillationTrainer(Trainer):
         args: DistillationArguments | None = None,
         *trainer_args: Any,
         teacher_model: nn.Module | str | list[nn.Module | str] | None = None,
+        teacher_processing_class: Any | list[Any] | None = None,
         **trainer_kwargs: Any,
     ) -> None:
         if args is None:
@@ -83,8 +95,11 @@ class DistillationTrainer(Trainer):
         self.model_accepts_loss_kwargs = False
 
         teachers = teacher_model if isinstance(teacher_model, list | tuple) else [teacher_model]
-        teachers = [load_teacher(str(t), like=self.model) if isinstance(t, str | os.PathLike) else t for t in teachers]
         teachers = [t for t in teachers if t is not None]
+        sources = [str(t) if isinstance(t, str | os.PathLike) else None for t in teachers]  # their tokenizers too
+        teachers = [load_teacher(str(t), like=self.model) if isinstance(t, str | os.PathLike) else t for t in teachers]
+        t_tokenizers = _per_teacher(teacher_processing_class, len(teachers))
+        self._check_arguments(len(teachers))
         self.teacher_weights = _teacher_weights(self.args.teacher_weights, len(teachers))
         # Self-distillation on one PEFT base: the "teacher" is the student with its adapters off. It must not
         # be frozen or put in eval mode for good (that would freeze or un-dropout the student too).
@@ -115,10 +130,19 @@ class DistillationTrainer(Trainer):
                 self.intermediate.projections.to(self.args.device)
                 if not self._projections_in_engine():
                     self.add_callback(_ClearProjectionGradients(self.intermediate.projections))
-        shared_vocab = [validate_pair(self.model, t, self.args, tokenizer=self.processing_class) for t in self.teachers]
+        if self.args.projection_lr is not None and (self.intermediate is None or self.intermediate.projections is None):
+            raise ValueError(
+                f"projection_lr={self.args.projection_lr} does nothing: this run trains no projection (no "
+                "distill_terms, or the terms compare features of equal width). Remove projection_lr."
+            )
+        shared_vocab = [
+            validate_pair(self.model, t, self.args, tokenizer=self.processing_class, teacher_tokenizer=tok, source=src)
+            for t, tok, src in zip(self.teachers, t_tokenizers, sources, strict=True)
+        ]
         self._shared_vocab = min((v for v in shared_vocab if v is not None), default=None)
+        self._padding_checked: set[int] = set()  # teachers whose extra vocabulary ids were measured (padding)
         if len(self.teachers) > 1 and self.args.kd_weight > 0 and self.args.kd_loss == "mse":
-            if self.args.multi_teacher == "probs":
+            if self.args.multi_teacher != "losses":
                 raise ValueError(
                     "multi_teacher='probs' averages probability distributions, which kd_loss='mse' does not use. "
                     "Use multi_teacher='losses' (a weighted sum of one MSE per teacher) or kd_loss='kl'/'soft_ce'."
@@ -148,6 +172,50 @@ class DistillationTrainer(Trainer):
             evals = self.eval_dataset if isinstance(self.eval_dataset, dict) else {"eval": self.eval_dataset}
             for name, data in evals.items():
                 self._check_teacher_columns(data, f"evaluation ({name})")
+
+    def _check_arguments(self, n_teachers: int) -> None:
+        """Fill the arguments whose default depends on the student's head (`resolve_head_defaults`: T = 1 and the
+        completion tokens for a causal LM) and refuse the ones given that would do nothing for this student and
+        these teachers."""
+        head = static_head(self.model)
+        sequence_level = head in (Head.SEQUENCE, Head.MULTI_LABEL, Head.REGRESSION, Head.QUESTION_ANSWERING)
+        if sequence_level and self.args.given("kd_token_mask"):
+            raise ValueError(
+                f"kd_token_mask={self.args.kd_token_mask!r} does nothing for this student ({head.value}): it selects "
+                "the positions of token-level logits (token classification, masked or causal LM). Leave it unset."
+            )
+        if n_teachers < 2:
+            for name in ("teacher_weights", "multi_teacher"):
+                if getattr(self.args, name) is not None:
+                    raise ValueError(
+                        f"{name}={getattr(self.args, name)!r} does nothing with {n_teachers or 'no'} teacher model: it "
+                        "weighs or combines several teachers (teacher_model=[...]). Remove it."
+                    )
+        filled = self.args.resolve_head_defaults(causal=head is Head.CAUSAL_LM, token_level=not sequence_level)
+        if filled:
+            logger.info(
+                "Not given, so set for a %s student: %s (see DistillationArguments).",
+                "causal-LM" if head is Head.CAUSAL_LM else "non-causal",
+                ", ".join(f"{k}={v!r}" for k, v in filled.items()),
+            )
+
+    def _check_padding(self, i: int, parts) -> None:
+        """Once per teacher with more vocabulary ids than the student: its mean probability on the extra ids over the
+        first distilled batch's counted positions, refused above the bound (teacher.check_padding_mass). `parts`
+        yields that batch's (n, V) teacher logits at those positions."""
+        if i in self._padding_checked:
+            return
+        total, count, vocab = 0.0, 0, None
+        for rows in parts:
+            vocab = rows.shape[-1]
+            if vocab <= self._shared_vocab:  # this teacher has no ids the student lacks
+                self._padding_checked.add(i)
+                return
+            if len(rows):
+                total, count = total + padding_mass(rows, self._shared_vocab) * len(rows), count + len(rows)
+        if count:  # (a batch without a distilled position leaves the check to the next one)
+            check_padding_mass(total / count, self._shared_vocab, vocab)
+            self._padding_checked.add(i)
 
     def _chunk_size(self) -> int | None:
         """Tokens per chunk for the causal-LM loss (hf_distill.chunked), or None for whole logits.
@@ -461,9 +529,13 @@ class DistillationTrainer(Trainer):
         labels = inputs.get(self._token_labels)
         kd_fn = None
         if self.args.kd_weight > 0:
-            kd_fn = chunked.dense_kd(self.args.kd_loss, self.args.temperature, self.args.jsd_beta,
+            kd_fn = chunked.dense_kd(self.args.kd_loss, self.args.temperature, self.args.effective_jsd_beta,
                                      self.args.resolved_skew_alpha)
         kd_mask = kd_positions(inputs.get("attention_mask"), labels, self.args.kd_token_mask, causal=True)
+        if self._shared_vocab is not None and t_hidden is not None and 0 not in self._padding_checked:
+            with torch.no_grad():  # the teacher's logits on the first batch's distilled tokens, a few rows at a time
+                rows = t_hidden[:, :-1][kd_mask] if kd_mask is not None else t_hidden[:, :-1].flatten(0, 1)
+                self._check_padding(0, (self._t_logits_fn(part) for part in rows.split(256)))
         teacher = self._t_logits_fn if t_hidden is not None else (t_logits[:, :-1] if t_logits is not None else None)
         ce_labels = labels[:, 1:] if want_task and labels is not None else None
         route = "module" if (self.is_deepspeed_enabled or self.is_fsdp_enabled) else "auto"
@@ -547,6 +619,9 @@ class DistillationTrainer(Trainer):
                 teachers = [t.float().masked_fill(~real, _NO_POSITION) for t in teachers]
             if s.dim() == 3 and self._shared_vocab is not None:  # padded vocabularies: the ids both models know
                 v = self._shared_vocab
+                for j, t in enumerate(teachers):
+                    if not isinstance(t, tuple):
+                        self._check_padding(j, [t[mask.bool()] if mask is not None else t.flatten(0, -2)])
                 s, teachers = s[..., :v], [t if isinstance(t, tuple) else t[..., :v] for t in teachers]
             values.append(self._combine_teachers(head, s, teachers, mask))
         return sum(values) / len(values)
@@ -577,7 +652,7 @@ class DistillationTrainer(Trainer):
         if head is Head.MULTI_LABEL and kind != "mse":
             fn = losses.binary_kl_div if kind == "kl" else losses.binary_soft_cross_entropy
             return fn(s, t, T)
-        return losses.logit_kd_loss(kind, s, t, T, mask=mask, beta=self.args.jsd_beta,
+        return losses.logit_kd_loss(kind, s, t, T, mask=mask, beta=self.args.effective_jsd_beta,
                                     alpha=self.args.resolved_skew_alpha)
 
     # ------------------------------------------------------------------ logging
@@ -959,6 +1034,17 @@ def _teacher_weights(weights: list[float] | None, n: int) -> list[float]:
     if total <= 0:
         raise ValueError(f"teacher_weights must sum to a positive number, got {weights}.")
     return [w / total for w in weights]
+
+
+def _per_teacher(value: Any, n: int) -> list[Any]:
+    """`teacher_processing_class` as one entry per teacher."""
+    if not isinstance(value, list | tuple):
+        return [value] * n
+    if len(value) != n:
+        raise ValueError(
+            f"teacher_processing_class has {len(value)} entries for {n} teachers; give one per teacher (None allowed)."
+        )
+    return list(value)
 
 
 def _forward_params(model: nn.Module | None) -> set[str]:

@@ -125,6 +125,30 @@ def llama(seed=0, layers=2, vocab=VOCAB, **kw) -> LlamaForCausalLM:
     return LlamaForCausalLM(cfg)
 
 
+def padded_llama(seed=1, real=VOCAB, extra=16, **kw) -> LlamaForCausalLM:
+    """A tiny Llama of `real + extra` ids whose last `extra` are padding rows, as in a family padded to a round size:
+    every hidden state has a large constant first coordinate (from the embeddings) and the padding rows of the LM
+    head point against it, so they get ~1e-11 of the probability, as a trained model's never-seen rows do."""
+    model = llama(seed, vocab=real + extra, **kw)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 4.0
+        model.lm_head.weight[real:] = 0.0
+        model.lm_head.weight[real:, 0] = -4.0
+    return model
+
+
+def word_tokenizer(words: list[str]):
+    """A real fast tokenizer whose ids are `<unk>`, `<pad>`, then `words` in order (two lists of the same length
+    give two tokenizers of the same size whose ids mean different tokens)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "<pad>", *words])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>")
+
+
 def sft_rows(n=8, seed=3) -> Dataset:
     """Prompt + completion rows whose prompt is masked with -100 in `labels`: only the completion is learnt."""
     g = torch.Generator().manual_seed(seed)

@@ -8,9 +8,9 @@ import dataclasses
 import logging
 
 import pytest
-from helpers import bert, collate, token_dataset
+from helpers import args, bert, collate, token_dataset
 from helpers import teacher as make_teacher
-from transformers import Seq2SeqTrainingArguments, TrainingArguments
+from transformers import BertConfig, BertForMaskedLM, HfArgumentParser, Seq2SeqTrainingArguments, TrainingArguments
 
 from hf_distill import DistillationArguments, DistillationTrainer
 
@@ -108,3 +108,61 @@ def test_trainer_upgrades_training_arguments_with_a_warning_and_trains(tmp_path,
     trainer.train()
     logged = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logged) == 2 and all("loss_kd" in h and "loss_task" in h for h in logged)
+
+
+# ------------------------------------------------ arguments that would do nothing are refused (issue 28, case 7)
+
+BASE = {"output_dir": "out", "use_cpu": True, "report_to": []}
+
+
+def test_jsd_beta_without_kd_loss_jsd_is_refused_as_a_keyword_a_flag_and_with_a_preset():
+    with pytest.raises(ValueError, match=r"jsd_beta=0.3 does nothing with kd_loss='kl'.*kd_loss='jsd'"):
+        DistillationArguments(**BASE, jsd_beta=0.3)
+    with pytest.raises(ValueError, match="jsd_beta=0.5 does nothing with kd_loss='soft_ce'"):  # the default, given
+        DistillationArguments(**BASE, distill_preset="tinybert_prediction", jsd_beta=0.5)
+    with pytest.raises(ValueError, match="jsd_beta=0.2 does nothing with kd_loss='reverse_kl'"):
+        HfArgumentParser(DistillationArguments).parse_args_into_dataclasses(
+            ["--output_dir", "out", "--kd_loss", "reverse_kl", "--jsd_beta", "0.2"])
+    # with jsd it is kept; unset it is 0.5 where used (summary, loss) and never becomes "given"
+    assert DistillationArguments(**BASE, kd_loss="jsd", jsd_beta=0.3).distillation_summary()["jsd_beta"] == 0.3
+    jsd = DistillationArguments(**BASE, kd_loss="jsd")
+    assert jsd.jsd_beta is None and jsd.distillation_summary()["jsd_beta"] == 0.5 and jsd.effective_jsd_beta == 0.5
+    assert dataclasses.replace(jsd, kd_loss="kl").kd_loss == "kl"
+
+
+def _trainer(tmp_path, student=None, teacher=None, **kw):
+    return DistillationTrainer(model=student if student is not None else bert(2),
+                               teacher_model=teacher if teacher is not None else make_teacher(),
+                               args=args(tmp_path, **kw), train_dataset=token_dataset(16), data_collator=collate)
+
+
+def test_kd_token_mask_is_refused_for_a_sequence_level_student(tmp_path):
+    with pytest.raises(ValueError, match=r"kd_token_mask='labels' does nothing for this student \(single-label"):
+        _trainer(tmp_path, kd_token_mask="labels")
+    trainer = _trainer(tmp_path)  # not given: left unset for a classifier
+    assert trainer.args.kd_token_mask is None
+    mlm = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=120)
+    trainer = _trainer(tmp_path, BertForMaskedLM(BertConfig(**mlm)), BertForMaskedLM(BertConfig(**mlm)),
+                       kd_token_mask="labels")
+    assert trainer.args.kd_token_mask == "labels"
+
+
+def test_teacher_weights_and_multi_teacher_are_refused_with_one_teacher(tmp_path):
+    with pytest.raises(ValueError, match=r"teacher_weights=\[1.0\] does nothing with 1 teacher model"):
+        _trainer(tmp_path, teacher_weights=[1.0])
+    with pytest.raises(ValueError, match="multi_teacher='losses' does nothing with 1 teacher model"):
+        _trainer(tmp_path, multi_teacher="losses")
+    trainer = _trainer(tmp_path, teacher=[make_teacher(), make_teacher(seed=2)], teacher_weights=[1.0, 3.0],
+                       multi_teacher="losses")
+    assert trainer.teacher_weights == [0.25, 0.75]
+    assert _trainer(tmp_path).args.distillation_summary()["multi_teacher"] == "probs"
+
+
+def test_projection_lr_is_refused_when_no_projection_is_trained(tmp_path):
+    with pytest.raises(ValueError, match="projection_lr=0.01 does nothing: this run trains no projection"):
+        _trainer(tmp_path, projection_lr=0.01)
+    with pytest.raises(ValueError, match="projection_lr=0.01 does nothing"):  # equal widths: nothing to project
+        _trainer(tmp_path, projection_lr=0.01, distill_terms=["loss=hidden_mse,layers=last"])
+    trainer = _trainer(tmp_path, student=bert(2, hidden=16), projection_lr=0.01,
+                       distill_terms=["loss=hidden_mse,layers=last"])
+    assert trainer.intermediate.projections is not None

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import VOCAB, args, bert, flat_params, labelled_collate, llama, sft_rows
+from helpers import VOCAB, args, bert, flat_params, labelled_collate, llama, padded_llama, sft_rows
 from transformers import (
     CohereConfig,
     CohereForCausalLM,
@@ -251,12 +251,13 @@ WORDS = [f"w{i}" for i in range(100)]
 
 def test_padded_vocabularies_of_one_tokenizer_compare_their_shared_ids(tmp_path):
     tokenizer = _tokenizer(WORDS)  # 102 tokens: fits both models
-    student, teacher = llama(0, vocab=VOCAB), llama(1, vocab=VOCAB + 16)
+    student, teacher = llama(0, vocab=VOCAB), padded_llama(1, VOCAB, 16)  # the teacher's last 16 ids are padding
     s0, t0 = copy.deepcopy(student), copy.deepcopy(teacher)
     teacher.save_pretrained(tmp_path / "teacher")
     tokenizer.save_pretrained(tmp_path / "teacher")
     trainer = DistillationTrainer(model=student, teacher_model=str(tmp_path / "teacher"),
-                                  args=args(tmp_path, max_steps=1, per_device_train_batch_size=8, temperature=1.0),
+                                  args=args(tmp_path, max_steps=1, per_device_train_batch_size=8, temperature=1.0,
+                                            kd_token_mask="attention"),
                                   train_dataset=sft_rows(8), data_collator=labelled_collate, processing_class=tokenizer)
     assert trainer._shared_vocab == VOCAB
     trainer.train()

@@ -10,7 +10,7 @@ import pytest
 import torch
 from datasets import Dataset
 from decoder_models import DECODERS, ROTARY, decoder, lm_batch
-from helpers import args, bert, collate, flat_params
+from helpers import args, bert, collate, flat_params, labelled_collate, sft_rows
 
 from hf_distill import DistillationTrainer, losses
 from hf_distill.intermediate import IntermediateDistiller
@@ -312,3 +312,23 @@ def test_sliding_window_blocks_refuse_batches_longer_than_the_window():
         _, t = dist.teacher_taps.run(teacher, short)
     assert torch.isfinite(dist.losses(s, t, short["attention_mask"])["att"])
     assert model_info(decoder("mistral", layers=2, sliding_window=16)).windows == (16, 16)
+
+
+def test_causal_defaults_distil_the_completion_at_temperature_1(tmp_path):
+    """A TRL/SFT user's rows mask the prompt with -100 in `labels`. Given nothing, a causal-LM student's KD term
+    is GKD's: T = 1 KL on the completion tokens only (the ones its own loss counts), not T = 2 over the prompt too."""
+    student, teacher = decoder("llama", layers=2, seed=0), decoder("llama", layers=3, seed=1)
+    trainer = DistillationTrainer(model=student, teacher_model=teacher,
+                                  args=args(tmp_path, kd_weight=1.0, task_weight=0.0), train_dataset=sft_rows(8),
+                                  data_collator=labelled_collate)
+    batch = labelled_collate([sft_rows(8)[i] for i in range(8)])
+    real = batch["attention_mask"].bool()
+    assert (batch["labels"] == -100)[real].any()  # the prompts are masked
+    loss = trainer.compute_loss(student.train(), dict(batch))
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    with torch.no_grad():
+        s, t = student(**inputs).logits, teacher(**inputs).logits
+    completion = batch["labels"][:, 1:] != -100
+    assert loss.item() == pytest.approx(losses.kl_div(s[:, :-1], t[:, :-1], 1.0, mask=completion).item(), rel=1e-5)
+    every_token = losses.kl_div(s[:, :-1], t[:, :-1], 2.0, mask=real[:, :-1] & real[:, 1:])  # the encoder defaults
+    assert abs(loss.item() - every_token.item()) > 1e-3 * every_token.item()
