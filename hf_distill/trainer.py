@@ -136,7 +136,7 @@ class DistillationTrainer(Trainer):
         self._head = static_head(self.model)
         self._causal = self._head is Head.CAUSAL_LM
         self._student_shape = _shape(self.model)
-        self._state: _StudentState | None = None
+        self._student_cache: _StudentState | None = None
         self._teacher_rebuilds = False  # the teacher's logits were rebuilt from its hidden states (checked once)
         # The label tensor of token-level heads (counted positions, `kd_token_mask="labels"`).
         self._token_labels = self.label_names[0] if len(self.label_names or []) == 1 else "labels"
@@ -214,8 +214,8 @@ class DistillationTrainer(Trainer):
         DeepSpeed) and compiles it (`torch_compile`, whose `_orig_mod` is the model) after the trainer is built.
         A model of another kind or shape than the one the arguments were validated against is refused."""
         inner = unwrap(model)
-        if self._state is not None and self._state.inner is inner:
-            return self._state
+        if self._student_cache is not None and self._student_cache.inner is inner:
+            return self._student_cache
         shape = _shape(inner)
         if shape != self._student_shape:
             raise ValueError(
@@ -231,8 +231,8 @@ class DistillationTrainer(Trainer):
             )
         if self.intermediate is not None:
             self.intermediate.bind_student(inner)
-        self._state = _StudentState(inner, _forward_params(inner))
-        return self._state
+        self._student_cache = _StudentState(inner, _forward_params(inner))
+        return self._student_cache
 
     def call_model_init(self, trial=None) -> nn.Module:
         """The Trainer's `model_init` call (in `__init__`, and in `train()` for every run and hyperparameter-search
