@@ -218,6 +218,19 @@ def test_projections_restart_from_the_seed_with_every_model_init(tmp_path):
 # ---------------------------------------------------------------- torch_compile
 
 
+def test_unwrap_sees_through_torch_compile_ddp_style_wrappers_and_peft():
+    from hf_distill.heads import Head, static_head
+    from hf_distill.taps import unwrap
+
+    student = bert(2)
+    wrapper = torch.nn.Module()
+    wrapper.module = torch.compile(student)  # what accelerate prepares: a compiled model, possibly inside DDP
+    assert unwrap(torch.compile(student)) is student and unwrap(torch.compile(wrapper)) is student
+    assert static_head(torch.compile(student)) is Head.SEQUENCE
+    lora = _lora_llama()
+    assert unwrap(torch.compile(lora)) is lora.get_base_model()
+
+
 def _padded(collator, width=12):
     """Every batch padded to `width` tokens, so the compiled graph is traced once (each new length recompiles)."""
 
