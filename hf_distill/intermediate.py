@@ -42,7 +42,12 @@ class IntermediateDistiller:
     """Validated terms with their layer pairs, the taps of both models and the projections."""
 
     def __init__(
-        self, terms: list[DistillTerm], student: nn.Module, teacher: nn.Module | ModelInfo, projection: str
+        self,
+        terms: list[DistillTerm],
+        student: nn.Module,
+        teacher: nn.Module | ModelInfo,
+        projection: str,
+        seed: int | None = None,
     ) -> None:
         # A ModelInfo instead of a teacher: its features come from a cache (hf_distill.cache), never a forward.
         s, t = model_info(student), teacher if isinstance(teacher, ModelInfo) else model_info(teacher)
@@ -124,8 +129,42 @@ class IntermediateDistiller:
                 "pass teacher_model, or keep only hidden_mse/cosine_loss/pkd_loss terms."
             )
         self.projections: Projections | None = None
+        self._projection_spec = (s.hidden_size, t.hidden_size, projection, projected_layers)
+        self._seed = seed
         if projected_layers:
-            self.projections = Projections(s.hidden_size, t.hidden_size, projection, projected_layers)
+            self.projections = self._new_projections()
+
+    def _new_projections(self) -> Projections:
+        """Projections drawn from `seed` (when given) without touching the global RNG, so every run and every
+        `model_init` trial starts them alike."""
+        with torch.random.fork_rng(devices=[]):
+            if self._seed is not None:
+                torch.manual_seed(self._seed)
+            return Projections(*self._projection_spec)
+
+    def reset_projections(self) -> None:
+        """Start the projections afresh, in place (the optimizer and callbacks keep the same modules): a new
+        student from `model_init` (each hyperparameter-search trial) is a new run, not a continuation."""
+        if self.projections is not None:
+            self.projections.load_state_dict(self._new_projections().state_dict())
+
+    def bind_student(self, student: nn.Module) -> None:
+        """Hook the student features on `student` from now on. The Trainer may replace the model it trains after
+        the trainer is built (`model_init`, hyperparameter search), so taps follow the model the loss is given;
+        the terms were validated against the first one, so a student of another shape is refused."""
+        if unwrap(student) is unwrap(self._student):
+            return
+        info = model_info(student)
+        if info != self.student_info:
+            raise ValueError(
+                f"The model to train ({type(unwrap(student)).__name__}: {info.num_layers} layers, hidden size "
+                f"{info.hidden_size}, {info.num_heads} heads) does not have the shape the distill_terms were "
+                f"validated against when the trainer was built ({self.student_info.num_layers} layers, hidden size "
+                f"{self.student_info.hidden_size}, {self.student_info.num_heads} heads). model_init must return "
+                "students of one architecture; vary training hyperparameters only, or build one trainer per shape."
+            )
+        self._student = student
+        self._taps.clear()  # rebuilt for the active terms on first use
 
     # ------------------------------------------------------------------ run-time weights
 

@@ -24,9 +24,18 @@ from .families import REGISTER_HINT, Family, get_family
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The transformers model inside DDP/FSDP-style wrappers and PEFT models."""
-    while hasattr(model, "module") and isinstance(model.module, nn.Module):
-        model = model.module
+    """The transformers model inside `torch.compile` (`_orig_mod`), DDP/FSDP-style wrappers and PEFT models.
+
+    The Trainer compiles (`torch_compile=True`) and wraps the model it trains after the trainer is built, so
+    every model-bound fact (head, LM head, hooked modules, forward arguments) is read from the unwrapped model."""
+    while True:
+        compiled = model._modules.get("_orig_mod")  # torch.compile's OptimizedModule
+        if isinstance(compiled, nn.Module):
+            model = compiled
+        elif hasattr(model, "module") and isinstance(model.module, nn.Module):
+            model = model.module
+        else:
+            break
     if hasattr(model, "get_base_model"):  # peft.PeftModel
         model = model.get_base_model()
     return model

@@ -9,6 +9,7 @@ gradient accumulation, DDP, mixed precision, callbacks, checkpointing and `push_
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import os
 from typing import Any
@@ -125,7 +126,8 @@ class DistillationTrainer(Trainer):
                     "distill_terms need teacher features, so teacher_model must be given "
                     "(or a train dataset with cached teacher hidden states from hf_distill.cache)."
                 )
-            self.intermediate = IntermediateDistiller(terms, self.model, source, self.args.projection)
+            self.intermediate = IntermediateDistiller(terms, self.model, source, self.args.projection,
+                                                      seed=self.args.seed)
             if self.intermediate.projections is not None:
                 self.intermediate.projections.to(self.args.device)
                 if not self._projections_in_engine():
@@ -148,8 +150,14 @@ class DistillationTrainer(Trainer):
                     "Use multi_teacher='losses' (a weighted sum of one MSE per teacher) or kd_loss='kl'/'soft_ce'."
                 )
 
+        # What the arguments were validated against. Nothing else is kept from this model: the Trainer may swap
+        # (model_init), wrap (DDP, engines) or compile (torch_compile) it later, so compute_loss resolves the model
+        # it is given (`_student_state`).
         self._head = static_head(self.model)
         self._causal = self._head is Head.CAUSAL_LM
+        self._student_shape = _shape(self.model)
+        self._student_cache: _StudentState | None = None
+        self._teacher_rebuilds = False  # the teacher's logits were rebuilt from its hidden states (checked once)
         # The label tensor of token-level heads (counted positions, `kd_token_mask="labels"`).
         self._token_labels = self.label_names[0] if len(self.label_names or []) == 1 else "labels"
         self._step = StepCounts()
@@ -159,11 +167,6 @@ class DistillationTrainer(Trainer):
                 check_kd_loss(static_head(t), self.args.kd_loss, "the teacher")
         self._check_projection_optimizer()
         self._chunk = self._chunk_size()
-        if self._chunk is not None:
-            self._s_logits_fn = chunked.logits_fn(self.model)
-            self._t_logits_fn = chunked.logits_fn(self.teacher) if self.teacher is not None else None
-
-        self._student_params = _forward_params(self.model)
         self._teacher_params = _forward_params(self.teacher) if self.teacher is not None else set()
         self.data_collator = TeacherOutputsCollator(self.data_collator)
         self.tracker = ComponentTracker()
@@ -223,7 +226,8 @@ class DistillationTrainer(Trainer):
         `kd_chunk_size=None` (the default) chunks wherever the result is provably the same: a causal-LM student and
         teacher whose logits hf_distill can rebuild from their last hidden states, one teacher (or cached dense
         logits), no label smoothing or compute_loss_func (they need the full logits). A value set by the user
-        where chunking cannot be honoured is refused."""
+        where chunking cannot be honoured is refused. No model runs here: whether the logits can be rebuilt from the
+        hidden states is checked on the model being trained, at its first training step (`_chunk_for`)."""
         asked = self.args.kd_chunk_size
         why = None
         if self._head is not Head.CAUSAL_LM:
@@ -238,15 +242,6 @@ class DistillationTrainer(Trainer):
             self.teacher is not None and not chunked.supports_hidden_only(self.teacher)
         ):
             why = "the model's forward has no `logits_to_keep` argument"
-        if why is None:
-            try:
-                chunked.check_logits_fn(self.model, unwrap(self.model).config.vocab_size, "student")
-                if self.teacher is not None:
-                    chunked.check_logits_fn(self.teacher, unwrap(self.teacher).config.vocab_size, "teacher")
-            except ValueError as err:
-                if asked is not None:
-                    raise
-                why = str(err)
         if why is not None:
             if asked is not None:
                 raise ValueError(f"kd_chunk_size={asked} cannot be honoured: {why}. Leave kd_chunk_size unset.")
@@ -255,8 +250,74 @@ class DistillationTrainer(Trainer):
             return None
         return asked if asked is not None else chunked.default_chunk(unwrap(self.model).config.vocab_size)
 
-    def _student_accepts(self, name: str) -> bool:
-        return name in self._student_params or "**" in self._student_params
+    def _chunk_for(self, model: nn.Module) -> int | None:
+        """`self._chunk` for this model once its logits (and the teacher's) are shown to be rebuilt exactly from the
+        last hidden states: one two-token forward of each, no gradient, at the first training step of each model
+        (so no model runs when the trainer is built). A model whose logits cannot be rebuilt is refused when
+        kd_chunk_size was given, else trained on whole logits with a warning."""
+        if self._chunk is None:
+            return None
+        state = self._student_state(model)
+        if state.rebuilds is None:
+            try:
+                chunked.check_logits_fn(state.inner, state.inner.config.vocab_size, "student")
+                if self.teacher is not None and not self._teacher_rebuilds:
+                    chunked.check_logits_fn(self.teacher, unwrap(self.teacher).config.vocab_size, "teacher")
+                    self._teacher_rebuilds = True
+                state.rebuilds = True
+            except ValueError as err:
+                if self.args.kd_chunk_size is not None:
+                    raise
+                logger.warning("Causal-LM logits are computed whole (not in chunks): %s.", err)
+                state.rebuilds = False
+        return self._chunk if state.rebuilds else None
+
+    def _student_state(self, model: nn.Module) -> _StudentState:
+        """What the loss needs from the student it is given (head, forward arguments, LM head), resolved once per
+        model: the Trainer swaps the model under `model_init` (each hyperparameter-search trial), wraps it (DDP,
+        DeepSpeed) and compiles it (`torch_compile`, whose `_orig_mod` is the model) after the trainer is built.
+        A model of another kind or shape than the one the arguments were validated against is refused."""
+        inner = unwrap(model)
+        if self._student_cache is not None and self._student_cache.inner is inner:
+            return self._student_cache
+        shape = _shape(inner)
+        if shape != self._student_shape:
+            raise ValueError(
+                f"The model to train ({type(inner).__name__}: {_describe(shape)}) is not the kind of model this "
+                f"trainer was built with and validated against ({_describe(self._student_shape)}). model_init must "
+                "return students with one head, vocabulary and label set; build one trainer per kind of student."
+            )
+        if self.teachers and shares_parameters(self.teachers[0], inner) != self.shared_base:
+            raise ValueError(
+                "The model to train shares its parameters with the teacher differently from the model the trainer "
+                "was built with (self-distillation on one PEFT base). With model_init, give a teacher that is not "
+                "the student's own base, or pass model= instead of model_init."
+            )
+        if self.intermediate is not None:
+            self.intermediate.bind_student(inner)
+        self._student_cache = _StudentState(inner, _forward_params(inner))
+        return self._student_cache
+
+    def call_model_init(self, trial=None) -> nn.Module:
+        """The Trainer's `model_init` call (in `__init__`, and in `train()` for every run and hyperparameter-search
+        trial). A new student starts a new run: the projections restart from `seed` too, and under DeepSpeed they
+        ride in the new student (`_projections_attached`)."""
+        model = super().call_model_init(trial)
+        proj = self._projections() if getattr(self, "intermediate", None) is not None else None
+        if proj is not None:
+            self.intermediate.reset_projections()
+            if self._attached():
+                self.model._modules.pop(PROJECTIONS_ATTR)
+                model.add_module(PROJECTIONS_ATTR, proj)
+        return model
+
+    def _logits_fns(self, model: nn.Module):
+        """Hidden states -> logits of the student `model` and of the teacher (hf_distill.chunked), per model."""
+        state = self._student_state(model)
+        if state.logits_fns is None:
+            teacher = chunked.logits_fn(self.teacher) if self.teacher is not None else None
+            state.logits_fns = (chunked.logits_fn(state.inner), teacher)
+        return state.logits_fns
 
     # ------------------------------------------------------------------ data
 
@@ -382,6 +443,7 @@ class DistillationTrainer(Trainer):
         num_items_in_batch: torch.Tensor | int | None = None,
     ):
         cached = {k: inputs.pop(k) for k in list(inputs) if k.startswith(TEACHER_PREFIX)}
+        student = self._student_state(model)  # the model as the Trainer prepared it, not the one it was built with
         seq2seq = self._head is Head.SEQ2SEQ_LM
         if seq2seq:  # teacher and student read the same decoder inputs, made from the labels if the batch has none
             inputs = with_decoder_inputs(model, inputs, self._token_labels)
@@ -414,7 +476,7 @@ class DistillationTrainer(Trainer):
         # in the CPU caches; run after the student, the teacher's forward evicts them (3-5% of a logit-KD step
         # on the benchmark CPU, benchmarks/speed.py).
         # Causal LMs in training: logits a chunk of tokens at a time from the last hidden states (hf_distill.chunked).
-        chunks = self._chunk if (model.training and distill and TOPK_VALUES_COLUMN not in cached) else None
+        chunks = self._chunk_for(model) if (model.training and distill and TOPK_VALUES_COLUMN not in cached) else None
         if distill:
             t_views, t_feats, t_hidden = self._teacher_outputs(inputs, cached, hidden_only=chunks is not None)
             if self.args.kd_weight > 0:  # every teacher's logits, the first one's included
@@ -422,14 +484,14 @@ class DistillationTrainer(Trainer):
                 all_t_views = [t_views, *extra]
         student_labels = want_task and not own_task and chunks is None
         s_kwargs = {
-            k: v for k, v in inputs.items() if self._student_accepts(k) and (k not in names or student_labels)
+            k: v for k, v in inputs.items() if student.accepts(k) and (k not in names or student_labels)
         }
         if chunks is not None:
             s_kwargs = chunked.hidden_only_kwargs(s_kwargs)
         taps = self.intermediate.student_taps if (distill and self.intermediate) else None
         s_out, s_feats = forward(model, s_kwargs, taps)
         head = Head.CAUSAL_LM if chunks is not None else runtime_head(
-            model, heads_mod._logits(s_out) if self._head is None else None, inputs.get(self._token_labels)
+            model, heads_mod._logits(s_out) if student.head is None else None, inputs.get(self._token_labels)
         )
         token_level = head in TOKEN_LEVEL
         if distill and self.args.kd_weight > 0:
@@ -532,15 +594,19 @@ class DistillationTrainer(Trainer):
             kd_fn = chunked.dense_kd(self.args.kd_loss, self.args.temperature, self.args.effective_jsd_beta,
                                      self.args.resolved_skew_alpha)
         kd_mask = kd_positions(inputs.get("attention_mask"), labels, self.args.kd_token_mask, causal=True)
+        s_logits_fn, t_logits_fn = self._logits_fns(self.model)
         if self._shared_vocab is not None and t_hidden is not None and 0 not in self._padding_checked:
             with torch.no_grad():  # the teacher's logits on the first batch's distilled tokens, a few rows at a time
                 rows = t_hidden[:, :-1][kd_mask] if kd_mask is not None else t_hidden[:, :-1].flatten(0, 1)
-                self._check_padding(0, (self._t_logits_fn(part) for part in rows.split(256)))
-        teacher = self._t_logits_fn if t_hidden is not None else (t_logits[:, :-1] if t_logits is not None else None)
+                self._check_padding(0, (t_logits_fn(part) for part in rows.split(256)))
+        teacher = t_logits_fn if t_hidden is not None else (t_logits[:, :-1] if t_logits is not None else None)
         ce_labels = labels[:, 1:] if want_task and labels is not None else None
-        route = "module" if (self.is_deepspeed_enabled or self.is_fsdp_enabled) else "auto"
-        return chunked.chunked_kd_and_ce(chunked.last_hidden(s_out), self._s_logits_fn, teacher, t_hidden, kd_mask,
-                                         ce_labels, kd_fn, chunk, self._shared_vocab, route=route)
+        return chunked.chunked_kd_and_ce(chunked.last_hidden(s_out), s_logits_fn, teacher, t_hidden, kd_mask,
+                                         ce_labels, kd_fn, chunk, self._shared_vocab, route=self._loss_head_route())
+
+    def _loss_head_route(self) -> str:
+        """DeepSpeed and FSDP gather the LM heads' parameters inside the heads' own calls: call them as modules."""
+        return "module" if (self.is_deepspeed_enabled or self.is_fsdp_enabled) else "auto"
 
     def _teacher_outputs(self, inputs: dict[str, Any], cached: dict[str, torch.Tensor], hidden_only: bool = False):
         """Teacher logits (one per compared output, see hf_distill.heads), features and, with `hidden_only`
@@ -716,6 +782,7 @@ class DistillationTrainer(Trainer):
             yield
         finally:
             student._modules.pop(PROJECTIONS_ATTR, None)
+            self.model._modules.pop(PROJECTIONS_ATTR, None)  # the student model_init built (call_model_init)
 
     def _attached(self) -> bool:
         return PROJECTIONS_ATTR in getattr(self.model, "_modules", {})
@@ -1011,6 +1078,23 @@ class DistillationTrainer(Trainer):
                             revision=revision, private=private, **kwargs)
 
 
+@dataclasses.dataclass
+class _StudentState:
+    """What compute_loss reads from one student model (`DistillationTrainer._student_state`)."""
+
+    inner: nn.Module  # unwrapped: no compile, DDP/engine or PEFT wrapper
+    params: set[str]  # the inputs its forward names
+    head: Head | None = None
+    rebuilds: bool | None = None  # its logits are rebuilt exactly from its hidden states (checked on first use)
+    logits_fns: tuple | None = None  # hidden -> logits of it and of the teacher (chunked causal-LM loss)
+
+    def __post_init__(self) -> None:
+        self.head = static_head(self.inner)
+
+    def accepts(self, name: str) -> bool:
+        return name in self.params or "**" in self.params
+
+
 class _ClearProjectionGradients(TrainerCallback):
     """The Trainer zeroes only the model's gradients after a step; the projections' are cleared here."""
 
@@ -1058,6 +1142,17 @@ def _forward_params(model: nn.Module | None) -> set[str]:
     if not isinstance(inner, PreTrainedModel) and any(p.kind == p.VAR_KEYWORD for p in params.values()):
         names.add("**")
     return names
+
+
+def _shape(model: nn.Module) -> tuple[str, int | None, int | None]:
+    """The facts the trainer's checks read from the student: its class (hence head), vocabulary and label count."""
+    inner = unwrap(model)
+    return type(inner).__name__, getattr(getattr(inner, "config", None), "vocab_size", None), _num_labels(inner)
+
+
+def _describe(shape: tuple[str, int | None, int | None]) -> str:
+    name, vocab, labels = shape
+    return f"{name}, vocabulary {vocab}, {labels} labels"
 
 
 def _zero_like_graph(out: Any) -> torch.Tensor:
