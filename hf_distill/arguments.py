@@ -85,9 +85,10 @@ class DistillationArguments(TrainingArguments):
         metadata={
             "help": "Causal LMs: tokens per chunk when the KD term and the student's cross-entropy are computed from "
             "the last hidden states through each LM head a chunk at a time, so no full (batch, length, vocabulary) "
-            "logits tensor exists (hf_distill.chunked; same loss and gradients). Unset: 512 wherever that is "
-            "possible for a causal-LM student (otherwise whole logits, with a log line); set: refused where it "
-            "cannot be honoured. Must be > 0."
+            "logits tensor exists (hf_distill.chunked, the loss head; same loss, gradients faithful to float64). "
+            "Unset: about 2**25 logits per chunk (`chunked.default_chunk(V)`: 256 tokens at V = 128,256) wherever "
+            "that is possible for a causal-LM student (otherwise whole logits, with a log line: e.g. kd_loss='mse', "
+            "label smoothing, several teachers); set: refused where it cannot be honoured. Must be > 0."
         },
     )
     jsd_beta: float | None = field(

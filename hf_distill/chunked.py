@@ -265,9 +265,13 @@ class KDSpec:
 
 
 def dense_kd(kind: str, temperature: float, beta: float = 0.5, alpha: float = 0.1) -> KDSpec:
-    """The logit KD objective named `kind` on `(n, V)` rows (mean over rows)."""
+    """The logit KD objective named `kind` on `(n, V)` rows (mean over rows). `jsd` at beta 0 is the forward KL and
+    at beta 1 the reverse KL (GKD's convention, as :func:`hf_distill.losses.generalized_jsd`); the mixture formula
+    itself is identically 0 there, so those two are named by the KL they are."""
     if kind not in (*DIVERGENCES, "mse"):
         raise ValueError(f"unknown logit KD kind {kind!r}; known kinds: {', '.join(sorted((*DIVERGENCES, 'mse')))}")
+    if kind == "jsd" and float(beta) in (0.0, 1.0):
+        kind = "kl" if float(beta) == 0.0 else "reverse_kl"
     return KDSpec(kind, float(temperature), float(beta), float(alpha))
 
 
@@ -361,7 +365,40 @@ def _fused(fn):
 
 
 def _elementwise(fn, device: torch.device):
-    return _fused(fn) if device.type == "cuda" else fn
+    return _fused(fn) if device.type == "cuda" else _by_rows(fn)
+
+
+_CPU_ELEMENTS = 1 << 20  # logits per slice of rows in the CPU's elementwise work: its temporaries stay in cache
+
+
+def _by_rows(fn):
+    """`fn` (row statistics or a gradient block) over slices of ~2^20 logits' rows: the same results, but its dozen
+    temporaries are slices' size (4 MiB), not the chunk's, and stay in cache (no `torch.compile` on CPU)."""
+
+    @functools.wraps(fn)
+    def run(zs, zt, *args):
+        step = max(1, _CPU_ELEMENTS // max(zs.shape[1], 1))
+        if zs.shape[0] <= step:
+            return fn(zs, zt, *args)
+        out = None
+        parts = []
+        for r in (slice(i, i + step) for i in range(0, zs.shape[0], step)):
+            part = fn(zs[r], None if zt is None else zt[r], *(_rows_of(x, r) for x in args))
+            if isinstance(part, torch.Tensor):  # a gradient block: written into one preallocated block
+                out = part.new_empty(zs.shape[0], part.shape[1]) if out is None else out
+                out[r] = part
+            else:
+                parts.append(part)
+        if out is not None:
+            return out
+        return tuple(None if p[0] is None else torch.cat(p) for p in zip(*parts, strict=True))
+
+    return run
+
+
+def _rows_of(x, rows: slice):
+    """The per-row arguments (1-D tensors: targets, row statistics, row weights) sliced; everything else as is."""
+    return x[rows] if isinstance(x, torch.Tensor) and x.dim() == 1 else x
 
 
 def _row_stats_fn(device: torch.device):
@@ -526,6 +563,12 @@ def _counted_rows(s_hidden, teacher, t_hidden, kd_mask, labels, kd):
     return s[rows], t_source, is_kd, is_ce, targets, int(is_kd.sum()), int(is_ce.sum())
 
 
+def _vocab_size(head: LogitsHead) -> int:
+    module = head.module
+    weight = getattr(module, "weight", None)
+    return int(weight.shape[0]) if weight is not None else int(module.out_features)
+
+
 def default_chunk(vocab: int) -> int:
     """Tokens per chunk when `kd_chunk_size` is unset: about 2^25 logits (128 MiB of float32) per chunk, between
     64 and 4,096 tokens, a multiple of 64 (256 at V = 128,256: Liger-Kernel's chunk at that shape is the same)."""
@@ -557,25 +600,25 @@ def chunked_kd_and_ce(
     if kd is not None and not isinstance(kd, KDSpec):
         raise TypeError("kd must be an hf_distill.chunked.dense_kd(...) objective")
     if kd is not None and kd.kind == "mse":
-        raise ValueError("kd_loss='mse' compares raw logits, which the chunked loss head does not keep: use "
-                         "kd_chunk_size=None (whole logits) for it.")
+        raise ValueError("kd_loss='mse' compares raw logits, which the chunked loss head does not keep: compute it "
+                         "from whole logits (DistillationTrainer does, for kd_loss='mse', unless kd_chunk_size is set)")
     s_rows, t_source, is_kd, is_ce, targets, n_kd, n_ce = _counted_rows(s_hidden, teacher, t_hidden, kd_mask,
                                                                          labels, kd)
     from_hidden = t_hidden is not None
     t_head = teacher if from_hidden else None
-    shared = vocab if vocab is not None else student_head.module.weight.shape[0] if student_head.direct else None
+    if kd is not None and vocab is None:
+        sizes = {_vocab_size(student_head), _vocab_size(t_head) if from_hidden else teacher.shape[-1]}
+        if len(sizes) > 1:
+            raise ValueError(f"The student's and teacher's vocabularies differ in size ({sorted(sizes)}): pass "
+                             "vocab=<the number of ids they share> (padded vocabularies of one tokenizer).")
     if route == "auto":
         route = "direct" if student_head.direct and (t_head is None or t_head.direct) else "module"
     if s_rows.shape[0] == 0:
         total = s_hidden.sum().float() * 0 + s_hidden.new_zeros(2, dtype=torch.float32)
     elif route == "direct":
-        if shared is None or (t_head is not None and not t_head.direct):
+        if not student_head.direct or (t_head is not None and not t_head.direct):
             raise ValueError("route='direct' needs plain nn.Linear LM heads")
-        if kd is not None and kd.kind not in DIVERGENCES:
-            raise ValueError(f"kd_loss={kd.kind!r} is not a divergence of the loss head: {', '.join(DIVERGENCES)}")
-        v = min(shared, student_head.module.weight.shape[0])
-        if kd is not None:
-            v = min(v, t_head.module.weight.shape[0] if t_head is not None else t_source.shape[-1])
+        v = vocab if vocab is not None else student_head.module.weight.shape[0]
         w_s, b_s = student_head.module.weight, student_head.module.bias
         w_t = t_head.module.weight if t_head is not None else None
         b_t = t_head.module.bias if t_head is not None else None

@@ -440,7 +440,10 @@ def divergence_rows(kind: str, log_q: torch.Tensor, log_p: torch.Tensor, beta: f
     - ``tvd``: total variation distance 1/2 sum |P - Q| (used for KD by Wen et al., 2023, f-divergence KD).
 
     Mixtures are never formed in probability space: their logs come from the log-ratio ``d = log Q - log P``.
+    ``jsd`` at ``beta`` 0 / 1 is the forward / reverse KL, as in :func:`generalized_jsd`.
     """
+    if kind == "jsd" and beta in (0.0, 1.0):
+        kind = "kl" if beta == 0.0 else "reverse_kl"
     if kind in ("kl", "soft_ce"):
         p = log_p.exp()
         value = _masked_product(p, (log_p - log_q) if kind == "kl" else -log_q).sum(-1)

@@ -238,6 +238,8 @@ class DistillationTrainer(Trainer):
             why = "the teacher is the student's own base (adapters off)"
         elif self.label_smoother is not None or self.compute_loss_func is not None:
             why = "label_smoothing_factor or compute_loss_func needs the student's full logits"
+        elif self.args.kd_loss == "mse" and self.args.kd_weight > 0:
+            why = "kd_loss='mse' compares raw logits, which the chunked loss head does not keep"
         elif not chunked.supports_hidden_only(self.model) or (
             self.teacher is not None and not chunked.supports_hidden_only(self.teacher)
         ):

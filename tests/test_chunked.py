@@ -508,3 +508,66 @@ def test_triton_row_statistics_equal_the_pytorch_reference(tmp_path):
         env["TRITON_INTERPRET"] = "1"
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("kind", ["jsd", "skew_reverse_kl"])
+def test_cpu_row_slices_give_the_same_loss_and_gradients(monkeypatch, kind):
+    """On the CPU the elementwise work runs over slices of rows (temporaries of cache size): slicing changes
+    nothing, whatever the slice (here 2 rows of the 64, and a last slice shorter than the others)."""
+    h_s, s_head, h_t, t_head, labels = _agreement_inputs(torch.float32, 8.0, n=63, vocab=500, pad=12)
+    results = []
+    for elements in (1 << 20, 1000):
+        monkeypatch.setattr(chunked, "_CPU_ELEMENTS", elements)
+        x = h_s[None].clone().requires_grad_(True)
+        s_head.weight.grad = None
+        kd, ce = chunked.chunked_kd_and_ce(x, chunked.LogitsHead(s_head), chunked.LogitsHead(t_head), h_t[None],
+                                           None, labels[None], chunked.dense_kd(kind, 2.0, 0.3, 0.2), chunk_size=16,
+                                           vocab=500)
+        (kd + ce).backward()
+        results.append((kd.detach(), ce.detach(), x.grad.clone(), s_head.weight.grad.clone()))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("route", ["direct", "module"])
+@pytest.mark.parametrize(("beta", "same_as"), [(0.0, "kl"), (1.0, "reverse_kl")])
+def test_jsd_at_beta_0_and_1_is_the_forward_and_reverse_kl(route, beta, same_as):
+    """GKD's convention: JSD(0) = KL(P || Q), JSD(1) = KL(Q || P), on both routes (the mixture formula is
+    identically 0 there, so the head must not use it)."""
+    h_s, s_head, h_t, t_head, labels = _agreement_inputs(torch.float32, 8.0)
+    results = []
+    for kind in ("jsd", same_as):
+        x = h_s[None].clone().requires_grad_(True)
+        kd, _ = chunked.chunked_kd_and_ce(x, chunked.LogitsHead(s_head), chunked.LogitsHead(t_head), h_t[None], None,
+                                          None, chunked.dense_kd(kind, 2.0, beta), chunk_size=16, route=route)
+        kd.backward()
+        results.append((kd.detach(), x.grad))
+    assert float(results[0][0]) > 1e-4
+    torch.testing.assert_close(results[0][0], results[1][0])
+    torch.testing.assert_close(results[0][1], results[1][1])
+    value, _ = losses.divergence_rows("jsd", torch.log_softmax(h_s @ s_head.weight.T, -1).detach(),
+                                      torch.log_softmax(h_t @ t_head.weight.T, -1).detach(), beta=beta)
+    assert float(value.mean()) > 1e-4
+
+
+def test_causal_lm_with_kd_loss_mse_trains_on_whole_logits(tmp_path):
+    """`mse` compares raw logits, which the loss head does not keep: the trainer computes it from whole logits
+    (logged), and refuses a kd_chunk_size asked for with it."""
+    trainer = DistillationTrainer(model=llama(0), teacher_model=llama(1),
+                                  args=args(tmp_path, kd_loss="mse", max_steps=1),
+                                  train_dataset=sft_rows(8), data_collator=labelled_collate)
+    assert trainer._chunk is None
+    trainer.train()
+    assert math.isfinite(next(r for r in trainer.state.log_history if "loss" in r)["loss_kd"])
+    with pytest.raises(ValueError, match="mse"):
+        DistillationTrainer(model=llama(0), teacher_model=llama(1), args=args(tmp_path, kd_loss="mse",
+                                                                              kd_chunk_size=8),
+                            train_dataset=sft_rows(8), data_collator=labelled_collate)
+
+
+def test_different_vocabularies_without_vocab_are_refused_on_both_routes():
+    h_s, s_head, h_t, t_head, labels = _agreement_inputs(torch.float32, 4.0, vocab=200, pad=8)
+    for route in ("direct", "module"):
+        with pytest.raises(ValueError, match="vocab="):
+            chunked.chunked_kd_and_ce(h_s[None], chunked.LogitsHead(s_head), chunked.LogitsHead(t_head), h_t[None],
+                                      None, labels[None], chunked.dense_kd("kl", 1.0), chunk_size=8, route=route)
