@@ -262,9 +262,11 @@ class DistillationTrainer(Trainer):
         state = self._student_state(model)
         if state.rebuilds is None:
             try:
-                chunked.check_logits_fn(state.inner, state.inner.config.vocab_size, "student")
+                with _unsharded(model):
+                    chunked.check_logits_fn(state.inner, state.inner.config.vocab_size, "student")
                 if self.teacher is not None and not self._teacher_rebuilds:
-                    chunked.check_logits_fn(self.teacher, unwrap(self.teacher).config.vocab_size, "teacher")
+                    with _unsharded(self.teacher):
+                        chunked.check_logits_fn(self.teacher, unwrap(self.teacher).config.vocab_size, "teacher")
                     self._teacher_rebuilds = True
                 state.rebuilds = True
             except ValueError as err:
@@ -1108,6 +1110,18 @@ class _ClearProjectionGradients(TrainerCallback):
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _unsharded(model: nn.Module):
+    """FSDP1 keeps a wrapped model's parameters sharded outside its own forward: gather them for a forward of the
+    inner module (the logits check). DeepSpeed ZeRO-3 and FSDP2 gather in hooks on the modules themselves."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - torch without distributed
+        return contextlib.nullcontext()
+    if isinstance(model, FullyShardedDataParallel):
+        return FullyShardedDataParallel.summon_full_params(model, writeback=False)
+    return contextlib.nullcontext()
 
 
 def _teacher_weights(weights: list[float] | None, n: int) -> list[float]:
