@@ -40,6 +40,8 @@ METHODS = {  # tag -> (what the card calls it, BibTeX keys)
     ),
     "gkd": ("generalized JSD distillation (GKD, Agarwal et al., 2024)", ["agarwal2024gkd"]),
     "reverse-kl": ("reverse KL distillation (MiniLLM, Gu et al., 2024)", ["gu2024minillm"]),
+    "distillm": ("skew KL distillation (DistiLLM, Ko et al., 2024)", ["ko2024distillm"]),
+    "tvd-kd": ("total variation distance distillation (f-divergence KD, Wen et al., 2023)", ["wen2023fdivergence"]),
     "fastbert": ("FastBERT self-distilled early exits (Liu et al., 2020)", ["liu2020fastbert"]),
     "deebert": (
         "DeeBERT early-exit off-ramps (Xin et al., 2020), self-distilled as in FastBERT (Liu et al., 2020)",
@@ -116,6 +118,23 @@ BIBTEX = {
   booktitle = {International Conference on Learning Representations (ICLR)},
   year      = {2024}
 }""",
+    "ko2024distillm": """@inproceedings{ko2024distillm,
+  title     = {{DistiLLM}: Towards Streamlined Distillation for Large Language Models},
+  author    = {Ko, Jongwoo and Kim, Sungnyun and Chen, Tianyi and Yun, Se-Young},
+  booktitle = {Proceedings of the 41st International Conference on Machine Learning (ICML)},
+  series    = {Proceedings of Machine Learning Research},
+  volume    = {235},
+  year      = {2024}
+}""",
+    "wen2023fdivergence": """@inproceedings{wen2023fdivergence,
+  title     = {f-Divergence Minimization for Sequence-Level Knowledge Distillation},
+  author    = {Wen, Yuqiao and Li, Zichao and Du, Wenyu and Mou, Lili},
+  booktitle = {Proceedings of the 61st Annual Meeting of the Association for Computational Linguistics (Volume 1:
+               Long Papers)},
+  pages     = {10817--10834},
+  year      = {2023},
+  doi       = {10.18653/v1/2023.acl-long.605}
+}""",
     "men2024shortgpt": """@article{men2024shortgpt,
   title   = {{ShortGPT}: Layers in Large Language Models are More Redundant Than You Expect},
   author  = {Men, Xin and Xu, Mingyu and Zhang, Qingyu and Wang, Bingning and Lin, Hongyu and Lu, Yaojie
@@ -144,9 +163,16 @@ _AUTO_CLASSES = {
     "fill-mask": "AutoModelForMaskedLM",
     "multiple-choice": "AutoModelForMultipleChoice",
     "text-generation": "AutoModelForCausalLM",
+    "text2text-generation": "AutoModelForSeq2SeqLM",
+    "translation": "AutoModelForSeq2SeqLM",
+    "summarization": "AutoModelForSeq2SeqLM",
 }
+# Encoder-decoder LM tasks: transformers 5 has no pipeline for them, so the card shows `generate` instead.
+_SEQ2SEQ_TASKS = ("text2text-generation", "translation", "summarization")
 _KD_LOSSES = {"kl": "KL divergence x T^2", "soft_ce": "soft cross-entropy", "mse": "MSE of logits",
-              "reverse_kl": "reverse KL divergence x T^2", "jsd": "generalized JSD x T^2"}
+              "reverse_kl": "reverse KL divergence x T^2", "jsd": "generalized JSD x T^2",
+              "skew_kl": "skew KL divergence x T^2", "skew_reverse_kl": "skew reverse KL divergence x T^2",
+              "tvd": "total variation distance x T^2"}
 _TRAINING_ROWS = (
     ("learning_rate", "Learning rate"),
     ("epochs", "Epochs"),
@@ -166,14 +192,21 @@ _TRAINING_ROWS = (
 
 
 # The paper whose objective a logit loss is, when it is not Hinton et al.'s soft targets / forward KL.
-_KD_PAPERS = {"jsd": "agarwal2024gkd", "reverse_kl": "gu2024minillm"}
+_KD_PAPERS = {"jsd": "agarwal2024gkd", "reverse_kl": "gu2024minillm", "skew_kl": "ko2024distillm",
+              "skew_reverse_kl": "ko2024distillm", "tvd": "wen2023fdivergence"}
 # Token-level heads: the card says which of their tokens the logit loss covered (`kd_token_mask`).
-_TOKEN_TASKS = ("text-generation", "fill-mask", "token-classification")
+_TOKEN_TASKS = ("text-generation", "fill-mask", "token-classification", *_SEQ2SEQ_TASKS)
+# DistiLLM's skew divergences: what the card calls each, and what alpha mixes (P = teacher, Q = student).
+_SKEW = {
+    "skew_kl": ("skew KL", "KL(teacher || alpha teacher + (1 - alpha) student); 0 is the forward KL"),
+    "skew_reverse_kl": ("skew reverse KL", "KL(student || alpha student + (1 - alpha) teacher); 0 is the reverse KL"),
+}
 
 
 def citations(report: DistillationReport) -> list[str]:
     """BibTeX keys of the papers the run follows: the method's, the logit loss's (Hinton et al.; GKD for the
-    generalized JSD, MiniLLM for the reverse KL) and ShortGPT's for a depth-pruned student."""
+    generalized JSD, MiniLLM for the reverse KL, DistiLLM for the skew KLs, Wen et al. for the total variation
+    distance) and ShortGPT's for a depth-pruned student."""
     keys = list(METHODS.get(report.method or "", ("", []))[1])
     d = report.distillation
     if (d.get("kd_weight") or 0) > 0:
@@ -184,13 +217,16 @@ def citations(report: DistillationReport) -> list[str]:
 
 
 def method_name(report: DistillationReport) -> str | None:
-    """What the card calls the method, with the settings that define it (GKD's beta; a causal LM's forward KL is
-    named as the objective on next-token distributions)."""
+    """What the card calls the method, with the settings that define it (GKD's beta, DistiLLM's alpha; a causal
+    LM's forward KL is named as the objective on next-token distributions)."""
     if report.method not in METHODS:
         return None
     d = report.distillation
     if report.method == "gkd" and d.get("jsd_beta") is not None:
         return f"generalized JSD distillation (beta = {d['jsd_beta']:g}; GKD, Agarwal et al., 2024)"
+    if report.method == "distillm" and d.get("kd_loss") in _SKEW:
+        alpha = f"alpha = {d['skew_alpha']:g}; " if d.get("skew_alpha") is not None else ""
+        return f"{_SKEW[d['kd_loss']][0]} distillation ({alpha}DistiLLM, Ko et al., 2024)"
     if report.method == "logit-kd" and report.pipeline_tag == "text-generation":
         kind = {"kl": "forward KL", "soft_ce": "soft cross-entropy"}.get(d.get("kd_loss") or "")
         if kind:
@@ -293,6 +329,8 @@ def _title(r: DistillationReport) -> str:
     name = r.model_name or "Distilled student"
     what = f"a {r.student_shape['layers']}-layer " if r.student_shape.get("layers") else "a "
     what += f"`{r.architecture}`" if r.architecture else "student model"
+    if r.student_shape.get("encoder_layers") and r.student_shape.get("decoder_layers"):
+        what += f" ({r.student_shape['encoder_layers']} encoder and {r.student_shape['decoder_layers']} decoder layers)"
     sentence = f"This model is {what} distilled"
     if r.teacher:
         sentence += f" from {_teacher_link(r)}"
@@ -316,6 +354,13 @@ def _model_link(name: str | None) -> str:
 def _tokens(r: DistillationReport) -> str:
     """Which tokens the logit loss averaged over (`kd_token_mask`), in the words of the student's task."""
     mask = r.distillation.get("kd_token_mask")
+    if r.pipeline_tag in _SEQ2SEQ_TASKS:  # the decoder's logits are distilled: its tokens, not the source text's
+        if mask == "attention":
+            return ("every real target token: decoder positions with decoder_attention_mask = 1, or whose label is "
+                    "not -100 when the batch has no decoder_attention_mask (`kd_token_mask=attention`)")
+        if mask == "labels":
+            return "target tokens only: decoder positions whose label is not -100 (`kd_token_mask=labels`)"
+        return ""
     if mask == "attention":
         prompt = ", prompt tokens included" if r.pipeline_tag == "text-generation" else ""
         return f"every real token (attention_mask = 1){prompt} (`kd_token_mask=attention`)"
@@ -336,6 +381,12 @@ def _initialisation(r: DistillationReport) -> str:
     layers = init.get("teacher_layers")
     causal = r.pipeline_tag == "text-generation"
     of = f" of its {init['teacher_num_layers']}" if init.get("teacher_num_layers") else ""
+    if kind == "from_teacher" and init.get("teacher_encoder_layers") is not None:  # an encoder-decoder student
+        stacks = []
+        for stack in ("encoder", "decoder"):
+            total = init.get(f"teacher_num_{stack}_layers")
+            stacks.append(f"{stack} layers {init.get(f'teacher_{stack}_layers')}{f' of its {total}' if total else ''}")
+        return f"teacher {' and '.join(stacks)} (0-based), copied with the rest of its weights (embeddings, LM head)"
     if kind == "prune_depth" and layers is not None:
         blocks = "decoder blocks" if causal else "layers"
         with_ = "the embeddings, final norm and LM head" if causal else "the embeddings and head"
@@ -372,13 +423,15 @@ def _made(r: DistillationReport) -> str:
     if r.method:
         name = method_name(r) or r.method
         sampled = ""
-        if r.method in ("gkd", "reverse-kl"):  # the papers also train on the student's own samples; this run did not
+        if r.method in ("gkd", "reverse-kl", "distillm", "tvd-kd"):
+            # the papers also train on sequences the student samples; this run did not
             sampled = ", on the training sequences (no student-generated samples)"
         lines.append(f"- **Method**: {name[0].upper()}{name[1:]}{sampled}")
     if r.teacher:
         lines.append(f"- **Teacher**: {_teacher_link(r)}")
     if r.student_shape:
-        labels = {"layers": "{} layers", "hidden": "hidden size {}", "heads": "{} attention heads"}
+        labels = {"layers": "{} layers", "encoder_layers": "{} encoder layers", "decoder_layers": "{} decoder layers",
+                  "hidden": "hidden size {}", "heads": "{} attention heads"}
         parts = [labels[k].format(v) for k, v in r.student_shape.items() if k in labels]
         lines.append(f"- **Student**: {r.architecture or 'model'}, {', '.join(parts)}")
     if r.adapter:
@@ -402,6 +455,8 @@ def _made(r: DistillationReport) -> str:
         kind = _KD_LOSSES.get(d.get("kd_loss"), d.get("kd_loss"))
         if d.get("kd_loss") == "jsd" and d.get("jsd_beta") is not None:
             kind = f"generalized JSD (beta = {d['jsd_beta']:g}) x T^2"
+        if d.get("kd_loss") in _SKEW and d.get("skew_alpha") is not None:
+            kind = f"{_SKEW[d['kd_loss']][0]} divergence (alpha = {d['skew_alpha']:g}) x T^2"
         temp = f", T = {d['temperature']:g}" if d.get("kd_loss") != "mse" and d.get("temperature") else ""
         rows.append(
             ("kd", f"{kind} between student and teacher logits{temp}", d["kd_weight"], "output logits")
@@ -428,6 +483,9 @@ def _made(r: DistillationReport) -> str:
             f"- **Beta** (generalized JSD): {d['jsd_beta']:g} (0 is the forward KL, 1 the reverse KL; TRL's GKD "
             "convention)"
         )
+    if (d.get("kd_weight") or 0) > 0 and d.get("kd_loss") in _SKEW and d.get("skew_alpha") is not None:
+        name, mixes = _SKEW[d["kd_loss"]]
+        lines.append(f"- **Alpha** ({name}): {d['skew_alpha']:g} ({mixes}; DistiLLM's default is 0.1)")
     if (d.get("kd_weight") or 0) > 0 and r.pipeline_tag in _TOKEN_TASKS and _tokens(r):
         lines.append(f"- **Distilled tokens**: {_tokens(r)}")
     if d.get("distill_terms") and d.get("projection"):
@@ -476,6 +534,8 @@ def _comparison(r: DistillationReport) -> str:
         _ratio(r.student_params, r.teacher_params, _pct),
     )
     row("Layers", r.teacher_shape.get("layers"), r.student_shape.get("layers"), str)
+    row("Encoder layers", r.teacher_shape.get("encoder_layers"), r.student_shape.get("encoder_layers"), str)
+    row("Decoder layers", r.teacher_shape.get("decoder_layers"), r.student_shape.get("decoder_layers"), str)
     row("Hidden size", r.teacher_shape.get("hidden"), r.student_shape.get("hidden"), str)
     row(
         "Size on disk (weights)",
@@ -561,7 +621,8 @@ def _usage(r: DistillationReport) -> str:
     repo = r.model_name or "path/to/student"
     auto = _AUTO_CLASSES.get(r.pipeline_tag or "", "AutoModel")
     if r.adapter:
-        peft_heads = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering", "ForCausalLM")
+        peft_heads = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering", "ForCausalLM",
+                      "ForSeq2SeqLM")
         peft_auto = auto.replace("AutoModel", "AutoPeftModel") if auto.endswith(peft_heads) else "AutoPeftModel"
         code = f'from peft import {peft_auto}\n\nmodel = {peft_auto}.from_pretrained("{repo}")  # base + adapters'
         return f"## How to use\n\n```python\n{code}\n```"
@@ -569,7 +630,13 @@ def _usage(r: DistillationReport) -> str:
         f'from transformers import {auto}, AutoTokenizer\n\nmodel = {auto}.from_pretrained("{repo}")\n'
         f'tokenizer = AutoTokenizer.from_pretrained("{repo}")'
     )
-    if r.pipeline_tag in _AUTO_CLASSES or r.pipeline_tag == "feature-extraction":
+    if r.pipeline_tag in _SEQ2SEQ_TASKS:
+        code += (
+            '\n\ninputs = tokenizer(["Your source text"], return_tensors="pt")\n'
+            "outputs = model.generate(**inputs, max_new_tokens=64)\n"
+            "print(tokenizer.batch_decode(outputs, skip_special_tokens=True))"
+        )
+    elif r.pipeline_tag in _AUTO_CLASSES or r.pipeline_tag == "feature-extraction":
         code += "\n\n# or\nfrom transformers import pipeline\n\n"
         code += f'pipe = pipeline("{r.pipeline_tag}", model="{repo}")'
     return f"## How to use\n\n```python\n{code}\n```"

@@ -267,9 +267,24 @@ def hub_id(name: str | None) -> str | None:
 
 
 def pipeline_tag_for(architecture: str | None) -> str | None:
+    """The Hub pipeline tag of a student class, from its head (the suffix of its name)."""
     if not architecture:
         return None
+    if _is_seq2seq_lm_class(architecture):
+        # The classes AutoModelForSeq2SeqLM loads (T5/BART/Pegasus `...ForConditionalGeneration`, `MarianMTModel`)
+        # are tagged text2text-generation, as the Hub tags these classes when a card names no task: what a student
+        # of them does (translation, summarization) follows from its data, not its class, and a card can still say
+        # so (`create_model_card(tasks="translation")`). Checked before the "Model" suffix below, which MarianMTModel
+        # also has, and instead of "ForConditionalGeneration" alone, which vision-language and speech models share.
+        return "text2text-generation"
     return next((tag for suffix, tag in _HEAD_TASKS if architecture.endswith(suffix)), None)
+
+
+def _is_seq2seq_lm_class(architecture: str) -> bool:
+    """Whether `architecture` is an encoder-decoder with a language-model head (`AutoModelForSeq2SeqLM`'s classes)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
+
+    return architecture in set(MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.values())
 
 
 def distillation_facts(args: Any) -> dict[str, Any]:
@@ -333,9 +348,14 @@ def detect_method(summary: dict[str, Any]) -> str:
         return "distilbert"
     if losses:
         return "feature-kd"
-    # Logit distillation alone, named by its objective: GKD's generalized JSD, the reverse KL of MiniLLM, or the
-    # forward KL / soft targets of Hinton et al.
-    return {"jsd": "gkd", "reverse_kl": "reverse-kl"}.get(summary.get("kd_loss") or "", "logit-kd")
+    # Logit distillation alone, named by its objective: GKD's generalized JSD, the reverse KL of MiniLLM, DistiLLM's
+    # skew (reverse) KL, the total variation distance of Wen et al.'s f-divergence KD, or the forward KL / soft
+    # targets of Hinton et al.
+    return _KD_METHODS.get(summary.get("kd_loss") or "", "logit-kd")
+
+
+_KD_METHODS = {"jsd": "gkd", "reverse_kl": "reverse-kl", "skew_kl": "distillm", "skew_reverse_kl": "distillm",
+               "tvd": "tvd-kd"}
 
 
 def _is_metric(name: str, keep_loss: bool = False) -> bool:
@@ -439,6 +459,12 @@ def _shape(config: Any) -> dict[str, int]:
         "hidden": ("hidden_size", "dim", "d_model"),
         "heads": ("num_attention_heads", "n_heads"),
     }
+    if _get(config, "is_encoder_decoder"):
+        # Two stacks, each with its own depth (T5: num_layers / num_decoder_layers; BART, Marian: encoder_layers /
+        # decoder_layers); num_hidden_layers is only the encoder's there.
+        keys = {"encoder_layers": ("encoder_layers", "num_layers"),
+                "decoder_layers": ("decoder_layers", "num_decoder_layers"), **keys}
+        del keys["layers"]
     shape = {}
     for name, candidates in keys.items():
         value = next((_get(config, k) for k in candidates if _number(_get(config, k))), None)
@@ -459,6 +485,9 @@ def _from_config(config: Any, student_class: str | None) -> dict[str, Any]:
         found["teacher"] = init.get("teacher_name_or_path") or None
         if init.get("teacher_num_layers"):
             found["teacher_shape"] = {"layers": int(init["teacher_num_layers"])}
+        stacks = {f"{s}_layers": init.get(f"teacher_num_{s}_layers") for s in ("encoder", "decoder")}
+        if all(_number(v) for v in stacks.values()):  # an encoder-decoder student (students.from_teacher)
+            found["teacher_shape"] = {k: int(v) for k, v in stacks.items()}
     return found
 
 

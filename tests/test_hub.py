@@ -678,9 +678,11 @@ def _causal_run(root: Path, **overrides):
     teacher.config._name_or_path = "fake-org/tiny-llama"  # as from_pretrained("fake-org/tiny-llama") names it
     calibration = [labelled_collate([sft_rows(4, seed=7)[i] for i in range(4)])]
     student, pruning = students.prune_depth(teacher, 2, calibration)
-    settings = dict(kd_loss="jsd", jsd_beta=0.5, temperature=1.0, kd_token_mask="labels", kd_weight=0.5,
+    settings = dict(kd_loss="jsd", temperature=1.0, kd_token_mask="labels", kd_weight=0.5,
                     task_weight=0.5, max_steps=2, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)
     settings.update(overrides)
+    if settings["kd_loss"] == "jsd":  # beta belongs to the JSD only (DistillationArguments refuses it elsewhere)
+        settings.setdefault("jsd_beta", 0.5)
     trainer = DistillationTrainer(model=student, teacher_model=teacher, args=args(root, **settings),
                                   train_dataset=sft_rows(16), eval_dataset=sft_rows(8, seed=9),
                                   data_collator=labelled_collate)
@@ -722,6 +724,45 @@ def test_causal_lm_card_names_the_objective_tokens_pruning_and_perplexity(tmp_pa
     assert metrics["loss"][:2] == [f"{teacher_loss:.4f}", f"{student_loss:.4f}"]
     assert metrics["perplexity"][:2] == [f"{math.exp(teacher_loss):.4f}", f"{math.exp(student_loss):.4f}"]
     assert "its exp" in text
+
+
+@pytest.mark.parametrize(
+    ("settings", "tag", "named", "loss", "alpha", "paper"),
+    [
+        (dict(kd_loss="skew_kl", skew_alpha=0.3), "distillm",
+         "Skew KL distillation (alpha = 0.3; DistiLLM, Ko et al., 2024)", "skew KL divergence (alpha = 0.3) x T^2",
+         "- **Alpha** (skew KL): 0.3 (KL(teacher || alpha teacher + (1 - alpha) student); 0 is the forward KL",
+         "ko2024distillm"),
+        (dict(kd_loss="skew_reverse_kl"), "distillm",
+         "Skew reverse KL distillation (alpha = 0.1; DistiLLM, Ko et al., 2024)",
+         "skew reverse KL divergence (alpha = 0.1) x T^2",
+         "- **Alpha** (skew reverse KL): 0.1 (KL(student || alpha student + (1 - alpha) teacher); 0 is the reverse KL",
+         "ko2024distillm"),
+        (dict(kd_loss="tvd"), "tvd-kd",
+         "Total variation distance distillation (f-divergence KD, Wen et al., 2023)", "total variation distance x T^2",
+         None, "wen2023fdivergence"),
+    ],
+    ids=["skew_kl", "skew_reverse_kl", "tvd"],
+)
+def test_causal_lm_card_names_distillm_and_tvd_objectives(tmp_path, settings, tag, named, loss, alpha, paper):
+    """DistiLLM's skew KLs and the total variation distance are named, tagged and cited as their papers (not as
+    Hinton et al.'s logit distillation), with the skew's alpha (the default 0.1 when unset) and T, also when the
+    card is written later from the saved folder alone (training_args.bin)."""
+    trainer, _, text = _causal_run(tmp_path, **settings)
+    folder = Path(trainer.args.output_dir)
+    trainer.save_model()
+    trainer.save_state()
+    (folder / "distillation_report.json").unlink()
+    for card in (text, write_model_card(folder).read_text()):
+        meta = front_matter(card)
+        assert tag in meta["tags"] and "logit-kd" not in meta["tags"]
+        assert f"- **Method**: {named}, on the training sequences (no student-generated samples)" in card
+        rows = table_with(card, ["Term", "Loss", "Weight", "Layers (student -> teacher)"])
+        assert rows["kd"] == [f"{loss} between student and teacher logits, T = 1", "0.5", "output logits"]
+        assert "- **Temperature**: 1" in card
+        assert ("- **Alpha**" in card) == (alpha is not None) and (alpha is None or alpha in card)
+        assert BIBTEX[paper] in card and "hinton2015distilling" not in card
+        assert "- **Distilled tokens**: completion tokens only" in card
 
 
 def test_causal_lm_card_from_the_folder_alone_and_with_the_teacher_in_evaluation(tmp_path):

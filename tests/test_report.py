@@ -120,3 +120,18 @@ def test_latest_eval_metrics_merge_every_eval_set_and_drop_prefixed_losses_and_t
     ]
     assert latest_eval_metrics(history) == ({"a_accuracy": 0.7, "b_accuracy": 0.9}, 2)
     assert latest_eval_metrics([{"eval_accuracy": 0.5, "eval_loss": 0.1, "step": 3}]) == ({"accuracy": 0.5}, 3)
+
+
+def test_pipeline_tag_of_encoder_decoder_lms_is_text2text_generation():
+    """AutoModelForSeq2SeqLM's classes (T5/BART/Pegasus ...ForConditionalGeneration, MarianMTModel) are
+    text2text-generation; MarianMTModel is no feature extractor for its "Model" suffix, and vision-language or
+    speech `...ForConditionalGeneration` classes are not text-to-text models."""
+    from hf_distill.report import pipeline_tag_for
+
+    for name in ("T5ForConditionalGeneration", "BartForConditionalGeneration", "MarianMTModel",
+                 "PegasusForConditionalGeneration", "MT5ForConditionalGeneration"):
+        assert pipeline_tag_for(name) == "text2text-generation", name
+    assert pipeline_tag_for("LlavaForConditionalGeneration") != "text2text-generation"
+    assert pipeline_tag_for("WhisperForConditionalGeneration") != "text2text-generation"
+    assert pipeline_tag_for("LlamaForCausalLM") == "text-generation"
+    assert pipeline_tag_for("BertModel") == "feature-extraction"

@@ -482,3 +482,65 @@ def test_batch_counts_of_an_encoder_decoder_batch_count_the_decoder():
     assert (counts["kd"], counts["decoder_tokens"], counts["labels"]) == (5, 5, 4)
     counts = dict(zip(COUNT_KINDS, batch_counts(batch, "labels", "labels", False, True).tolist(), strict=True))
     assert counts["kd"] == 4
+
+
+# ----------------------------------------------------------------------------------------------- the model card
+
+
+def _card_sections(card: str) -> tuple[dict, str]:
+    import yaml
+
+    meta = yaml.safe_load(card.split("---\n", 2)[1])
+    code = card.split("## How to use", 1)[1].split("```python\n", 1)[1].split("\n```", 1)[0]
+    return meta, code
+
+
+def _table(card: str, header: str) -> dict[str, list[str]]:
+    """The markdown table whose header row starts with `header`, as {first cell: the other cells}."""
+    lines = card.split(header, 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    return {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines)}
+
+
+@pytest.mark.parametrize(("family", "token_mask"), [("t5", "labels"), ("marian", "attention")])
+def test_seq2seq_card_shows_both_stacks_the_seq2seq_task_and_the_decoder_tokens(tmp_path, monkeypatch, family,
+                                                                                 token_mask):
+    """The card of a T5 (num_layers / num_decoder_layers) or Marian (encoder_layers / decoder_layers) student
+    whose decoder went 4 -> 2: both depths, text2text-generation, which decoder tokens were distilled, and a
+    "How to use" that loads the LM head and generates, run as written on the saved student. The same from the
+    saved folder alone."""
+    teacher = sharpen(BUILDERS[family](seed=1))
+    trainer = trainer_for(tmp_path, students.from_teacher(teacher, decoder_layers=[0, 2]), teacher, max_steps=1,
+                          kd_token_mask=token_mask)
+    trainer.train()
+    trainer.create_model_card()
+    folder = tmp_path / "out"
+    first = (folder / "README.md").read_text()
+    trainer.save_model()
+    trainer.save_state()
+    (folder / "distillation_report.json").unlink()  # what the trainer measured: the folder alone must say the same
+    from hf_distill.card import write_model_card
+
+    tokens = {
+        "labels": "- **Distilled tokens**: target tokens only: decoder positions whose label is not -100 "
+                  "(`kd_token_mask=labels`)",
+        "attention": "- **Distilled tokens**: every real target token: decoder positions with decoder_attention_mask"
+                     " = 1, or whose label is not -100 when the batch has no decoder_attention_mask "
+                     "(`kd_token_mask=attention`)",
+    }[token_mask]
+    arch = type(teacher).__name__
+    for card in (first, write_model_card(folder).read_text()):
+        meta, code = _card_sections(card)
+        assert meta["pipeline_tag"] == "text2text-generation"
+        assert f"This model is a `{arch}` (2 encoder and 2 decoder layers) distilled" in card
+        assert f"- **Student**: {arch}, 2 encoder layers, 2 decoder layers, hidden size 32" in card
+        assert "teacher encoder layers [0, 1] of its 2 and decoder layers [0, 2] of its 4 (0-based)" in card
+        shape = _table(card, "| | Teacher | Student |")
+        assert shape["Encoder layers"][:2] == ["2", "2"] and shape["Decoder layers"][:2] == ["4", "2"]
+        assert "Layers" not in shape
+        assert tokens in card
+        assert 'AutoModelForSeq2SeqLM.from_pretrained("out")' in code and "AutoModel," not in code
+        # The snippet runs as written where the repository is a folder: it loads the LM head and generates.
+        monkeypatch.chdir(tmp_path)
+        printed = []
+        exec(code, {"print": printed.append})  # noqa: S102 - the card's own example
+        assert len(printed) == 1 and isinstance(printed[0], list) and len(printed[0]) == 1
