@@ -38,7 +38,7 @@ RUN_DIR = HERE / "runs" / "causal_lm"
 CONFIG = ROOT / "recipes" / "configs" / "causal_lm_wikitext.yaml"
 SECTIONS = ("quality", "memory", "trl")
 VOCABS = (32_000, 128_256)
-CHUNK = 512
+DEFAULT = -1  # a memory case run with kd_chunk_size unset: the library default for its vocabulary
 TARGETS = {"chunked_over_naive_peak_128k": 0.35, "ours_over_trl_step_time": 1.0, "ours_over_trl_peak_rss": 1.0}
 
 
@@ -114,13 +114,18 @@ def memory_child(vocab: int, chunk: int | None, batch: int, seq: int) -> dict:
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
     args = DistillationArguments(output_dir="/tmp/hf_distill_causal_mem", kd_loss="jsd", jsd_beta=0.5,
                                  temperature=1.0, kd_weight=1.0, task_weight=1.0, use_cpu=True, report_to="none",
-                                 per_device_train_batch_size=batch, kd_chunk_size=chunk)
+                                 per_device_train_batch_size=batch,
+                                 kd_chunk_size=None if chunk in (None, DEFAULT) else chunk)
     trainer = DistillationTrainer(model=student, teacher_model=teacher, args=args)
     trainer.current_gradient_accumulation_steps = 1  # set by train(); training_step divides by it
     if chunk is None:
-        # kd_chunk_size unset means "chunk where possible" (1024 tokens); the naive path is the trainer with whole
-        # logits, which it takes wherever chunking is impossible: forced here through its private switch.
+        # kd_chunk_size unset means "chunk where possible"; the naive path is the trainer with whole logits, which
+        # it takes wherever chunking is impossible: forced here through its private switch.
         trainer._chunk = None
+    elif chunk == DEFAULT:
+        from hf_distill import chunked
+
+        chunk = chunked.default_chunk(vocab)
     assert trainer._chunk == chunk, (trainer._chunk, chunk)
     before = rss_mb()
     peak_before = peak_mb()
@@ -136,20 +141,24 @@ def memory_child(vocab: int, chunk: int | None, batch: int, seq: int) -> dict:
 def memory(batch: int, seq: int, cases: list[tuple[int, int | None]], previous: dict | None) -> dict:
     """Each (V, chunk) case in a fresh process; rows of earlier runs at the same tokens are kept for other cases."""
     tokens = batch * seq
-    rows = [r for r in (previous or {}).get("rows", []) if r.get("tokens", tokens) == tokens
-            and (r["vocab"], r["kd_chunk_size"]) not in cases]
+    def case(r):
+        return r["vocab"], DEFAULT if r.get("default_chunk") else r["kd_chunk_size"]
+
+    # rows of the current loss head only (they record `default_chunk`), at the same tokens, of other cases
+    rows = [r for r in (previous or {}).get("rows", []) if r.get("tokens", tokens) == tokens and case(r) not in cases
+            and "default_chunk" in r]
     for vocab, chunk in cases:
         r = run_child("--memory-child", str(vocab), str(chunk or 0), str(batch), str(seq))
-        r.update(vocab=vocab, kd_chunk_size=chunk, tokens=tokens, load=os.getloadavg(),
+        r.update(vocab=vocab, tokens=tokens, load=os.getloadavg(), default_chunk=chunk == DEFAULT,
                  date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
         rows.append(r)
         print("memory", json.dumps(r), flush=True)
     rows.sort(key=lambda r: (r["vocab"], r["kd_chunk_size"] or 0))
     ratios = {}
     for vocab in VOCABS:
-        found = {r["kd_chunk_size"]: r for r in rows if r["vocab"] == vocab and "step_peak_mb" in r}
-        if None in found and CHUNK in found:
-            ratios[str(vocab)] = found[CHUNK]["step_peak_mb"] / found[None]["step_peak_mb"]
+        found = {case(r)[1]: r for r in rows if r["vocab"] == vocab and "step_peak_mb" in r}
+        if None in found and DEFAULT in found:
+            ratios[str(vocab)] = found[DEFAULT]["step_peak_mb"] / found[None]["step_peak_mb"]
     return {"rows": rows, "chunked_over_naive": ratios, "batch": batch, "seq": seq, "hidden": 64, "layers": 2}
 
 
@@ -299,8 +308,9 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=3, help="trl: alternated process pairs")
     p.add_argument("--steps", type=int, default=8, help="trl: steps per process")
     p.add_argument("--warmup", type=int, default=2, help="trl: steps left out of the median")
-    p.add_argument("--cases", default=",".join(f"{v}:{c}" for v in VOCABS for c in (0, CHUNK)),
-                   help="memory: V:chunk cases to run (chunk 0 = whole logits); other cases keep earlier rows")
+    p.add_argument("--cases", default=",".join(f"{v}:{c}" for v in VOCABS for c in (0, DEFAULT)),
+                   help="memory: V:chunk cases to run (chunk 0 = whole logits, -1 = the library's default for V); "
+                        "other cases keep earlier rows")
     p.add_argument("--trl-teacher", default=None, help="trl: teacher folder (default: the recipe run's teacher)")
     p.add_argument("--trl-kept", default=None, help="trl: teacher blocks the student keeps, e.g. 0,2,4")
     p.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)

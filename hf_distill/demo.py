@@ -222,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     distill_args = training_args(DistillationArguments, output_dir, args, args.epochs, args.learning_rate,
                                  **grouped, **KD)
     trainer = DistillationTrainer(model=student, teacher_model=teacher, args=distill_args,
-                                  train_dataset=train, data_collator=collator, processing_class=tokenizer)
+                                  train_dataset=train, data_collator=collator, processing_class=tokenizer,
+                                  teacher_processing_class=tokenizer)  # the teacher was fine-tuned with it
     trainer.train()
 
     stage("4/5 Evaluation on SST-2 validation")

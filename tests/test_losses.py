@@ -748,8 +748,14 @@ def test_logit_kd_loss_dispatch():
         "mse": logit_mse,
         "reverse_kl": reverse_kl,
         "jsd": generalized_jsd,
+        "skew_kl": losses_module.skew_kl,
+        "skew_reverse_kl": losses_module.skew_reverse_kl,
+        "tvd": losses_module.total_variation,
     }
     torch.testing.assert_close(logit_kd_loss("kl", s, t, 3.0, mask), kl_div(s, t, 3.0, mask))
+    torch.testing.assert_close(logit_kd_loss("skew_kl", s, t, 3.0, mask, alpha=0.3),
+                               losses_module.skew_kl(s, t, 0.3, 3.0, mask))
+    torch.testing.assert_close(logit_kd_loss("tvd", s, t, 3.0, mask), losses_module.total_variation(s, t, 3.0, mask))
     torch.testing.assert_close(logit_kd_loss("soft_ce", s, t, 3.0, mask), soft_cross_entropy(s, t, 3.0, mask))
     # mse ignores the temperature
     torch.testing.assert_close(logit_kd_loss("mse", s, t, 3.0, mask), logit_mse(s, t, mask))

@@ -159,3 +159,17 @@ def test_padding_mass_is_the_mean_teacher_probability_on_the_extra_ids_over_the_
     assert padding_mass(logits, 2, torch.tensor([[1, 1, 1], [0, 0, 0]])) == pytest.approx(0.0, abs=1e-12)
     assert padding_mass(logits, 2, torch.tensor([[0, 0, 0], [1, 0, 0]])) == pytest.approx(0.5)
     assert padding_mass(logits, 2, torch.zeros(2, 3)) is None  # nothing counted: no verdict
+
+
+def test_a_teacher_folder_without_tokenizer_files_has_an_unknown_tokenizer(tmp_path, caplog):
+    """transformers 5 builds an empty tokenizer (special tokens only) from a folder without tokenizer files: that is
+    not the teacher's tokenizer, so the vocabularies are not compared (a log line says so) rather than refused as
+    different (what the quick-start demo hit: its fine-tuned teacher is saved without its tokenizer)."""
+    teacher = llama(1)
+    teacher.save_pretrained(tmp_path / "teacher")  # weights and config only
+    loaded = type(teacher).from_pretrained(tmp_path / "teacher")
+    found, why = teacher_tokenizer(loaded)
+    assert found is None and "no tokenizer files" in why
+    with caplog.at_level(logging.WARNING, logger="hf_distill.teacher"):
+        _causal(tmp_path, llama(0), loaded, processing_class=word_tokenizer(WORDS))
+    assert [r for r in caplog.records if "teacher's tokenizer is unknown" in r.getMessage()]
