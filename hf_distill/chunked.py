@@ -285,8 +285,9 @@ def row_gradient(kind: str, la: torch.Tensor, lb: torch.Tensor, stat: torch.Tens
     q = la.exp()
     if kind in ("kl", "soft_ce"):
         return q - lb.exp()
-    mix, masked = losses._log1p_mix, losses._masked_product
     d = la - lb
+    fast = losses._bounded(d)  # eager code: the plain forms where every log-ratio is finite and moderate
+    mix, masked = losses._mixer(fast), losses._multiplier(fast)
     if kind == "reverse_kl":
         return masked(q, d - stat)
     if kind == "jsd":

@@ -421,6 +421,30 @@ def _log1p_mix(w: float, d: torch.Tensor) -> torch.Tensor:
     return d.clamp(min=0) + torch.log1p(torch.where(neg, w, 1.0 - w) * torch.expm1(-d.abs()))
 
 
+_FAST_RANGE = 80.0  # exp(80) is a normal float32 number: below it log1p(w * expm1(d)) cannot overflow
+
+
+def _bounded(d: torch.Tensor) -> bool:
+    """Eager code only: every log-ratio finite and within +-80 (one pass, one sync). Then the mixtures' plain form
+    `log1p(w * expm1(d))` is exact and overflow-free, and no product meets an infinity: a third of the elementwise
+    passes of the general form. Traced (`torch.compile`) code always takes the general form."""
+    if torch.compiler.is_compiling() or d.numel() == 0:
+        return False
+    low, high = torch.stack(torch.aminmax(d)).tolist()
+    return -_FAST_RANGE <= low and high <= _FAST_RANGE  # False for NaN
+
+
+def _mixer(fast: bool):
+    """`_log1p_mix` in the form `fast` allows (see :func:`_bounded`)."""
+    if fast:
+        return lambda w, d: torch.log1p(torch.expm1(d) * w)
+    return _log1p_mix
+
+
+def _multiplier(fast: bool):
+    return torch.mul if fast else _masked_product
+
+
 def _masked_product(p: torch.Tensor, x: torch.Tensor | float) -> torch.Tensor:
     """``p * x``, 0 where ``p == 0``: an outcome without mass contributes nothing, even where ``x`` is infinite."""
     return torch.where(p > 0, p * x, 0.0)
@@ -444,27 +468,29 @@ def divergence_rows(kind: str, log_q: torch.Tensor, log_p: torch.Tensor, beta: f
     """
     if kind == "jsd" and beta in (0.0, 1.0):
         kind = "kl" if beta == 0.0 else "reverse_kl"
+    d = log_q - log_p
+    fast = kind != "soft_ce" and _bounded(d)
+    mix, times = _mixer(fast), _multiplier(fast)
     if kind in ("kl", "soft_ce"):
         p = log_p.exp()
-        value = _masked_product(p, (log_p - log_q) if kind == "kl" else -log_q).sum(-1)
+        value = times(p, -d if kind == "kl" else -log_q).sum(-1)
         return value, torch.zeros_like(value)
     q = log_q.exp()
-    d = log_q - log_p
     if kind == "reverse_kl":
-        value = _masked_product(q, d).sum(-1)
+        value = times(q, d).sum(-1)
         return value, value
     if kind == "jsd":
-        log_m_q = _log1p_mix(beta, -d)  # log(M/Q) = log((1-beta) + beta P/Q); log(M/P) = log(M/Q) + d
-        kl_q_m = -_masked_product(q, log_m_q).sum(-1)
-        kl_p_m = -_masked_product(log_p.exp(), log_m_q + d).sum(-1)
+        log_m_q = mix(beta, -d)  # log(M/Q) = log((1-beta) + beta P/Q); log(M/P) = log(M/Q) + d
+        kl_q_m = -times(q, log_m_q).sum(-1)
+        kl_p_m = -times(log_p.exp(), log_m_q + d).sum(-1)
         return beta * kl_p_m + (1 - beta) * kl_q_m, kl_q_m
     if kind == "skew_kl":
-        log_r_p = _log1p_mix(1 - alpha, d)  # log(R/P) = log(alpha + (1-alpha) Q/P)
-        return -_masked_product(log_p.exp(), log_r_p).sum(-1), _masked_product(q, torch.exp(-log_r_p)).sum(-1)
+        log_r_p = mix(1 - alpha, d)  # log(R/P) = log(alpha + (1-alpha) Q/P)
+        return -times(log_p.exp(), log_r_p).sum(-1), times(q, torch.exp(-log_r_p)).sum(-1)
     if kind == "skew_reverse_kl":
-        log_r_q = _log1p_mix(1 - alpha, -d)  # log(R/Q) = log(alpha + (1-alpha) P/Q)
+        log_r_q = mix(1 - alpha, -d)  # log(R/Q) = log(alpha + (1-alpha) P/Q)
         g = -log_r_q - alpha * torch.exp(-log_r_q)  # dL/dQ up to a constant
-        return -_masked_product(q, log_r_q).sum(-1), _masked_product(q, g).sum(-1)
+        return -times(q, log_r_q).sum(-1), times(q, g).sum(-1)
     if kind == "tvd":
         diff = q - log_p.exp()
         return 0.5 * diff.abs().sum(-1), (0.5 * q * torch.sign(diff)).sum(-1)
