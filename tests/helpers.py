@@ -117,6 +117,14 @@ def collate(features: list[dict]) -> dict:
     return batch
 
 
+def qa_collate(features: list[dict]) -> dict:
+    """`collate` for extractive-QA rows: input ids padded, start and end positions stacked."""
+    batch = collate([{"input_ids": f["input_ids"]} for f in features])
+    for key in ("start_positions", "end_positions"):
+        batch[key] = torch.tensor([f[key] for f in features])
+    return batch
+
+
 def llama(seed=0, layers=2, vocab=VOCAB, **kw) -> LlamaForCausalLM:
     """A tiny Llama (grouped-query attention: 4 heads, 2 key/value heads)."""
     torch.manual_seed(seed)

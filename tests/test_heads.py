@@ -8,7 +8,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 from datasets import Dataset
-from helpers import VOCAB, args, bert, bert_config, collate, labelled_collate, llama, sft_rows, token_dataset
+from helpers import (
+    VOCAB,
+    args,
+    bert,
+    bert_config,
+    collate,
+    labelled_collate,
+    llama,
+    qa_collate,
+    sft_rows,
+    token_dataset,
+)
 from helpers import teacher as make_teacher
 from transformers import BertForQuestionAnswering
 
@@ -42,13 +53,6 @@ def _qa_rows(n=8, seed=0):
     return Dataset.from_list(rows)
 
 
-def _qa_collate(features):
-    batch = collate([{"input_ids": f["input_ids"]} for f in features])
-    for key in ("start_positions", "end_positions"):
-        batch[key] = torch.tensor([f[key] for f in features])
-    return batch
-
-
 def _qa_model(seed, layers=2):
     torch.manual_seed(seed)
     model = BertForQuestionAnswering(bert_config(layers=layers))
@@ -62,11 +66,11 @@ def test_question_answering_distils_start_and_end_logits(tmp_path):
     data = _qa_rows(8)
     student, teacher = _qa_model(0), _qa_model(1, layers=4)
     s0, t0 = copy.deepcopy(student), copy.deepcopy(teacher)
-    trainer = _train(tmp_path, student, teacher, data, _qa_collate, per_device_train_batch_size=8,
+    trainer = _train(tmp_path, student, teacher, data, qa_collate, per_device_train_batch_size=8,
                      kd_weight=0.5, task_weight=0.5, temperature=2.0)
     log = _first_log(trainer)
 
-    batch = _qa_collate([data[i] for i in range(8)])
+    batch = qa_collate([data[i] for i in range(8)])
     real = batch["attention_mask"].bool()
     with torch.no_grad():
         s = s0(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
@@ -84,7 +88,7 @@ def test_question_answering_distils_start_and_end_logits(tmp_path):
 def test_question_answering_refuses_mse(tmp_path):
     with pytest.raises(ValueError, match="question-answering"):
         DistillationTrainer(model=_qa_model(0), teacher_model=_qa_model(1), args=args(tmp_path, kd_loss="mse"),
-                            train_dataset=_qa_rows(4), data_collator=_qa_collate)
+                            train_dataset=_qa_rows(4), data_collator=qa_collate)
 
 
 # ---------------------------------------------------------------- regression

@@ -20,6 +20,7 @@ from helpers import (
     flat_params,
     labelled_collate,
     llama,
+    qa_collate,
     sft_rows,
     token_dataset,
 )
@@ -62,13 +63,6 @@ def _qa_rows(n=8, seed=0):
     return Dataset.from_list(rows)
 
 
-def _qa_collate(features):
-    batch = collate([{"input_ids": f["input_ids"]} for f in features])
-    for key in ("start_positions", "end_positions"):
-        batch[key] = torch.tensor([f[key] for f in features])
-    return batch
-
-
 def _lora_llama():
     from peft import LoraConfig, get_peft_model
 
@@ -81,7 +75,7 @@ PATHS = {
     "sequence-one-block": (lambda: bert(1), make_teacher, lambda: token_dataset(8), collate, {}),
     "sequence-terms": (lambda: bert(2, hidden=16), make_teacher, lambda: token_dataset(8), collate, TERMS),
     "token": (lambda: _token_model(0), lambda: _token_model(1, 4), _token_rows, labelled_collate, {}),
-    "qa": (lambda: _qa_model(0), lambda: _qa_model(1, 4), _qa_rows, _qa_collate, {}),
+    "qa": (lambda: _qa_model(0), lambda: _qa_model(1, 4), _qa_rows, qa_collate, {}),
     "causal-direct": (lambda: llama(0), lambda: llama(1, layers=3), lambda: sft_rows(8), labelled_collate,
                       {"kd_chunk_size": 4}),
     "causal-module": (lambda: llama(0), lambda: llama(1, layers=3), lambda: sft_rows(8), labelled_collate,
