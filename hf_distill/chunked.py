@@ -53,7 +53,7 @@ from .taps import unwrap
 
 NO_LOGITS = "logits_to_keep"
 #: The divergences with a closed-form logit gradient here (`kd_loss` values); all but `soft_ce` are times `T**2`.
-DIVERGENCES = ("kl", "reverse_kl", "jsd", "skew_kl", "skew_reverse_kl", "tvd", "soft_ce")
+DIVERGENCES = losses.DIVERGENCE_KINDS
 # Logit elements per block of the backward's vocabulary walk, at least: the forward's chunk holds
 # `chunk_size * V` of them, and the backward's blocks are sized to hold as many (N rows x a slice of V).
 _MIN_BLOCK_COLUMNS = 128

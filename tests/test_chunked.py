@@ -571,3 +571,14 @@ def test_different_vocabularies_without_vocab_are_refused_on_both_routes():
         with pytest.raises(ValueError, match="vocab="):
             chunked.chunked_kd_and_ce(h_s[None], chunked.LogitsHead(s_head), chunked.LogitsHead(t_head), h_t[None],
                                       None, labels[None], chunked.dense_kd("kl", 1.0), chunk_size=8, route=route)
+
+
+def test_every_divergence_has_a_triton_code_and_a_closed_form_gradient():
+    """The loss head's three implementations cover one list (hf_distill.losses.DIVERGENCE_KINDS)."""
+    from hf_distill import triton_head
+
+    assert set(triton_head.KIND_CODES) == set(losses.DIVERGENCE_KINDS) == set(chunked.DIVERGENCES)
+    la, lb = torch.log_softmax(torch.randn(3, 7), -1), torch.log_softmax(torch.randn(3, 7), -1)
+    for kind in losses.DIVERGENCE_KINDS:
+        _, stat = losses.divergence_rows(kind, la, lb, 0.3, 0.2)
+        assert chunked.row_gradient(kind, la, lb, stat[:, None], 0.3, 0.2).shape == la.shape
