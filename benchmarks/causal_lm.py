@@ -123,7 +123,7 @@ def memory_child(vocab: int, chunk: int | None, batch: int, seq: int) -> dict:
         # it takes wherever chunking is impossible: forced here through its private switch.
         trainer._chunk = None
     elif chunk == DEFAULT:
-        from hf_distill import chunked
+        from hf_distill.losses import chunked
 
         chunk = chunked.default_chunk(vocab)
     assert trainer._chunk == chunk, (trainer._chunk, chunk)

@@ -8,7 +8,7 @@ Only the loss is measured, not the models: the student's and teacher's last hidd
 LM heads (bf16, (V, H)) are given; one forward + backward into the student's hidden states and head. Variants:
 
 - the floor: the student's LM-head GEMM forward + backward alone (`(h W^T).backward(g)`: three GEMMs);
-- hf_distill's loss head (`hf_distill.chunked`, direct route), JSD (beta 0.5, T = 1) + CE and JSD alone, as it runs
+- hf_distill's loss head (`losses.chunked`, direct route), JSD (beta 0.5, T = 1) + CE and JSD alone, as it runs
   by default on CUDA (the forward's row statistics in a Triton kernel, the backward's elementwise work compiled),
   and for comparison compiled without the Triton kernel (`HF_DISTILL_TRITON=0`) and eager (`HF_DISTILL_COMPILE=0`);
 - Liger-Kernel's `LigerFusedLinearJSD` (JSD alone) and TRL's `ChunkedDivergenceFunction` (JSD alone), when installed;
@@ -35,7 +35,8 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from hf_distill import chunked, losses  # noqa: E402
+from hf_distill import losses  # noqa: E402
+from hf_distill.losses import chunked  # noqa: E402
 
 
 def make_inputs(tokens: int, hidden: int, vocab: int, seed: int = 0) -> dict:

@@ -119,7 +119,7 @@ def compare_sides(kind: str, bf16: bool, tmp: str) -> dict:
 
 def cached_vs_online(bf16: bool, tmp: str) -> dict:
     """speed.py's cached_vs_online on the GPU: logit KD from cached teacher logits vs a teacher forward."""
-    from hf_distill.cache import cache_teacher_outputs
+    from hf_distill.data.cache import cache_teacher_outputs
 
     data = dataset(speed.BATCH * 8)
     student, teacher = models()

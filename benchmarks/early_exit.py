@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--b32_rows", type=int, default=320, help="validation rows timed at batch 32 (first N)")
     args = p.parse_args(argv)
     teacher_dir = Path(args.teacher).resolve()
-    from hf_distill.early_exit import BRANCHES
+    from hf_distill.students.early_exit import BRANCHES
 
     kinds = [k for k in args.branches.split(",") if k]
     if not kinds or any(k not in BRANCHES for k in kinds):
@@ -197,8 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from hf_distill.early_exit import EarlyExitModel
-    from hf_distill.measure import count_parameters
+    from hf_distill.publish.measure import count_parameters
+    from hf_distill.students.early_exit import EarlyExitModel
 
     torch.set_num_threads(args.threads)
     models = {kind: EarlyExitModel.from_pretrained(RUNS / kind).eval() for kind in kinds}
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                      "b32_rows": args.b32_rows, "precision": "fp32", "max_length": 64,
                      "timing": "turns of 32 rows, every model back to back in an order rotated per turn; median "
                                "over rounds of teacher total / other total",
-                     "flops": "analytic (hf_distill.early_exit.flops_per_row), branches included"},
+                     "flops": "analytic (hf_distill.students.early_exit.flops_per_row), branches included"},
         "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
                     "loadavg_before": load_before, "loadavg_after": load_after},
         "invocation": {"command": "python benchmarks/early_exit.py " + " ".join(argv or sys.argv[1:]),

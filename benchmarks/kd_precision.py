@@ -8,7 +8,7 @@ teacher's + 2% noise, logits of size ~`scale` (4 and 16). For each variant, the 
 to the student's hidden states (`dh`) and LM-head weight (`dW`) on the low-precision inputs, against a float64
 computation of the same loss on the same inputs: relative Frobenius error `|g - g64| / |g64|`.
 
-Variants: hf_distill's loss head (`hf_distill.chunked`, the direct route and the module route that engines use),
+Variants: hf_distill's loss head (`hf_distill.losses.chunked`, the direct route and the module route that engines use),
 whole logits with the GEMM in the input dtype (rounded logits, float32 loss math: what a model's own head under
 autocast gives), whole logits with a float32-output GEMM, Liger-Kernel's `LigerFusedLinearJSD` and TRL's
 `ChunkedDivergenceFunction` (JSD beta 0.5 and, for TRL, forward KL). Every KD term at temperature 1, mean over
@@ -31,7 +31,8 @@ import torch.nn.functional as F
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from hf_distill import chunked, losses  # noqa: E402
+from hf_distill import losses  # noqa: E402
+from hf_distill.losses import chunked  # noqa: E402
 
 KINDS = ["kl", "reverse_kl", "jsd", "skew_kl", "skew_reverse_kl", "tvd", "soft_ce", "ce"]
 SHAPES = {"cpu": (64, 32, 1000), "cuda": (4096, 2048, 65536)}

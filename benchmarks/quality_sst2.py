@@ -12,7 +12,7 @@ that order every epoch (`train_sampling_strategy: sequential`), batch 32, dynami
 seed 42, all 872 validation rows. Teacher: the offline MiniLM-L6 fine-tuned 1 epoch (AdamW lr 5e-5, wd 0,
 linear decay, no warm-up, clip 1.0), cached in `benchmarks/runs/teacher`. Every run is a recipe command
 (recorded verbatim); its folder's `results.json` marks it done. Then the student's inference speed-up over
-the teacher is measured (`hf_distill.measure.speedup`, batch 32, validation set, fp32, median of 5
+the teacher is measured (`hf_distill.publish.measure.speedup`, batch 32, validation set, fp32, median of 5
 interleaved passes) and `benchmarks/results/quality_sst2.{md,json,png}` are (re)written from every run
 that has finished.
 """
@@ -176,7 +176,7 @@ def fine_tune_teacher(work: Path, rows: int, bf16: bool) -> dict:
     model.save_pretrained(out)
     tok.save_pretrained(out)
     acc = evaluate_model(model, valid, DataCollatorWithPadding(tok))["accuracy"]
-    from hf_distill import measure
+    from hf_distill.publish import measure
 
     result = {"accuracy": acc, "params": measure.count_parameters(model), "wall_s": wall, "train_rows": rows,
               "bf16": bf16, "command": "python benchmarks/quality_sst2.py --runs teacher"}
@@ -198,8 +198,8 @@ def measure_run(work: Path, name: str) -> dict:
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    import hf_distill.bilstm  # noqa: F401  (registers the BiLSTM student with the Auto classes)
-    from hf_distill import measure
+    import hf_distill.students.bilstm  # noqa: F401  (registers the BiLSTM student with the Auto classes)
+    from hf_distill.publish import measure
 
     torch.manual_seed(0)
     teacher = AutoModelForSequenceClassification.from_pretrained(work / "teacher")

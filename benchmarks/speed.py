@@ -381,9 +381,9 @@ def section_trainer_vs_loop(kind: str, s: Settings, paths, tok_path: str) -> tup
 
 
 def section_cached_vs_online(s: Settings, tok, paths, tmp: str) -> tuple[float, dict]:
-    """Logit KD with teacher logits from hf_distill.cache (teacher_model=None) vs a teacher forward each step, in
+    """Logit KD with teacher logits from hf_distill.data.cache (teacher_model=None) vs a teacher forward each step, in
     fp32 (the headline) and with bf16=True (reported alongside: the precision the recipes run in here)."""
-    from hf_distill.cache import cache_teacher_outputs
+    from hf_distill.data.cache import cache_teacher_outputs
 
     rows_needed = BATCH * max(s.steps, s.warmup, 4)
     per_length, per_length_bf16 = {}, {}

@@ -30,7 +30,7 @@ from typing import Any
 from transformers import TrainingArguments
 from transformers.utils import logging
 
-from .terms import DistillTerm, parse_terms
+from .losses.terms import DistillTerm, parse_terms
 
 logger = logging.get_logger(__name__)
 
@@ -85,7 +85,8 @@ class DistillationArguments(TrainingArguments):
         metadata={
             "help": "Causal LMs: tokens per chunk when the KD term and the student's cross-entropy are computed from "
             "the last hidden states through each LM head a chunk at a time, so no full (batch, length, vocabulary) "
-            "logits tensor exists (hf_distill.chunked, the loss head; same loss, gradients faithful to float64). "
+            "logits tensor exists (hf_distill.losses.chunked, the loss head; same loss, gradients "
+            "faithful to float64). "
             "Unset: about 2**25 logits per chunk (`chunked.default_chunk(V)`: 256 tokens at V = 128,256) wherever "
             "that is possible for a causal-LM student (otherwise whole logits, with a log line: e.g. kd_loss='mse', "
             "label smoothing, several teachers); set: refused where it cannot be honoured. Must be > 0."

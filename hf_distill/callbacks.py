@@ -33,7 +33,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from .arguments import KD_LOSS_KINDS
-from .terms import parse_terms
+from .losses.terms import parse_terms
 
 SCALAR_FIELDS = ("temperature", "kd_weight", "task_weight")
 # The Trainer's own LR factors and base rates per scheduler, before any stage replaced them. Not stored on the

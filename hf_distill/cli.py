@@ -151,7 +151,7 @@ def _run_script(path: Path) -> int:
 
 
 def cmd_card(args: argparse.Namespace) -> int:
-    from .card import write_model_card
+    from .publish.card import write_model_card
 
     fields = {
         "teacher": args.teacher,
@@ -168,8 +168,8 @@ def cmd_card(args: argparse.Namespace) -> int:
 
 
 def cmd_push(args: argparse.Namespace) -> int:
-    from .card import CARD_FILE, write_model_card
-    from .hub import DEFAULT_COMMIT_MESSAGE, push_student, upload_files
+    from .publish.card import CARD_FILE, write_model_card
+    from .publish.hub import DEFAULT_COMMIT_MESSAGE, push_student, upload_files
 
     folder = Path(args.student_dir)
     upload_files(folder)  # refuse a folder that is not a student before writing anything into it
@@ -189,7 +189,7 @@ def cmd_push(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from .plots import make_report
+    from .publish.plots import make_report
 
     for path in make_report(args.output_dir).values():
         print(f"Wrote {path}")
@@ -213,7 +213,7 @@ def _exit_code(run) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `hf-distill` console script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    from .hub import HubPushError
+    from .publish.hub import HubPushError
 
     try:
         # demo and run hand every remaining argument (--help included) to the script they start.

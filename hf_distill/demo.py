@@ -184,9 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     import datasets
     from transformers import AutoTokenizer, DataCollatorWithPadding
 
-    from . import measure, students
     from .arguments import DistillationArguments
-    from .card import write_model_card
+    from .publish import measure
+    from .publish.card import write_model_card
+    from .students import build as students
     from .trainer import DistillationTrainer
 
     stage("1/5 Data")

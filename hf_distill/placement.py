@@ -31,8 +31,8 @@ import torch
 from accelerate.utils import DistributedType
 from torch import nn
 
-from .families import get_family
-from .taps import unwrap
+from .features.families import get_family
+from .features.taps import unwrap
 
 REPLICA, FSDP_SHARDED, ZERO3_SHARDED = "replica", "fsdp_sharded", "zero3_sharded"
 

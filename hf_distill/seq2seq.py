@@ -17,7 +17,7 @@ What distillation means for these models:
   batch has one, else the same label positions). Teacher and student read the same decoder inputs: the batch's
   `decoder_input_ids`, or the student's shift of the labels (`prepare_decoder_input_ids_from_labels`, what
   `DataCollatorForSeq2Seq(model=student)` does), so their decoder start tokens must agree.
-* Intermediate terms name the stack they compare (`stack=encoder` or `stack=decoder`, hf_distill.terms).
+* Intermediate terms name the stack they compare (`stack=encoder` or `stack=decoder`, hf_distill.losses.terms).
 * Generation is the student's own: `predict_with_generate` evaluation runs `student.generate` exactly as
   `Seq2SeqTrainer` does, and its `eval_loss` is the student's cross-entropy, unless `eval_with_teacher=True`,
   which makes it the distillation loss (the teacher then runs on every evaluation batch).

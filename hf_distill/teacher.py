@@ -26,7 +26,7 @@ import transformers
 from torch import nn
 from transformers.utils import logging
 
-from .taps import unwrap
+from .features.taps import unwrap
 
 logger = logging.get_logger(__name__)
 
@@ -124,7 +124,7 @@ def validate_pair(
         t_tokenizer = _compare_tokenizers(tokenizer, teacher, teacher_tokenizer, source)
     if s_cfg is None or t_cfg is None:
         return None
-    from .heads import Head, static_head
+    from .features.heads import Head, static_head
 
     s_kind, t_kind = static_head(student), static_head(teacher)
     if Head.SEQ2SEQ_LM in (s_kind, t_kind):
@@ -317,7 +317,7 @@ def check_padding_mass(mass: float | None, s_vocab: int, t_vocab: int) -> None:
 def check_seq2seq_pair(student: nn.Module, teacher: nn.Module, args) -> None:
     """Refuse an encoder-decoder student or teacher whose partner cannot be compared with it: logit KD needs two
     encoder-decoder LMs reading the same decoder inputs (the same decoder start token)."""
-    from .heads import Head, static_head
+    from .features.heads import Head, static_head
 
     s_kind, t_kind = static_head(student), static_head(teacher)
     if (s_kind is Head.SEQ2SEQ_LM) == (t_kind is Head.SEQ2SEQ_LM):

@@ -21,16 +21,38 @@ from transformers import PreTrainedModel, Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
-from . import chunked, losses
-from . import heads as heads_mod
 from .arguments import DistillationArguments, as_distillation_arguments
-from .cache import LOGITS_COLUMN, TOPK_INDICES_COLUMN, TOPK_VALUES_COLUMN, cached_hidden_layers, cached_teacher_info
-from .collators import TEACHER_PREFIX, KeepTeacherColumnsCollator, TeacherOutputsCollator
-from .heads import TOKEN_LEVEL, Head, check_kd_loss, head_logits, runtime_head, static_head, with_decoder_inputs
-from .intermediate import IntermediateDistiller
-from .normalise import COUNT_KINDS, StepCounts, batch_counts, decoder_positions, kd_positions, seq2seq_kd_positions
+from .data.cache import (
+    LOGITS_COLUMN,
+    TOPK_INDICES_COLUMN,
+    TOPK_VALUES_COLUMN,
+    cached_hidden_layers,
+    cached_teacher_info,
+)
+from .data.collators import TEACHER_PREFIX, KeepTeacherColumnsCollator, TeacherOutputsCollator
+from .features import heads as heads_mod
+from .features.heads import (
+    TOKEN_LEVEL,
+    Head,
+    check_kd_loss,
+    head_logits,
+    runtime_head,
+    static_head,
+    with_decoder_inputs,
+)
+from .features.taps import forward, unwrap
+from .losses import chunked
+from .losses import divergences as losses
+from .losses.intermediate import IntermediateDistiller
+from .losses.normalise import (
+    COUNT_KINDS,
+    StepCounts,
+    batch_counts,
+    decoder_positions,
+    kd_positions,
+    seq2seq_kd_positions,
+)
 from .placement import check_engine, check_fsdp2_wrap, place_teacher, send_teacher_outputs, teacher_input_device
-from .taps import forward, unwrap
 from .teacher import (
     check_padding_mass,
     load_teacher,
@@ -59,7 +81,7 @@ class DistillationTrainer(Trainer):
             list of them (multi-teacher logit distillation, see `teacher_weights` and `multi_teacher`;
             intermediate terms use the first). It may be the student itself when the student is a PEFT
             model: the teacher is then the shared base with adapters off (self-distillation). May be `None`
-            when every training row carries cached teacher outputs (hf_distill.cache).
+            when every training row carries cached teacher outputs (hf_distill.data.cache).
         teacher_processing_class: the teacher's tokenizer (or a list, one per teacher; None entries allowed), so that
             its vocabulary can be compared with the student's (`processing_class`). Not needed for a teacher given
             as a folder or Hub id (its saved tokenizer is read) or one whose `name_or_path` holds a tokenizer; where
@@ -68,7 +90,7 @@ class DistillationTrainer(Trainer):
     """
 
     # compute_loss returns a per-micro-batch value whose token-level terms are already shares of the step mean
-    # (hf_distill.normalise) scaled up by the micro-batch count: let the Trainer divide by the accumulation steps.
+    # (hf_distill.losses.normalise) scaled up by the micro-batch count: let the Trainer divide by the accumulation steps.
     loss_is_scaled_for_ga = False
 
     def __init__(
@@ -124,7 +146,7 @@ class DistillationTrainer(Trainer):
             if source is None:
                 raise ValueError(
                     "distill_terms need teacher features, so teacher_model must be given "
-                    "(or a train dataset with cached teacher hidden states from hf_distill.cache)."
+                    "(or a train dataset with cached teacher hidden states from hf_distill.data.cache)."
                 )
             self.intermediate = IntermediateDistiller(terms, self.model, source, self.args.projection,
                                                       seed=self.args.seed)
@@ -221,7 +243,7 @@ class DistillationTrainer(Trainer):
             self._padding_checked.add(i)
 
     def _chunk_size(self) -> int | None:
-        """Tokens per chunk for the causal-LM loss (hf_distill.chunked), or None for whole logits.
+        """Tokens per chunk for the causal-LM loss (hf_distill.losses.chunked), or None for whole logits.
 
         `kd_chunk_size=None` (the default) chunks wherever the result is provably the same: a causal-LM student and
         teacher whose logits hf_distill can rebuild from their last hidden states, one teacher (or cached dense
@@ -316,7 +338,7 @@ class DistillationTrainer(Trainer):
         return model
 
     def _logits_fns(self, model: nn.Module):
-        """Hidden states -> logits of the student `model` and of the teacher (hf_distill.chunked), per model."""
+        """Hidden states -> logits of the student `model` and of the teacher (hf_distill.losses.chunked), per model."""
         state = self._student_state(model)
         if state.logits_fns is None:
             teacher = chunked.logits_fn(self.teacher) if self.teacher is not None else None
@@ -356,14 +378,14 @@ class DistillationTrainer(Trainer):
         cached = [c for c in names if c.startswith(TEACHER_PREFIX)]
         if cached and self._head is Head.SEQ2SEQ_LM:
             raise ValueError(
-                f"The {which} dataset carries cached teacher outputs ({', '.join(cached)}), but hf_distill.cache does "
+                f"The {which} dataset carries cached teacher outputs ({', '.join(cached)}), but hf_distill.data.cache does "
                 "not cache encoder-decoder teachers (their outputs depend on the decoder inputs): drop those columns "
                 "and let the teacher run."
             )
         if cached_logits and self._head is Head.QUESTION_ANSWERING:
             raise ValueError(
                 f"The {which} dataset carries cached teacher logits ({', '.join(cached_logits)}), but a question-"
-                "answering student compares start and end logits, which hf_distill.cache does not store: drop those "
+                "answering student compares start and end logits, which hf_distill.data.cache does not store: drop those "
                 "columns and let the teacher run."
             )
         for name in [c for c in names if c == LOGITS_COLUMN or c.startswith(f"{LOGITS_COLUMN}_")]:
@@ -379,7 +401,7 @@ class DistillationTrainer(Trainer):
             if not topk or self.args.kd_loss == "mse":
                 raise ValueError(
                     "kd_weight > 0 needs teacher logits: pass teacher_model, or add a `teacher_logits` column "
-                    f"to the {which} dataset (see hf_distill.cache; cached top-k logits serve kd_loss kl/soft_ce)."
+                    f"to the {which} dataset (see hf_distill.data.cache; cached top-k logits serve kd_loss kl/soft_ce)."
                 )
         if self.teacher is None and self.intermediate is not None:
             missing = sorted(self.intermediate.teacher_request.hidden - cached_hidden_layers(names))
@@ -387,7 +409,7 @@ class DistillationTrainer(Trainer):
                 raise ValueError(
                     f"distill_terms need teacher hidden states {missing}, which the {which} dataset does not carry "
                     "(teacher_hidden_<i> columns): pass teacher_model, or cache them with "
-                    f"hf_distill.cache.cache_teacher_outputs(..., hidden_layers={missing})."
+                    f"hf_distill.data.cache.cache_teacher_outputs(..., hidden_layers={missing})."
                 )
 
     @staticmethod
@@ -426,7 +448,7 @@ class DistillationTrainer(Trainer):
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
         """The Trainer's prefetch of one optimizer step's micro-batches, plus the counts that normalise the
-        token-level terms over the whole step (hf_distill.normalise)."""
+        token-level terms over the whole step (hf_distill.losses.normalise)."""
         batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
         counts = sum(
             (batch_counts(b, self._token_labels, self.args.kd_token_mask, self._causal, self._head is Head.SEQ2SEQ_LM)
@@ -479,7 +501,7 @@ class DistillationTrainer(Trainer):
         # Teacher first: the student's backward then follows its own forward while its activations are still
         # in the CPU caches; run after the student, the teacher's forward evicts them (3-5% of a logit-KD step
         # on the benchmark CPU, benchmarks/speed.py).
-        # Causal LMs in training: logits a chunk of tokens at a time from the last hidden states (hf_distill.chunked).
+        # Causal LMs in training: logits a chunk of tokens at a time from the last hidden states (hf_distill.losses.chunked).
         chunks = self._chunk_for(model) if (model.training and distill and TOPK_VALUES_COLUMN not in cached) else None
         if distill:
             t_views, t_feats, t_hidden = self._teacher_outputs(inputs, cached, hidden_only=chunks is not None)
@@ -536,7 +558,7 @@ class DistillationTrainer(Trainer):
                             terms[name] = value * self._step.scale(kinds[name], count)
                 components.update(terms)
                 weights.update(self.intermediate.weights())
-        if distill:  # a student that distils into itself (hf_distill.early_exit) returns its own terms
+        if distill:  # a student that distils into itself (hf_distill.students.early_exit) returns its own terms
             own = s_out.get("distill_losses") if isinstance(s_out, dict) else getattr(s_out, "distill_losses", None)
             for name, value in (own or {}).items():
                 components[name], weights[name] = value, 1.0
@@ -590,7 +612,7 @@ class DistillationTrainer(Trainer):
 
     def _chunked_terms(self, s_out, t_logits, t_hidden, inputs: dict[str, Any], want_task: bool, chunk: int):
         """KD and the student's cross-entropy of a causal LM from hidden states, through the loss head
-        (hf_distill.chunked): local means, differentiable like any other term. Under DeepSpeed or FSDP the LM heads
+        (hf_distill.losses.chunked): local means, differentiable like any other term. Under DeepSpeed or FSDP the LM heads
         are called as modules (the engines gather their parameters inside that call)."""
         labels = inputs.get(self._token_labels)
         kd_fn = None
@@ -613,7 +635,7 @@ class DistillationTrainer(Trainer):
         return "module" if (self.is_deepspeed_enabled or self.is_fsdp_enabled) else "auto"
 
     def _teacher_outputs(self, inputs: dict[str, Any], cached: dict[str, torch.Tensor], hidden_only: bool = False):
-        """Teacher logits (one per compared output, see hf_distill.heads), features and, with `hidden_only`
+        """Teacher logits (one per compared output, see hf_distill.features.heads), features and, with `hidden_only`
         (chunked causal LMs), the last hidden state instead of logits: from the batch's cached columns when
         possible, else a forward."""
         t_logits = cached.get(LOGITS_COLUMN)
@@ -1023,7 +1045,7 @@ class DistillationTrainer(Trainer):
             logits = kept[0] if len(kept) == 1 else kept
         return loss, nested_detach(logits), labels
 
-    # ------------------------------------------------------------------ publishing (hf_distill.card, hf_distill.hub)
+    # ------------------------------------------------------------------ publishing (hf_distill.publish.card, hf_distill.publish.hub)
 
     def create_model_card(
         self,
@@ -1046,7 +1068,7 @@ class DistillationTrainer(Trainer):
         `augmentation`, `teacher` to name a folder-loaded teacher by its Hub id) or `measure_speed`."""
         if not self.is_world_process_zero():
             return
-        from .card import write_trainer_card
+        from .publish.card import write_trainer_card
 
         write_trainer_card(self, language=language, license=license, tags=tags, model_name=model_name,
                            finetuned_from=finetuned_from, tasks=tasks, dataset_tags=dataset_tags,
@@ -1057,7 +1079,7 @@ class DistillationTrainer(Trainer):
 
         The Trainer pushes from inside `_save_checkpoint`, before ours adds the projections: they are written
         here first, or the pushed checkpoint (`hub_strategy` checkpoint/all_checkpoints) could not be resumed."""
-        from .hub import push_checkpoint
+        from .publish.hub import push_checkpoint
 
         state = getattr(self, "_pending_projections", None)
         if state is not None and self.args.should_save:
@@ -1076,7 +1098,7 @@ class DistillationTrainer(Trainer):
         """Publish the student alone: its weights, config, tokenizer and card (never the teacher,
         projections, optimizer state, checkpoints or training_args.bin). Returns the commit URL, or a
         Future when `blocking=False`; `kwargs` go to `create_model_card`. Raises `hub.HubPushError`."""
-        from .hub import push_trainer
+        from .publish.hub import push_trainer
 
         return push_trainer(self, commit_message=commit_message, blocking=blocking, token=token,
                             revision=revision, private=private, **kwargs)

@@ -5,11 +5,11 @@ Networks").
 
 What the paper does (§3-§4, SST-2):
 - student: one BiLSTM layer (150 units per direction) over 300-d word2vec embeddings, the two final states
-  concatenated, a 200-unit ReLU layer, a linear classifier (`hf_distill.bilstm`);
+  concatenated, a 200-unit ReLU layer, a linear classifier (`hf_distill.students.bilstm`);
 - loss: `alpha * CE + (1 - alpha) * ||z_teacher - z_student||^2` (squared error of the logits, summed over
   classes); the augmented copies, which have no gold label, take the teacher's predicted class for CE;
 - transfer set: the training data plus `n_iter = 20` copies per sentence made by masking (p = 0.1),
-  POS-guided replacement (p = 0.1) and n-gram sampling (p = 0.25, n in [1, 5]) (`hf_distill.tang_augment`);
+  POS-guided replacement (p = 0.1) and n-gram sampling (p = 0.25, n in [1, 5]) (`hf_distill.data.tang_augment`);
 - Adadelta (lr 1.0, rho 0.95), batch 50;
 - baseline: the same BiLSTM trained with CE on the original data (here: `--kd_weight 0 --task_weight 1
   --n_iter 0`).
@@ -24,7 +24,7 @@ What this recipe does differently (and why):
   `task_weight = alpha`, `kd_weight = (1 - alpha) * num_labels` (the library's `mse` averages over classes);
 - budget: the copies are made of the first `augment_rows` training rows (the config says how many).
 Save and load: the student is a `transformers` model; `trainer.save_model()` writes it, and
-`import hf_distill.bilstm` registers it so `AutoModelForSequenceClassification.from_pretrained(out)` loads it.
+`import hf_distill.students.bilstm` registers it so `AutoModelForSequenceClassification.from_pretrained(out)` loads it.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class BiLSTMArguments:
                                                    "as the paper (optim and adam_* do not apply); false: the "
                                                    "Trainer's optimizer (optim)."})
     cache_teacher: bool = field(default=True, metadata={"help": "Compute the teacher's logits once "
-                                                        "(hf_distill.cache); they also label the copies."})
+                                                        "(hf_distill.data.cache); they also label the copies."})
     cache_dir: str = field(default=".cache/hf_distill", metadata={"help": "Where cached datasets go."})
     evaluate_teacher: bool = field(default=True, metadata={"help": "Also report the teacher's accuracy."})
 
@@ -98,7 +98,8 @@ def nltk_tagger():
 
 def check(margs: ModelArguments, recipe: BiLSTMArguments, data: DataArguments, args: DistillationArguments) -> None:
     """Everything that can be refused before a model loads."""
-    refuse_unused("BiLSTM", "its student is built by hf_distill.bilstm from lstm_hidden_size, classifier_size and "
+    refuse_unused("BiLSTM", "its student is built by hf_distill.students.bilstm from lstm_hidden_size, "
+                  "classifier_size and "
                   "the teacher's embeddings; no general distillation",
                   ("general_teacher", *STUDENT_FIELDS, "corpus_files"), margs, data)
     if data.text_pair_column:
@@ -135,7 +136,7 @@ def relabel_copies(train, flags: list[int]):
     """The paper's rule: a copy's CE target is the teacher's predicted class; original rows keep theirs."""
     import numpy as np
 
-    from hf_distill.cache import LOGITS_COLUMN
+    from hf_distill.data.cache import LOGITS_COLUMN
 
     predicted = np.asarray(train[LOGITS_COLUMN], dtype=np.float32).argmax(-1)
     gold = np.asarray(train["labels"])
@@ -151,8 +152,8 @@ def main() -> None:
     import torch
     from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, set_seed
 
-    from hf_distill import bilstm
-    from hf_distill.tang_augment import AUGMENTED_COLUMN, tang_augment_dataset
+    from hf_distill.data.tang_augment import AUGMENTED_COLUMN, tang_augment_dataset
+    from hf_distill.students import bilstm
 
     if not margs.teacher:
         fail("set teacher (the fine-tuned task teacher: its logits are the target, its tokenizer the student's)")

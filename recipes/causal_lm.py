@@ -45,7 +45,7 @@ from common import (
 )
 
 from hf_distill import DistillationArguments, DistillationTrainer
-from hf_distill.report import distillation_facts
+from hf_distill.publish.report import distillation_facts
 
 EOS = "<|endoftext|>"
 
@@ -190,7 +190,8 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, default_data_collator, set_seed
 
-    from hf_distill import measure, students
+    from hf_distill import students
+    from hf_distill.publish import measure
 
     if args.kd_loss not in ("jsd", "kl", "reverse_kl", "soft_ce"):
         fail(f"kd_loss must be a softmax loss (jsd, kl, reverse_kl, soft_ce) for a causal LM, got {args.kd_loss!r}")

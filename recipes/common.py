@@ -595,11 +595,11 @@ def write_results(output_dir: str, results: dict[str, Any]) -> Path:
 
 
 def cache_task_logits(teacher, train, collator, cache_dir: str, progress: bool, bf16: bool = False):
-    """`train` with the teacher's logits computed once (hf_distill.cache), under bf16 autocast when asked, so
+    """`train` with the teacher's logits computed once (hf_distill.data.cache), under bf16 autocast when asked, so
     the cached logits equal those an online bf16 teacher would give."""
     import torch
 
-    from hf_distill.cache import cache_teacher_outputs
+    from hf_distill.data.cache import cache_teacher_outputs
 
     with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
         return cache_teacher_outputs(teacher, train, cache_dir=cache_dir, collator=collator, progress=progress,
@@ -621,8 +621,8 @@ def train_and_report(trainer, results: dict[str, Any], start: float, *, student,
     args = trainer.args
     train_out = trainer.train()
     trainer.save_model()
-    from hf_distill import measure
-    from hf_distill.report import distillation_facts, latest_eval_metrics
+    from hf_distill.publish import measure
+    from hf_distill.publish.report import distillation_facts, latest_eval_metrics
 
     results.update(params=measure.count_parameters(student), train_rows=len(train), **run_length(args, trainer.state),
                    bf16=args.bf16, bf16_available=bf16_available(), distillation=distillation_facts(args),
@@ -739,7 +739,7 @@ def fit_mlm_head(mlm, missing: list[str], corpus, tokenizer, steps: int, seed: i
     Fitting only the head (a probe of the frozen encoder) is cheap and keeps the encoder the teacher's."""
     import torch
 
-    from hf_distill.collators import MLMDistillationCollator
+    from hf_distill.data.collators import MLMDistillationCollator
 
     names = set(missing)
     trainable = [p for n, p in mlm.named_parameters() if n in names]

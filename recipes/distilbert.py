@@ -69,7 +69,7 @@ class DistilBertArguments:
         default=0.7, metadata={"help": "Masked tokens are sampled with p(w) ~ count(w)**-smoothing (paper: 0.7)."}
     )
     cache_teacher: bool = field(
-        default=True, metadata={"help": "Task step: compute the teacher's logits once (hf_distill.cache)."}
+        default=True, metadata={"help": "Task step: compute the teacher's logits once (hf_distill.data.cache)."}
     )
     cache_dir: str = field(default=".cache/hf_distill", metadata={"help": "Where cached teacher outputs go."})
     evaluate_teacher: bool = field(default=True, metadata={"help": "Also report the teacher's accuracy."})
@@ -79,7 +79,7 @@ def general_distillation(margs, data, recipe, args, tokenizer) -> str:
     """MLM student distilled from the pre-trained teacher on the corpus; returns the saved folder."""
     from transformers import AutoModelForMaskedLM
 
-    from hf_distill.collators import MLMDistillationCollator, token_counts
+    from hf_distill.data.collators import MLMDistillationCollator, token_counts
 
     teacher, info = AutoModelForMaskedLM.from_pretrained(margs.general_teacher or margs.teacher,
                                                          output_loading_info=True)

@@ -76,11 +76,11 @@ class FastBERTArguments:
 
 
 def sweep(model, batches: list[dict], labels: list[int], speeds: list[float]) -> list[dict]:
-    """Accuracy, mean exit layer and analytic FLOPs ratio (hf_distill.early_exit.flops_per_row) per speed."""
+    """Accuracy, mean exit layer and analytic FLOPs ratio (hf_distill.students.early_exit.flops_per_row) per speed."""
     import torch
 
-    from hf_distill.early_exit import flops_per_row
-    from hf_distill.taps import model_info
+    from hf_distill.features.taps import model_info
+    from hf_distill.students.early_exit import flops_per_row
 
     info = model_info(model.model)
     inter = getattr(model.config, "intermediate_size", 4 * info.hidden_size)
@@ -110,7 +110,7 @@ def main() -> None:
     bad = [s for s in recipe.speeds if not 0.0 <= s <= 1.0]
     if bad:
         fail(f"speeds must lie in [0, 1] (normalised entropy thresholds), got {bad}")
-    from hf_distill.early_exit import check_branch
+    from hf_distill.students.early_exit import check_branch
 
     try:
         check_branch(recipe.branch)
@@ -132,8 +132,8 @@ def main() -> None:
     )
 
     from hf_distill import demo
-    from hf_distill.early_exit import EarlyExitModel, branch_metrics
-    from hf_distill.measure import count_parameters
+    from hf_distill.publish.measure import count_parameters
+    from hf_distill.students.early_exit import EarlyExitModel, branch_metrics
 
     refuse_unused("FastBERT", "the student is the teacher plus its exits, drawn from seed",
                   ("general_teacher", *STUDENT_FIELDS, "model_seed"), margs)

@@ -16,7 +16,7 @@ What this recipe does (one command):
 1. a random MobileBERT-architecture student (transformers' `MobileBertConfig`): as deep as the teacher, its
    inter-block width the teacher's hidden size (so the feature maps compare without a projection), the
    teacher's head count (so attention maps compare head to head), a smaller bottleneck and FFN stack;
-2. progressive transfer from the pre-trained teacher on `corpus_files` (`hf_distill.progressive`:
+2. progressive transfer from the pre-trained teacher on `corpus_files` (`hf_distill.students.progressive`:
    `progressive_epochs` per block, `freeze_lower`) unless `progressive_epochs` is 0 (the baseline);
 3. fine-tuning on the task with the DistillationArguments' loss (logit KD from the fine-tuned teacher in
    the config), teacher logits cached.
@@ -98,7 +98,7 @@ def progressive_transfer(margs, data, recipe, args, tokenizer, config) -> tuple[
     import torch
     from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
 
-    from hf_distill.progressive import progressive_stages
+    from hf_distill.students.progressive import progressive_stages
 
     # Sequence-classification wrappers give both models `logits`; their heads are never trained or used here.
     teacher = load_model(AutoModelForSequenceClassification, margs.general_teacher or margs.teacher, "teacher")

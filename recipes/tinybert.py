@@ -21,7 +21,7 @@ What this recipe does (one command):
    student layer also learns the difference between its teacher layer and the next mapped one, the top layer
    the teacher feature itself; same hidden map and projection), with its own linear schedule and warm-up and a
    fresh optimizer state, as if it were a second run started from the first phase's student;
-2. augmentation when `augment_n > 0` (`hf_distill.augment`), of the first `augment_rows` training rows;
+2. augmentation when `augment_n > 0` (`hf_distill.data.augment`), of the first `augment_rows` training rows;
 3. task distillation with `StageSwitchCallback`: stage 1 (hidden + attention terms) for
    `intermediate_epochs`, then stage 2 (the DistillationArguments' logit loss: soft_ce, T = 1, no labels in
    the configs) with its own learning rate, linear decay, 10% warm-up and a fresh optimizer state; the
@@ -32,7 +32,7 @@ Deliberate differences (and why):
   integer; the SST-2 config maps a 4-layer student onto the 6-layer teacher explicitly (0,2,3,5,6);
 - the augmentation MLM: the offline teacher has no MLM head, so when the masked LM lacks one the recipe
   first fits it on the corpus with the encoder frozen (`mlm_head_steps`), and the "GloVe" neighbours come
-  from the MLM's own word embeddings (hf_distill.augment says why);
+  from the MLM's own word embeddings (hf_distill.data.augment says why);
 - N and the number of augmented rows are chosen to fit a CPU budget (the configs say which);
 - the stage-1 projection starts fresh (the reference carries `fit_dense` over from general distillation);
 - both stages run in one Trainer; the augmented rows are shuffled once (seeded), then consumed in order.
@@ -116,7 +116,7 @@ class TinyBertArguments:
     )
     cache_teacher: bool = field(
         default=True, metadata={"help": "Stage 2: compute the teacher's logits on the (augmented) rows once "
-                                "(hf_distill.cache), so the prediction stage runs the student only."}
+                                "(hf_distill.data.cache), so the prediction stage runs the student only."}
     )
     cache_dir: str = field(default=".cache/hf_distill", metadata={"help": "Where cached datasets go."})
     evaluate_teacher: bool = field(default=True, metadata={"help": "Also report the teacher's accuracy."})
@@ -136,7 +136,7 @@ def incremental_term(recipe: TinyBertArguments, weight: float = 0.0) -> dict:
 
 def check_general(recipe: TinyBertArguments, data: DataArguments) -> None:
     """Refuse general phases that cannot run, before anything is loaded."""
-    from hf_distill.terms import parse_term
+    from hf_distill.losses.terms import parse_term
 
     if not 0 <= recipe.general_warmup_ratio < 1:
         fail(f"general_warmup_ratio is a share of the general steps, in [0, 1): got {recipe.general_warmup_ratio:g}")
@@ -220,7 +220,7 @@ def augment(train, data, recipe, margs, args, tokenizer, corpus):
     import datasets
     from transformers import AutoModelForMaskedLM
 
-    from hf_distill.augment import augment_dataset
+    from hf_distill.data.augment import augment_dataset
 
     source = recipe.augment_mlm or margs.general_teacher or margs.teacher
     mlm, info = AutoModelForMaskedLM.from_pretrained(source, output_loading_info=True)

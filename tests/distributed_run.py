@@ -34,7 +34,7 @@ def run(out: Path, per_device_batch: int, intermediate: bool, causal: bool = Fal
     extra = {}
     student, make_teacher, collator = bert(2), teacher, collate
     # Rows of 3-12 tokens: token-averaged terms are normalised over the whole step's tokens on every rank
-    # (hf_distill.normalise), so the 2 x 4 and 1 x 8 splits must agree although their micro-batches differ.
+    # (hf_distill.losses.normalise), so the 2 x 4 and 1 x 8 splits must agree although their micro-batches differ.
     data = token_dataset(48)
     if causal:  # SFT rows with masked prompts: jsd + CE on completion tokens, the LM head in fused chunks
         student, data, collator = llama(0), sft_rows(48), labelled_collate

@@ -19,8 +19,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers import collate, leave_distributed_run, teacher, token_dataset  # noqa: E402
 
+from hf_distill.features.taps import FeatureTaps, TapRequest  # noqa: E402
 from hf_distill.placement import local_parameter_bytes, shard_fsdp2  # noqa: E402
-from hf_distill.taps import FeatureTaps, TapRequest  # noqa: E402
 
 
 def main(out: Path) -> None:

@@ -10,7 +10,7 @@ import torch
 from datasets import ClassLabel, Dataset, Features, Value
 from transformers import BertConfig, BertForMaskedLM, BertTokenizer
 
-from hf_distill.augment import STOP_WORDS, Augmentor, WordEmbeddings, augment_dataset, masked_logits
+from hf_distill.data.augment import STOP_WORDS, Augmentor, WordEmbeddings, augment_dataset, masked_logits
 
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 PUNCT = [".", ",", "!", "'", "7", "42"]

@@ -1,11 +1,12 @@
-"""The BiLSTM student (hf_distill.bilstm): a transformers model the Trainer, save/load and Auto classes take."""
+"""The BiLSTM student (hf_distill.students.bilstm): a transformers model the Trainer, save/load and Auto
+classes take."""
 
 import pytest
 import torch
 from helpers import VOCAB, teacher
 from transformers import AutoModelForSequenceClassification
 
-from hf_distill import bilstm
+from hf_distill.students import bilstm
 
 
 def student(labels=2, **kw):

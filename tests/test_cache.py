@@ -1,4 +1,4 @@
-"""hf_distill.cache: teacher outputs computed once, keyed so they are never stale, aligned with their rows.
+"""hf_distill.data.cache: teacher outputs computed once, keyed so they are never stale, aligned with their rows.
 
 Also a torchrun worker: `python -m torch.distributed.run --nproc_per_node 2 tests/test_cache.py OUT CACHE`.
 """
@@ -21,7 +21,7 @@ from helpers import teacher as make_teacher
 from transformers import BertForMaskedLM
 
 from hf_distill import DistillationTrainer, losses
-from hf_distill.cache import (
+from hf_distill.data.cache import (
     LOGITS_COLUMN,
     TOPK_INDICES_COLUMN,
     TOPK_VALUES_COLUMN,
@@ -192,7 +192,7 @@ def test_only_the_columns_the_teacher_reads_are_in_the_key(tmp_path):
 
 
 def test_teacher_fingerprint_is_memoised_and_sees_in_place_edits(monkeypatch):
-    from hf_distill import cache
+    from hf_distill.data import cache
 
     hashed = []
     real = cache._hash_state

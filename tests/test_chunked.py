@@ -18,7 +18,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from hf_distill import DistillationTrainer, chunked, losses
+from hf_distill import DistillationTrainer, losses
+from hf_distill.losses import chunked
 
 
 def _gemma2(seed):
@@ -467,7 +468,7 @@ def test_cuda_causal_lm_trains_through_the_loss_head_in_half_precision(tmp_path,
 
 _TRITON_CHECK = r"""
 import torch
-from hf_distill import chunked, triton_head
+from hf_distill.losses import chunked, triton_head
 torch.manual_seed(0)
 device = "cuda" if torch.cuda.is_available() else "cpu"
 n, V = 5, 3000
@@ -575,7 +576,7 @@ def test_different_vocabularies_without_vocab_are_refused_on_both_routes():
 
 def test_every_divergence_has_a_triton_code_and_a_closed_form_gradient():
     """The loss head's three implementations cover one list (hf_distill.losses.DIVERGENCE_KINDS)."""
-    from hf_distill import triton_head
+    from hf_distill.losses import triton_head
 
     assert set(triton_head.KIND_CODES) == set(losses.DIVERGENCE_KINDS) == set(chunked.DIVERGENCES)
     la, lb = torch.log_softmax(torch.randn(3, 7), -1), torch.log_softmax(torch.randn(3, 7), -1)

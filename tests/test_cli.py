@@ -15,7 +15,7 @@ import yaml
 from hub_server import FakeHub, tiny_run
 
 from hf_distill.cli import main
-from hf_distill.hub import upload_files
+from hf_distill.publish.hub import upload_files
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from helpers import VOCAB, args, bert_config
 from transformers import BertForMaskedLM, BertTokenizer
 
 from hf_distill import DistillationTrainer, losses
-from hf_distill.collators import MLMDistillationCollator, TeacherOutputsCollator, token_counts
+from hf_distill.data.collators import MLMDistillationCollator, TeacherOutputsCollator, token_counts
 
 # [PAD] is not id 0, so padding really uses the tokenizer's pad id.
 TOKENS = ["[UNK]", "[PAD]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(VOCAB - 5)]
@@ -191,7 +191,7 @@ def test_column_remover_keeps_teacher_columns_and_drops_the_rest(caplog):
     """The Trainer's row-by-row column filter (datasets other than datasets.Dataset) keeps cached outputs."""
     import logging
 
-    from hf_distill.collators import KeepTeacherColumnsCollator
+    from hf_distill.data.collators import KeepTeacherColumnsCollator
 
     seen = []
     logger = logging.getLogger("test_column_remover")

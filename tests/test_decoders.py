@@ -1,4 +1,4 @@
-"""Decoder-only families: feature taps, causal/GQA attention and relation terms (hf_distill.taps, .losses,
+"""Decoder-only families: feature taps, causal/GQA attention and relation terms (hf_distill.features.taps, .losses,
 .intermediate). Tiny random models of every registered decoder family, each test a few seconds at most."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from decoder_models import DECODERS, ROTARY, decoder, lm_batch
 from helpers import args, bert, collate, flat_params, labelled_collate, sft_rows
 
 from hf_distill import DistillationTrainer, losses
-from hf_distill.intermediate import IntermediateDistiller
-from hf_distill.taps import FeatureTaps, ModelInfo, TapRequest, attention_scores, expand_kv, model_info
-from hf_distill.terms import parse_terms
+from hf_distill.features.taps import FeatureTaps, ModelInfo, TapRequest, attention_scores, expand_kv, model_info
+from hf_distill.losses.intermediate import IntermediateDistiller
+from hf_distill.losses.terms import parse_terms
 
 
 def _inputs(batch):
@@ -244,7 +244,7 @@ def test_fused_projection_that_the_config_does_not_describe_is_refused():
 def test_cached_teacher_with_decoder_student_gets_the_cache_error():
     student = decoder("llama", layers=2)
     cached = ModelInfo(num_layers=3, hidden_size=32, num_heads=4, family=None, model_type="llama")
-    with pytest.raises(ValueError, match="hf_distill.cache does not store"):
+    with pytest.raises(ValueError, match="hf_distill.data.cache does not store"):
         IntermediateDistiller(parse_terms(["loss=attention_score_mse,layers=last"]), student, cached, "none")
 
 

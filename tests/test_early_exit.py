@@ -14,8 +14,9 @@ from test_hub import online
 from torch import nn
 from transformers import AutoModelForSequenceClassification, BertForMaskedLM
 
-from hf_distill import DistillationTrainer, families
-from hf_distill.early_exit import (
+from hf_distill import DistillationTrainer
+from hf_distill.features import families
+from hf_distill.students.early_exit import (
     BRANCH_CONFIG_FILE,
     BRANCH_FILE,
     PLOT_FILE,
@@ -553,7 +554,7 @@ def test_branch_metrics_on_an_eval_set(tmp_path, branch):
     """With an eval_dataset (labelled rows) and compute_metrics=branch_metrics(speed), evaluate() reports every
     branch's accuracy and agreement, and adaptive inference's accuracy and mean exit layer at that speed, equal
     to what exit_forward does row by row (before: no metrics at all, not even eval_loss)."""
-    from hf_distill.early_exit import branch_metrics
+    from hf_distill.students.early_exit import branch_metrics
 
     ee = EarlyExitModel(helpers.teacher(layers=4, seed=1).eval(), branch=branch)
     train = helpers.token_dataset(32).remove_columns("label")
@@ -591,7 +592,7 @@ def test_branch_metrics_patience_and_bad_predictions():
     import numpy as np
     from transformers import EvalPrediction
 
-    from hf_distill.early_exit import branch_metrics
+    from hf_distill.students.early_exit import branch_metrics
 
     a, b = [2.0, 0.0], [0.0, 2.0]  # class 0, class 1
     exits = (np.array([a, a, b]), np.array([a, b, b]), np.array([a, b, a]))  # 3 branches, 3 rows

@@ -164,7 +164,7 @@ def test_binary_losses_match_float64_references():
 
 
 def test_multi_label_refuses_jsd_like_losses_only_where_undefined(tmp_path):
-    from hf_distill.heads import Head, check_kd_loss
+    from hf_distill.features.heads import Head, check_kd_loss
 
     check_kd_loss(Head.MULTI_LABEL, "kl")
     check_kd_loss(Head.MULTI_LABEL, "mse")

@@ -27,11 +27,12 @@ from huggingface_hub import ModelCard
 from safetensors.torch import load as load_safetensors
 
 import hf_distill
-from hf_distill import DistillationArguments, DistillationTrainer, measure
-from hf_distill.card import BIBTEX, citations, model_card, write_model_card
-from hf_distill.hub import HubPushError, push_student, upload_files
+from hf_distill import DistillationArguments, DistillationTrainer
 from hf_distill.presets import PRESETS
-from hf_distill.report import DistillationReport, detect_method
+from hf_distill.publish import measure
+from hf_distill.publish.card import BIBTEX, citations, model_card, write_model_card
+from hf_distill.publish.hub import HubPushError, push_student, upload_files
+from hf_distill.publish.report import DistillationReport, detect_method
 
 REPO = "fake-user/out"  # the fake Hub puts an un-namespaced repo under its user; output_dir is ".../out"
 TEACHER_ID = "fake-org/tiny-bert-teacher"
@@ -86,7 +87,7 @@ def snapshot(folder: Path) -> dict[str, bytes]:
 
 
 def teacher_accuracy(trainer) -> float:
-    """The teacher's accuracy on the eval set, computed here independently of hf_distill.report."""
+    """The teacher's accuracy on the eval set, computed here independently of hf_distill.publish.report."""
     correct = total = 0
     with torch.no_grad():
         for row in trainer.eval_dataset:

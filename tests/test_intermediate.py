@@ -196,7 +196,7 @@ def test_bad_term_configurations_fail_before_training(tmp_path, student_kw, term
 
 
 def test_unregistered_family_asked_for_attention_says_how_to_register(tmp_path, monkeypatch):
-    from hf_distill import families
+    from hf_distill.features import families
 
     monkeypatch.delitem(families.FAMILIES, "bert")
     with pytest.raises(ValueError, match="register_family"):
@@ -345,8 +345,8 @@ def test_incremental_phase_after_a_stage_switch_resumes_exactly(tmp_path):
 
 
 def test_incremental_mse_from_cached_teacher_hidden_states_trains_exactly_as_online(tmp_path):
-    """The targets are built from the teacher's hidden states, so hf_distill.cache can supply them."""
-    from hf_distill.cache import cache_teacher_outputs
+    """The targets are built from the teacher's hidden states, so hf_distill.data.cache can supply them."""
+    from hf_distill.data.cache import cache_teacher_outputs
 
     teacher, data = make_teacher(), token_dataset(24)
     cached = cache_teacher_outputs(teacher, data, cache_dir=tmp_path / "cache", progress=False, batch_size=8,

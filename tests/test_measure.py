@@ -1,4 +1,4 @@
-"""hf_distill.measure on tiny random BERTs: exact counts and sizes, sane (not timed) speeds."""
+"""hf_distill.publish.measure on tiny random BERTs: exact counts and sizes, sane (not timed) speeds."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from helpers import bert
 from torch import nn
 
-from hf_distill import measure
+from hf_distill.publish import measure
 
 
 def batches(n: int = 3, length: int = 8) -> list[dict]:

@@ -15,10 +15,10 @@ from torch import nn
 from transformers import BertForMaskedLM
 
 from hf_distill import DistillationTrainer, losses
-from hf_distill.cache import LOGITS_COLUMN, cache_teacher_outputs, hidden_column
-from hf_distill.intermediate import IntermediateDistiller
-from hf_distill.taps import Features
-from hf_distill.terms import parse_terms
+from hf_distill.data.cache import LOGITS_COLUMN, cache_teacher_outputs, hidden_column
+from hf_distill.features.taps import Features
+from hf_distill.losses.intermediate import IntermediateDistiller
+from hf_distill.losses.terms import parse_terms
 
 ALL_TERMS = [
     "loss=hidden_mse,layers=uniform",

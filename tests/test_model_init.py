@@ -213,8 +213,8 @@ def test_projections_restart_from_the_seed_with_every_model_init(tmp_path):
 
 
 def test_unwrap_sees_through_torch_compile_ddp_style_wrappers_and_peft():
-    from hf_distill.heads import Head, static_head
-    from hf_distill.taps import unwrap
+    from hf_distill.features.heads import Head, static_head
+    from hf_distill.features.taps import unwrap
 
     student = bert(2)
     wrapper = torch.nn.Module()

@@ -82,7 +82,7 @@ def test_each_teacher_has_its_own_cached_column(tmp_path):
 
 
 def test_cache_teacher_outputs_writes_one_column_per_teacher(tmp_path):
-    from hf_distill.cache import cache_teacher_outputs
+    from hf_distill.data.cache import cache_teacher_outputs
 
     teachers, data = _teachers(), token_dataset(24)
     for i, t in enumerate(teachers):

@@ -11,7 +11,7 @@ from helpers import teacher as make_teacher
 from transformers import BertForMaskedLM
 
 from hf_distill import DistillationTrainer
-from hf_distill.normalise import COUNT_KINDS, StepCounts, batch_counts
+from hf_distill.losses.normalise import COUNT_KINDS, StepCounts, batch_counts
 
 
 def _labelled_rows(n=32, seed=0, causal=False):

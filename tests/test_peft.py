@@ -12,8 +12,8 @@ peft = pytest.importorskip("peft")
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 
 from hf_distill import DistillationTrainer  # noqa: E402
-from hf_distill.card import write_model_card  # noqa: E402
-from hf_distill.report import DistillationReport  # noqa: E402
+from hf_distill.publish.card import write_model_card  # noqa: E402
+from hf_distill.publish.report import DistillationReport  # noqa: E402
 
 
 def _lora(model, seed=0, dropout=0.0, randomize=False):

@@ -1,4 +1,4 @@
-"""MobileBERT's progressive transfer (hf_distill.progressive): one block per stage, the blocks below frozen."""
+"""MobileBERT's progressive transfer (hf_distill.students.progressive): one block per stage, the blocks below frozen."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from transformers import TrainerCallback
 
 from hf_distill import DistillationTrainer
 from hf_distill.callbacks import Stage, StageSwitchCallback
-from hf_distill.progressive import block_names, progressive_stages
+from hf_distill.students.progressive import block_names, progressive_stages
 
 
 def _run(out, freeze=True, stop=None, resume=None, snapshots=None):

@@ -148,7 +148,7 @@ def test_results_and_card_state_the_steps_run_and_keep_every_metric(env, tmp_pat
     assert results["train_steps"] == 2 and results["max_steps"] == 2 and "epochs" not in results
     assert results["epochs_trained"] == pytest.approx(2 / 6, abs=1e-4)
     assert results["student_metrics"] == {"accuracy": results["accuracy"], "f1": results["f1"]}
-    from hf_distill.card import write_model_card
+    from hf_distill.publish.card import write_model_card
 
     rows = card_rows(write_model_card(out).read_text())
     assert rows["Optimizer steps done"] == ["2"] and rows["Epochs done"] == ["0.3333"] and rows["Max steps"] == ["2"]
@@ -192,7 +192,7 @@ def test_pkd_bad_input_is_one_line(env, tmp_path, flags, message):
 
 def test_bilstm_kd_on_augmented_rows_then_reload(env, tmp_path):
     """Tang et al.: copies of the rows (masking, n-grams), labelled by the teacher; MSE + CE; saved as a
-    transformers model that the Auto class loads back once hf_distill.bilstm is imported."""
+    transformers model that the Auto class loads back once hf_distill.students.bilstm is imported."""
     out = tmp_path / "out"
     proc = run("bilstm", "--config", RECIPES / "configs" / "bilstm_sst2.yaml", *common_flags(env, out),
                "--n_iter", "3", "--augment_rows", "20", "--p_mask", "0.3", "--lstm_hidden_size", "8",
@@ -209,7 +209,7 @@ def test_bilstm_kd_on_augmented_rows_then_reload(env, tmp_path):
     assert "loss_kd" in logs and "loss_task" in logs
     from transformers import AutoModelForSequenceClassification
 
-    from hf_distill.bilstm import BiLSTMForSequenceClassification
+    from hf_distill.students.bilstm import BiLSTMForSequenceClassification
 
     model = AutoModelForSequenceClassification.from_pretrained(out)
     assert type(model) is BiLSTMForSequenceClassification and model.config.hidden_size == 8
@@ -447,7 +447,7 @@ def test_tinybert_incremental_general_phase(env, tmp_path):
     assert results["stages"] == results["general_stages"] and len(results["stages"]) == 2
     assert results["stages"][1].startswith("general_incremental:") and "weight_incremental=0.5" in results["stages"][1]
     assert "fresh optimizer state" in results["stages"][1]
-    from hf_distill.card import write_model_card
+    from hf_distill.publish.card import write_model_card
 
     readme = write_model_card(out).read_text()  # the card of the folder lists both phases as its stages
     assert "- **Stages**:" in readme and all(f"{i}. {line}" in readme for i, line in enumerate(results["stages"], 1))
@@ -954,7 +954,7 @@ def test_causal_lm_recipe_trains_teacher_prunes_distils_and_compares(tmp_path):
     teacher = Path(results["teacher"])
     assert teacher.parent == tmp_path / "teachers" and (teacher / "tokenizer.json").is_file()
     # The card of the folder: GKD with its beta, the kept blocks, perplexities, the steps and epochs run.
-    from hf_distill.card import write_model_card
+    from hf_distill.publish.card import write_model_card
 
     text = write_model_card(out).read_text()
     assert "(beta = 0.5; GKD, Agarwal et al., 2024)" in text and "Hinton" not in text

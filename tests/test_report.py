@@ -1,4 +1,4 @@
-"""Plots of a run (`hf_distill.report`), drawn from real short DistillationTrainer runs."""
+"""Plots of a run (`hf_distill.publish.report`), drawn from real short DistillationTrainer runs."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from hub_server import tiny_run
 
-from hf_distill import measure
-from hf_distill.card import write_model_card
-from hf_distill.hub import upload_files
-from hf_distill.plots import ACCURACY_PLOT, LOSS_PLOT, loss_series, make_report, plot_loss_components
-from hf_distill.report import find_trainer_state, latest_eval_metrics
+from hf_distill.publish import measure
+from hf_distill.publish.card import write_model_card
+from hf_distill.publish.hub import upload_files
+from hf_distill.publish.plots import ACCURACY_PLOT, LOSS_PLOT, loss_series, make_report, plot_loss_components
+from hf_distill.publish.report import find_trainer_state, latest_eval_metrics
 
 
 def png_size(path: Path) -> tuple[int, int]:
@@ -110,7 +110,7 @@ def test_nothing_to_plot_is_an_error(tmp_path):
 
 
 def test_latest_eval_metrics_merge_every_eval_set_and_drop_prefixed_losses_and_timings():
-    from hf_distill.report import latest_eval_metrics
+    from hf_distill.publish.report import latest_eval_metrics
 
     history = [
         {"eval_a_accuracy": 0.1, "step": 1},
@@ -126,7 +126,7 @@ def test_pipeline_tag_of_encoder_decoder_lms_is_text2text_generation():
     """AutoModelForSeq2SeqLM's classes (T5/BART/Pegasus ...ForConditionalGeneration, MarianMTModel) are
     text2text-generation; MarianMTModel is no feature extractor for its "Model" suffix, and vision-language or
     speech `...ForConditionalGeneration` classes are not text-to-text models."""
-    from hf_distill.report import pipeline_tag_for
+    from hf_distill.publish.report import pipeline_tag_for
 
     for name in ("T5ForConditionalGeneration", "BartForConditionalGeneration", "MarianMTModel",
                  "PegasusForConditionalGeneration", "MT5ForConditionalGeneration"):

@@ -38,7 +38,7 @@ from transformers import (
 )
 
 from hf_distill import DistillationSeq2SeqArguments, DistillationSeq2SeqTrainer, DistillationTrainer, students
-from hf_distill.taps import FeatureTaps, TapRequest
+from hf_distill.features.taps import FeatureTaps, TapRequest
 
 VOCAB = 48
 PAD, EOS, UNK = 0, 1, 2
@@ -165,7 +165,7 @@ def test_teacher_gets_decoder_inputs_when_the_collator_has_no_model(tmp_path):
 
 
 def test_gradient_accumulation_matches_one_big_batch(tmp_path):
-    """The KD and task terms are means over the optimizer step's decoder positions (hf_distill.normalise): one
+    """The KD and task terms are means over the optimizer step's decoder positions (hf_distill.losses.normalise): one
     step over all 16 rows logs the decoder-token KD by hand, and accumulating 2 micro-batches of different target
     lengths gives that big batch's update."""
     teacher = sharpen(bart(seed=1))
@@ -467,7 +467,7 @@ def test_cached_teacher_columns_are_refused_for_seq2seq_students(tmp_path):
 def test_batch_counts_of_an_encoder_decoder_batch_count_the_decoder():
     """KD and decoder-stack terms count decoder positions (labels != -100, or a decoder_attention_mask), not the
     encoder's attention mask."""
-    from hf_distill.normalise import COUNT_KINDS, batch_counts
+    from hf_distill.losses.normalise import COUNT_KINDS, batch_counts
 
     batch = {
         "input_ids": torch.ones(2, 5, dtype=torch.long),
@@ -518,7 +518,7 @@ def test_seq2seq_card_shows_both_stacks_the_seq2seq_task_and_the_decoder_tokens(
     trainer.save_model()
     trainer.save_state()
     (folder / "distillation_report.json").unlink()  # what the trainer measured: the folder alone must say the same
-    from hf_distill.card import write_model_card
+    from hf_distill.publish.card import write_model_card
 
     tokens = {
         "labels": "- **Distilled tokens**: target tokens only: decoder positions whose label is not -100 "

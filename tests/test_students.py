@@ -25,7 +25,7 @@ from transformers import (
     XLMRobertaConfig,
 )
 
-from hf_distill import families
+from hf_distill.features import families
 from hf_distill.students import DepthPruning, block_importance, from_teacher, prune_depth, register_family, shrink
 
 VOCAB = 100

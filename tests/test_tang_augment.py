@@ -1,4 +1,4 @@
-"""Tang et al.'s augmentation rules (hf_distill.tang_augment) on hand-built cases."""
+"""Tang et al.'s augmentation rules (hf_distill.data.tang_augment) on hand-built cases."""
 
 import numpy as np
 import pytest
@@ -6,7 +6,7 @@ from datasets import Dataset
 from test_recipes import SPECIAL, WORDS
 from transformers import BertTokenizer
 
-from hf_distill.tang_augment import AUGMENTED_COLUMN, UnigramsByTag, copies, tang_augment_dataset
+from hf_distill.data.tang_augment import AUGMENTED_COLUMN, UnigramsByTag, copies, tang_augment_dataset
 
 TAGS = {"movie": "NN", "film": "NN", "plot": "NN", "story": "NN", "good": "JJ", "bad": "JJ", "great": "JJ"}
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from helpers import bert, collate, distilbert, mobilebert, token_dataset
 
-from hf_distill import families
-from hf_distill.taps import FeatureTaps, TapRequest, attention_scores, model_info
+from hf_distill.features import families
+from hf_distill.features.taps import FeatureTaps, TapRequest, attention_scores, model_info
 
 
 def _batch(n=5):
@@ -86,7 +86,7 @@ def test_unregistered_family_falls_back_to_hidden_states_for_hidden_only(monkeyp
         out = model(**batch, **tap.forward_kwargs())
     tap.collect(feats, out)
     assert torch.equal(feats.hidden[2], out.hidden_states[2])
-    with pytest.raises(ValueError, match="not in the hf_distill.families registry.*register_family"):
+    with pytest.raises(ValueError, match="not in the hf_distill.features.families registry.*register_family"):
         FeatureTaps(model, TapRequest(q={1}), role="teacher")
 
 

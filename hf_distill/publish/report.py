@@ -4,7 +4,7 @@
 training settings). It is filled from a live `DistillationTrainer` (`from_trainer`), from a saved student
 folder (`from_folder`: `config.json`, `trainer_state.json`, `training_args.bin`, `results.json`), or by
 hand in a recipe. A field that could not be measured stays empty and the card leaves it out: the card
-never shows a placeholder. The card is rendered by `hf_distill.card`, the plots by `hf_distill.plots`.
+never shows a placeholder. The card is rendered by `hf_distill.publish.card`, the plots by `hf_distill.publish.plots`.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class DistillationReport:
     adapter: dict[str, Any] = field(default_factory=dict)  # a PEFT student: type, rank, targets, base model
     # The checkpoint the student started from (`create_model_card(finetuned_from=...)`), never the teacher.
     initialised_from: str | None = None
-    early_exit: dict[str, Any] = field(default_factory=dict)  # hf_distill.early_exit: exits, speed sweep, plot
+    early_exit: dict[str, Any] = field(default_factory=dict)  # hf_distill.students.early_exit: exits, speed sweep, plot
 
     # ------------------------------------------------------------------ (de)serialisation
 
@@ -126,8 +126,8 @@ class DistillationReport:
         `measure_speed=True` the speed-up is timed on up to `speed_batches` evaluation batches (training
         batches when there is no evaluation set), in this process only: a replicated teacher only.
         """
-        from .placement import REPLICA, teacher_mode
-        from .taps import unwrap
+        from ..features.taps import unwrap
+        from ..placement import REPLICA, teacher_mode
 
         if "evaluate_teacher" in fields:
             raise TypeError(
@@ -180,7 +180,7 @@ class DistillationReport:
                 raise ValueError(
                     f"measure_speed=True times the teacher in one process, but this teacher is {mode} across "
                     "processes, so its forward needs all of them. Measure the speed-up of the saved student "
-                    "and teacher in a single process (hf_distill.measure.speedup) and pass speedup= instead."
+                    "and teacher in a single process (hf_distill.publish.measure.speedup) and pass speedup= instead."
                 )
             batches = _speed_batches(trainer, speed_batches)
             if batches:

@@ -48,8 +48,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
-from . import losses
-from .taps import unwrap
+from ..features.taps import unwrap
+from . import divergences as losses
 
 NO_LOGITS = "logits_to_keep"
 #: The divergences with a closed-form logit gradient here (`kd_loss` values); all but `soft_ce` are times `T**2`.
@@ -403,7 +403,7 @@ def _rows_of(x, rows: slice):
 
 
 def _row_stats_fn(device: torch.device):
-    """The forward's row statistics: a Triton kernel on CUDA (:mod:`hf_distill.triton_head`, two reads of each
+    """The forward's row statistics: a Triton kernel on CUDA (:mod:`hf_distill.losses.triton_head`, two reads of each
     logit), else :func:`_row_stats` (compiled on CUDA). `HF_DISTILL_TRITON=0`: no Triton kernel;
     `HF_DISTILL_COMPILE=0`: plain PyTorch (both for comparisons: same math)."""
     import os
@@ -466,7 +466,8 @@ class _KDHead(torch.autograd.Function):
     def backward(ctx, grad):
         if torch.is_grad_enabled():
             raise RuntimeError(
-                "The causal-LM loss head (hf_distill.chunked) has no second derivative: its gradient is formed in "
+                "The causal-LM loss head (hf_distill.losses.chunked) has no second derivative: its gradient is formed "
+                "in "
                 "closed form. For create_graph=True compute the loss from whole logits (kd_chunk_size unset where "
                 "chunking is impossible, or hf_distill.losses on the model's logits)."
             )
@@ -599,7 +600,7 @@ def chunked_kd_and_ce(
     are ordinary differentiable tensors.
     """
     if kd is not None and not isinstance(kd, KDSpec):
-        raise TypeError("kd must be an hf_distill.chunked.dense_kd(...) objective")
+        raise TypeError("kd must be an hf_distill.losses.chunked.dense_kd(...) objective")
     if kd is not None and kd.kind == "mse":
         raise ValueError("kd_loss='mse' compares raw logits, which the chunked loss head does not keep: compute it "
                          "from whole logits (DistillationTrainer does, for kd_loss='mse', unless kd_chunk_size is set)")

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .families import STACKS
+from ..features.families import STACKS
 
 # Which captured feature each loss compares. The loss decides the feature, so a term names its loss only.
 LOSS_FEATURE = {

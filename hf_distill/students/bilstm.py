@@ -4,12 +4,12 @@ Tang et al. 2019, "Distilling Task-Specific Knowledge from BERT into Simple Neur
 word embeddings, one bidirectional LSTM layer (150 units per direction for SST-2), the last forward and
 backward states concatenated, a ReLU layer (200 units for SST-2) and a linear classifier; trained with
 `alpha * CE + (1 - alpha) * ||z_teacher - z_student||^2` on the task data plus rule-based augmentation
-(`hf_distill.tang_augment`).
+(`hf_distill.data.tang_augment`).
 
 Why a `PreTrainedModel` and not a bare `nn.Module`: `Trainer`, `save_pretrained` / `from_pretrained`,
 `AutoModelForSequenceClassification` and `push_to_hub` then work for the student as for a transformer, with no
 special case anywhere. The Auto classes know the model once this module is imported (`import
-hf_distill.bilstm`; `import hf_distill` alone does not load torch-heavy modules), so whoever loads a pushed
+hf_distill.students.bilstm`; `import hf_distill` alone does not load torch-heavy modules), so whoever loads a pushed
 student needs `hf_distill` installed and that import first.
 
 Embeddings: the paper starts from 300-d word2vec vectors, which are not available offline. `from_teacher`

@@ -44,13 +44,14 @@ from torch import nn
 from torch.nn.modules import module as _global_hooks  # register_module_forward_hook's registries
 from transformers.utils import ModelOutput
 
-from .families import REGISTER_HINT
-from .taps import FeatureTaps, TapRequest, model_info, unwrap
+from ..features.families import REGISTER_HINT
+from ..features.taps import FeatureTaps, TapRequest, model_info, unwrap
 
 BRANCH_FILE = "early_exit.safetensors"
 BRANCH_CONFIG_FILE = "early_exit_config.json"
 PLOT_FILE = "early_exit.png"
-FORMAT = "hf_distill.early_exit/fastbert-v1"  # a FastBERT-branch folder's; FORMATS below has each branch's
+# Persisted in saved folders (the module's path before 0.2): never renamed. FORMATS below has each branch's.
+FORMAT = "hf_distill.early_exit/fastbert-v1"  # a FastBERT-branch folder's
 HOST_ROWS_MAX = 256  # outputs up to this many logits get their exit rule reduced on the host (row_uncertainties)
 
 
@@ -665,11 +666,11 @@ class EarlyExitModel(nn.Module):
         **hub_kwargs: Any,
     ) -> Any:
         """Save into `folder`, write the model card (with the speed-accuracy table of `sweep` and `plot`), and
-        publish through `hf_distill.hub.push_student` (which uploads the branch files too)."""
+        publish through `hf_distill.publish.hub.push_student` (which uploads the branch files too)."""
         import shutil
 
-        from .card import write_model_card
-        from .hub import push_student
+        from ..publish.card import write_model_card
+        from ..publish.hub import push_student
 
         folder = Path(folder)
         self.save_pretrained(folder)

@@ -253,7 +253,7 @@ def model_card(report: DistillationReport) -> Any:
     """The `huggingface_hub.ModelCard` of a student: metadata and a body made only of known facts."""
     from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-    from . import __version__
+    from .. import __version__
 
     eval_results = []
     if report.pipeline_tag and report.datasets and report.student_metrics:
@@ -596,13 +596,14 @@ def _training(r: DistillationReport) -> str:
 
 
 def _early_exit(r: DistillationReport) -> str:
-    """Speed-accuracy table of an early-exit model (hf_distill.early_exit): one row per exit threshold."""
+    """Speed-accuracy table of an early-exit model (hf_distill.students.early_exit): one row per exit threshold."""
     if not r.early_exit:
         return ""
     e = r.early_exit
     kind = {"deebert": "DeeBERT off-ramps"}.get(e.get("branch", "fastbert"), "FastBERT branches")
     parts = [f"Early exits after each of the {e.get('num_exits')} blocks ({kind}); load with "
-             "`hf_distill.early_exit.EarlyExitModel.from_pretrained` (the backbone alone loads with AutoModel...)."]
+             "`hf_distill.students.early_exit.EarlyExitModel.from_pretrained` (the backbone alone loads with "
+             "AutoModel...)."]
     rows = e.get("sweep") or []
     if rows:
         lines = ["| speed | accuracy | mean exit layer | speed-up (batch 1) | FLOPs ratio |",

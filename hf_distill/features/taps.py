@@ -7,7 +7,7 @@ alike and never relies on `output_attentions` (empty under SDPA, post-softmax an
 eager). Hooks exist only inside `FeatureTaps.capture()`: nothing stays attached to a model between
 steps, so nothing can leak into a saved student.
 
-Where each family keeps its modules comes from the registry in `hf_distill.families`; registering
+Where each family keeps its modules comes from the registry in `hf_distill.features.families`; registering
 another family takes one `register_family` call there.
 """
 
@@ -92,7 +92,8 @@ def stack_family(model: nn.Module, stack: str) -> Family:
     if found is None:
         raise ValueError(
             f"The encoder-decoder {type(inner).__name__} (model_type={model_type!r}) has no {stack} stack in the "
-            "hf_distill.families registry. Register it with hf_distill.families.register_encoder_decoder(model_type, "
+            "hf_distill.features.families registry. Register it with "
+            "hf_distill.features.families.register_encoder_decoder(model_type, "
             "encoder={...}, decoder={...}, ...) (see that module)."
         )
     return found
@@ -200,7 +201,8 @@ class FeatureTaps:
             if request.q or request.k or request.v:
                 raise ValueError(
                     f"The {role} ({type(unwrap(model)).__name__}, model_type={self.info.model_type!r}) is not "
-                    "in the hf_distill.families registry, so its attention scores and Q/K/V cannot be captured. "
+                    "in the hf_distill.features.families registry, so its attention scores and Q/K/V cannot be "
+                    "captured. "
                     + REGISTER_HINT
                 )
             self.use_hidden_states_output = True

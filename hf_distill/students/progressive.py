@@ -21,9 +21,9 @@ from typing import Any
 
 from torch import nn
 
-from .callbacks import Stage, StageSwitchCallback
-from .families import REGISTER_HINT
-from .taps import model_info, unwrap
+from ..callbacks import Stage, StageSwitchCallback
+from ..features.families import REGISTER_HINT
+from ..features.taps import model_info, unwrap
 
 
 def _module_name(model: nn.Module, module: nn.Module) -> str:

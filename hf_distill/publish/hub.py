@@ -4,7 +4,7 @@
 (config, weights, tokenizer, card) is uploaded, so a teacher, projections, optimizer state, checkpoints,
 `training_args.bin` or logs lying in the same folder never leave the machine. `push_trainer` is
 `DistillationTrainer.push_to_hub`, `push_checkpoint` its save-time push during training. The card itself is
-written by `hf_distill.card`.
+written by `hf_distill.publish.card`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ MODEL_FILES = (
     "model.safetensors",
     "adapter_config.json",
     "adapter_model.safetensors",
-    "early_exit_config.json",  # hf_distill.early_exit branches, beside the unchanged backbone
+    "early_exit_config.json",  # hf_distill.students.early_exit branches, beside the unchanged backbone
     "early_exit.safetensors",
 )
 TOKENIZER_FILES = (
@@ -84,7 +84,7 @@ def upload_files(folder: str | os.PathLike) -> list[str]:
 def _api(endpoint: str | None, token: str | None) -> tuple[Any, str]:
     from huggingface_hub import HfApi, constants
 
-    from . import __version__
+    from .. import __version__
 
     endpoint = (endpoint or constants.ENDPOINT).rstrip("/")  # read now: tests and users may change it
     return HfApi(

@@ -6,7 +6,7 @@ the sizes). Paths are dotted, relative to `model.base_model` for `layers`/`embed
 to one block for `query`/`key`/`value`/`qkv`, so one entry covers the base model and every task head.
 Another family takes one call:
 
-    from hf_distill.families import register_family
+    from hf_distill.features.families import register_family
     register_family("my-encoder", layers="blocks", embeddings=("embed",), query="attn.q", key="attn.k",
                     value="attn.v", num_layers_field="n_layer", hidden_size_field="d_model",
                     num_heads_field="n_head", intermediate_size_field="d_ff")
@@ -94,7 +94,7 @@ STACKS = ("encoder", "decoder")
 FAMILIES: dict[str, Family] = {}
 
 REGISTER_HINT = (
-    "Register the family with hf_distill.families.register_family(model_type, layers=..., embeddings=(...,), "
+    "Register the family with hf_distill.features.families.register_family(model_type, layers=..., embeddings=(...,), "
     "query=..., key=..., value=...) (or qkv=... for a fused projection), giving paths relative to "
     "model.base_model (see that module's docstring)."
 )

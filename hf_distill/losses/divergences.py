@@ -452,7 +452,7 @@ def _masked_product(p: torch.Tensor, x: torch.Tensor | float) -> torch.Tensor:
 
 def divergence_rows(kind: str, log_q: torch.Tensor, log_p: torch.Tensor, beta: float = 0.5, alpha: float = 0.1):
     """Per row of student/teacher log-probabilities (``(..., C)``, float32): the divergence ``kind`` (no ``T**2``)
-    and the statistic ``sum_v Q_v dL/dQ_v`` its logit gradient needs (:mod:`hf_distill.chunked`).
+    and the statistic ``sum_v Q_v dL/dQ_v`` its logit gradient needs (:mod:`hf_distill.losses.chunked`).
 
     ``P`` = teacher, ``Q`` = student; all but ``soft_ce`` are true divergences (>= 0, exactly 0 at agreement):
 

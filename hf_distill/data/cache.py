@@ -53,8 +53,8 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from tqdm.auto import tqdm
 
+from ..features.taps import FeatureTaps, ModelInfo, TapRequest, forward, model_info, unwrap
 from .collators import TEACHER_PREFIX
-from .taps import FeatureTaps, ModelInfo, TapRequest, forward, model_info, unwrap
 
 __all__ = [
     "HIDDEN_PREFIX",
@@ -73,7 +73,7 @@ TOPK_VALUES_COLUMN = f"{TEACHER_PREFIX}topk_values"
 TOPK_INDICES_COLUMN = f"{TEACHER_PREFIX}topk_indices"
 HIDDEN_PREFIX = f"{TEACHER_PREFIX}hidden_"
 CACHE_FORMAT = 1  # bump when the stored layout changes, so old caches are not misread
-_META_MARKER = "hf_distill.cache teacher="
+_META_MARKER = "hf_distill.data.cache teacher="
 _SETTINGS_FILE = "hf_distill_cache.json"
 _STORE_DTYPES = {torch.float32: "float32", torch.float16: "float16"}
 

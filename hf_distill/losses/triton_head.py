@@ -1,4 +1,4 @@
-"""The loss head's forward row statistics as one Triton kernel (CUDA only; :func:`hf_distill.chunked._row_stats`
+"""The loss head's forward row statistics as one Triton kernel (CUDA only; :func:`hf_distill.losses.chunked._row_stats`
 is the reference it is tested against, on a GPU, by `benchmarks/causal_lm_gpu.py` and tests/test_chunked.py).
 
 For a chunk of rows of float32 student and teacher logits it computes, per row: the log-normalisers of both at T
@@ -160,7 +160,7 @@ if triton is not None:
 
 def row_stats(zs: torch.Tensor, zt: torch.Tensor | None, targets: torch.Tensor | None, kind: str | None,
               temperature: float, beta: float, alpha: float, vocab: int):
-    """The Triton version of :func:`hf_distill.chunked._row_stats` (same arguments, same results)."""
+    """The Triton version of :func:`hf_distill.losses.chunked._row_stats` (same arguments, same results)."""
     zs = zs if zs.stride(-1) == 1 else zs.contiguous()
     zt = zt if zt is None or zt.stride(-1) == 1 else zt.contiguous()
     n, n_cols = zs.shape

@@ -25,7 +25,7 @@ same depth and sizes; ``prune_depth`` is for encoder-only and decoder-only model
 Both record their provenance in ``student.config.distillation`` so that it survives ``save_pretrained`` and a
 model card can cite the teacher later.
 
-Model families come from the shared registry in :mod:`hf_distill.families` (BERT, RoBERTa, XLM-RoBERTa,
+Model families come from the shared registry in :mod:`hf_distill.features.families` (BERT, RoBERTa, XLM-RoBERTa,
 CamemBERT, ELECTRA, DistilBERT and the decoders above are registered); ``register_family`` is re-exported here
 for convenience::
 
@@ -46,8 +46,8 @@ import torch
 from torch import nn
 from transformers import AutoModel, PreTrainedConfig, PreTrainedModel
 
-from . import families
-from .families import Family, register_family
+from ..features import families
+from ..features.families import Family, register_family
 
 __all__ = [
     "DepthPruning",
@@ -68,7 +68,7 @@ def get_family(config: PreTrainedConfig) -> Family:
         raise ValueError(
             f"No model family is registered for model_type {model_type!r} "
             f"(registered: {sorted(families.FAMILIES)}). Register it with "
-            f"hf_distill.families.register_family({model_type!r}, layers=...), where layers is the "
+            f"hf_distill.features.families.register_family({model_type!r}, layers=...), where layers is the "
             "dotted path of the encoder-layer nn.ModuleList relative to model.base_model "
             "(e.g. 'encoder.layer' for BERT-like models)."
         )

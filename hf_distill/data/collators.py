@@ -89,7 +89,7 @@ def _place_on_real_tokens(values: list[torch.Tensor], mask: Any) -> torch.Tensor
 class KeepTeacherColumnsCollator(RemoveColumnsCollator):
     """The Trainer's column remover for datasets that are not a `datasets.Dataset` (torch datasets, lists of
     dicts, iterable datasets): it drops what the model's forward does not take, except `teacher_*` columns,
-    which carry cached teacher outputs (hf_distill.cache) and whose names cannot be known before the rows."""
+    which carry cached teacher outputs (hf_distill.data.cache) and whose names cannot be known before the rows."""
 
     def __init__(self, data_collator: Callable, signature_columns: list[str], logger: Any = None,
                  model_name: str | None = None, description: str | None = None) -> None:

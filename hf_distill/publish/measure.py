@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .taps import unwrap
+from ..features.taps import unwrap
 
 # What `from_pretrained` loads and the Hub stores: not `training_args.bin`, optimizer or scheduler state.
 WEIGHT_FILES = re.compile(r"(model|pytorch_model|adapter_model)(-\d+-of-\d+)?\.(safetensors|bin)")

@@ -10,7 +10,7 @@ so callbacks can schedule them or switch stages; a term of weight 0 costs nothin
 captured on either model and its loss is not computed. The terms themselves (losses, layers) are fixed
 when the trainer is built, because the projections and the optimizer depend on them.
 
-Decoders (causal families in hf_distill.families): attention and relation terms never let a query see a
+Decoders (causal families in hf_distill.features.families): attention and relation terms never let a query see a
 later key (future keys are masked in relation softmaxes and left out of attention_score_mse). Under
 grouped-query attention K/V are repeated to the query head count, as the model does, before scores or
 relations are formed. attention_score_mse compares the model's real pre-softmax scores: Q and K are
@@ -20,9 +20,9 @@ content, not of positions. Sliding-window blocks (Mistral, Gemma-2, Qwen with la
 these terms only while the batch is no longer than the window (then they attend like full-causal blocks);
 a longer batch is refused with an error rather than compared against attention the model never computes.
 
-Encoder-decoder models: each term names its stack (`stack=encoder|decoder`, hf_distill.terms); its layer map,
+Encoder-decoder models: each term names its stack (`stack=encoder|decoder`, hf_distill.losses.terms); its layer map,
 features, projection keys and masks are that stack's. The encoder's real tokens are the attention mask's; the
-decoder's are its label positions (`decoder_mask`, hf_distill.normalise.decoder_positions), and its attention and
+decoder's are its label positions (`decoder_mask`, hf_distill.losses.normalise.decoder_positions), and its attention and
 relation terms are causal. Only self-attention is tapped.
 """
 
@@ -31,10 +31,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import layer_map, losses
-from .collators import TEACHER_PREFIX
-from .projections import Projections
-from .taps import Features, FeatureTaps, ModelInfo, TapRequest, attention_scores, expand_kv, model_info, unwrap
+from ..data.collators import TEACHER_PREFIX
+from ..features import layer_map
+from ..features.projections import Projections
+from ..features.taps import (
+    Features,
+    FeatureTaps,
+    ModelInfo,
+    TapRequest,
+    attention_scores,
+    expand_kv,
+    model_info,
+    unwrap,
+)
+from . import divergences as losses
 from .terms import DistillTerm, check_incremental_pairs, parse_terms
 
 
@@ -49,7 +59,7 @@ class IntermediateDistiller:
         projection: str,
         seed: int | None = None,
     ) -> None:
-        # A ModelInfo instead of a teacher: its features come from a cache (hf_distill.cache), never a forward.
+        # A ModelInfo instead of a teacher: its features come from a cache (hf_distill.data.cache), never a forward.
         s, t = model_info(student), teacher if isinstance(teacher, ModelInfo) else model_info(teacher)
         self.student_info, self.teacher_info = s, t
         self.bound: list[tuple[DistillTerm, list[tuple[int, int]], int | None]] = []
@@ -113,7 +123,7 @@ class IntermediateDistiller:
                             getattr(s_req, kind).add(ls)
                             getattr(t_req, kind).add(lt)
             self.bound.append((term, pairs, heads))
-            if term.stack is not None:  # captured inside that stack (hf_distill.taps)
+            if term.stack is not None:  # captured inside that stack (hf_distill.features.taps)
                 s_req, t_req = TapRequest(stacks={term.stack: s_req}), TapRequest(stacks={term.stack: t_req})
             self._requests[term.name] = (s_req, t_req)
         self._student, self._teacher = student, (None if isinstance(teacher, ModelInfo) else teacher)
@@ -125,7 +135,7 @@ class IntermediateDistiller:
         self._select(tuple(self._weights))  # build (and validate) the taps of all terms now
         if isinstance(teacher, ModelInfo) and (t_req.q or t_req.k or t_req.v):
             raise ValueError(
-                "Attention and relation terms need the teacher's Q/K/V, which hf_distill.cache does not store: "
+                "Attention and relation terms need the teacher's Q/K/V, which hf_distill.data.cache does not store: "
                 "pass teacher_model, or keep only hidden_mse/cosine_loss/pkd_loss terms."
             )
         self.projections: Projections | None = None
@@ -220,7 +230,7 @@ class IntermediateDistiller:
         return [n for term, _, _ in self.bound for n in term.component_names()]
 
     def count_kinds(self) -> dict[str, str | None]:
-        """Per component, the positions its value is a mean over (hf_distill.normalise): real tokens for
+        """Per component, the positions its value is a mean over (hf_distill.losses.normalise): real tokens for
         hidden_mse/cosine_loss/incremental_mse (a sum of hidden_mse means), real (query, key) pairs for
         attention_score_mse (key <= query on decoders), None for the per-row terms (relation_kl averages per
         example, pkd_loss per row). A decoder stack's terms count the decoder's positions (`decoder_*` kinds)."""

@@ -14,7 +14,7 @@ POS tags: the paper runs a POS tagger. None ships offline with the packages this
 (NLTK's and spaCy's taggers are separate downloads), so `tagger` is any callable `words -> tags`, e.g.
 `lambda ws: [t for _, t in nltk.pos_tag(ws)]` with NLTK's tagger data installed. `p_pos > 0` without a
 tagger is refused rather than silently skipped.
-Words are the tokenizer's basic tokenisation (`hf_distill.augment.basic_words`); copies are the words
+Words are the tokenizer's basic tokenisation (`hf_distill.data.augment.basic_words`); copies are the words
 joined by single spaces. Randomness: one generator per row, seeded from `(seed, row index)`.
 """
 

@@ -1,0 +1,3 @@
+"""What is read from the models: output heads (`heads`), hidden states, attention scores and Q/K/V (`taps`, driven
+by the per-architecture registry in `families`), which teacher layer each student layer learns from
+(`layer_map`), and the trainable maps between their widths (`projections`)."""
