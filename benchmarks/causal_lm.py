@@ -121,12 +121,12 @@ def memory_child(vocab: int, chunk: int | None, batch: int, seq: int) -> dict:
     if chunk is None:
         # kd_chunk_size unset means "chunk where possible"; the naive path is the trainer with whole logits, which
         # it takes wherever chunking is impossible: forced here through its private switch.
-        trainer._chunk = None
+        trainer.distiller._chunk = None
     elif chunk == DEFAULT:
         from hf_distill.losses import chunked
 
         chunk = chunked.default_chunk(vocab)
-    assert trainer._chunk == chunk, (trainer._chunk, chunk)
+    assert trainer.distiller._chunk == chunk, (trainer.distiller._chunk, chunk)
     before = rss_mb()
     peak_before = peak_mb()
     t0 = time.perf_counter()

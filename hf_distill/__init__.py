@@ -20,7 +20,9 @@ _CLASSES = {
     "DistillationArguments": "arguments",
     "DistillationSeq2SeqArguments": "seq2seq",
     "DistillationSeq2SeqTrainer": "seq2seq",
+    "DistillationMixin": "trainer",
     "DistillationTrainer": "trainer",
+    "Distiller": "distiller",
     "DistillTerm": "losses.terms",
     "TeacherOutputsCollator": "data.collators",
 }
@@ -78,7 +80,9 @@ __all__ = [
     "DistillationArguments",
     "DistillationSeq2SeqArguments",
     "DistillationSeq2SeqTrainer",
+    "DistillationMixin",
     "DistillationTrainer",
+    "Distiller",
     "TeacherOutputsCollator",
     "families",
     "layer_map",
@@ -111,4 +115,5 @@ if TYPE_CHECKING:
     from .features import families, layer_map, taps
     from .losses.terms import DistillTerm
     from .seq2seq import DistillationSeq2SeqArguments, DistillationSeq2SeqTrainer
-    from .trainer import DistillationTrainer
+    from .distiller import Distiller
+    from .trainer import DistillationMixin, DistillationTrainer

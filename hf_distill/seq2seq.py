@@ -30,11 +30,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel, Seq2SeqTrainer, Seq2SeqTrainingArguments, TrainingArguments
+from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, TrainingArguments
 from transformers.utils import logging
 
 from .arguments import PRESET_DEFAULTS, DistillationArguments
-from .trainer import DistillationTrainer
+from .trainer import DistillationMixin
 
 logger = logging.get_logger(__name__)
 
@@ -48,7 +48,7 @@ class DistillationSeq2SeqArguments(DistillationArguments, Seq2SeqTrainingArgumen
     `DistillationSeq2SeqTrainer`, and what `HfArgumentParser` parses in place of `Seq2SeqTrainingArguments`."""
 
 
-class DistillationSeq2SeqTrainer(DistillationTrainer, Seq2SeqTrainer):
+class DistillationSeq2SeqTrainer(DistillationMixin, Seq2SeqTrainer):
     """`Seq2SeqTrainer` + a frozen teacher: `DistillationTrainer`'s loss, checkpoints and card, `Seq2SeqTrainer`'s
     generation in `evaluate`/`predict` (`predict_with_generate`, `max_length`, `num_beams`, gen kwargs).
 
@@ -57,16 +57,8 @@ class DistillationSeq2SeqTrainer(DistillationTrainer, Seq2SeqTrainer):
     `DistillationTrainer` (`teacher_model=`) and `Seq2SeqTrainer`.
     """
 
-    def __init__(
-        self,
-        model: PreTrainedModel | nn.Module | None = None,
-        args: TrainingArguments | None = None,
-        *trainer_args: Any,
-        teacher_model: nn.Module | str | list[nn.Module | str] | None = None,
-        **trainer_kwargs: Any,
-    ) -> None:
-        args = _as_seq2seq_arguments(args)
-        super().__init__(model, args, *trainer_args, teacher_model=teacher_model, **trainer_kwargs)
+    def _distillation_arguments(self, args: Any) -> DistillationSeq2SeqArguments:
+        return _as_seq2seq_arguments(args)
 
     def prediction_step(
         self,
@@ -79,7 +71,7 @@ class DistillationSeq2SeqTrainer(DistillationTrainer, Seq2SeqTrainer):
         """`Seq2SeqTrainer.prediction_step` (the student generates); with `eval_with_teacher=True` the loss it
         reports is the distillation loss, as in evaluation without generation, not the student's cross-entropy."""
         generate = self.args.predict_with_generate and not prediction_loss_only
-        if not (generate and self.args.eval_with_teacher):
+        if self._evaluating_teacher or not (generate and self.args.eval_with_teacher):
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs)
         loss, tokens, labels = super().prediction_step(
             model, dict(inputs), prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs

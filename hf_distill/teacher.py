@@ -339,3 +339,26 @@ def check_seq2seq_pair(student: nn.Module, teacher: nn.Module, args) -> None:
             f"{type(unwrap(other)).__name__}: decoder-token logits and encoder/decoder layers can only be distilled "
             "between two encoder-decoder LMs. Load the teacher with AutoModelForSeq2SeqLM."
         )
+
+
+def teacher_weights(weights: list[float] | None, n: int) -> list[float]:
+    """Normalised teacher weights (equal by default)."""
+    if weights is None:
+        return [1.0 / n] * n if n else []
+    if len(weights) != n:
+        raise ValueError(f"teacher_weights has {len(weights)} values for {n} teachers; give one weight per teacher.")
+    total = sum(weights)
+    if total <= 0:
+        raise ValueError(f"teacher_weights must sum to a positive number, got {weights}.")
+    return [w / total for w in weights]
+
+
+def per_teacher(value: Any, n: int) -> list[Any]:
+    """`teacher_processing_class` as one entry per teacher."""
+    if not isinstance(value, list | tuple):
+        return [value] * n
+    if len(value) != n:
+        raise ValueError(
+            f"teacher_processing_class has {len(value)} entries for {n} teachers; give one per teacher (None allowed)."
+        )
+    return list(value)

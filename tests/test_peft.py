@@ -67,7 +67,7 @@ def test_lora_teacher_merged_or_not(tmp_path, merged):
     trainer = DistillationTrainer(model=bert(2), teacher_model=teacher, args=a, train_dataset=token_dataset(32),
                                   data_collator=collate)
     with torch.no_grad():
-        got = trainer._run_teacher(trainer.teacher, _batch())[0].logits
+        got = trainer.distiller.run_teacher(trainer.teacher, _batch())[0].logits
     torch.testing.assert_close(got, reference, atol=1e-5, rtol=0)
     assert not any(p.requires_grad for p in trainer.teacher.parameters())
     trainer.train()
@@ -109,7 +109,7 @@ def test_shared_base_self_distillation_keeps_student_dropout_on(tmp_path):
     # The teacher is the base with adapters off, in eval mode.
     batch = _batch()
     with torch.no_grad():
-        got = trainer._run_teacher(trainer.teacher, batch)[0].logits
+        got = trainer.distiller.run_teacher(trainer.teacher, batch)[0].logits
         with student.disable_adapter():
             want = student.eval()(**batch).logits
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)

@@ -1,0 +1,483 @@
+"""`Distiller`: the distillation of a student by its teacher(s), apart from any training loop.
+
+It owns the teachers (loaded, validated against the student, frozen and placed), the intermediate-layer terms,
+the heads and the loss. It keeps nothing of the student but what the arguments were validated against: the model
+it computes a loss for is the one it is given at each call (`compute_loss(model, inputs)`), because the Trainer swaps
+(`model_init`), wraps (DDP, DeepSpeed, FSDP) and compiles (`torch_compile`) the student after it was built.
+
+`DistillationTrainer` (or any Trainer class with `DistillationMixin`) builds one and calls it from its own
+`compute_loss`; a plain PyTorch or accelerate loop builds one itself:
+
+    distiller = Distiller(student, args, teacher_model=teacher)
+    optimizer = torch.optim.AdamW([*student.parameters(), *distiller.parameters()], lr=args.learning_rate)
+    for batch in loader:
+        distiller.compute_loss(student, batch).backward()
+        optimizer.step(); optimizer.zero_grad()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.utils import find_labels, logging
+
+from .arguments import DistillationArguments
+from .data.cache import LOGITS_COLUMN, TOPK_INDICES_COLUMN, TOPK_VALUES_COLUMN, cached_teacher_info
+from .data.collators import TEACHER_PREFIX
+from .data.teacher_columns import check_teacher_columns
+from .features import heads as heads_mod
+from .features.heads import (
+    TOKEN_LEVEL,
+    Head,
+    check_kd_loss,
+    head_logits,
+    runtime_head,
+    static_head,
+    with_decoder_inputs,
+)
+from .features.taps import forward, unwrap
+from .logit_terms import LogitTerms, forward_params, student_shape
+from .losses import chunked
+from .losses.intermediate import IntermediateDistiller
+from .losses.normalise import COUNT_KINDS, StepCounts, batch_counts, decoder_positions
+from .placement import place_teacher, send_teacher_outputs, teacher_input_device
+from .teacher import load_teacher, per_teacher, shared_base_teacher, shares_parameters, teacher_weights, validate_pair
+from .tracking import ComponentTracker
+
+logger = logging.get_logger(__name__)
+
+
+class Distiller(LogitTerms):
+    """Teachers, terms, heads and the loss of one distillation.
+
+    Args:
+        student: the student as it is when the run is set up (validated against the teachers and arguments; the
+            loss itself runs on the model each call is given).
+        args: `DistillationArguments` (read at every call, so callbacks may change weights and temperature).
+        teacher_model: as `DistillationTrainer`'s: a model, a folder or Hub id, a list of them, the student itself
+            (a PEFT model: self-distillation with adapters off), or None when the rows carry cached teacher outputs.
+        processing_class: the student's tokenizer, to compare vocabularies.
+        teacher_processing_class: the teacher's tokenizer (or one per teacher).
+        train_dataset: checked for cached teacher columns (and read for the cached teacher's shape when no
+            teacher is given).
+        label_names: the batch keys holding labels (default: the Trainer's rule, the student's forward signature).
+        accelerator: the Trainer's accelerate `Accelerator` (autocast, processes, teacher placement); None in a
+            plain loop: the teacher goes to the student's device and no autocast is added.
+        label_smoother: the Trainer's, which changes how the task loss is computed.
+        compute_loss_func: the Trainer's, likewise.
+        route: how the causal-LM loss head calls the LM heads: "module" under DeepSpeed/FSDP, else "auto".
+    """
+
+    def __init__(
+        self,
+        student: nn.Module,
+        args: DistillationArguments,
+        teacher_model: nn.Module | str | list[nn.Module | str] | None = None,
+        *,
+        processing_class: Any = None,
+        teacher_processing_class: Any = None,
+        train_dataset: Any = None,
+        label_names: list[str] | None = None,
+        accelerator: Any = None,
+        label_smoother: Any = None,
+        compute_loss_func: Any = None,
+        route: str = "auto",
+    ) -> None:
+        if not isinstance(args, DistillationArguments):
+            raise TypeError(f"Distiller needs DistillationArguments, got {type(args).__name__}.")
+        self.args, self.accelerator, self.route = args, accelerator, route
+        self.label_smoother, self.compute_loss_func = label_smoother, compute_loss_func
+        if label_names is None:
+            label_names = args.label_names if args.label_names is not None else find_labels(type(unwrap(student)))
+        self.label_names = list(label_names)
+        teachers = teacher_model if isinstance(teacher_model, list | tuple) else [teacher_model]
+        teachers = [t for t in teachers if t is not None]
+        sources = [str(t) if isinstance(t, str | os.PathLike) else None for t in teachers]  # their tokenizers too
+        teachers = [load_teacher(str(t), like=student) if isinstance(t, str | os.PathLike) else t for t in teachers]
+        t_tokenizers = per_teacher(teacher_processing_class, len(teachers))
+        self._check_arguments(student, len(teachers))
+        self.teacher_weights = teacher_weights(args.teacher_weights, len(teachers))
+        # Self-distillation on one PEFT base: the "teacher" is the student with its adapters off. It must not
+        # be frozen or put in eval mode for good (that would freeze or un-dropout the student too).
+        self.shared_base = bool(teachers) and shares_parameters(teachers[0], student)
+        if any(shares_parameters(t, student) for t in teachers[1:]):
+            raise ValueError("Only the first teacher may share its parameters with the student (self-distillation).")
+        # Frozen, eval mode, and replicated or sharded as the accelerator's mode requires (hf_distill.placement).
+        self.teachers = [
+            t if (i == 0 and self.shared_base) else self._place(t, student) for i, t in enumerate(teachers)
+        ]
+        self.teacher = self.teachers[0] if self.teachers else None
+        self.intermediate: IntermediateDistiller | None = None
+        if args.terms:
+            # Without a teacher, its shape (layers, width) comes from the hidden states cached in the dataset.
+            source = self.teacher if self.teacher is not None else cached_teacher_info(train_dataset)
+            if source is None:
+                raise ValueError(
+                    "distill_terms need teacher features, so teacher_model must be given "
+                    "(or a train dataset with cached teacher hidden states from hf_distill.cache)."
+                )
+            self.intermediate = IntermediateDistiller(args.terms, student, source, args.projection, seed=args.seed)
+            if self.intermediate.projections is not None:
+                self.intermediate.projections.to(_device(student, accelerator))
+        if args.projection_lr is not None and self.projections is None:
+            raise ValueError(
+                f"projection_lr={args.projection_lr} does nothing: this run trains no projection (no "
+                "distill_terms, or the terms compare features of equal width). Remove projection_lr."
+            )
+        shared_vocab = [
+            validate_pair(student, t, args, tokenizer=processing_class, teacher_tokenizer=tok, source=src)
+            for t, tok, src in zip(self.teachers, t_tokenizers, sources, strict=True)
+        ]
+        self._shared_vocab = min((v for v in shared_vocab if v is not None), default=None)
+        self._padding_checked: set[int] = set()  # teachers whose extra vocabulary ids were measured (padding)
+        if len(self.teachers) > 1 and args.kd_weight > 0 and args.kd_loss == "mse" and args.multi_teacher != "losses":
+            raise ValueError(
+                "multi_teacher='probs' averages probability distributions, which kd_loss='mse' does not use. "
+                "Use multi_teacher='losses' (a weighted sum of one MSE per teacher) or kd_loss='kl'/'soft_ce'."
+            )
+        # What the arguments were validated against; the loss resolves the model it is given (`_student_state`).
+        self._head = static_head(student)
+        self._causal = self._head is Head.CAUSAL_LM
+        self._student_shape = student_shape(student)
+        self._student_cache: _StudentState | None = None
+        self._teacher_rebuilds = False  # the teacher's logits were rebuilt from its hidden states (checked once)
+        # The label tensor of token-level heads (counted positions, `kd_token_mask="labels"`).
+        self._token_labels = self.label_names[0] if len(self.label_names) == 1 else "labels"
+        self._step = StepCounts()
+        if args.kd_weight > 0:
+            check_kd_loss(self._head, args.kd_loss)
+            for t in self.teachers:
+                check_kd_loss(static_head(t), args.kd_loss, "the teacher")
+        self._chunk = self._chunk_size(student)
+        self.teacher_params = forward_params(self.teacher) if self.teacher is not None else set()
+        self.tracker = ComponentTracker()
+        self.check_dataset(train_dataset)
+
+    # ------------------------------------------------------------------ set-up
+
+    def _place(self, teacher: nn.Module, student: nn.Module) -> nn.Module:
+        if self.accelerator is not None:
+            return place_teacher(teacher, self.accelerator)
+        teacher.requires_grad_(False).eval()
+        return teacher if teacher_input_device(teacher) is not None else teacher.to(_device(student, None))
+
+    def _check_arguments(self, student: nn.Module, n_teachers: int) -> None:
+        """Fill the arguments whose default depends on the student's head (`resolve_head_defaults`: T = 1 and the
+        completion tokens for a causal LM) and refuse the ones given that would do nothing for this student and
+        these teachers."""
+        head = static_head(student)
+        sequence_level = head in (Head.SEQUENCE, Head.MULTI_LABEL, Head.REGRESSION, Head.QUESTION_ANSWERING)
+        if sequence_level and self.args.given("kd_token_mask"):
+            raise ValueError(
+                f"kd_token_mask={self.args.kd_token_mask!r} does nothing for this student ({head.value}): it selects "
+                "the positions of token-level logits (token classification, masked or causal LM). Leave it unset."
+            )
+        if n_teachers < 2:
+            for name in ("teacher_weights", "multi_teacher"):
+                if getattr(self.args, name) is not None:
+                    raise ValueError(
+                        f"{name}={getattr(self.args, name)!r} does nothing with {n_teachers or 'no'} teacher model: it "
+                        "weighs or combines several teachers (teacher_model=[...]). Remove it."
+                    )
+        filled = self.args.resolve_head_defaults(causal=head is Head.CAUSAL_LM, token_level=not sequence_level)
+        if filled:
+            logger.info(
+                "Not given, so set for a %s student: %s (see DistillationArguments).",
+                "causal-LM" if head is Head.CAUSAL_LM else "non-causal",
+                ", ".join(f"{k}={v!r}" for k, v in filled.items()),
+            )
+
+    def check_dataset(self, dataset: Any, which: str = "train") -> None:
+        """Refuse cached teacher columns the run cannot use (hf_distill.data.teacher_columns)."""
+        check_teacher_columns(dataset, which, head=self._head, teacher=self.teacher, kd_weight=self.args.kd_weight,
+                              kd_loss=self.args.kd_loss, num_labels=self._student_shape[2],
+                              intermediate=self.intermediate)
+
+    @property
+    def projections(self) -> nn.Module | None:
+        """The trainable maps from the student's width to the teacher's (None when no term needs one)."""
+        return self.intermediate.projections if self.intermediate is not None else None
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """What the distillation trains besides the student (the projections): give them to the optimizer."""
+        return iter(self.projections.parameters()) if self.projections is not None else iter(())
+
+    # ------------------------------------------------------------------ the model it is given
+
+    def _student_state(self, model: nn.Module) -> _StudentState:
+        """What the loss needs from the student it is given (head, forward arguments, LM head), resolved once per
+        model. A model of another kind or shape than the one the arguments were validated against is refused."""
+        inner = unwrap(model)
+        if self._student_cache is not None and self._student_cache.inner is inner:
+            return self._student_cache
+        shape = student_shape(inner)
+        if shape != self._student_shape:
+            raise ValueError(
+                f"The model to train ({type(inner).__name__}: {_describe(shape)}) is not the kind of model this "
+                f"trainer was built with and validated against ({_describe(self._student_shape)}). model_init must "
+                "return students with one head, vocabulary and label set; build one trainer per kind of student."
+            )
+        if self.teachers and shares_parameters(self.teachers[0], inner) != self.shared_base:
+            raise ValueError(
+                "The model to train shares its parameters with the teacher differently from the model the trainer "
+                "was built with (self-distillation on one PEFT base). With model_init, give a teacher that is not "
+                "the student's own base, or pass model= instead of model_init."
+            )
+        if self.intermediate is not None:
+            self.intermediate.bind_student(inner)
+        self._student_cache = _StudentState(inner, forward_params(inner))
+        return self._student_cache
+
+    # ------------------------------------------------------------------ the loss
+
+    def start_step(self, batches: list[dict[str, Any]]) -> None:
+        """Count one optimizer step's micro-batches, so token-level terms are means over the whole step, across
+        processes (hf_distill.losses.normalise). Loops that accumulate gradients call it before the step's first
+        micro-batch; without it each call is a mean over its own batch."""
+        counts = sum(
+            (batch_counts(b, self._token_labels, self.args.kd_token_mask, self._causal, self._head is Head.SEQ2SEQ_LM)
+             for b in batches),
+            torch.zeros(len(COUNT_KINDS), dtype=torch.float64),
+        )
+        processes = self._processes() if self.args.average_tokens_across_devices else 1
+        if processes > 1:
+            counts = self.accelerator.reduce(counts.to(self.args.device), "sum").cpu()
+        self._step.start(counts, len(batches), processes)
+
+    def compute_loss(
+        self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None,
+    ):
+        """The weighted sum of the task loss, logit KD and the intermediate terms for `model` on one batch, and with
+        `return_outputs` the student's outputs (as `Trainer.compute_loss`). In training mode, or in evaluation with
+        `eval_with_teacher`, the teacher runs; otherwise it is the student's task loss alone."""
+        cached = {k: inputs.pop(k) for k in list(inputs) if k.startswith(TEACHER_PREFIX)}
+        student = self._student_state(model)  # the model as the Trainer prepared it, not the one it was built with
+        if self._head is Head.SEQ2SEQ_LM:  # teacher and student read the same decoder inputs
+            inputs = with_decoder_inputs(model, inputs, self._token_labels)
+        distill = model.training or self.args.eval_with_teacher
+        step_mean = model.training and self._step.take()  # token-level means rescaled to the optimizer step's
+        local = self._counts(inputs) if step_mean else None
+        if self.intermediate is not None:  # re-read every step, like kd_weight, so callbacks can change them
+            self.intermediate.set_weights(self.args.distill_terms)
+        want_task, own_task = self._task_wanted(model, inputs, distill)
+        # Teacher first (its forward would evict the student's activations from the CPU caches, benchmarks/speed.py);
+        # a causal LM in training takes its logits a chunk of tokens at a time (hf_distill.losses.chunked).
+        chunks = self._chunk_for(model) if (model.training and distill and TOPK_VALUES_COLUMN not in cached) else None
+        teacher = self._teacher_outputs(inputs, cached, hidden_only=chunks is not None) if distill else None
+        s_out, s_feats, head = self._student_forward(model, student, inputs, distill, chunks,
+                                                     want_task and not own_task and chunks is None)
+        components: dict[str, torch.Tensor] = {}
+        weights: dict[str, float] = {}
+        if chunks is not None:
+            kd, task = self._chunked_terms(model, s_out, teacher, inputs, want_task, chunks)
+        else:
+            task = self._task_loss(s_out, inputs, head, num_items_in_batch, step_mean) if want_task else None
+            kd = None
+            if teacher is not None and teacher.views:
+                kd = self._kd_loss(head, head_logits(s_out, head), teacher.views, inputs)
+        if task is not None:
+            components["task"], weights["task"] = self._scaled(task, "labels", head, local, s_out), (
+                self.args.task_weight if distill else 1.0)
+        if kd is not None:
+            components["kd"], weights["kd"] = self._scaled(kd, "kd", head, local, s_out), self.args.kd_weight
+        if distill and self.intermediate is not None:
+            components.update(self._intermediate_terms(s_feats, teacher.features, inputs, local))
+            weights.update(self.intermediate.weights())
+        if distill:  # a student that distils into itself (hf_distill.students.early_exit) returns its own terms
+            own = s_out.get("distill_losses") if isinstance(s_out, dict) else getattr(s_out, "distill_losses", None)
+            for name, value in (own or {}).items():
+                components[name], weights[name] = value, 1.0
+        if not components:
+            raise ValueError(
+                "Nothing to compute a loss from: the batch has no labels and distillation is off for it. "
+                "Set eval_with_teacher=True to evaluate the distillation loss on unlabeled data."
+            )
+        loss = sum(weights[k] * v for k, v in components.items())
+        if model.training:
+            self.tracker.add(components)
+        return (loss, self._predictions(s_out, distill)) if return_outputs else loss
+
+    def _counts(self, inputs: dict[str, Any]) -> torch.Tensor:
+        return batch_counts(inputs, self._token_labels, self.args.kd_token_mask, self._causal,
+                            self._head is Head.SEQ2SEQ_LM)
+
+    def _task_wanted(self, model: nn.Module, inputs: dict[str, Any], distill: bool) -> tuple[bool, bool]:
+        """Whether the task loss is computed (in training when task_weight > 0, in evaluation always) and whether it
+        is computed here from the outputs (label smoothing or compute_loss_func, as in `Trainer.compute_loss`)
+        rather than by the student from `labels`."""
+        names = self.label_names
+        has_labels = bool(names) and all(inputs.get(n) is not None for n in names)
+        if model.training and self.args.task_weight > 0 and self.args.label_names is not None and not has_labels:
+            missing = [n for n in names if inputs.get(n) is None]
+            raise ValueError(
+                f"label_names={names} but the training batch has no {missing} (its keys: {sorted(inputs)}), so the "
+                "task term (task_weight > 0) cannot be computed. Name the batch's label keys in label_names, or set "
+                "task_weight=0 to train on the teacher alone."
+            )
+        own_task = (self.label_smoother is not None or self.compute_loss_func is not None) and "labels" in inputs
+        return has_labels and (not distill or self.args.task_weight > 0), own_task
+
+    def _student_forward(self, model, student: _StudentState, inputs, distill: bool, chunks, with_labels: bool):
+        kwargs = {k: v for k, v in inputs.items() if student.accepts(k) and (k not in self.label_names or with_labels)}
+        if chunks is not None:
+            kwargs = chunked.hidden_only_kwargs(kwargs)
+        taps = self.intermediate.student_taps if (distill and self.intermediate) else None
+        s_out, s_feats = forward(model, kwargs, taps)
+        head = Head.CAUSAL_LM if chunks is not None else runtime_head(
+            model, heads_mod._logits(s_out) if student.head is None else None, inputs.get(self._token_labels)
+        )
+        if distill and self.args.kd_weight > 0:
+            check_kd_loss(head, self.args.kd_loss)
+        return s_out, s_feats, head
+
+    def _scaled(self, value: torch.Tensor, kind: str, head: Head, local, s_out) -> torch.Tensor:
+        """A token-level term as its share of the optimizer step's mean (hf_distill.losses.normalise)."""
+        if local is None or head not in TOKEN_LEVEL or (kind == "labels" and self.compute_loss_func):
+            return value
+        count = float(local[COUNT_KINDS.index(kind)])
+        if kind == "labels" and count == 0:  # no counted label: adds nothing (a model's own mean over none is NaN)
+            return _zero_like_graph(s_out)
+        return value * self._step.scale(kind, count)
+
+    def _intermediate_terms(self, s_feats, t_feats, inputs, local) -> dict[str, torch.Tensor]:
+        decoder_mask = decoder_positions(inputs, self._token_labels) if self._head is Head.SEQ2SEQ_LM else None
+        terms = self.intermediate.losses(s_feats, t_feats, inputs.get("attention_mask"), decoder_mask)
+        if local is not None:
+            for name, kind in self.intermediate.count_kinds().items():
+                if kind is not None and name in terms:
+                    terms[name] = terms[name] * self._step.scale(kind, float(local[COUNT_KINDS.index(kind)]))
+        return terms
+
+    def _predictions(self, s_out, distill: bool) -> dict[str, Any]:
+        """The student's outputs for predictions and compute_metrics: never what was asked for the loss only."""
+        outputs = s_out if isinstance(s_out, dict) else {"logits": heads_mod._logits(s_out)}
+        loss_only = {"distill_losses"}  # a self-distilling student's terms are not predictions
+        taps = self.intermediate.student_taps if (distill and self.intermediate) else None
+        if taps is not None and "output_hidden_states" in taps.forward_kwargs():
+            loss_only.add("hidden_states")
+        return {k: v for k, v in outputs.items() if k not in loss_only}
+
+    # ------------------------------------------------------------------ the teachers
+
+    def _teacher_outputs(
+        self, inputs: dict[str, Any], cached: dict[str, torch.Tensor], hidden_only: bool = False
+    ) -> _TeacherOutputs:
+        """Every teacher's logits (one view per compared output, hf_distill.features.heads) and the first one's
+        features, from the batch's cached columns when possible, else a forward; with `hidden_only` (chunked causal
+        LMs) the first teacher's last hidden state instead of its logits."""
+        first, feats, hidden = self._first_teacher(inputs, cached, hidden_only)
+        if self.args.kd_weight <= 0:
+            return _TeacherOutputs([], feats, hidden)
+        extra = [self._extra_teacher_views(i, inputs, cached) for i in range(1, len(self.teachers))]
+        return _TeacherOutputs([first, *extra], feats, hidden)
+
+    def _first_teacher(self, inputs: dict[str, Any], cached: dict[str, torch.Tensor], hidden_only: bool):
+        t_logits = cached.get(LOGITS_COLUMN)
+        if t_logits is None and self.args.kd_loss != "mse" and TOPK_VALUES_COLUMN in cached:
+            t_logits = (cached[TOPK_VALUES_COLUMN], cached[TOPK_INDICES_COLUMN])  # sparse: kl/soft_ce take it
+        t_feats = self.intermediate.cached_features(cached) if self.intermediate is not None else None
+        need_logits = self.args.kd_weight > 0 and t_logits is None
+        need_features = self.intermediate is not None and t_feats is None
+        if not (need_logits or need_features):  # everything cached (or nothing needed): no teacher forward
+            return [t_logits], t_feats, None
+        if self.teacher is None:
+            raise ValueError(
+                "This batch lacks cached teacher outputs the losses need (teacher_logits or top-k columns, "
+                "teacher_hidden_<i>) and no teacher_model was given."
+            )
+        taps = self.intermediate.teacher_taps if need_features else None
+        hidden_only = hidden_only and need_logits
+        t_out, t_feats = self.run_teacher(self.teacher, inputs, taps, hidden_only=hidden_only)
+        if hidden_only:
+            return [None], t_feats, chunked.last_hidden(t_out)
+        if t_logits is not None:
+            return [t_logits], t_feats, None
+        views = head_logits(t_out, self._head or Head.SEQUENCE) if self.args.kd_weight > 0 else [None]
+        return views, t_feats, None
+
+    def run_teacher(
+        self, teacher: nn.Module, inputs: dict[str, Any], taps=None, labels: bool = False, hidden_only: bool = False
+    ):
+        """One teacher forward on the student's batch: only the inputs its forward names, without gradients, under
+        the student's autocast, on the teacher's devices; returns (outputs, features)."""
+        label_names = set(self.label_names) | {"labels"}
+        t_kwargs = {k: v for k, v in inputs.items() if (labels or k not in label_names) and k in self.teacher_params}
+        if hidden_only:
+            t_kwargs = chunked.hidden_only_kwargs(t_kwargs)
+        shared = self.shared_base and teacher is self.teacher
+        # A teacher loaded with device_map or quantised stays where its loader put it (hf_distill.placement):
+        # its inputs go to its first device, its outputs come back to the student's.
+        device = teacher_input_device(teacher)
+        if device is not None:
+            student_device = next((v.device for v in t_kwargs.values() if isinstance(v, torch.Tensor)), device)
+            t_kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in t_kwargs.items()}
+        # Same autocast as the student (accelerate only wraps the model it prepared), no autograd: plain
+        # no_grad, not inference_mode, so the losses may save teacher tensors for backward.
+        autocast = self.accelerator.autocast() if self.accelerator is not None else contextlib.nullcontext()
+        with torch.no_grad(), autocast, contextlib.ExitStack() as stack:
+            if shared:
+                teacher = stack.enter_context(shared_base_teacher(teacher))
+            outputs = forward(teacher, t_kwargs, taps)
+        return outputs if device is None else send_teacher_outputs(outputs, student_device)
+
+    def _extra_teacher_views(self, i: int, inputs: dict[str, Any], cached: dict[str, torch.Tensor]):
+        """Logits of teacher i >= 1: its cached column `teacher_logits_<i>` if present, else a forward."""
+        if f"{LOGITS_COLUMN}_{i}" in cached:
+            return [cached[f"{LOGITS_COLUMN}_{i}"]]
+        return head_logits(self.run_teacher(self.teachers[i], inputs)[0], self._head or Head.SEQUENCE)
+
+    def _processes(self) -> int:
+        return self.accelerator.num_processes if self.accelerator is not None else 1
+
+
+@dataclasses.dataclass
+class _TeacherOutputs:
+    """What the teachers give one batch: logit views per teacher (none when kd_weight is 0), the first teacher's
+    features for the intermediate terms, and its last hidden state for the chunked causal-LM loss head."""
+
+    views: list[list]
+    features: Any
+    hidden: torch.Tensor | None
+
+
+@dataclasses.dataclass
+class _StudentState:
+    """What compute_loss reads from one student model (`Distiller._student_state`)."""
+
+    inner: nn.Module  # unwrapped: no compile, DDP/engine or PEFT wrapper
+    params: set[str]  # the inputs its forward names
+    head: Head | None = None
+    rebuilds: bool | None = None  # its logits are rebuilt exactly from its hidden states (checked on first use)
+    logits_fns: tuple | None = None  # hidden -> logits of it and of the teacher (chunked causal-LM loss)
+
+    def __post_init__(self) -> None:
+        self.head = static_head(self.inner)
+
+    def accepts(self, name: str) -> bool:
+        return name in self.params or "**" in self.params
+
+
+def _device(student: nn.Module, accelerator: Any) -> torch.device:
+    if accelerator is not None:
+        return accelerator.device
+    return next((p.device for p in student.parameters()), torch.device("cpu"))
+
+
+def _describe(shape: tuple[str, int | None, int | None]) -> str:
+    name, vocab, labels = shape
+    return f"{name}, vocabulary {vocab}, {labels} labels"
+
+
+def _zero_like_graph(out: Any) -> torch.Tensor:
+    """A zero that keeps the loss connected to the student's graph."""
+    value = heads_mod._logits(out) if not isinstance(out, dict) or "logits" in out else None
+    return value.float().sum() * 0 if value is not None else torch.zeros(())
+
+
+__all__ = ["Distiller"]

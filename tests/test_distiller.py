@@ -1,0 +1,96 @@
+"""The Distiller outside the Trainer: a plain PyTorch loop trains the same weights as DistillationTrainer."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import args, bert, collate, flat_params, labelled_collate, llama, sft_rows, token_dataset
+from helpers import teacher as make_teacher
+
+from hf_distill import DistillationTrainer, Distiller
+
+
+def _loop(student, teacher, run_args, rows, collator, micro_batches: int = 1) -> torch.Tensor:
+    """The documented loop (docs/guides/loop.md): AdamW over the student and the distiller's projections, constant
+    learning rate, every row in each optimizer step (split into `micro_batches` micro-batches)."""
+    distiller = Distiller(student, run_args, teacher_model=teacher)
+    params = [*student.parameters(), *distiller.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=run_args.learning_rate, weight_decay=0.0)
+    rows = list(rows)
+    size = len(rows) // micro_batches
+    student.train()
+    for _ in range(run_args.max_steps):
+        batches = [collator(rows[i * size:(i + 1) * size]) for i in range(micro_batches)]
+        distiller.start_step(batches)  # token-level means over the whole step, as the Trainer's
+        for batch in batches:
+            (distiller.compute_loss(student, batch) / micro_batches).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return flat_params(student)
+
+
+def _trainer(tmp_path, student, teacher, run_args, rows, collator) -> torch.Tensor:
+    trainer = DistillationTrainer(model=student, teacher_model=teacher, args=run_args, train_dataset=rows,
+                                  data_collator=collator)
+    trainer.train()
+    return flat_params(trainer.model)
+
+
+def _args(tmp_path, name, **kw):
+    # One optimizer step sees every row (so the Trainer's shuffling changes nothing but summation order), plain
+    # AdamW without decay or clipping, constant learning rate: what the loop above does.
+    base = dict(max_steps=3, learning_rate=1e-3, optim="adamw_torch", weight_decay=0.0, max_grad_norm=0.0,
+                lr_scheduler_type="constant")
+    return args(tmp_path / name, **{**base, **kw})
+
+
+def test_plain_loop_trains_the_weights_the_trainer_trains(tmp_path):
+    """Logit KD + the task loss + a hidden-state term through a trained projection (student width 16, teacher 32)."""
+    student, teacher = bert(layers=2, hidden=16), make_teacher(layers=4)
+    terms = dict(distill_terms=["loss=hidden_mse,layers=uniform"], kd_weight=1.0, task_weight=0.5)
+    rows = token_dataset(8)
+    before = flat_params(student)
+    looped = _loop(copy.deepcopy(student), copy.deepcopy(teacher), _args(tmp_path, "loop", **terms), rows, collate)
+    trained = _trainer(tmp_path, copy.deepcopy(student), copy.deepcopy(teacher), _args(tmp_path, "trainer", **terms),
+                       rows, collate)
+    assert (trained - before).abs().max() > 1e-4  # the weights moved
+    torch.testing.assert_close(looped, trained, rtol=1e-6, atol=1e-6)
+
+
+def test_plain_loop_with_accumulation_trains_what_the_trainer_trains(tmp_path):
+    """A causal LM through the chunked loss head, 2 micro-batches per step: token-level means over the step."""
+    student, teacher = llama(seed=0), llama(seed=1)
+    rows = sft_rows(8)
+    run = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, kd_loss="jsd")
+    looped = _loop(copy.deepcopy(student), copy.deepcopy(teacher), _args(tmp_path, "loop", **run), rows,
+                   labelled_collate, micro_batches=2)
+    trainer = DistillationTrainer(model=copy.deepcopy(student), teacher_model=copy.deepcopy(teacher),
+                                  args=_args(tmp_path, "trainer", **run), train_dataset=rows,
+                                  data_collator=labelled_collate)
+    assert trainer.distiller._chunk is not None  # the loss head path, not whole logits
+    trainer.train()
+    # The Trainer shuffles rows into micro-batches; per-token means over the whole step do not depend on which
+    # micro-batch a row falls in, so only summation order differs.
+    torch.testing.assert_close(looped, flat_params(trainer.model), rtol=1e-5, atol=1e-6)
+
+
+def test_distiller_resolves_the_model_it_is_given(tmp_path):
+    """The loss runs on the model each call gets, not on the one the Distiller was built with."""
+    student, teacher = bert(layers=2), make_teacher(layers=4)
+    distiller = Distiller(student, _args(tmp_path, "a"), teacher_model=teacher)
+    other = bert(layers=2, seed=5)
+    batch = collate(list(token_dataset(4)))
+    other.train()
+    student.train()
+    assert distiller.compute_loss(other, dict(batch)) != distiller.compute_loss(student, dict(batch))
+    with pytest.raises(ValueError, match="not the kind of model"):
+        distiller.compute_loss(bert(layers=2, labels=3), dict(batch))
+
+
+def test_distiller_needs_distillation_arguments(tmp_path):
+    from transformers import TrainingArguments
+
+    with pytest.raises(TypeError, match="DistillationArguments"):
+        Distiller(bert(layers=2), TrainingArguments(output_dir=str(tmp_path)), teacher_model=make_teacher())
