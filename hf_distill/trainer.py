@@ -104,8 +104,7 @@ class DistillationMixin(ProjectionTraining):
             self.model, self.args, teacher_model, processing_class=self.processing_class,
             teacher_processing_class=teacher_processing_class, train_dataset=self.train_dataset,
             label_names=self.label_names or [], accelerator=self.accelerator, label_smoother=self.label_smoother,
-            compute_loss_func=self.compute_loss_func,
-            route="module" if (self.is_deepspeed_enabled or self.is_fsdp_enabled) else "auto",
+            compute_loss_func=self.compute_loss_func, route=self._loss_head_route(),
         )
         if self._projections() is not None and not self._projections_in_engine():
             self.add_callback(_ClearProjectionGradients(self._projections()))
@@ -140,8 +139,13 @@ class DistillationMixin(ProjectionTraining):
         num_items_in_batch: torch.Tensor | int | None = None,
     ):
         """The distillation loss of `model` (the student as the Trainer prepared it) on one batch (Distiller)."""
+        self.distiller.route = self._loss_head_route()
         return self.distiller.compute_loss(model, inputs, return_outputs=return_outputs,
                                            num_items_in_batch=num_items_in_batch)
+
+    def _loss_head_route(self) -> str:
+        """DeepSpeed and FSDP gather the LM heads' parameters inside the heads' own calls: call them as modules."""
+        return "module" if (self.is_deepspeed_enabled or self.is_fsdp_enabled) else "auto"
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
         """The Trainer's prefetch of one optimizer step's micro-batches: the distiller counts their tokens, so that

@@ -94,3 +94,47 @@ def test_distiller_needs_distillation_arguments(tmp_path):
 
     with pytest.raises(TypeError, match="DistillationArguments"):
         Distiller(bert(layers=2), TrainingArguments(output_dir=str(tmp_path)), teacher_model=make_teacher())
+
+
+def test_the_mixin_gives_trl_sft_trainer_the_same_distillation(tmp_path):
+    """`class DistilSFT(DistillationMixin, SFTTrainer)` with arguments deriving from both configs: SFT's data
+    handling (prompt/completion rows, completion-only labels) and DistillationTrainer's loss on its batches."""
+    trl = pytest.importorskip("trl")
+    from dataclasses import dataclass
+
+    from datasets import Dataset
+    from helpers import word_tokenizer
+
+    from hf_distill import DistillationArguments, DistillationMixin
+
+    @dataclass
+    class Args(DistillationArguments, trl.SFTConfig):
+        pass
+
+    class DistilSFT(DistillationMixin, trl.SFTTrainer):
+        pass
+
+    words = [f"w{i}" for i in range(60)]
+    tok = word_tokenizer(words)
+    tok.eos_token = "<unk>"
+    rows = Dataset.from_list([{"prompt": " ".join(words[i:i + 3]), "completion": " " + " ".join(words[i + 3:i + 6])}
+                              for i in range(8)])
+    common = dict(output_dir=str(tmp_path / "sft"), max_steps=1, per_device_train_batch_size=8, report_to=[],
+                  use_cpu=True, save_strategy="no", kd_loss="jsd", disable_tqdm=True, logging_steps=1)
+    student, teacher = llama(0, vocab=len(tok)), llama(1, vocab=len(tok))
+    sft = DistilSFT(model=copy.deepcopy(student), teacher_model=copy.deepcopy(teacher), args=Args(**common),
+                    train_dataset=rows, processing_class=tok)
+    batch = next(iter(sft.get_train_dataloader()))
+    prompt_masked = (batch["labels"] == -100) & (batch["attention_mask"] == 1)
+    assert prompt_masked.any() and (batch["labels"] != -100).any()  # completion-only labels from SFT's collator
+    plain = DistillationTrainer(model=copy.deepcopy(student), teacher_model=copy.deepcopy(teacher),
+                                args=args(tmp_path / "plain", kd_loss="jsd"), train_dataset=rows)
+    assert sft.args.kd_token_mask == plain.args.kd_token_mask == "labels"  # KD on the completion tokens
+    sft.model.train()
+    plain.model.train()
+    keep = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "labels")}
+    ours = sft.compute_loss(sft.model, dict(batch))
+    torch.testing.assert_close(ours, plain.compute_loss(plain.model, keep), rtol=1e-6, atol=1e-6)
+    assert set(sft.tracker.pop_means()) == {"kd", "task"}
+    sft.train()
+    assert "loss_kd" in sft.state.log_history[0]

@@ -102,7 +102,7 @@ def _trainer(tmp_path, path, *, init: bool, evaluate: bool = False, **kw):
         train_dataset=rows(), eval_dataset=rows() if evaluate else None, data_collator=collator,
     )
     if route is not None:
-        trainer.distiller.route = route
+        trainer._loss_head_route = lambda: route
     return trainer
 
 

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 __all__ = [
+    "DIVERGENCE_KINDS",
     "FEATURE_LOSSES",
     "KD_LOSSES",
     "TeacherLogits",
