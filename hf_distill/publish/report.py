@@ -134,7 +134,7 @@ class DistillationReport:
             kept = {k: v for k, v in evaluated.items() if k in found.get("student_metrics", {})}
             found["teacher_metrics"] = lm_metrics(kept) if _own_eval_loss(**found) else kept
         if teacher is not None and measure_speed:
-            found.update(_measure_speed(trainer, student, teacher, speed_batches))
+            found.update(measure.trainer_speedup(trainer, student, teacher, speed_batches))
         return cls.from_dict(_merge(found, fields))
 
     @classmethod
@@ -144,10 +144,7 @@ class DistillationReport:
         Read, later sources winning: `config.json`, `adapter_config.json`, `training_args.bin`,
         `trainer_state.json` (the folder's or its latest checkpoint's) and the weight files; then
         `distillation_report.json` (what the last card said, measured by the trainer); last `results.json` (a
-        recipe's or the demo's measurements: `teacher`, `method`, `dataset(s)`, `license`, `speedup`,
-        `student_parameters`/`params`, `teacher_parameters`, `*_size_bytes`, `student_metrics`/`teacher_metrics`
-        dicts or flat `student_<metric>`/`teacher_<metric>` numbers, `accuracy`, `f1`, `perplexity`,
-        `learning_rate`, `epochs`, `max_steps`, `train_steps`, `epochs_trained`, `seed`, `bf16`, `distillation`).
+        recipe's or the demo's measurements, `read_results`).
         A causal LM's loss and perplexity are completed from each other (`lm_metrics`).
         """
         _check_fields(fields)
@@ -225,7 +222,10 @@ def _run_facts(config: Any, architecture: str | None, args: Any, trainer: Any, s
 
 
 def read_results(path: str | os.PathLike) -> dict[str, Any]:
-    """A results.json (recipe, demo) as report fields; see `DistillationReport.from_folder`. {} when absent."""
+    """A results.json (recipe, demo) as report fields, {} when absent: `teacher`, `method`, `dataset(s)`, `license`,
+    `speedup`, `student_parameters`/`params`, `teacher_parameters`, `*_size_bytes`, `student_metrics` /
+    `teacher_metrics` dicts or flat `student_<metric>`/`teacher_<metric>` numbers, `accuracy`, `f1`, `perplexity`,
+    `learning_rate`, `epochs`, `max_steps`, `train_steps`, `epochs_trained`, `seed`, `bf16`, `distillation`."""
     data = _read_json(Path(path))
     if not data:
         return {}
@@ -468,41 +468,3 @@ def _load_training_args(path: Path) -> Any:
             return torch.load(str(path), weights_only=True)
     except Exception:  # an unreadable or foreign file only means fewer facts on the card
         return None
-
-
-def _measure_speed(trainer: Any, student: Any, teacher: Any, limit: int) -> dict[str, Any]:
-    """Teacher time / student time on up to `limit` batches as the trainer collates them, in this process."""
-    from torch.utils.data import DataLoader
-
-    from ..placement import REPLICA, teacher_mode
-
-    if getattr(trainer, "shared_base", False):
-        raise ValueError("measure_speed=True has nothing to compare in self-distillation: the teacher is the "
-                         "student's own base with its adapters off. Leave measure_speed off.")
-    mode = teacher_mode(trainer.accelerator)
-    if mode != REPLICA:
-        raise ValueError(
-            f"measure_speed=True times the teacher in one process, but this teacher is {mode} across processes, "
-            "so its forward needs all of them. Measure the speed-up of the saved student and teacher in a single "
-            "process (hf_distill.publish.measure.speedup) and pass speedup= instead.")
-    evaluation = trainer.eval_dataset is not None
-    dataset = trainer.eval_dataset if evaluation else trainer.train_dataset
-    if dataset is None or isinstance(dataset, dict) or not hasattr(dataset, "__len__"):
-        return {}
-    if trainer.args.remove_unused_columns and hasattr(dataset, "column_names"):
-        dataset = trainer._remove_unused_columns(dataset, description="model card")
-    loader = DataLoader(dataset, batch_size=trainer.args.per_device_eval_batch_size,
-                        collate_fn=trainer.data_collator, shuffle=False)
-    batches = []
-    for batch in loader:  # labels and cached teacher outputs would make the forward compute a loss: inference only
-        batches.append({k: v for k, v in trainer._prepare_inputs(batch).items()
-                        if k != "labels" and not k.startswith("teacher_")})
-        if len(batches) >= limit:
-            break
-    if not batches:
-        return {}
-    size, device = len(next(iter(batches[0].values()))), next(student.parameters()).device
-    return {"speedup": measure.speedup(teacher, student, batches, repeats=3),
-            "speedup_setup": f"teacher time / student time over {len(batches)} batches of {size} "
-                             f"{'evaluation' if evaluation else 'training'} examples, no gradients, {device.type}, "
-                             "fp32, median of 3 interleaved passes"}
