@@ -36,55 +36,38 @@ def _version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="hf-distill",
-        description="Knowledge distillation native to transformers.Trainer: run, document and publish "
-        "students.",
-        epilog="Run `hf-distill <command> --help` for the options of a command.",
-    )
+        prog="hf-distill", epilog="Run `hf-distill <command> --help` for the options of a command.",
+        description="Knowledge distillation native to transformers.Trainer: run, document and publish students.")
     parser.add_argument("--version", action="version", version=f"hf-distill {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="<command>")
-
-    sub.add_parser(
-        "demo",
-        add_help=False,
-        help="distil a real sentiment classifier end to end, offline (options: hf-distill demo --help)",
-    )
-
+    sub.add_parser("demo", add_help=False,
+                   help="distil a real sentiment classifier end to end, offline (options: hf-distill demo --help)")
     run = sub.add_parser(
-        "run",
-        help="run a recipe script with its own arguments",
-        description="Run recipes/<recipe>.py (from the current folder or the hf_distill repository) or a "
-        "script path, as `python <script> [args]` would. Everything after <recipe> goes to the script, e.g. "
+        "run", help="run a recipe script with its own arguments",
+        description="Run recipes/<recipe>.py (from the current folder or the hf_distill repository) or a script "
+        "path, as `python <script> [args]` would. Everything after <recipe> goes to the script, e.g. "
         "`hf-distill run tinybert --config recipes/configs/tinybert_sst2.yaml --output_dir out`.",
-        epilog=f"Available recipes: {', '.join(available_recipes()) or 'none found'}.",
-    )
+        epilog=f"Available recipes: {', '.join(available_recipes()) or 'none found'}.")
     run.add_argument("recipe", help="recipe name (e.g. tinybert) or path to a .py script")
-
     card = sub.add_parser(
-        "card",
-        help="write or refresh README.md (the model card) of a saved student folder",
+        "card", help="write or refresh README.md (the model card) of a saved student folder",
         description="Write the model card of a saved student from what its folder holds (config.json, "
         "trainer_state.json, training_args.bin, results.json, a previous card's distillation_report.json). "
-        "Options override what the folder says.",
-    )
+        "Options override what the folder says.")
     card.add_argument("student_dir", help="folder saved by trainer.save_model() or save_pretrained()")
-    card.add_argument("--teacher", help="teacher Hub id (becomes base_model) or name")
-    card.add_argument("--dataset", action="append", help="Hub dataset id (repeatable)")
-    card.add_argument("--dataset_name", help="display name of the evaluation dataset")
-    card.add_argument("--license", help="license id, e.g. apache-2.0")
-    card.add_argument("--language", action="append", help="language code (repeatable)")
-    card.add_argument(
-        "--method", help="distillation method tag (tinybert, distilbert, minilm, minilmv2, ...)"
-    )
-    card.add_argument("--repo_id", help="Hub repo id the card's loading snippet names")
-
+    for flag, kind, text in (("--teacher", None, "teacher Hub id (becomes base_model) or name"),
+                             ("--dataset", "append", "Hub dataset id (repeatable)"),
+                             ("--dataset_name", None, "display name of the evaluation dataset"),
+                             ("--license", None, "license id, e.g. apache-2.0"),
+                             ("--language", "append", "language code (repeatable)"),
+                             ("--method", None, "distillation method tag (tinybert, distilbert, minilm, ...)"),
+                             ("--repo_id", None, "Hub repo id the card's loading snippet names")):
+        card.add_argument(flag, action=kind, help=text)
     push = sub.add_parser(
-        "push",
-        help="publish a saved student folder to the Hub (student files and card only)",
-        description="Upload config.json, the safetensors weights, the tokenizer files and README.md (plus "
-        "the loss plot it links) of a student folder; never checkpoints, optimizer state, projections or "
-        "training_args.bin. A folder without README.md gets a card first.",
-    )
+        "push", help="publish a saved student folder to the Hub (student files and card only)",
+        description="Upload config.json, the safetensors weights, the tokenizer files and README.md (plus the loss "
+        "plot it links) of a student folder; never checkpoints, optimizer state, projections or training_args.bin. "
+        "A folder without README.md gets a card first.")
     push.add_argument("student_dir")
     push.add_argument("repo_id", help="e.g. my-user/my-tiny-student")
     push.add_argument("--private", action="store_true", help="create the repo private (if it does not exist)")
@@ -92,14 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument("--token", help="Hub token (default: HF_TOKEN or the saved login)")
     push.add_argument("--endpoint", help="Hub endpoint (default: HF_ENDPOINT or https://huggingface.co)")
     push.add_argument("--commit_message", default=None)
-
     report = sub.add_parser(
-        "report",
-        help="plot loss components (and accuracy vs parameters across runs)",
-        description="Write loss_components.png from trainer_state.json (the folder's or its latest "
-        "checkpoint's) and, when subfolders hold results.json files with accuracy and params, "
-        "accuracy_vs_params.png.",
-    )
+        "report", help="plot loss components (and accuracy vs parameters across runs)",
+        description="Write loss_components.png from trainer_state.json (the folder's or its latest checkpoint's) "
+        "and, when subfolders hold results.json files with accuracy and params, accuracy_vs_params.png.")
     report.add_argument("output_dir")
     return parser
 
@@ -153,17 +132,9 @@ def _run_script(path: Path) -> int:
 def cmd_card(args: argparse.Namespace) -> int:
     from .publish.card import write_model_card
 
-    fields = {
-        "teacher": args.teacher,
-        "datasets": args.dataset,
-        "dataset_name": args.dataset_name,
-        "license": args.license,
-        "language": args.language,
-        "method": args.method,
-        "model_name": args.repo_id,
-    }
-    path = write_model_card(args.student_dir, **{k: v for k, v in fields.items() if v})
-    print(f"Wrote {path}")
+    fields = {"teacher": args.teacher, "datasets": args.dataset, "dataset_name": args.dataset_name,
+              "license": args.license, "language": args.language, "method": args.method, "model_name": args.repo_id}
+    print(f"Wrote {write_model_card(args.student_dir, **{k: v for k, v in fields.items() if v})}")
     return 0
 
 
@@ -175,15 +146,8 @@ def cmd_push(args: argparse.Namespace) -> int:
     upload_files(folder)  # refuse a folder that is not a student before writing anything into it
     if not (folder / CARD_FILE).is_file():
         print(f"Writing a model card first: {write_model_card(folder, model_name=args.repo_id)}")
-    url = push_student(
-        folder,
-        args.repo_id,
-        private=args.private or None,
-        revision=args.revision,
-        token=args.token,
-        commit_message=args.commit_message or DEFAULT_COMMIT_MESSAGE,
-        endpoint=args.endpoint,
-    )
+    url = push_student(folder, args.repo_id, private=args.private or None, revision=args.revision, token=args.token,
+                       commit_message=args.commit_message or DEFAULT_COMMIT_MESSAGE, endpoint=args.endpoint)
     print(f"Pushed {folder} to {args.repo_id}: {url}")
     return 0
 

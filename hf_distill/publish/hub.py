@@ -1,47 +1,29 @@
-"""Publishing distilled students to the Hugging Face Hub.
+"""Publishing distilled students to the Hugging Face Hub: one push path.
 
-`push_student(folder, repo_id)` publishes a saved student folder and nothing else: an explicit list of files
-(config, weights, tokenizer, card) is uploaded, so a teacher, projections, optimizer state, checkpoints,
-`training_args.bin` or logs lying in the same folder never leave the machine. `push_trainer` is
-`DistillationTrainer.push_to_hub`, `push_checkpoint` its save-time push during training. The card itself is
-written by `hf_distill.publish.card`.
+`push_student(folder, repo_id)` uploads a saved student's own files (`upload_files`: config, weights, tokenizer,
+card and the plots it shows), so a teacher, projections, optimizer state, checkpoints, `training_args.bin` or logs
+lying in the same folder never leave the machine. Every push goes through it: the CLI's, `push_trainer`
+(`DistillationTrainer.push_to_hub`) and `push_checkpoint` (the save-time pushes of `push_to_hub=True`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 INDEX_FILE = "model.safetensors.index.json"
-MODEL_FILES = (
-    "config.json",
-    "generation_config.json",
-    "model.safetensors",
-    "adapter_config.json",
-    "adapter_model.safetensors",
-    "early_exit_config.json",  # hf_distill.students.early_exit branches, beside the unchanged backbone
-    "early_exit.safetensors",
-)
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.txt",
-    "vocab.json",
-    "merges.txt",
-    "spiece.model",
-    "sentencepiece.bpe.model",
-    "tokenizer.model",
-    "chat_template.jinja",
-    "chat_template.json",
-    "preprocessor_config.json",
-    "processor_config.json",
-)
+MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "adapter_config.json",
+               "adapter_model.safetensors", "early_exit_config.json", "early_exit.safetensors")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.txt", "vocab.json", "merges.txt", "spiece.model", "sentencepiece.bpe.model",
+                   "tokenizer.model", "chat_template.jinja", "chat_template.json", "preprocessor_config.json",
+                   "processor_config.json")
+PLOTS = ("loss_components.png", "early_exit.png")  # published when the card shows them
 DEFAULT_COMMIT_MESSAGE = "Upload distilled student (hf_distill)"
+_background: list[ThreadPoolExecutor] = []  # one worker: background pushes land in the order they were asked
 
 
 class HubPushError(RuntimeError):
@@ -55,10 +37,8 @@ def upload_files(folder: str | os.PathLike) -> list[str]:
         raise HubPushError(f"Could not push {folder}: it is not a folder.")
     names = {p.name for p in folder.iterdir() if p.is_file()}
     if "config.json" not in names and "adapter_config.json" not in names:
-        raise HubPushError(
-            f"Could not push {folder}: it holds no config.json, so it is not a saved model. "
-            "Save the student with trainer.save_model() or model.save_pretrained() first."
-        )
+        raise HubPushError(f"Could not push {folder}: it holds no config.json, so it is not a saved model. "
+                           "Save the student with trainer.save_model() or model.save_pretrained() first.")
     files = [n for n in MODEL_FILES + TOKENIZER_FILES if n in names]
     if INDEX_FILE in names:
         shards = sorted(set(json.loads((folder / INDEX_FILE).read_text())["weight_map"].values()))
@@ -67,135 +47,80 @@ def upload_files(folder: str | os.PathLike) -> list[str]:
             raise HubPushError(f"Could not push {folder}: {INDEX_FILE} lists missing shard(s) {missing}.")
         files += [INDEX_FILE, *shards]
     if not any(n.endswith(".safetensors") for n in files):
-        raise HubPushError(
-            f"Could not push {folder}: it holds no safetensors weights (model.safetensors or an "
-            f"{INDEX_FILE} with its shards)."
-        )
-    from .card import CARD_FILE  # imported here: the CLI imports this module for its error type alone
-    from .report import LOSS_PLOT
-
-    if CARD_FILE in names:
-        files.append(CARD_FILE)
-        card = (folder / CARD_FILE).read_text(encoding="utf-8")
-        files += [p for p in (LOSS_PLOT, "early_exit.png") if p in names and p in card]
+        raise HubPushError(f"Could not push {folder}: it holds no safetensors weights (model.safetensors or an "
+                           f"{INDEX_FILE} with its shards).")
+    if "README.md" in names:
+        card = (folder / "README.md").read_text(encoding="utf-8")
+        files += ["README.md", *(p for p in PLOTS if p in names and p in card)]
     return files
 
 
-def _api(endpoint: str | None, token: str | None) -> tuple[Any, str]:
-    from huggingface_hub import HfApi, constants
-
-    from .. import __version__
-
-    endpoint = (endpoint or constants.ENDPOINT).rstrip("/")  # read now: tests and users may change it
-    return HfApi(
-        endpoint=endpoint, token=token, library_name="hf_distill", library_version=__version__
-    ), endpoint
-
-
-def _cause(error: BaseException) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    text = " ".join(lines) or "no message"
-    return f"{type(error).__name__}: {text}"
-
-
-def ensure_repo(
-    repo_id: str,
-    *,
-    private: bool | None = None,
-    token: str | None = None,
-    endpoint: str | None = None,
-    folder: str | os.PathLike | None = None,
-) -> str:
+def ensure_repo(repo_id: str, *, private: bool | None = None, token: str | None = None,
+                endpoint: str | None = None, folder: str | os.PathLike | None = None) -> str:
     """Create the model repo if needed; returns its full id (with the namespace the Hub gave it)."""
     api, endpoint = _api(endpoint, token)
     try:
         return api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model").repo_id
     except Exception as error:  # any failure (network, HTTP, validation) becomes one clear message
-        raise HubPushError(
-            f"Could not push {folder or 'the student'} to {repo_id} at {endpoint}: {_cause(error)}"
-        ) from error
+        raise _error(folder or "the student", repo_id, endpoint, error) from error
 
 
-def push_student(
-    folder: str | os.PathLike,
-    repo_id: str,
-    *,
-    private: bool | None = None,
-    revision: str | None = None,
-    token: str | None = None,
-    commit_message: str = DEFAULT_COMMIT_MESSAGE,
-    endpoint: str | None = None,
-) -> str:
-    """Publish an already-trained student folder to `repo_id`; returns the commit URL.
+def push_student(folder: str | os.PathLike, repo_id: str, *, private: bool | None = None,
+                 revision: str | None = None, token: str | None = None,
+                 commit_message: str = DEFAULT_COMMIT_MESSAGE, endpoint: str | None = None,
+                 path_in_repo: str | None = None, whole_folder: bool = False, blocking: bool = True) -> Any:
+    """Publish a saved student folder to `repo_id`; returns the commit URL, or its Future when not `blocking`.
 
-    Creates the repo when needed (and the branch `revision`), then uploads exactly `upload_files(folder)`.
-    The folder is only read. Raises `HubPushError` naming the repo, the endpoint and the cause when the Hub
-    cannot be reached, refuses, or the folder is not a saved model.
+    Creates the repo when needed (and the branch `revision`), then uploads exactly `upload_files(folder)` (all of
+    it with `whole_folder`, as a resumable checkpoint is pushed) under `path_in_repo`. The folder is only read.
+    Raises `HubPushError` naming the repo, the endpoint and the cause when the Hub cannot be reached, refuses,
+    or the folder is not a saved model (checked before any request). Background pushes run one at a time.
     """
-    files = upload_files(folder)
-    repo_id = ensure_repo(repo_id, private=private, token=token, endpoint=endpoint, folder=folder)
-    api, endpoint = _api(endpoint, token)
-    try:
-        if revision and revision != "main" and not revision.startswith("refs/"):
-            api.create_branch(repo_id, branch=revision, exist_ok=True)
-        info = api.upload_folder(
-            repo_id=repo_id,
-            folder_path=str(folder),
-            allow_patterns=files,
-            commit_message=commit_message,
-            revision=revision,
-        )
-    except Exception as error:  # any failure (network, HTTP, validation) becomes one clear message
-        raise HubPushError(f"Could not push {folder} to {repo_id} at {endpoint}: {_cause(error)}") from error
-    return info
+    files = None if whole_folder else upload_files(folder)
+
+    def push() -> str:
+        full_id = ensure_repo(repo_id, private=private, token=token, endpoint=endpoint, folder=folder)
+        api, url = _api(endpoint, token)
+        try:
+            if revision and revision != "main" and not revision.startswith("refs/"):
+                api.create_branch(full_id, branch=revision, exist_ok=True)
+            return api.upload_folder(repo_id=full_id, folder_path=str(folder), path_in_repo=path_in_repo,
+                                     allow_patterns=files, commit_message=commit_message, revision=revision)
+        except Exception as error:  # any failure (network, HTTP, validation) becomes one clear message
+            raise _error(folder, full_id, url, error) from error
+
+    if blocking:
+        return push()
+    if not _background:
+        _background.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_distill-push"))
+    return _background[0].submit(push)
 
 
-# ---------------------------------------------------------------------- from a trainer
-
-
-def push_trainer(
-    trainer: Any,
-    commit_message: str | None = "End of training",
-    blocking: bool = True,
-    token: str | None = None,
-    revision: str | None = None,
-    private: bool | None = None,
-    **card_kwargs: Any,
-) -> Any:
+def push_trainer(trainer: Any, commit_message: str | None = "End of training", blocking: bool = True,
+                 token: str | None = None, revision: str | None = None, private: bool | None = None,
+                 **card_kwargs: Any) -> Any:
     """`DistillationTrainer.push_to_hub`: save the student, write its card, publish student files only."""
     from transformers.utils import PushInProgress
 
     args = trainer.args
     trainer.callback_handler.on_push_begin(args, trainer.state, trainer.control)
-    repo_id = (
-        getattr(trainer, "hub_model_id", None) or args.hub_model_id or Path(args.output_dir).absolute().name
-    )
+    repo_id = getattr(trainer, "hub_model_id", None) or args.hub_model_id or Path(args.output_dir).absolute().name
     token = token if token is not None else args.hub_token
     private = private if private is not None else args.hub_private_repo
-    revision = revision if revision is not None else args.hub_revision
     trainer.save_model(_internal_call=True)
     if not trainer.is_world_process_zero():
         return None
     # The repo exists before the card is written, so that the card names it with its namespace.
-    repo_id = ensure_repo(repo_id, private=private, token=token, folder=args.output_dir)
-    trainer.hub_model_id = repo_id
-    card_kwargs.setdefault("model_name", repo_id)
+    trainer.hub_model_id = ensure_repo(repo_id, private=private, token=token, folder=args.output_dir)
+    card_kwargs.setdefault("model_name", trainer.hub_model_id)
     trainer.create_model_card(**card_kwargs)
     trainer._finish_current_push()
-    message = commit_message or DEFAULT_COMMIT_MESSAGE
-
-    def push() -> str:
-        return push_student(
-            args.output_dir, repo_id, private=private, revision=revision, token=token, commit_message=message
-        )
-
-    if blocking:
-        return push()
-    executor = ThreadPoolExecutor(max_workers=1)
-    future: Future = executor.submit(push)
-    executor.shutdown(wait=False)
-    trainer.push_in_progress = PushInProgress([future])
-    return future
+    result = push_student(args.output_dir, trainer.hub_model_id, private=private, token=token, blocking=blocking,
+                          revision=revision if revision is not None else args.hub_revision,
+                          commit_message=commit_message or DEFAULT_COMMIT_MESSAGE)
+    if not blocking:
+        trainer.push_in_progress = PushInProgress([result])
+    return result
 
 
 def push_checkpoint(trainer: Any, checkpoint_folder: str) -> None:
@@ -209,25 +134,35 @@ def push_checkpoint(trainer: Any, checkpoint_folder: str) -> None:
     from transformers.trainer_utils import HubStrategy, SaveStrategy
     from transformers.utils import PushInProgress
 
-    args = trainer.args
+    args, in_flight = trainer.args, trainer.push_in_progress
     if not trainer.is_world_process_zero() or args.hub_strategy == HubStrategy.END:
         return
-    in_flight = trainer.push_in_progress
     if not args.hub_always_push and in_flight is not None and not in_flight.is_done():
         return
     trainer.callback_handler.on_push_begin(args, trainer.state, trainer.control)
-    if args.save_strategy == SaveStrategy.STEPS:
-        message = f"Training in progress, step {trainer.state.global_step}"
-    else:
-        message = f"Training in progress, epoch {int(trainer.state.epoch)}"
-    api, _ = _api(None, args.hub_token)
-    common = dict(repo_id=trainer.hub_model_id, folder_path=checkpoint_folder, token=args.hub_token,
-                  revision=args.hub_revision, run_as_future=True)
-    jobs = [api.upload_folder(allow_patterns=upload_files(checkpoint_folder), commit_message=message, **common)]
+    message = (f"Training in progress, step {trainer.state.global_step}" if args.save_strategy == SaveStrategy.STEPS
+               else f"Training in progress, epoch {int(trainer.state.epoch)}")
+    common = dict(token=args.hub_token, revision=args.hub_revision, blocking=False)
+    jobs = [push_student(checkpoint_folder, trainer.hub_model_id, commit_message=message, **common)]
     if args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS):
         path = "last-checkpoint" if args.hub_strategy == HubStrategy.CHECKPOINT else Path(checkpoint_folder).name
-        jobs.append(api.upload_folder(path_in_repo=path, commit_message=f"{message}, checkpoint", **common))
+        jobs.append(push_student(checkpoint_folder, trainer.hub_model_id, commit_message=f"{message}, checkpoint",
+                                 path_in_repo=path, whole_folder=True, **common))
     if in_flight is None or in_flight.is_done():
         trainer.push_in_progress = PushInProgress(jobs)
     else:
         in_flight.jobs.extend(jobs)
+
+
+def _api(endpoint: str | None, token: str | None) -> tuple[Any, str]:
+    from huggingface_hub import HfApi, constants
+
+    from .. import __version__
+
+    endpoint = (endpoint or constants.ENDPOINT).rstrip("/")  # read now: tests and users may change it
+    return HfApi(endpoint=endpoint, token=token, library_name="hf_distill", library_version=__version__), endpoint
+
+
+def _error(folder: Any, repo_id: str, endpoint: str, error: BaseException) -> HubPushError:
+    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip()) or "no message"
+    return HubPushError(f"Could not push {folder} to {repo_id} at {endpoint}: {type(error).__name__}: {text}")

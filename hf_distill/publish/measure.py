@@ -14,6 +14,7 @@ import re
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,31 +30,27 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _forward_names(model: nn.Module) -> set[str]:
-    """The inputs the forward names: of the model inside a DDP or PEFT wrapper, whose own takes **kwargs."""
-    return set(inspect.signature(unwrap(model).forward).parameters)
-
-
-def _one_pass(model: nn.Module, batches: list[dict], names: set[str]) -> float:
-    start = time.perf_counter()
-    for batch in batches:
-        model(**{k: v for k, v in batch.items() if k in names})
-    return time.perf_counter() - start
-
-
 def _timed_passes(models: list[nn.Module], batches: list[dict], repeats: int) -> list[list[float]]:
-    """`repeats` rounds of one pass per model (after one warm-up round); times[round][model]."""
+    """`repeats` rounds of one pass per model (after one warm-up round); times[round][model]. Each model gets the
+    inputs its forward names (of the model inside a DDP or PEFT wrapper, whose own takes **kwargs)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}.")
     modes = [m.training for m in models]
-    names = [_forward_names(m) for m in models]
+    names = [set(inspect.signature(unwrap(m).forward).parameters) for m in models]
+
+    def one_pass(model: nn.Module, names: set[str]) -> float:
+        start = time.perf_counter()
+        for batch in batches:
+            model(**{k: v for k, v in batch.items() if k in names})
+        return time.perf_counter() - start
+
     try:
         for m in models:
             m.eval()
         with torch.no_grad():
             for m, n in zip(models, names):
-                _one_pass(m, batches, n)  # warm-up: allocator, lazy init, caches
-            return [[_one_pass(m, batches, n) for m, n in zip(models, names)] for _ in range(repeats)]
+                one_pass(m, n)  # warm-up: allocator, lazy init, caches
+            return [[one_pass(m, n) for m, n in zip(models, names)] for _ in range(repeats)]
     finally:
         for m, mode in zip(models, modes):
             m.train(mode)
@@ -90,3 +87,42 @@ def stored_parameters(folder: str | os.PathLike) -> int | None:
             for key in f.keys():
                 total += math.prod(f.get_slice(key).get_shape())
     return total
+
+
+def trainer_speedup(trainer: Any, student: nn.Module, teacher: nn.Module, limit: int) -> dict[str, Any]:
+    """`speedup` and how it was measured, on up to `limit` batches as the trainer collates them (evaluation set, else
+    training set), in this process: `DistillationReport.from_trainer(measure_speed=True)`."""
+    from torch.utils.data import DataLoader
+
+    from ..placement import REPLICA, teacher_mode
+
+    if getattr(trainer, "shared_base", False):
+        raise ValueError("measure_speed=True has nothing to compare in self-distillation: the teacher is the "
+                         "student's own base with its adapters off. Leave measure_speed off.")
+    mode = teacher_mode(trainer.accelerator)
+    if mode != REPLICA:
+        raise ValueError(
+            f"measure_speed=True times the teacher in one process, but this teacher is {mode} across processes, "
+            "so its forward needs all of them. Measure the speed-up of the saved student and teacher in a single "
+            "process (hf_distill.publish.measure.speedup) and pass speedup= instead.")
+    evaluation = trainer.eval_dataset is not None
+    dataset = trainer.eval_dataset if evaluation else trainer.train_dataset
+    if dataset is None or isinstance(dataset, dict) or not hasattr(dataset, "__len__"):
+        return {}
+    if trainer.args.remove_unused_columns and hasattr(dataset, "column_names"):
+        dataset = trainer._remove_unused_columns(dataset, description="model card")
+    loader = DataLoader(dataset, batch_size=trainer.args.per_device_eval_batch_size,
+                        collate_fn=trainer.data_collator, shuffle=False)
+    batches = []
+    for batch in loader:  # labels and cached teacher outputs would make the forward compute a loss: inference only
+        batches.append({k: v for k, v in trainer._prepare_inputs(batch).items()
+                        if k != "labels" and not k.startswith("teacher_")})
+        if len(batches) >= limit:
+            break
+    if not batches:
+        return {}
+    size, device = len(next(iter(batches[0].values()))), next(student.parameters()).device
+    return {"speedup": speedup(teacher, student, batches, repeats=3),
+            "speedup_setup": f"teacher time / student time over {len(batches)} batches of {size} "
+                             f"{'evaluation' if evaluation else 'training'} examples, no gradients, {device.type}, "
+                             "fp32, median of 3 interleaved passes"}

@@ -1,8 +1,8 @@
 """PNG plots of distillation runs, as `hf-distill report` draws them.
 
-`make_report(output_dir)` draws the loss components against steps (`loss_components.png`) and, when the
-folder holds several runs, accuracy against parameter count (`accuracy_vs_params.png`). matplotlib is
-imported only when a plot is drawn (`pip install 'hf-distill[plots]'`).
+`make_report(output_dir)` draws the loss components against steps (`loss_components.png`) and, when the folder
+holds several runs, accuracy against parameter count (`accuracy_vs_params.png`, from each run's results.json as
+`report.read_results` reads it). matplotlib is imported only to draw (`pip install 'hf-distill[plots]'`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .report import LOSS_PLOT, RESULTS_FILE, _number, _read_json, find_trainer_state
+from .report import LOSS_PLOT, RESULTS_FILE, _number, _read_json, find_trainer_state, read_results
 
 ACCURACY_PLOT = "accuracy_vs_params.png"
 
@@ -31,8 +31,7 @@ def make_report(output_dir: str | os.PathLike) -> dict[str, Path]:
     if not written:
         raise FileNotFoundError(
             f"Nothing to plot in {output_dir}: no trainer_state.json (in it or a checkpoint-* folder) and "
-            f"fewer than two run folders with a {RESULTS_FILE} holding `accuracy` and `params`."
-        )
+            f"fewer than two run folders with a {RESULTS_FILE} holding `accuracy` and `params`.")
     return written
 
 
@@ -40,13 +39,10 @@ def loss_series(log_history: list[dict[str, Any]]) -> dict[str, tuple[list[int],
     """{logged loss name: (steps, values)} for every key starting with `loss` (train logs only)."""
     series: dict[str, tuple[list[int], list[float]]] = {}
     for entry in log_history:
-        if "step" not in entry:
-            continue
         for key, value in entry.items():
-            if key.startswith("loss") and _number(value):
-                steps, values = series.setdefault(key, ([], []))
-                steps.append(entry["step"])
-                values.append(float(value))
+            if "step" in entry and key.startswith("loss") and _number(value):
+                series.setdefault(key, ([], []))[0].append(entry["step"])
+                series[key][1].append(float(value))
     return series
 
 
@@ -55,86 +51,48 @@ def plot_loss_components(trainer_state: str | os.PathLike, out: str | os.PathLik
     series = loss_series(_read_json(Path(trainer_state)).get("log_history", []))
     if not series:
         raise ValueError(f"{trainer_state} logs no loss: train with logging_steps > 0 to get a loss curve.")
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
+    plt, fig, ax = _figure()
     for key in sorted(series, key=lambda k: (k != "loss", k)):
         steps, values = series[key]
-        ax.plot(
-            steps,
-            values,
-            marker="o" if len(steps) < 30 else None,
-            linewidth=2 if key == "loss" else 1.2,
-            label=key,
-        )
-    ax.set_xlabel("training step")
-    ax.set_ylabel("loss (unweighted components, weighted total)")
+        ax.plot(steps, values, marker="o" if len(steps) < 30 else None, linewidth=2 if key == "loss" else 1.2,
+                label=key)
     folder = Path(trainer_state).resolve().parent
     run = folder.parent.name if folder.name.startswith("checkpoint-") else folder.name
-    ax.set_title(f"Loss components: {run}")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    return _save(fig, plt, out)
+    ax.set(xlabel="training step", ylabel="loss (unweighted components, weighted total)",
+           title=f"Loss components: {run}")
+    return _save(plt, fig, ax, out)
 
 
 def collect_runs(output_dir: str | os.PathLike) -> list[dict[str, Any]]:
     """Runs below `output_dir` (one level) whose results.json has an accuracy and a parameter count."""
     runs = []
     for path in sorted(Path(output_dir).glob(f"*/{RESULTS_FILE}")):
-        data = _read_json(path)
-        accuracy = data.get("accuracy", data.get("student_accuracy"))
-        params = data.get("params", data.get("student_parameters"))
-        if _number(accuracy) and _number(params):
-            runs.append(
-                {
-                    "name": path.parent.name,
-                    "accuracy": float(accuracy),
-                    "params": int(params),
-                    "teacher_accuracy": data.get("teacher_accuracy"),
-                    "teacher_params": data.get("teacher_params", data.get("teacher_parameters")),
-                }
-            )
+        found = read_results(path)
+        accuracy, params = found["student_metrics"].get("accuracy"), found["student_params"]
+        if accuracy is not None and params is not None:
+            runs.append({"name": path.parent.name, "accuracy": accuracy, "params": params,
+                         "teacher_accuracy": found["teacher_metrics"].get("accuracy"),
+                         "teacher_params": found["teacher_params"]})
     return runs
 
 
 def plot_accuracy_vs_params(runs: list[dict[str, Any]], out: str | os.PathLike) -> Path:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
-    ax.scatter(
-        [r["params"] / 1e6 for r in runs], [r["accuracy"] for r in runs], s=50, label="students", zorder=3
-    )
+    plt, fig, ax = _figure()
+    ax.scatter([r["params"] / 1e6 for r in runs], [r["accuracy"] for r in runs], s=50, label="students", zorder=3)
     for r in runs:
-        ax.annotate(
-            r["name"],
-            (r["params"] / 1e6, r["accuracy"]),
-            textcoords="offset points",
-            xytext=(5, 5),
-            fontsize=8,
-        )
-    teachers = {
-        (r["teacher_params"], r["teacher_accuracy"])
-        for r in runs
-        if _number(r["teacher_params"]) and _number(r["teacher_accuracy"])
-    }
+        ax.annotate(r["name"], (r["params"] / 1e6, r["accuracy"]), textcoords="offset points", xytext=(5, 5),
+                    fontsize=8)
+    teachers = {(r["teacher_params"], r["teacher_accuracy"]) for r in runs
+                if _number(r["teacher_params"]) and _number(r["teacher_accuracy"])}
     if teachers:
-        ax.scatter(
-            [p / 1e6 for p, _ in teachers],
-            [a for _, a in teachers],
-            marker="*",
-            s=200,
-            color="tab:red",
-            label="teacher",
-            zorder=3,
-        )
+        ax.scatter([p / 1e6 for p, _ in teachers], [a for _, a in teachers], marker="*", s=200, color="tab:red",
+                   label="teacher", zorder=3)
     ax.set_xscale("log")
-    ax.set_xlabel("parameters (millions, log scale)")
-    ax.set_ylabel("accuracy")
-    ax.set_title("Accuracy against size")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    return _save(fig, plt, out)
+    ax.set(xlabel="parameters (millions, log scale)", ylabel="accuracy", title="Accuracy against size")
+    return _save(plt, fig, ax, out)
 
 
-def _pyplot():
+def _figure() -> tuple[Any, Any, Any]:
     try:
         import matplotlib
     except ImportError:
@@ -142,10 +100,12 @@ def _pyplot():
     matplotlib.use("Agg")  # no display on training machines
     import matplotlib.pyplot as plt
 
-    return plt
+    return (plt, *plt.subplots(figsize=(8, 5), dpi=100))
 
 
-def _save(fig, plt, out: str | os.PathLike) -> Path:
+def _save(plt: Any, fig: Any, ax: Any, out: str | os.PathLike) -> Path:
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)

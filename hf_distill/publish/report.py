@@ -1,10 +1,10 @@
-"""What a distillation run produced, gathered once so that model cards, the CLI and plots agree.
+"""What a distillation run produced, read once so that the model card, the CLI and the plots agree.
 
-`DistillationReport` holds the facts a model card states (teacher, method, losses, sizes, speed, metrics,
-training settings). It is filled from a live `DistillationTrainer` (`from_trainer`), from a saved student
-folder (`from_folder`: `config.json`, `trainer_state.json`, `training_args.bin`, `results.json`), or by
-hand in a recipe. A field that could not be measured stays empty and the card leaves it out: the card
-never shows a placeholder. The card is rendered by `hf_distill.publish.card`, the plots by `hf_distill.publish.plots`.
+`DistillationReport` holds the facts a card states. One reader fills it: `from_trainer` reads a live trainer,
+`from_folder` a saved student folder (`config.json`, `training_args.bin`, `trainer_state.json`, the weights, the
+last card's `distillation_report.json`, a recipe's `results.json`); both go through `_run_facts`, and the training
+settings are transformers' own (`extract_hyperparameters_from_trainer`, `parse_log_history`). A fact that could not
+be measured stays empty and the card leaves it out: the card never shows a placeholder.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from . import measure
@@ -27,25 +28,19 @@ RESULTS_FILE = "results.json"
 LOSS_PLOT = "loss_components.png"
 
 # Student head -> Hub pipeline tag; the first matching suffix of the architecture name wins.
-_HEAD_TASKS = (
-    ("ForSequenceClassification", "text-classification"),
-    ("ForTokenClassification", "token-classification"),
-    ("ForQuestionAnswering", "question-answering"),
-    ("ForMaskedLM", "fill-mask"),
-    ("ForMultipleChoice", "multiple-choice"),
-    ("ForCausalLM", "text-generation"),
-    ("Model", "feature-extraction"),
-)
-_NOT_METRICS = {
-    "runtime",
-    "samples_per_second",
-    "steps_per_second",
-    "epoch",
-    "step",
-    "loss",
-    "jit_compilation_time",
-}
+_HEAD_TASKS = (("ForSequenceClassification", "text-classification"), ("ForTokenClassification", "token-classification"),
+               ("ForQuestionAnswering", "question-answering"), ("ForMaskedLM", "fill-mask"),
+               ("ForMultipleChoice", "multiple-choice"), ("ForCausalLM", "text-generation"),
+               ("Model", "feature-extraction"))
+_NOT_METRICS = ("runtime", "samples_per_second", "steps_per_second", "epoch", "step", "loss", "jit_compilation_time")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# results.json keys (recipes, the demo) -> report fields of the same meaning; `training` keys -> hyperparameters
+_RESULT_FIELDS = ("teacher", "method", "license", "augmentation", "dataset_name", "dataset_config", "dataset_split",
+                  "speedup", "speedup_setup", "stages", "student_size_bytes", "teacher_size_bytes")
+_RESULT_TRAINING = {"learning_rate": "learning_rate", "epochs": "num_epochs", "num_train_epochs": "num_epochs",
+                    "seed": "seed", "batch_size": "train_batch_size", "per_device_train_batch_size": "train_batch_size",
+                    "gradient_accumulation_steps": "gradient_accumulation_steps", "max_steps": "training_steps",
+                    "train_steps": "steps", "epochs_trained": "epochs_trained"}
 
 
 @dataclass
@@ -54,11 +49,11 @@ class DistillationReport:
 
     model_name: str | None = None  # repo id or folder name: the card's title and model-index name
     teacher: str | None = None  # Hub id when known, else a name or a local path
-    method: str | None = None  # distilbert, tinybert, minilm, minilmv2, bert-pkd, logit-kd, feature-kd
+    method: str | None = None  # the card's method tag: distilbert, tinybert, minilm, gkd, logit-kd, ...
     architecture: str | None = None  # the student's class, e.g. BertForSequenceClassification
     pipeline_tag: str | None = None
     student_init: dict[str, Any] = field(default_factory=dict)  # student.config.distillation
-    distillation: dict[str, Any] = field(default_factory=dict)  # DistillationArguments.distillation_summary()
+    distillation: dict[str, Any] = field(default_factory=dict)  # distillation_facts(args)
     stages: list[str] = field(default_factory=list)
     datasets: list[str] = field(default_factory=list)  # Hub dataset ids
     dataset_name: str | None = None
@@ -79,14 +74,12 @@ class DistillationReport:
     student_metrics: dict[str, float] = field(default_factory=dict)
     teacher_metrics: dict[str, float] = field(default_factory=dict)
     eval_step: int | None = None  # training step at which student_metrics were measured
-    training: dict[str, Any] = field(default_factory=dict)
+    training: dict[str, Any] = field(default_factory=dict)  # transformers' hyperparameters + steps, epochs, precision
+    eval_lines: list[dict[str, Any]] = field(default_factory=list)  # transformers' per-evaluation results table
     loss_plot: str | None = None  # file name, relative to the student folder
     adapter: dict[str, Any] = field(default_factory=dict)  # a PEFT student: type, rank, targets, base model
-    # The checkpoint the student started from (`create_model_card(finetuned_from=...)`), never the teacher.
-    initialised_from: str | None = None
-    early_exit: dict[str, Any] = field(default_factory=dict)  # hf_distill.students.early_exit: exits, speed sweep, plot
-
-    # ------------------------------------------------------------------ (de)serialisation
+    initialised_from: str | None = None  # the student's starting checkpoint (`finetuned_from`), never the teacher
+    early_exit: dict[str, Any] = field(default_factory=dict)  # students.early_exit: exits, speed sweep, plot
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -99,25 +92,16 @@ class DistillationReport:
     def updated(self, **fields: Any) -> DistillationReport:
         """A copy with the given fields replaced; None, {} and [] leave a field as it is."""
         _check_fields(fields)
-        values = {k: v for k, v in fields.items() if not _empty(v)}
-        return dataclasses.replace(self, **values)
+        return dataclasses.replace(self, **{k: v for k, v in fields.items() if not _empty(v)})
 
     @property
     def teacher_hub_id(self) -> str | None:
         """The teacher as a Hub model id, or None when it is a local path or a bare name."""
         return hub_id(self.teacher)
 
-    # ------------------------------------------------------------------ sources
-
     @classmethod
-    def from_trainer(
-        cls,
-        trainer: Any,
-        *,
-        measure_speed: bool = False,
-        speed_batches: int = 8,
-        **fields: Any,
-    ) -> DistillationReport:
+    def from_trainer(cls, trainer: Any, *, measure_speed: bool = False, speed_batches: int = 8,
+                     **fields: Any) -> DistillationReport:
         """Everything a `DistillationTrainer` knows after training; `fields` override what it found.
 
         Nothing is run unless asked: the student's metrics are those of its last logged evaluation, the
@@ -127,126 +111,64 @@ class DistillationReport:
         batches when there is no evaluation set), in this process only: a replicated teacher only.
         """
         from ..features.taps import unwrap
-        from ..placement import REPLICA, teacher_mode
 
         if "evaluate_teacher" in fields:
             raise TypeError(
                 "The card no longer evaluates the teacher (it is written on one process, where a sharded "
                 "teacher would deadlock). Call trainer.evaluate_teacher() on every process before writing the "
-                "card: its metrics are the card's teacher column."
-            )
+                "card: its metrics are the card's teacher column.")
         _check_fields(fields)
-        student = unwrap(trainer.model)
-        teacher = getattr(trainer, "teacher", None)
+        student, teacher, args, state = unwrap(trainer.model), trainer.teacher, trainer.args, trainer.state
         peft_config = getattr(getattr(trainer.model, "peft_config", None), "get", lambda _: None)("default")
-        args = trainer.args
-        found: dict[str, Any] = _from_config(
-            getattr(student, "config", None), student_class=type(student).__name__
-        )
-        found["model_name"] = (
-            getattr(trainer, "hub_model_id", None) or args.hub_model_id or Path(args.output_dir).name
-        )
-        if peft_config is not None:
-            found["adapter"] = adapter_summary(peft_config.to_dict())
-        if teacher is not None:
-            t_config = getattr(teacher, "config", None)
-            found["teacher_shape"] = _shape(t_config)
-            found["teacher_params"] = measure.count_parameters(teacher)
-            t_path = getattr(t_config, "_name_or_path", "") or ""
-            if t_path:
-                found["teacher"] = t_path
-            if t_path and os.path.isdir(t_path):
-                found["teacher_size_bytes"] = measure.size_on_disk(t_path) or None
+        found = _run_facts(getattr(student, "config", None), type(student).__name__, args, trainer,
+                           {"log_history": state.log_history, "global_step": state.global_step, "epoch": state.epoch},
+                           peft_config.to_dict() if peft_config is not None else None)
+        found["model_name"] = getattr(trainer, "hub_model_id", None) or args.hub_model_id or Path(args.output_dir).name
         found["student_params"] = measure.count_parameters(student)
-        if hasattr(args, "distillation_summary"):
-            found["distillation"] = distillation_facts(args)
-            found["method"] = detect_method(found["distillation"])
-        found["training"] = _training_from_args(args, trainer.state)
-        own_loss = _own_eval_loss(found.get("pipeline_tag"), found.get("distillation"))
-        metrics, step = latest_eval_metrics(trainer.state.log_history, keep_loss=own_loss)
-        found["student_metrics"], found["eval_step"] = lm_metrics(metrics) if own_loss else metrics, step
-        evaluated = getattr(trainer, "teacher_metrics", None) or {}
-        if teacher is not None and metrics:
-            kept = {k: v for k, v in evaluated.items() if k in metrics}
-            found["teacher_metrics"] = lm_metrics(kept) if own_loss else kept
+        if teacher is not None:
+            t_path = getattr(teacher.config, "_name_or_path", "") or ""
+            found.update(teacher_shape=_shape(teacher.config), teacher_params=measure.count_parameters(teacher))
+            found.update(teacher=t_path or found.get("teacher"),
+                         teacher_size_bytes=measure.size_on_disk(t_path) or None if os.path.isdir(t_path) else None)
+            evaluated = getattr(trainer, "teacher_metrics", None) or {}
+            kept = {k: v for k, v in evaluated.items() if k in found.get("student_metrics", {})}
+            found["teacher_metrics"] = lm_metrics(kept) if _own_eval_loss(**found) else kept
         if teacher is not None and measure_speed:
-            if getattr(trainer, "shared_base", False):
-                raise ValueError(
-                    "measure_speed=True has nothing to compare in self-distillation: the teacher is the student's "
-                    "own base with its adapters off. Leave measure_speed off."
-                )
-            mode = teacher_mode(trainer.accelerator)
-            if mode != REPLICA:
-                raise ValueError(
-                    f"measure_speed=True times the teacher in one process, but this teacher is {mode} across "
-                    "processes, so its forward needs all of them. Measure the speed-up of the saved student "
-                    "and teacher in a single process (hf_distill.publish.measure.speedup) and pass speedup= instead."
-                )
-            batches = _speed_batches(trainer, speed_batches)
-            if batches:
-                found["speedup"] = measure.speedup(teacher, student, batches, repeats=3)
-                size = len(next(iter(batches[0].values())))
-                device = next(student.parameters()).device
-                found["speedup_setup"] = (
-                    f"teacher time / student time over {len(batches)} batches of {size} "
-                    f"{'evaluation' if trainer.eval_dataset is not None else 'training'} examples, "
-                    f"no gradients, {device.type}, fp32, median of 3 interleaved passes"
-                )
+            found.update(measure.trainer_speedup(trainer, student, teacher, speed_batches))
         return cls.from_dict(_merge(found, fields))
 
     @classmethod
     def from_folder(cls, folder: str | os.PathLike, **fields: Any) -> DistillationReport:
         """What a saved student folder says about its run; `fields` override it.
 
-        Read, later sources winning: `config.json`, `trainer_state.json` (the folder's or its latest
-        checkpoint's), `training_args.bin` and the weight files; then `distillation_report.json` (what the
-        last card said, measured by the trainer); last `results.json` (a recipe's or the demo's
-        measurements: `teacher`, `method`, `dataset(s)`, `license`, `speedup`, `student_parameters`/`params`,
-        `teacher_parameters`, `*_size_bytes`, `student_metrics`/`teacher_metrics` dicts or flat
-        `student_<metric>`/`teacher_<metric>` numbers, `accuracy`, `f1`, `perplexity`, `learning_rate`, `epochs`,
-        `max_steps`, `train_steps`, `epochs_trained`, `seed`, `bf16`, `distillation`). A causal LM's loss and
-        perplexity are completed from each other (`lm_metrics`).
+        Read, later sources winning: `config.json`, `adapter_config.json`, `training_args.bin`,
+        `trainer_state.json` (the folder's or its latest checkpoint's) and the weight files; then
+        `distillation_report.json` (what the last card said, measured by the trainer); last `results.json` (a
+        recipe's or the demo's measurements, `read_results`).
+        A causal LM's loss and perplexity are completed from each other (`lm_metrics`).
         """
-
         _check_fields(fields)
         folder = Path(folder)
         if not folder.is_dir():
             raise FileNotFoundError(f"{folder} is not a folder.")
-        found: dict[str, Any] = {"model_name": folder.resolve().name}
         config = _read_json(folder / "config.json")
-        if config:
-            arch = (config.get("architectures") or [None])[0]
-            found.update(_from_config(config, student_class=arch))
-        adapter_config = _read_json(folder / "adapter_config.json")
-        if adapter_config:
-            found["adapter"] = adapter_summary(adapter_config)
-        targs = _load_training_args(folder / "training_args.bin")
-        if targs is not None and hasattr(targs, "distillation_summary"):
-            found["distillation"] = distillation_facts(targs)
         state_path = find_trainer_state(folder)
-        if state_path is not None:
-            state = _read_json(state_path)
-            own_loss = _own_eval_loss(found.get("pipeline_tag"), found.get("distillation"))
-            metrics, found["eval_step"] = latest_eval_metrics(state.get("log_history", []), keep_loss=own_loss)
-            found["student_metrics"] = lm_metrics(metrics) if own_loss else metrics
-            found["training"] = _training_from_state(state)
-        if targs is not None:
-            found["training"] = {**found.get("training", {}), **_training_from_args(targs, None)}
-        found["student_params"] = measure.stored_parameters(folder)
-        found["student_size_bytes"] = measure.size_on_disk(folder) or None
+        found = _run_facts(config or None, (config.get("architectures") or [None])[0],
+                           _load_training_args(folder / "training_args.bin"), None,
+                           _read_json(state_path) if state_path else None,
+                           _read_json(folder / "adapter_config.json") or None)
+        found.update(model_name=folder.resolve().name, student_params=measure.stored_parameters(folder),
+                     student_size_bytes=measure.size_on_disk(folder) or None)
         # The teacher's folder, when config.json (or the caller) names a local one: its facts are real too.
         local = [Path(str(t)) for t in (found.get("teacher"), fields.get("teacher")) if t]
         teacher_dir = next((t for t in local if (t / "config.json").is_file()), None)
         if teacher_dir is not None:
-            found["teacher_shape"] = _shape(_read_json(teacher_dir / "config.json"))
-            found["teacher_params"] = measure.stored_parameters(teacher_dir)
-            found["teacher_size_bytes"] = measure.size_on_disk(teacher_dir) or None
+            found.update(teacher_shape=_shape(_read_json(teacher_dir / "config.json")),
+                         teacher_params=measure.stored_parameters(teacher_dir),
+                         teacher_size_bytes=measure.size_on_disk(teacher_dir) or None)
         if (folder / LOSS_PLOT).is_file():
             found["loss_plot"] = LOSS_PLOT
-        merged: dict[str, Any] = {}
-        results = _from_results(_read_json(folder / RESULTS_FILE))
-        for layer in (found, _read_json(folder / REPORT_FILE), results):
-            merged = _merge(merged, layer)
+        merged = _merge(_merge(found, _read_json(folder / REPORT_FILE)), read_results(folder / RESULTS_FILE))
         if "method" not in merged and merged.get("distillation"):
             merged["method"] = detect_method(merged["distillation"])
         if merged.get("pipeline_tag") == "text-generation":  # a results.json may give perplexity but no loss
@@ -254,6 +176,86 @@ class DistillationReport:
                 if merged.get(key):
                     merged[key] = lm_metrics(merged[key])
         return cls.from_dict(_merge(merged, fields))
+
+
+def _run_facts(config: Any, architecture: str | None, args: Any, trainer: Any, state: dict[str, Any] | None,
+               adapter_config: dict[str, Any] | None) -> dict[str, Any]:
+    """The facts a trainer and a saved folder both hold: the student's config, the training arguments (through
+    transformers' `extract_hyperparameters_from_trainer`), the trainer state's evaluations and step count."""
+    from transformers.modelcard import extract_hyperparameters_from_trainer, parse_log_history
+
+    found: dict[str, Any] = {"architecture": architecture, "pipeline_tag": pipeline_tag_for(architecture),
+                             "student_shape": _shape(config)}
+    init = _get(config, "distillation") if config is not None else None
+    if isinstance(init, dict):
+        found.update(student_init=dict(init), teacher=init.get("teacher_name_or_path") or None)
+        if init.get("teacher_num_layers"):
+            found["teacher_shape"] = {"layers": int(init["teacher_num_layers"])}
+        stacks = {f"{s}_layers": init.get(f"teacher_num_{s}_layers") for s in ("encoder", "decoder")}
+        if all(_number(v) for v in stacks.values()):  # an encoder-decoder student (students.from_teacher)
+            found["teacher_shape"] = {k: int(v) for k, v in stacks.items()}
+    if adapter_config:
+        found["adapter"] = adapter_summary(adapter_config)
+    training: dict[str, Any] = {}
+    if args is not None:
+        training = extract_hyperparameters_from_trainer(trainer or SimpleNamespace(args=args))
+        training.pop("mixed_precision_training", None)  # said by `precision`, bf16 included
+        if "optimizer" in training and hasattr(args.optim, "value"):  # "adamw_torch", not "OptimizerNames.ADAMW_TORCH"
+            training["optimizer"] = training["optimizer"].replace(str(args.optim), args.optim.value)
+        training["precision"] = _precision(getattr(args, "bf16", False), getattr(args, "fp16", False))
+        if hasattr(args, "distillation_summary"):
+            found["distillation"] = distillation_facts(args)
+            found["method"] = detect_method(found["distillation"])
+    if state:
+        own_loss = _own_eval_loss(**found)
+        metrics, found["eval_step"] = latest_eval_metrics(state.get("log_history") or [], keep_loss=own_loss)
+        found["student_metrics"] = lm_metrics(metrics) if own_loss else metrics
+        found["eval_lines"] = parse_log_history(state.get("log_history") or [])[1] or []
+        if state.get("global_step"):
+            training["steps"] = state["global_step"]
+            if _number(state.get("epoch")):
+                training["epochs_trained"] = round(float(state["epoch"]), 4)
+        if args is None and state.get("train_batch_size"):
+            training["train_batch_size"] = state["train_batch_size"]
+    found["training"] = training
+    return found
+
+
+def read_results(path: str | os.PathLike) -> dict[str, Any]:
+    """A results.json (recipe, demo) as report fields, {} when absent: `teacher`, `method`, `dataset(s)`, `license`,
+    `speedup`, `student_parameters`/`params`, `teacher_parameters`, `*_size_bytes`, `student_metrics` /
+    `teacher_metrics` dicts or flat `student_<metric>`/`teacher_<metric>` numbers, `accuracy`, `f1`, `perplexity`,
+    `learning_rate`, `epochs`, `max_steps`, `train_steps`, `epochs_trained`, `seed`, `bf16`, `distillation`."""
+    data = _read_json(Path(path))
+    if not data:
+        return {}
+    out: dict[str, Any] = {k: data[k] for k in _RESULT_FIELDS
+                           if isinstance(data.get(k), (str, int, float, list)) and not isinstance(data[k], bool)}
+    datasets = data.get("datasets", data.get("dataset"))
+    if datasets:
+        out["datasets"] = [datasets] if isinstance(datasets, str) else list(datasets)
+    params = [data.get(k) for k in ("student_parameters", "params", "teacher_parameters", "teacher_params")]
+    out["student_params"] = next((int(p) for p in params[:2] if _number(p)), None)
+    out["teacher_params"] = next((int(p) for p in params[2:] if _number(p)), None)
+    student = dict(data.get("student_metrics") or data.get("metrics") or {})
+    teacher = dict(data.get("teacher_metrics") or {})
+    for key, value in data.items():
+        for prefix, target in (("student_", student), ("teacher_", teacher)):
+            name = key[len(prefix):]
+            if key.startswith(prefix) and _number(value) and name not in ("parameters", "params", "size_bytes",
+                                                                          "layers", "metrics"):
+                target[name] = float(value)
+    for name in ("accuracy", "f1", "perplexity"):  # the flat metrics recipes and the demo write
+        if _number(data.get(name)):
+            student.setdefault(name, float(data[name]))
+    out.update(student_metrics=student, teacher_metrics=teacher)
+    if isinstance(data.get("distillation"), dict):
+        out["distillation"] = data["distillation"]
+    out["training"] = {name: data[key] for key, name in _RESULT_TRAINING.items()
+                       if _number(data.get(key)) and not (name == "training_steps" and data[key] <= 0)}
+    if isinstance(data.get("bf16"), bool) or isinstance(data.get("fp16"), bool):
+        out["training"]["precision"] = _precision(data.get("bf16"), data.get("fp16"))
+    return out
 
 
 # ---------------------------------------------------------------------- detection helpers
@@ -270,21 +272,14 @@ def pipeline_tag_for(architecture: str | None) -> str | None:
     """The Hub pipeline tag of a student class, from its head (the suffix of its name)."""
     if not architecture:
         return None
-    if _is_seq2seq_lm_class(architecture):
-        # The classes AutoModelForSeq2SeqLM loads (T5/BART/Pegasus `...ForConditionalGeneration`, `MarianMTModel`)
-        # are tagged text2text-generation, as the Hub tags these classes when a card names no task: what a student
-        # of them does (translation, summarization) follows from its data, not its class, and a card can still say
-        # so (`create_model_card(tasks="translation")`). Checked before the "Model" suffix below, which MarianMTModel
-        # also has, and instead of "ForConditionalGeneration" alone, which vision-language and speech models share.
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES as SEQ2SEQ
+
+    if architecture in set(SEQ2SEQ.values()):
+        # What AutoModelForSeq2SeqLM loads (T5/BART `...ForConditionalGeneration`, `MarianMTModel`) is tagged
+        # text2text-generation, as the Hub tags these classes; checked before the "Model" suffix (MarianMTModel)
+        # and instead of "ForConditionalGeneration" alone, which vision-language and speech models share.
         return "text2text-generation"
     return next((tag for suffix, tag in _HEAD_TASKS if architecture.endswith(suffix)), None)
-
-
-def _is_seq2seq_lm_class(architecture: str) -> bool:
-    """Whether `architecture` is an encoder-decoder with a language-model head (`AutoModelForSeq2SeqLM`'s classes)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
-
-    return architecture in set(MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.values())
 
 
 def distillation_facts(args: Any) -> dict[str, Any]:
@@ -292,17 +287,15 @@ def distillation_facts(args: Any) -> dict[str, Any]:
     covered (`kd_token_mask`) and whether `eval_loss` was the student's own loss (`eval_with_teacher`)."""
     facts = dict(args.distillation_summary())
     for name in ("kd_token_mask", "eval_with_teacher"):
-        value = getattr(args, name, None)
-        if value is not None:
-            facts.setdefault(name, value)
+        if getattr(args, name, None) is not None:
+            facts.setdefault(name, getattr(args, name))
     return facts
 
 
-def _own_eval_loss(pipeline_tag: str | None, distillation: dict[str, Any] | None) -> bool:
+def _own_eval_loss(pipeline_tag: str | None = None, distillation: dict[str, Any] | None = None, **_: Any) -> bool:
     """Whether a logged `eval_loss` is a causal-LM student's own next-token loss, of which perplexity is exp: only
     when it is known that the teacher did not join the evaluation (`eval_with_teacher=False`)."""
-    known = distillation or {}
-    return pipeline_tag == "text-generation" and known.get("eval_with_teacher") is False
+    return pipeline_tag == "text-generation" and (distillation or {}).get("eval_with_teacher") is False
 
 
 def lm_metrics(metrics: dict[str, float]) -> dict[str, float]:
@@ -313,17 +306,21 @@ def lm_metrics(metrics: dict[str, float]) -> dict[str, float]:
         if name.endswith("perplexity") and name[: -len("perplexity")] + "loss" in metrics:
             continue  # placed right after its loss below
         if name == "perplexity" or name.endswith("_perplexity"):
-            loss_name = name[: -len("perplexity")] + "loss"
             if value > 0:
-                out[loss_name] = math.log(value)
+                out[name[: -len("perplexity")] + "loss"] = math.log(value)
             out[name] = value
             continue
         out[name] = value
         if name == "loss" or name.endswith("_loss"):
-            ppl_name = name[: -len("loss")] + "perplexity"
-            given = metrics.get(ppl_name)
-            out[ppl_name] = given if given is not None else (math.inf if value > 700 else math.exp(value))
+            ppl = name[: -len("loss")] + "perplexity"
+            out[ppl] = metrics[ppl] if metrics.get(ppl) is not None else math.inf if value > 700 else math.exp(value)
     return out
+
+
+_KD_METHODS = {"jsd": "gkd", "reverse_kl": "reverse-kl", "skew_kl": "distillm", "skew_reverse_kl": "distillm",
+               "tvd": "tvd-kd"}
+_TERM_METHODS = (("attention_score_mse", "tinybert"), ("relation_kl", "minilm"), ("pkd_loss", "bert-pkd"),
+                 ("cosine_loss", "distilbert"))
 
 
 def detect_method(summary: dict[str, Any]) -> str:
@@ -335,27 +332,14 @@ def detect_method(summary: dict[str, Any]) -> str:
         return preset
     terms = summary.get("distill_terms") or []
     losses = {t.get("loss") for t in terms}
-    relations = {r for t in terms for r in t.get("relations") or []}
-    if "attention_score_mse" in losses:
-        return "tinybert"
-    if relations & {"qq", "kk"}:
+    if {r for t in terms for r in t.get("relations") or []} & {"qq", "kk"} and "attention_score_mse" not in losses:
         return "minilmv2"
-    if "relation_kl" in losses:
-        return "minilm"
-    if "pkd_loss" in losses:
-        return "bert-pkd"
-    if "cosine_loss" in losses:
-        return "distilbert"
-    if losses:
-        return "feature-kd"
-    # Logit distillation alone, named by its objective: GKD's generalized JSD, the reverse KL of MiniLLM, DistiLLM's
-    # skew (reverse) KL, the total variation distance of Wen et al.'s f-divergence KD, or the forward KL / soft
-    # targets of Hinton et al.
+    found = next((method for loss, method in _TERM_METHODS if loss in losses), None)
+    if found or losses:
+        return found or "feature-kd"
+    # Logit distillation alone, named by its objective: GKD's generalized JSD, MiniLLM's reverse KL, DistiLLM's skew
+    # KLs, Wen et al.'s total variation distance, or the forward KL / soft targets of Hinton et al.
     return _KD_METHODS.get(summary.get("kd_loss") or "", "logit-kd")
-
-
-_KD_METHODS = {"jsd": "gkd", "reverse_kl": "reverse-kl", "skew_kl": "distillm", "skew_reverse_kl": "distillm",
-               "tvd": "tvd-kd"}
 
 
 def _is_metric(name: str, keep_loss: bool = False) -> bool:
@@ -365,20 +349,16 @@ def _is_metric(name: str, keep_loss: bool = False) -> bool:
     return not any(name == k or name.endswith(f"_{k}") for k in _NOT_METRICS)
 
 
-def latest_eval_metrics(
-    log_history: list[dict[str, Any]], keep_loss: bool = False
-) -> tuple[dict[str, float], int | None]:
+def latest_eval_metrics(log_history: list[dict[str, Any]], keep_loss: bool = False
+                        ) -> tuple[dict[str, float], int | None]:
     """The last evaluation's metrics (without the `eval_` prefix, losses and timings) and its step; with several
     evaluation sets (`eval_dataset={"a": ..., "b": ...}`, one log entry each) those of every set at that step.
     `keep_loss` keeps the losses too (a causal LM's eval loss is its quality measure: perplexity is its exp)."""
     metrics: dict[str, float] = {}
     step = None
     for entry in reversed(log_history or []):
-        found = {
-            k[len("eval_") :]: float(v)
-            for k, v in entry.items()
-            if k.startswith("eval_") and _number(v) and _is_metric(k[len("eval_") :], keep_loss)
-        }
+        found = {k[5:]: float(v) for k, v in entry.items()
+                 if k.startswith("eval_") and _number(v) and _is_metric(k[5:], keep_loss)}
         if not found:
             continue
         if step is not None and entry.get("step") != step:
@@ -396,20 +376,16 @@ def find_trainer_state(folder: str | os.PathLike) -> Path | None:
     return max(found, key=lambda item: (item[0], item[1] == candidates[0]))[1] if found else None
 
 
-# ---------------------------------------------------------------------- collection internals
-
-
 def adapter_summary(config: dict[str, Any]) -> dict[str, Any]:
     """What a card says about a PEFT student (the repository then holds adapters, not a full model)."""
-    targets = config.get("target_modules")
-    peft_type = config.get("peft_type")
-    return {
-        "peft_type": getattr(peft_type, "value", peft_type),  # "LORA", not PeftType.LORA (str() of the enum)
-        "r": config.get("r"),
-        "lora_alpha": config.get("lora_alpha"),
-        "target_modules": sorted(targets) if isinstance(targets, list | set | tuple) else targets,
-        "base_model": config.get("base_model_name_or_path"),
-    }
+    targets, peft_type = config.get("target_modules"), config.get("peft_type")
+    return {"peft_type": getattr(peft_type, "value", peft_type),  # "LORA", not PeftType.LORA (str() of the enum)
+            "r": config.get("r"), "lora_alpha": config.get("lora_alpha"),
+            "target_modules": sorted(targets) if isinstance(targets, list | set | tuple) else targets,
+            "base_model": config.get("base_model_name_or_path")}
+
+
+# ---------------------------------------------------------------------- internals
 
 
 def _check_fields(fields: dict[str, Any]) -> None:
@@ -428,14 +404,12 @@ def _number(value: Any) -> bool:
 
 
 def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """`update` over `base`, empty values skipped; `training` and `distillation` merged key by key."""
     out = dict(base)
     for key, value in update.items():
-        if _empty(value):
-            continue
-        if isinstance(value, dict) and isinstance(out.get(key), dict) and key in ("training", "distillation"):
-            out[key] = {**out[key], **value}
-        else:
-            out[key] = value
+        if not _empty(value):
+            merge = key in ("training", "distillation") and isinstance(value, dict) and isinstance(out.get(key), dict)
+            out[key] = {**out[key], **value} if merge else value
     return out
 
 
@@ -454,17 +428,14 @@ def _get(config: Any, key: str) -> Any:
 def _shape(config: Any) -> dict[str, int]:
     if config is None:
         return {}
-    keys = {
-        "layers": ("num_hidden_layers", "n_layers", "num_layers"),
-        "hidden": ("hidden_size", "dim", "d_model"),
-        "heads": ("num_attention_heads", "n_heads"),
-    }
+    keys = {"layers": ("num_hidden_layers", "n_layers", "num_layers"), "hidden": ("hidden_size", "dim", "d_model"),
+            "heads": ("num_attention_heads", "n_heads")}
     if _get(config, "is_encoder_decoder"):
         # Two stacks, each with its own depth (T5: num_layers / num_decoder_layers; BART, Marian: encoder_layers /
         # decoder_layers); num_hidden_layers is only the encoder's there.
+        del keys["layers"]
         keys = {"encoder_layers": ("encoder_layers", "num_layers"),
                 "decoder_layers": ("decoder_layers", "num_decoder_layers"), **keys}
-        del keys["layers"]
     shape = {}
     for name, candidates in keys.items():
         value = next((_get(config, k) for k in candidates if _number(_get(config, k))), None)
@@ -473,69 +444,8 @@ def _shape(config: Any) -> dict[str, int]:
     return shape
 
 
-def _from_config(config: Any, student_class: str | None) -> dict[str, Any]:
-    found: dict[str, Any] = {
-        "architecture": student_class,
-        "pipeline_tag": pipeline_tag_for(student_class),
-        "student_shape": _shape(config),
-    }
-    init = _get(config, "distillation") if config is not None else None
-    if isinstance(init, dict):
-        found["student_init"] = dict(init)
-        found["teacher"] = init.get("teacher_name_or_path") or None
-        if init.get("teacher_num_layers"):
-            found["teacher_shape"] = {"layers": int(init["teacher_num_layers"])}
-        stacks = {f"{s}_layers": init.get(f"teacher_num_{s}_layers") for s in ("encoder", "decoder")}
-        if all(_number(v) for v in stacks.values()):  # an encoder-decoder student (students.from_teacher)
-            found["teacher_shape"] = {k: int(v) for k, v in stacks.items()}
-    return found
-
-
 def _precision(bf16: Any, fp16: Any) -> str:
-    if bf16:
-        return "bf16 mixed precision"
-    if fp16:
-        return "fp16 mixed precision"
-    return "fp32"
-
-
-def _training_from_args(args: Any, state: Any) -> dict[str, Any]:
-    per_device = args.per_device_train_batch_size
-    ga = args.gradient_accumulation_steps
-    world = getattr(args, "world_size", 1) or 1
-    training = {
-        "learning_rate": args.learning_rate,
-        "per_device_train_batch_size": per_device,
-        "gradient_accumulation_steps": ga,
-        "effective_batch_size": per_device * ga * world,
-        "precision": _precision(getattr(args, "bf16", False), getattr(args, "fp16", False)),
-        "seed": args.seed,
-        "optimizer": str(getattr(args.optim, "value", args.optim)),
-        "lr_scheduler": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
-        "weight_decay": args.weight_decay,
-    }
-    if args.max_steps and args.max_steps > 0:
-        training["max_steps"] = args.max_steps
-    else:
-        training["epochs"] = args.num_train_epochs
-    warmup = getattr(args, "warmup_steps", 0) or 0
-    if warmup:
-        training["warmup_steps"] = warmup
-    if state is not None and getattr(state, "global_step", 0):
-        training["steps"] = state.global_step
-        training["epochs_trained"] = round(float(state.epoch or 0), 4)
-    return training
-
-
-def _training_from_state(state: dict[str, Any]) -> dict[str, Any]:
-    training = {}
-    if state.get("global_step"):
-        training["steps"] = state["global_step"]
-    if _number(state.get("epoch")):
-        training["epochs_trained"] = round(float(state["epoch"]), 4)
-    if state.get("train_batch_size"):
-        training["per_device_train_batch_size"] = state["train_batch_size"]
-    return training
+    return "bf16 mixed precision" if bf16 else "fp16 mixed precision" if fp16 else "fp32"
 
 
 def _load_training_args(path: Path) -> Any:
@@ -549,9 +459,8 @@ def _load_training_args(path: Path) -> Any:
         allowed = []
         for name in torch.serialization.get_unsafe_globals_in_checkpoint(str(path)):
             module, _, attr = name.rpartition(".")
-            if module.split(".")[0] not in ("transformers", "accelerate", "hf_distill"):
-                return None
-            obj = getattr(importlib.import_module(module), attr, None)
+            obj = getattr(importlib.import_module(module), attr, None) if module.split(".")[0] in (
+                "transformers", "accelerate", "hf_distill") else None
             if not inspect.isclass(obj):
                 return None
             allowed.append(obj)
@@ -559,97 +468,3 @@ def _load_training_args(path: Path) -> Any:
             return torch.load(str(path), weights_only=True)
     except Exception:  # an unreadable or foreign file only means fewer facts on the card
         return None
-
-
-def _from_results(data: dict[str, Any]) -> dict[str, Any]:
-    """Map a results.json (recipe, demo) onto report fields; see `DistillationReport.from_folder`."""
-    if not data:
-        return {}
-    out: dict[str, Any] = {}
-    copied = (  # results.json keys that are report fields of the same name
-        "teacher",
-        "method",
-        "license",
-        "augmentation",
-        "dataset_name",
-        "dataset_config",
-        "dataset_split",
-        "speedup",
-        "speedup_setup",
-        "stages",
-        "student_size_bytes",
-        "teacher_size_bytes",
-    )
-    for key in copied:
-        if isinstance(data.get(key), (str, int, float, list)) and not isinstance(data.get(key), bool):
-            out[key] = data[key]
-    datasets = data.get("datasets", data.get("dataset"))
-    if datasets:
-        out["datasets"] = [datasets] if isinstance(datasets, str) else list(datasets)
-    for key in ("student_parameters", "params"):
-        if _number(data.get(key)):
-            out["student_params"] = int(data[key])
-            break
-    if _number(data.get("teacher_parameters", data.get("teacher_params"))):
-        out["teacher_params"] = int(data.get("teacher_parameters", data.get("teacher_params")))
-    student = dict(data.get("student_metrics") or data.get("metrics") or {})
-    teacher = dict(data.get("teacher_metrics") or {})
-    skip = {"parameters", "params", "size_bytes", "layers", "metrics"}
-    for key, value in data.items():
-        for prefix, target in (("student_", student), ("teacher_", teacher)):
-            if key.startswith(prefix) and _number(value) and key[len(prefix) :] not in skip:
-                target[key[len(prefix) :]] = float(value)
-    for name in ("accuracy", "f1", "perplexity"):  # the flat metrics recipes and the demo write
-        if _number(data.get(name)):
-            student.setdefault(name, float(data[name]))
-    out["student_metrics"], out["teacher_metrics"] = student, teacher
-    if isinstance(data.get("distillation"), dict):
-        out["distillation"] = data["distillation"]
-    training = {}
-    for key, name in (
-        ("learning_rate", "learning_rate"),
-        ("epochs", "epochs"),
-        ("num_train_epochs", "epochs"),
-        ("seed", "seed"),
-        ("batch_size", "per_device_train_batch_size"),
-        ("per_device_train_batch_size", "per_device_train_batch_size"),
-        ("gradient_accumulation_steps", "gradient_accumulation_steps"),
-        ("max_steps", "max_steps"),
-        ("train_steps", "steps"),  # what the trainer state says was run (recipes.common.run_length)
-        ("epochs_trained", "epochs_trained"),
-    ):
-        if _number(data.get(key)) and not (name == "max_steps" and data[key] <= 0):
-            training[name] = data[key]
-    if isinstance(data.get("bf16"), bool) or isinstance(data.get("fp16"), bool):
-        training["precision"] = _precision(data.get("bf16"), data.get("fp16"))
-    out["training"] = training
-    return out
-
-
-def _batches(trainer: Any, limit: int | None, dataset: Any) -> list[dict[str, Any]]:
-    """Batches of `dataset` as the trainer collates them, on its device, in one process (no sharding)."""
-    from torch.utils.data import DataLoader
-
-    if dataset is None or isinstance(dataset, dict) or not hasattr(dataset, "__len__"):
-        return []
-    if trainer.args.remove_unused_columns and hasattr(dataset, "column_names"):
-        dataset = trainer._remove_unused_columns(dataset, description="model card")
-    loader = DataLoader(
-        dataset,
-        batch_size=trainer.args.per_device_eval_batch_size,
-        collate_fn=trainer.data_collator,
-        shuffle=False,
-    )
-    batches = []
-    for batch in loader:
-        batches.append(trainer._prepare_inputs(batch))
-        if limit is not None and len(batches) >= limit:
-            break
-    return batches
-
-
-def _speed_batches(trainer: Any, limit: int) -> list[dict[str, Any]]:
-    dataset = trainer.eval_dataset if trainer.eval_dataset is not None else trainer.train_dataset
-    batches = _batches(trainer, limit, dataset)
-    # Labels and cached teacher outputs would make the forward compute a loss: time inference only.
-    return [{k: v for k, v in b.items() if k != "labels" and not k.startswith("teacher_")} for b in batches]
