@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..features.heads import HEADS, HeadKind, kind_for_task
 from .measure import size_on_disk, stored_parameters
 from .report import LOSS_PLOT, REPORT_FILE, DistillationReport, hub_id
 
@@ -156,19 +157,8 @@ BIBTEX = {
 }""",
 }
 
-_AUTO_CLASSES = {
-    "text-classification": "AutoModelForSequenceClassification",
-    "token-classification": "AutoModelForTokenClassification",
-    "question-answering": "AutoModelForQuestionAnswering",
-    "fill-mask": "AutoModelForMaskedLM",
-    "multiple-choice": "AutoModelForMultipleChoice",
-    "text-generation": "AutoModelForCausalLM",
-    "text2text-generation": "AutoModelForSeq2SeqLM",
-    "translation": "AutoModelForSeq2SeqLM",
-    "summarization": "AutoModelForSeq2SeqLM",
-}
 # Encoder-decoder LM tasks: transformers 5 has no pipeline for them, so the card shows `generate` instead.
-_SEQ2SEQ_TASKS = ("text2text-generation", "translation", "summarization")
+_SEQ2SEQ_TASKS = HEADS[HeadKind.SEQ2SEQ_LM].tasks
 _KD_LOSSES = {"kl": "KL divergence x T^2", "soft_ce": "soft cross-entropy", "mse": "MSE of logits",
               "reverse_kl": "reverse KL divergence x T^2", "jsd": "generalized JSD x T^2",
               "skew_kl": "skew KL divergence x T^2", "skew_reverse_kl": "skew reverse KL divergence x T^2",
@@ -195,7 +185,7 @@ _TRAINING_ROWS = (
 _KD_PAPERS = {"jsd": "agarwal2024gkd", "reverse_kl": "gu2024minillm", "skew_kl": "ko2024distillm",
               "skew_reverse_kl": "ko2024distillm", "tvd": "wen2023fdivergence"}
 # Token-level heads: the card says which of their tokens the logit loss covered (`kd_token_mask`).
-_TOKEN_TASKS = ("text-generation", "fill-mask", "token-classification", *_SEQ2SEQ_TASKS)
+_TOKEN_TASKS = tuple(task for facts in HEADS.values() if facts.token_level for task in facts.tasks)
 # DistiLLM's skew divergences: what the card calls each, and what alpha mixes (P = teacher, Q = student).
 _SKEW = {
     "skew_kl": ("skew KL", "KL(teacher || alpha teacher + (1 - alpha) student); 0 is the forward KL"),
@@ -620,11 +610,10 @@ def _early_exit(r: DistillationReport) -> str:
 
 def _usage(r: DistillationReport) -> str:
     repo = r.model_name or "path/to/student"
-    auto = _AUTO_CLASSES.get(r.pipeline_tag or "", "AutoModel")
+    kind = kind_for_task(r.pipeline_tag)
+    auto = kind.facts.auto_class if kind is not None else "AutoModel"
     if r.adapter:
-        peft_heads = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering", "ForCausalLM",
-                      "ForSeq2SeqLM")
-        peft_auto = auto.replace("AutoModel", "AutoPeftModel") if auto.endswith(peft_heads) else "AutoPeftModel"
+        peft_auto = kind.facts.peft_class if kind is not None else "AutoPeftModel"
         code = f'from peft import {peft_auto}\n\nmodel = {peft_auto}.from_pretrained("{repo}")  # base + adapters'
         return f"## How to use\n\n```python\n{code}\n```"
     code = (
@@ -637,7 +626,7 @@ def _usage(r: DistillationReport) -> str:
             "outputs = model.generate(**inputs, max_new_tokens=64)\n"
             "print(tokenizer.batch_decode(outputs, skip_special_tokens=True))"
         )
-    elif r.pipeline_tag in _AUTO_CLASSES or r.pipeline_tag == "feature-extraction":
+    elif kind is not None:
         code += "\n\n# or\nfrom transformers import pipeline\n\n"
         code += f'pipe = pipeline("{r.pipeline_tag}", model="{repo}")'
     return f"## How to use\n\n```python\n{code}\n```"

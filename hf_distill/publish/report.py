@@ -26,16 +26,6 @@ REPORT_FILE = "distillation_report.json"
 RESULTS_FILE = "results.json"
 LOSS_PLOT = "loss_components.png"
 
-# Student head -> Hub pipeline tag; the first matching suffix of the architecture name wins.
-_HEAD_TASKS = (
-    ("ForSequenceClassification", "text-classification"),
-    ("ForTokenClassification", "token-classification"),
-    ("ForQuestionAnswering", "question-answering"),
-    ("ForMaskedLM", "fill-mask"),
-    ("ForMultipleChoice", "multiple-choice"),
-    ("ForCausalLM", "text-generation"),
-    ("Model", "feature-extraction"),
-)
 _NOT_METRICS = {
     "runtime",
     "samples_per_second",
@@ -126,6 +116,7 @@ class DistillationReport:
         `measure_speed=True` the speed-up is timed on up to `speed_batches` evaluation batches (training
         batches when there is no evaluation set), in this process only: a replicated teacher only.
         """
+        from ..features.heads import head_kind
         from ..features.taps import unwrap
         from ..placement import REPLICA, teacher_mode
 
@@ -143,6 +134,8 @@ class DistillationReport:
         found: dict[str, Any] = _from_config(
             getattr(student, "config", None), student_class=type(student).__name__
         )
+        kind = head_kind(student)  # the model itself, also a subclass or a custom class no mapping names
+        found["pipeline_tag"] = kind.facts.pipeline_tag if kind is not None else None
         found["model_name"] = (
             getattr(trainer, "hub_model_id", None) or args.hub_model_id or Path(args.output_dir).name
         )
@@ -266,25 +259,14 @@ def hub_id(name: str | None) -> str | None:
     return name
 
 
-def pipeline_tag_for(architecture: str | None) -> str | None:
-    """The Hub pipeline tag of a student class, from its head (the suffix of its name)."""
-    if not architecture:
-        return None
-    if _is_seq2seq_lm_class(architecture):
-        # The classes AutoModelForSeq2SeqLM loads (T5/BART/Pegasus `...ForConditionalGeneration`, `MarianMTModel`)
-        # are tagged text2text-generation, as the Hub tags these classes when a card names no task: what a student
-        # of them does (translation, summarization) follows from its data, not its class, and a card can still say
-        # so (`create_model_card(tasks="translation")`). Checked before the "Model" suffix below, which MarianMTModel
-        # also has, and instead of "ForConditionalGeneration" alone, which vision-language and speech models share.
-        return "text2text-generation"
-    return next((tag for suffix, tag in _HEAD_TASKS if architecture.endswith(suffix)), None)
+def pipeline_tag_for(architecture: str | None, config: Any = None) -> str | None:
+    """The Hub pipeline tag of a student class, from its head kind (`features.heads.class_kind`: the task mapping
+    that names the class, for `config`'s model_type when given). An encoder-decoder LM is text2text-generation,
+    not a vision-language or speech `...ForConditionalGeneration` (see `features.heads.HEADS`)."""
+    from ..features.heads import class_kind
 
-
-def _is_seq2seq_lm_class(architecture: str) -> bool:
-    """Whether `architecture` is an encoder-decoder with a language-model head (`AutoModelForSeq2SeqLM`'s classes)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
-
-    return architecture in set(MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.values())
+    kind = class_kind(architecture, config)
+    return kind.facts.pipeline_tag if kind is not None else None
 
 
 def distillation_facts(args: Any) -> dict[str, Any]:
@@ -476,7 +458,7 @@ def _shape(config: Any) -> dict[str, int]:
 def _from_config(config: Any, student_class: str | None) -> dict[str, Any]:
     found: dict[str, Any] = {
         "architecture": student_class,
-        "pipeline_tag": pipeline_tag_for(student_class),
+        "pipeline_tag": pipeline_tag_for(student_class, config),
         "student_shape": _shape(config),
     }
     init = _get(config, "distillation") if config is not None else None
