@@ -138,7 +138,7 @@ def head_kind(model: nn.Module, logits: torch.Tensor | None = None) -> HeadKind 
         if kind is None:
             kind = _kind_from_structure(inner, config)
     if kind is None and logits is not None:
-        kind = HeadKind.TOKEN_CLASSIFICATION if logits.dim() == 3 else HeadKind.SEQUENCE_CLASSIFICATION
+        kind = _shape_kind(logits)
     return kind
 
 
@@ -175,10 +175,9 @@ def runtime_head(model: nn.Module, logits: torch.Tensor, labels: torch.Tensor | 
             return Head.MULTI_LABEL
     if head is not None:
         return head
-    shaped = HeadKind.TOKEN_CLASSIFICATION if logits.dim() == 3 else HeadKind.SEQUENCE_CLASSIFICATION
-    if shaped is HeadKind.SEQUENCE_CLASSIFICATION and logits.shape[-1] == 1:
+    if logits.dim() != 3 and logits.shape[-1] == 1:
         return Head.REGRESSION
-    return _loss_head(shaped, None)
+    return _loss_head(_shape_kind(logits), None)  # also a multiple-choice or base model: its logits' shape
 
 
 def is_causal_lm(model: nn.Module) -> bool:
@@ -200,6 +199,11 @@ def num_labels(model: nn.Module) -> int | None:
         return getattr(inner, "num_labels", None)
     kind = head_kind(inner)
     return config.num_labels if kind is not None and kind.facts.classifier and hasattr(config, "num_labels") else None
+
+
+def _shape_kind(logits: torch.Tensor) -> HeadKind:
+    """A head no config names, by its logits: (batch, positions, classes) are token-level, else one row per input."""
+    return HeadKind.TOKEN_CLASSIFICATION if logits.dim() == 3 else HeadKind.SEQUENCE_CLASSIFICATION
 
 
 def _loss_head(kind: HeadKind | None, config: Any) -> Head | None:
