@@ -21,6 +21,7 @@ recognised by what it is.
 from __future__ import annotations
 
 import enum
+import functools
 import importlib
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -253,10 +254,19 @@ def _kind_of(classes: Iterable[type | str], config: Any) -> HeadKind | None:
             return kind
         if config_class is not None and names & _registered(facts, config_class):
             return kind
-    for kind, facts in possible:  # a transformers class under a config of another model_type (a config subclass)
-        if any(library & _names(v) for v in getattr(modeling_auto, facts.mapping).values()):
+    for kind, _ in possible:  # a transformers class under a config of another model_type (a config subclass)
+        if library & _mapped_names()[kind]:
             return kind
     return None
+
+
+@functools.cache
+def _mapped_names() -> dict[HeadKind, frozenset[str]]:
+    """Every class name each kind's task mapping lists, whatever the model_type (the mappings are constants)."""
+    from transformers.models.auto import modeling_auto
+
+    return {kind: frozenset(name for value in getattr(modeling_auto, facts.mapping).values() for name in _names(value))
+            for kind, facts in HEADS.items()}
 
 
 def _config_class(config: Any, model_type: str | None) -> type | None:
