@@ -241,7 +241,7 @@ def forward_params(model: nn.Module | None) -> set[str]:
 def student_shape(model: nn.Module) -> tuple[str, int | None, int | None]:
     """The facts the trainer's checks read from the student: its class (hence head), vocabulary and label count."""
     inner = unwrap(model)
-    return type(inner).__name__, getattr(getattr(inner, "config", None), "vocab_size", None), _num_labels(inner)
+    return type(inner).__name__, getattr(getattr(inner, "config", None), "vocab_size", None), heads_mod.num_labels(inner)
 
 
 def plain_task_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -257,19 +257,6 @@ def plain_task_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def shift(t):
     """Causal-LM teacher logits (dense or top-k) without their last position, aligned with the student's."""
     return tuple(x[:, :-1] for x in t) if isinstance(t, tuple) else t[:, :-1]
-
-
-def _num_labels(model: nn.Module) -> int | None:
-    inner = unwrap(model)
-    config = getattr(inner, "config", None)
-    if config is not None and hasattr(config, "num_labels") and _is_classifier(inner):
-        return config.num_labels
-    return getattr(inner, "num_labels", None) if config is None else None
-
-
-def _is_classifier(model: nn.Module) -> bool:
-    name = type(model).__name__
-    return name.endswith("ForSequenceClassification") or name.endswith("ForTokenClassification")
 
 
 def _unsharded(model: nn.Module):

@@ -34,18 +34,6 @@ PADDING_MASS_BOUND = 1e-4
 """The most probability (temperature 1, mean over the first distilled batch's counted tokens) a teacher may put on
 the ids the student lacks for them to count as padding rather than tokens."""
 
-# Auto classes tried, most specific first, to load a teacher "like" the student.
-_AUTO_CLASSES = (
-    "AutoModelForSequenceClassification",
-    "AutoModelForTokenClassification",
-    "AutoModelForQuestionAnswering",
-    "AutoModelForMaskedLM",
-    "AutoModelForCausalLM",
-    "AutoModelForSeq2SeqLM",
-    "AutoModelForMultipleChoice",
-)
-
-
 def load_teacher(name_or_path: str, like: nn.Module | None = None, **kwargs) -> nn.Module:
     """Load a teacher with the auto class whose head matches the student's (`like`).
 
@@ -53,16 +41,14 @@ def load_teacher(name_or_path: str, like: nn.Module | None = None, **kwargs) -> 
     `AutoPeftModelFor...` class, unmerged (`merge_and_unload()` it first
     for a faster teacher forward). A checkpoint that lacks weights of the model it loads into (a base or MLM
     checkpoint without the student's classifier) is refused: its head would be random, and so its targets."""
-    auto_name = "AutoModel"
-    student = unwrap(like) if like is not None else None
-    for name in _AUTO_CLASSES:
-        if student is not None and type(student) in getattr(transformers, name)._model_mapping.values():
-            auto_name = name
-            break
+    from .features.heads import HeadKind, head_kind
+
+    kind = (head_kind(like) if like is not None else None) or HeadKind.BASE
+    auto_name = kind.facts.auto_class
     if os.path.isfile(os.path.join(name_or_path, "adapter_config.json")):
         import peft
 
-        peft_cls = getattr(peft, auto_name.replace("AutoModel", "AutoPeftModel"), peft.AutoPeftModel)
+        peft_cls = getattr(peft, kind.facts.peft_class)
         return peft_cls.from_pretrained(name_or_path, **kwargs)
     kwargs.pop("output_loading_info", None)
     teacher, info = getattr(transformers, auto_name).from_pretrained(name_or_path, output_loading_info=True, **kwargs)
@@ -124,7 +110,7 @@ def validate_pair(
         t_tokenizer = _compare_tokenizers(tokenizer, teacher, teacher_tokenizer, source)
     if s_cfg is None or t_cfg is None:
         return None
-    from .features.heads import Head, static_head
+    from .features.heads import Head, head_kind, static_head
 
     s_kind, t_kind = static_head(student), static_head(teacher)
     if Head.SEQ2SEQ_LM in (s_kind, t_kind):
@@ -147,20 +133,19 @@ def validate_pair(
                 "is fed the student's input ids and would index past its embedding table. Give both models "
                 "the same tokenizer."
             )
-    s_head, t_head = type(unwrap(student)).__name__, type(unwrap(teacher)).__name__
-    for suffix in ("ForSequenceClassification", "ForTokenClassification"):
-        if s_head.endswith(suffix) and t_head.endswith(suffix):
-            if s_cfg.num_labels != t_cfg.num_labels:
-                raise ValueError(
-                    f"The teacher has {t_cfg.num_labels} labels and the student {s_cfg.num_labels}: their logits "
-                    f"cannot be compared. Build the student with num_labels={t_cfg.num_labels}."
-                )
-            s_map, t_map = s_cfg.id2label, t_cfg.id2label
-            if not _default_id2label(s_map) and not _default_id2label(t_map) and s_map != t_map:
-                raise ValueError(
-                    f"The teacher's labels {t_map} and the student's {s_map} differ in names or order, so logit "
-                    "k would not mean the same class. Give the student the teacher's id2label/label2id."
-                )
+    s_head = head_kind(student)
+    if s_head is not None and s_head.facts.classifier and head_kind(teacher) is s_head:
+        if s_cfg.num_labels != t_cfg.num_labels:
+            raise ValueError(
+                f"The teacher has {t_cfg.num_labels} labels and the student {s_cfg.num_labels}: their logits "
+                f"cannot be compared. Build the student with num_labels={t_cfg.num_labels}."
+            )
+        s_map, t_map = s_cfg.id2label, t_cfg.id2label
+        if not _default_id2label(s_map) and not _default_id2label(t_map) and s_map != t_map:
+            raise ValueError(
+                f"The teacher's labels {t_map} and the student's {s_map} differ in names or order, so logit "
+                "k would not mean the same class. Give the student the teacher's id2label/label2id."
+            )
     return shared
 
 

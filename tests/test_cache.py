@@ -192,11 +192,11 @@ def test_only_the_columns_the_teacher_reads_are_in_the_key(tmp_path):
 
 
 def test_teacher_fingerprint_is_memoised_and_sees_in_place_edits(monkeypatch):
-    from hf_distill.data import cache
+    from hf_distill.data import cache_key  # where teacher_fingerprint and its hashing live
 
     hashed = []
-    real = cache._hash_state
-    monkeypatch.setattr(cache, "_hash_state", lambda *a: hashed.append(1) or real(*a))
+    real = cache_key._hash_state
+    monkeypatch.setattr(cache_key, "_hash_state", lambda *a: hashed.append(1) or real(*a))
     t = make_teacher()
     fp = teacher_fingerprint(t)
     assert teacher_fingerprint(t) == fp and len(hashed) == 1  # memoised: the weights were read once

@@ -1,4 +1,4 @@
-"""What a model's head outputs, and which of its outputs the logit-distillation term compares.
+"""What a model's head is for, what it outputs, and which of its outputs the logit-distillation term compares.
 
 `DistillationTrainer` distils any head a `Trainer` trains, but the right comparison depends on the head:
 a softmax over classes (sequence or token classification, masked LM), a softmax over the *next* token
@@ -6,25 +6,39 @@ a softmax over classes (sequence or token classification, masked LM), a softmax 
 real number (regression: only `mse` makes sense), two softmaxes over positions (extractive QA:
 the mean of the start and end terms, as DistilBERT and TextBrewer distil SQuAD), or a softmax over the
 vocabulary at each decoder position of an encoder-decoder LM (T5, BART, Marian: position t predicts label t, no
-shift). Heads are recognised by
-class name and config, the same facts transformers' own loss functions use; anything else is refused with
-an error rather than distilled with the wrong loss.
+shift). Anything else is refused with an error rather than distilled with the wrong loss.
+
+One function, `head_kind`, says what a model's head is for, and one table, `HEADS`, says what each kind means to the
+rest of the package (the loss head, the Auto and PEFT classes that load it, its Hub pipeline tag, whether its logits
+are over `config.num_labels`). A kind is read from the config, as transformers' Auto classes read it: the task
+mappings (`MODEL_FOR_*_MAPPING_NAMES`, keyed by `config.model_type`, plus classes registered with an Auto class and
+a remote-code config's `auto_map`), `is_encoder_decoder`, `problem_type` and `num_labels`; a model they do not name
+is judged by its structure (an LM head on a registered causal or encoder-decoder family) or, at its first forward,
+by the shape of its logits. Class names are never parsed: a subclass or a custom class named anything is
+recognised by what it is.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
+import importlib
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from .families import get_family
 from .taps import unwrap
 
 SOFTMAX_LOSSES = ("kl", "soft_ce", "reverse_kl", "jsd", "skew_kl", "skew_reverse_kl", "tvd")
 
 
 class Head(enum.Enum):
+    """What the logit-distillation term compares (the loss side of a head kind)."""
+
     SEQUENCE = "single-label classification"
     TOKEN = "token-level logits (token classification, masked LM)"
     CAUSAL_LM = "causal LM (next-token logits)"
@@ -42,64 +56,265 @@ LOGIT_KEYS = {Head.QUESTION_ANSWERING: ("start_logits", "end_logits")}
 """Output fields holding the logits of heads that have more than `logits`."""
 
 
-def is_causal_lm(model: nn.Module) -> bool:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+class HeadKind(enum.Enum):
+    """What a model's head is for: the task an Auto class loads it for (`HEADS` holds what each means)."""
 
+    SEQ2SEQ_LM = "seq2seq-lm"
+    QUESTION_ANSWERING = "question-answering"
+    CAUSAL_LM = "causal-lm"
+    SEQUENCE_CLASSIFICATION = "sequence-classification"
+    TOKEN_CLASSIFICATION = "token-classification"
+    MASKED_LM = "masked-lm"
+    MULTIPLE_CHOICE = "multiple-choice"
+    BASE = "base"  # no head: hidden states (feature extraction)
+
+    @property
+    def facts(self) -> HeadFacts:
+        return HEADS[self]
+
+
+@dataclass(frozen=True)
+class HeadFacts:
+    """What the package needs to know about one head kind."""
+
+    mapping: str  # transformers' MODEL_FOR_*_MAPPING_NAMES that lists its classes per model_type
+    auto_class: str  # the transformers Auto class that loads it (a teacher like the student; the card's usage)
+    peft_class: str  # the peft class that loads base + adapter
+    tasks: tuple[str, ...]  # Hub pipeline tags; the first is the tag of a student of this kind
+    head: Head | None  # what logit KD compares (a sequence classifier's is refined by its config); None: its logits
+    classifier: bool  # its logits are over config.num_labels (teacher and student must share the label set)
+    encoder_decoder: bool | None = None  # the config.is_encoder_decoder it needs; None: either
+
+    @property
+    def pipeline_tag(self) -> str:
+        return self.tasks[0]
+
+    @property
+    def token_level(self) -> bool:
+        return self.head in TOKEN_LEVEL
+
+
+HEADS: dict[HeadKind, HeadFacts] = {  # in the order kinds are tried: a class in two mappings is the first one's
+    HeadKind.SEQ2SEQ_LM: HeadFacts(
+        "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "AutoModelForSeq2SeqLM", "AutoPeftModelForSeq2SeqLM",
+        # Tagged text2text-generation, as the Hub tags these classes when a card names no task: translation or
+        # summarization follow from the data, not the class (a card can still say so with `tasks=`).
+        ("text2text-generation", "translation", "summarization"), Head.SEQ2SEQ_LM, False, encoder_decoder=True),
+    HeadKind.QUESTION_ANSWERING: HeadFacts(
+        "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES", "AutoModelForQuestionAnswering",
+        "AutoPeftModelForQuestionAnswering", ("question-answering",), Head.QUESTION_ANSWERING, False),
+    HeadKind.CAUSAL_LM: HeadFacts(
+        "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "AutoModelForCausalLM", "AutoPeftModelForCausalLM",
+        ("text-generation",), Head.CAUSAL_LM, False, encoder_decoder=False),
+    HeadKind.SEQUENCE_CLASSIFICATION: HeadFacts(
+        "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", "AutoModelForSequenceClassification",
+        "AutoPeftModelForSequenceClassification", ("text-classification",), Head.SEQUENCE, True),
+    HeadKind.TOKEN_CLASSIFICATION: HeadFacts(
+        "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", "AutoModelForTokenClassification",
+        "AutoPeftModelForTokenClassification", ("token-classification",), Head.TOKEN, True),
+    HeadKind.MASKED_LM: HeadFacts(
+        "MODEL_FOR_MASKED_LM_MAPPING_NAMES", "AutoModelForMaskedLM", "AutoPeftModel", ("fill-mask",), Head.TOKEN,
+        False),
+    HeadKind.MULTIPLE_CHOICE: HeadFacts(
+        "MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES", "AutoModelForMultipleChoice", "AutoPeftModel",
+        ("multiple-choice",), None, False),
+    HeadKind.BASE: HeadFacts(
+        "MODEL_MAPPING_NAMES", "AutoModel", "AutoPeftModel", ("feature-extraction",), None, False),
+}
+
+# hf_distill's own model types: their modules register them with the Auto classes when imported, which a saved
+# student's config.json alone does not do.
+_OWN_MODEL_TYPES = {"hf_distill_bilstm": "hf_distill.students.bilstm"}
+
+
+def head_kind(model: nn.Module, logits: torch.Tensor | None = None) -> HeadKind | None:
+    """What `model`'s head is for, read from its config (see the module's docstring); where the config does not
+    tell (a plain module, a custom class no mapping names), from its structure and, given its `logits`, their shape
+    ((batch, positions, classes): token-level; else a sequence head). None when nothing tells."""
     inner = unwrap(model)
     config = getattr(inner, "config", None)
-    if getattr(config, "is_encoder_decoder", False):
-        return False
-    return type(inner).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() or type(inner).__name__.endswith(
-        "ForCausalLM"
-    )
+    kind = None
+    if config is not None:
+        kind = _kind_of(type(inner).__mro__, config)
+        if kind is None:
+            kind = _kind_from_structure(inner, config)
+    if kind is None and logits is not None:
+        kind = _shape_kind(logits)
+    return kind
 
 
-def is_seq2seq_lm(model: nn.Module) -> bool:
-    """An encoder-decoder with a language-model head over the decoder (`AutoModelForSeq2SeqLM`'s classes)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
+def class_kind(architecture: str | None, config: Any = None) -> HeadKind | None:
+    """The head kind of a class known by name only (a saved config's `architectures`, a report's `architecture`),
+    from the task mappings; `config` (a config or its `config.json` dict) adds its model_type, registered classes
+    and `auto_map`."""
+    if not architecture:
+        return None
+    return _kind_of((architecture,), config)
 
-    inner = unwrap(model)
-    if not getattr(getattr(inner, "config", None), "is_encoder_decoder", False):
-        return False
-    return type(inner).__name__ in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.values()
+
+def kind_for_task(task: str | None) -> HeadKind | None:
+    """The head kind whose Hub pipeline tags include `task` (a card's `pipeline_tag`)."""
+    return next((kind for kind, facts in HEADS.items() if task in facts.tasks), None)
 
 
 def static_head(model: nn.Module) -> Head | None:
-    """The head as far as the class and config tell it; None for a plain module (decided from its logits)."""
+    """What logit KD compares for `model`, as far as its config tells (no forward needed); None when its logits
+    decide (`runtime_head`)."""
     inner = unwrap(model)
-    name = type(inner).__name__
-    config = getattr(inner, "config", None)
-    if is_seq2seq_lm(inner):
-        return Head.SEQ2SEQ_LM
-    if name.endswith("ForQuestionAnswering"):
-        return Head.QUESTION_ANSWERING
-    if is_causal_lm(inner):
-        return Head.CAUSAL_LM
-    if name.endswith("ForSequenceClassification"):
-        problem = getattr(config, "problem_type", None)
-        if problem == "multi_label_classification":
-            return Head.MULTI_LABEL
-        if problem == "regression" or getattr(config, "num_labels", 2) == 1:
-            return Head.REGRESSION
-        return Head.SEQUENCE
-    if name.endswith("ForTokenClassification") or name.endswith("ForMaskedLM"):
-        return Head.TOKEN
-    return None
+    return _loss_head(head_kind(inner), getattr(inner, "config", None))
 
 
 def runtime_head(model: nn.Module, logits: torch.Tensor, labels: torch.Tensor | None) -> Head:
     """The head of this batch. A sequence classifier without `problem_type` decides it from its labels at its
     first forward (transformers' rule: float labels with one column per class are multi-label); a plain module
     is judged by the shape of its logits."""
-    head = static_head(model)
-    if head is Head.SEQUENCE and getattr(getattr(unwrap(model), "config", None), "problem_type", None) is None:
+    inner = unwrap(model)
+    config = getattr(inner, "config", None)
+    head = static_head(inner)
+    if head is Head.SEQUENCE and getattr(config, "problem_type", None) is None:
         if labels is not None and labels.is_floating_point() and labels.dim() == 2 and labels.shape[-1] > 1:
             return Head.MULTI_LABEL
     if head is not None:
         return head
-    if logits.dim() == 3:
-        return Head.TOKEN
-    return Head.REGRESSION if logits.shape[-1] == 1 else Head.SEQUENCE
+    if logits.dim() != 3 and logits.shape[-1] == 1:
+        return Head.REGRESSION
+    return _loss_head(_shape_kind(logits), None)  # also a multiple-choice or base model: its logits' shape
+
+
+def is_causal_lm(model: nn.Module) -> bool:
+    """A decoder-only LM over the next token (`AutoModelForCausalLM`'s classes)."""
+    return head_kind(model) is HeadKind.CAUSAL_LM
+
+
+def is_seq2seq_lm(model: nn.Module) -> bool:
+    """An encoder-decoder with a language-model head over the decoder (`AutoModelForSeq2SeqLM`'s classes)."""
+    return head_kind(model) is HeadKind.SEQ2SEQ_LM
+
+
+def num_labels(model: nn.Module) -> int | None:
+    """The classes a classifier's logits are over (`config.num_labels` of a sequence or token classifier; a plain
+    module's own `num_labels`), else None: the width its logits must have, e.g. cached teacher logits."""
+    inner = unwrap(model)
+    config = getattr(inner, "config", None)
+    if config is None:
+        return getattr(inner, "num_labels", None)
+    kind = head_kind(inner)
+    return config.num_labels if kind is not None and kind.facts.classifier and hasattr(config, "num_labels") else None
+
+
+def _shape_kind(logits: torch.Tensor) -> HeadKind:
+    """A head no config names, by its logits: (batch, positions, classes) are token-level, else one row per input."""
+    return HeadKind.TOKEN_CLASSIFICATION if logits.dim() == 3 else HeadKind.SEQUENCE_CLASSIFICATION
+
+
+def _loss_head(kind: HeadKind | None, config: Any) -> Head | None:
+    if kind is None:
+        return None
+    head = kind.facts.head
+    if head is Head.SEQUENCE:
+        problem = getattr(config, "problem_type", None)
+        if problem == "multi_label_classification":
+            return Head.MULTI_LABEL
+        if problem == "regression" or getattr(config, "num_labels", 2) == 1:
+            return Head.REGRESSION
+    return head
+
+
+def _field(config: Any, name: str, default: Any = None) -> Any:
+    return config.get(name, default) if isinstance(config, dict) else getattr(config, name, default)
+
+
+def _names(value: Any) -> set[str]:
+    """The class names of a task mapping entry (one name, or a tuple of them)."""
+    if value is None:
+        return set()
+    return {value} if isinstance(value, str) else set(value)
+
+
+def _kind_of(classes: Iterable[type | str], config: Any) -> HeadKind | None:
+    """The first kind (in `HEADS` order) one of `classes` (an instance's MRO, or class names) is a class of."""
+    from transformers.models.auto import modeling_auto
+
+    classes = tuple(classes)
+    names = {c if isinstance(c, str) else c.__name__ for c in classes}
+    library = {c if isinstance(c, str) else c.__name__ for c in classes
+               if isinstance(c, str) or c.__module__.startswith("transformers.")}
+    model_type = _field(config, "model_type")
+    encoder_decoder = _field(config, "is_encoder_decoder") if config is not None else None
+    auto_map = _field(config, "auto_map") or {}
+    config_class = _config_class(config, model_type)
+    possible = [(kind, facts) for kind, facts in HEADS.items()
+                if encoder_decoder is None or facts.encoder_decoder in (None, bool(encoder_decoder))]
+    for kind, facts in possible:  # the task mappings, by model_type: transformers' own classes and their subclasses
+        if names & _names(getattr(modeling_auto, facts.mapping).get(model_type)):
+            return kind
+    for kind, facts in possible:  # a class registered with the Auto class, or named by a remote-code config
+        remote = auto_map.get(facts.auto_class) if isinstance(auto_map, dict) else None
+        if isinstance(remote, str) and remote.rpartition(".")[2] in names:
+            return kind
+        if config_class is not None and names & _registered(facts, config_class):
+            return kind
+    for kind, _ in possible:  # a transformers class under a config of another model_type (a config subclass)
+        if library & _mapped_names()[kind]:
+            return kind
+    return None
+
+
+@functools.cache
+def _mapped_names() -> dict[HeadKind, frozenset[str]]:
+    """Every class name each kind's task mapping lists, whatever the model_type (the mappings are constants)."""
+    from transformers.models.auto import modeling_auto
+
+    return {kind: frozenset(name for value in getattr(modeling_auto, facts.mapping).values() for name in _names(value))
+            for kind, facts in HEADS.items()}
+
+
+def _config_class(config: Any, model_type: str | None) -> type | None:
+    if config is not None and not isinstance(config, dict):
+        return type(config)
+    if not model_type:
+        return None
+    if model_type in _OWN_MODEL_TYPES:
+        importlib.import_module(_OWN_MODEL_TYPES[model_type])
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        return CONFIG_MAPPING[model_type]
+    except KeyError:
+        return None
+
+
+def _registered(facts: HeadFacts, config_class: type) -> set[str]:
+    """The names of the classes the Auto class of `facts` loads for `config_class` beyond its built-in mapping
+    (`AutoModelFor....register(config_class, model_class)`, remote code once loaded)."""
+    from transformers.models.auto import modeling_auto
+
+    if config_class.model_type in getattr(modeling_auto, facts.mapping):
+        return set()  # a built-in entry (found by model_type): registering over it is refused by transformers
+    try:
+        found = getattr(modeling_auto, facts.mapping.removesuffix("_NAMES"))[config_class]
+    except (KeyError, ImportError, AttributeError):  # not registered (or a built-in class that cannot load)
+        return set()
+    return {c.__name__ for c in (found if isinstance(found, tuple | list) else (found,))}
+
+
+def _kind_from_structure(inner: nn.Module, config: Any) -> HeadKind | None:
+    """A class no mapping names: an LM head (`get_output_embeddings`) on a family hf_distill knows as causal
+    (or a config that says `is_decoder`) is a causal LM, on a registered encoder-decoder family a seq2seq LM.
+    A bidirectional LM head needs no rule: its (batch, positions, vocab) logits are token-level by their shape."""
+    get_head = getattr(inner, "get_output_embeddings", None)
+    try:
+        lm_head = get_head() if callable(get_head) else None
+    except (AttributeError, NotImplementedError):
+        lm_head = None
+    if lm_head is None:
+        return None
+    family = get_family(getattr(config, "model_type", None))
+    if getattr(config, "is_encoder_decoder", False):
+        return HeadKind.SEQ2SEQ_LM if family is not None and family.stack("decoder") is not None else None
+    if getattr(config, "is_decoder", False) or (family is not None and family.causal):
+        return HeadKind.CAUSAL_LM
+    return None
 
 
 def check_kd_loss(head: Head | None, kd_loss: str, where: str = "the student") -> None:

@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 from transformers.modelcard import TrainingSummary, make_markdown_table
 
+from ..features.heads import HEADS, HeadKind, kind_for_task
 from .measure import size_on_disk, stored_parameters
 from .report import LOSS_PLOT, REPORT_FILE, DistillationReport, _empty, hub_id
 
@@ -48,13 +49,9 @@ METHODS = {  # tag -> (what the card calls it, BibTeX keys)
     "deebert": ("DeeBERT early-exit off-ramps (Xin et al., 2020), self-distilled as in FastBERT (Liu et al., 2020)",
                 ["xin2020deebert", "liu2020fastbert"]),
 }
-_AUTO_CLASSES = {"text-classification": "AutoModelForSequenceClassification", "fill-mask": "AutoModelForMaskedLM",
-                 "token-classification": "AutoModelForTokenClassification", "text-generation": "AutoModelForCausalLM",
-                 "question-answering": "AutoModelForQuestionAnswering", "multiple-choice": "AutoModelForMultipleChoice",
-                 "text2text-generation": "AutoModelForSeq2SeqLM", "translation": "AutoModelForSeq2SeqLM",
-                 "summarization": "AutoModelForSeq2SeqLM"}
-_SEQ2SEQ_TASKS = ("text2text-generation", "translation", "summarization")  # no pipeline in transformers 5: `generate`
-_TOKEN_TASKS = ("text-generation", "fill-mask", "token-classification", *_SEQ2SEQ_TASKS)  # cards name kd_token_mask
+_SEQ2SEQ_TASKS = HEADS[HeadKind.SEQ2SEQ_LM].tasks  # no pipeline in transformers 5: the card shows `generate`
+# Token-level heads: the card says which of their tokens the logit loss covered (`kd_token_mask`).
+_TOKEN_TASKS = tuple(task for facts in HEADS.values() if facts.token_level for task in facts.tasks)
 _KD_LOSSES = {"kl": "KL divergence x T^2", "soft_ce": "soft cross-entropy", "mse": "MSE of logits",
               "reverse_kl": "reverse KL divergence x T^2", "jsd": "generalized JSD x T^2",
               "skew_kl": "skew KL divergence x T^2", "skew_reverse_kl": "skew reverse KL divergence x T^2",
@@ -434,11 +431,10 @@ def _early_exit(r: DistillationReport) -> str:
 
 
 def _usage(r: DistillationReport) -> str:
-    repo, auto = r.model_name or "path/to/student", _AUTO_CLASSES.get(r.pipeline_tag or "", "AutoModel")
+    repo, kind = r.model_name or "path/to/student", kind_for_task(r.pipeline_tag)
+    auto = kind.facts.auto_class if kind is not None else "AutoModel"
     if r.adapter:
-        peft = auto.replace("AutoModel", "AutoPeftModel") if auto.endswith((
-            "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering", "ForCausalLM",
-            "ForSeq2SeqLM")) else "AutoPeftModel"
+        peft = kind.facts.peft_class if kind is not None else "AutoPeftModel"
         code = f'from peft import {peft}\n\nmodel = {peft}.from_pretrained("{repo}")  # base + adapters'
     else:
         code = (f'from transformers import {auto}, AutoTokenizer\n\nmodel = {auto}.from_pretrained("{repo}")\n'
@@ -447,7 +443,7 @@ def _usage(r: DistillationReport) -> str:
             code += ('\n\ninputs = tokenizer(["Your source text"], return_tensors="pt")\n'
                      "outputs = model.generate(**inputs, max_new_tokens=64)\n"
                      "print(tokenizer.batch_decode(outputs, skip_special_tokens=True))")
-        elif r.pipeline_tag in _AUTO_CLASSES or r.pipeline_tag == "feature-extraction":
+        elif kind is not None:
             code += '\n\n# or\nfrom transformers import pipeline\n\n'
             code += f'pipe = pipeline("{r.pipeline_tag}", model="{repo}")'
     return f"## How to use\n\n```python\n{code}\n```"

@@ -27,11 +27,6 @@ REPORT_FILE = "distillation_report.json"
 RESULTS_FILE = "results.json"
 LOSS_PLOT = "loss_components.png"
 
-# Student head -> Hub pipeline tag; the first matching suffix of the architecture name wins.
-_HEAD_TASKS = (("ForSequenceClassification", "text-classification"), ("ForTokenClassification", "token-classification"),
-               ("ForQuestionAnswering", "question-answering"), ("ForMaskedLM", "fill-mask"),
-               ("ForMultipleChoice", "multiple-choice"), ("ForCausalLM", "text-generation"),
-               ("Model", "feature-extraction"))
 _NOT_METRICS = ("runtime", "samples_per_second", "steps_per_second", "epoch", "step", "loss", "jit_compilation_time")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # results.json keys (recipes, the demo) -> report fields of the same meaning; `training` keys -> hyperparameters
@@ -110,6 +105,7 @@ class DistillationReport:
         `measure_speed=True` the speed-up is timed on up to `speed_batches` evaluation batches (training
         batches when there is no evaluation set), in this process only: a replicated teacher only.
         """
+        from ..features.heads import head_kind
         from ..features.taps import unwrap
 
         if "evaluate_teacher" in fields:
@@ -123,6 +119,8 @@ class DistillationReport:
         found = _run_facts(getattr(student, "config", None), type(student).__name__, args, trainer,
                            {"log_history": state.log_history, "global_step": state.global_step, "epoch": state.epoch},
                            peft_config.to_dict() if peft_config is not None else None)
+        kind = head_kind(student)  # the model itself, also a subclass or a custom class no mapping names
+        found["pipeline_tag"] = kind.facts.pipeline_tag if kind is not None else None
         found["model_name"] = getattr(trainer, "hub_model_id", None) or args.hub_model_id or Path(args.output_dir).name
         found["student_params"] = measure.count_parameters(student)
         if teacher is not None:
@@ -184,7 +182,7 @@ def _run_facts(config: Any, architecture: str | None, args: Any, trainer: Any, s
     transformers' `extract_hyperparameters_from_trainer`), the trainer state's evaluations and step count."""
     from transformers.modelcard import extract_hyperparameters_from_trainer, parse_log_history
 
-    found: dict[str, Any] = {"architecture": architecture, "pipeline_tag": pipeline_tag_for(architecture),
+    found: dict[str, Any] = {"architecture": architecture, "pipeline_tag": pipeline_tag_for(architecture, config),
                              "student_shape": _shape(config)}
     init = _get(config, "distillation") if config is not None else None
     if isinstance(init, dict):
@@ -268,18 +266,14 @@ def hub_id(name: str | None) -> str | None:
     return name
 
 
-def pipeline_tag_for(architecture: str | None) -> str | None:
-    """The Hub pipeline tag of a student class, from its head (the suffix of its name)."""
-    if not architecture:
-        return None
-    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES as SEQ2SEQ
+def pipeline_tag_for(architecture: str | None, config: Any = None) -> str | None:
+    """The Hub pipeline tag of a student class, from its head kind (`features.heads.class_kind`: the task mapping
+    that names the class, for `config`'s model_type when given). An encoder-decoder LM is text2text-generation,
+    not a vision-language or speech `...ForConditionalGeneration` (see `features.heads.HEADS`)."""
+    from ..features.heads import class_kind
 
-    if architecture in set(SEQ2SEQ.values()):
-        # What AutoModelForSeq2SeqLM loads (T5/BART `...ForConditionalGeneration`, `MarianMTModel`) is tagged
-        # text2text-generation, as the Hub tags these classes; checked before the "Model" suffix (MarianMTModel)
-        # and instead of "ForConditionalGeneration" alone, which vision-language and speech models share.
-        return "text2text-generation"
-    return next((tag for suffix, tag in _HEAD_TASKS if architecture.endswith(suffix)), None)
+    kind = class_kind(architecture, config)
+    return kind.facts.pipeline_tag if kind is not None else None
 
 
 def distillation_facts(args: Any) -> dict[str, Any]:

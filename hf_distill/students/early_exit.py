@@ -45,6 +45,7 @@ from torch.nn.modules import module as _global_hooks  # register_module_forward_
 from transformers.utils import ModelOutput
 
 from ..features.families import REGISTER_HINT
+from ..features.heads import HeadKind, head_kind
 from ..features.taps import FeatureTaps, TapRequest, model_info, unwrap
 
 BRANCH_FILE = "early_exit.safetensors"
@@ -355,7 +356,7 @@ class EarlyExitModel(nn.Module):
                 f"EarlyExitModel: {info.model_type!r} is a causal decoder; FastBERT branches pool the first token, "
                 "which sees no other token under a causal mask. Use a bidirectional encoder classifier."
             )
-        is_seq = type(inner).__name__.endswith("ForSequenceClassification")
+        is_seq = head_kind(inner) is HeadKind.SEQUENCE_CLASSIFICATION
         num_labels = getattr(config, "num_labels", 0)
         if not is_seq or getattr(config, "problem_type", None) in ("regression", "multi_label_classification"):
             raise ValueError(
