@@ -241,7 +241,8 @@ def forward_params(model: nn.Module | None) -> set[str]:
 def student_shape(model: nn.Module) -> tuple[str, int | None, int | None]:
     """The facts the trainer's checks read from the student: its class (hence head), vocabulary and label count."""
     inner = unwrap(model)
-    return type(inner).__name__, getattr(getattr(inner, "config", None), "vocab_size", None), heads_mod.num_labels(inner)
+    vocab = getattr(getattr(inner, "config", None), "vocab_size", None)
+    return type(inner).__name__, vocab, heads_mod.num_labels(inner)
 
 
 def plain_task_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
