@@ -19,7 +19,7 @@ from transformers import (
 )
 
 from hf_distill import DistillationTrainer, losses
-from hf_distill.losses import chunked
+from hf_distill.losses import chunked, kd_head
 
 
 def _gemma2(seed):
@@ -518,7 +518,7 @@ def test_cpu_row_slices_give_the_same_loss_and_gradients(monkeypatch, kind):
     h_s, s_head, h_t, t_head, labels = _agreement_inputs(torch.float32, 8.0, n=63, vocab=500, pad=12)
     results = []
     for elements in (1 << 20, 1000):
-        monkeypatch.setattr(chunked, "_CPU_ELEMENTS", elements)
+        monkeypatch.setattr(kd_head, "_CPU_ELEMENTS", elements)
         x = h_s[None].clone().requires_grad_(True)
         s_head.weight.grad = None
         kd, ce = chunked.chunked_kd_and_ce(x, chunked.LogitsHead(s_head), chunked.LogitsHead(t_head), h_t[None],

@@ -24,6 +24,7 @@ from hf_distill.losses import (
     reverse_kl,
     soft_cross_entropy,
 )
+from hf_distill.losses import jsd as jsd_module
 
 ATOL = RTOL = 1e-5
 LENGTHS = [5, 1, 3]  # padded batch: a full row, a single real token, a partial row
@@ -369,7 +370,7 @@ def test_jsd_fast_path_equals_the_guarded_path(monkeypatch, beta):
     s, t = randn(3, 5, 11, seed=146, scale=6), randn(3, 5, 11, seed=147, scale=6)
     results = []
     for fast_range in (80.0, -1.0):  # -1: no block qualifies for the fast path
-        monkeypatch.setattr(losses_module, "_JSD_FAST_RANGE", fast_range)
+        monkeypatch.setattr(jsd_module, "_JSD_FAST_RANGE", fast_range)
         x, y = s.clone().requires_grad_(True), t.clone().requires_grad_(True)
         loss = generalized_jsd(x, y, beta, 2.0)
         results.append((loss, *torch.autograd.grad(loss, (x, y))))
@@ -383,7 +384,7 @@ def test_jsd_fast_path_equals_the_guarded_path(monkeypatch, beta):
 def test_jsd_classes_with_zero_mass_mix_with_fast_blocks(monkeypatch, beta):
     """A class with -inf logits (zero mass on one side) sends its block to the guarded formula while the
     other blocks stay fast: value and gradient still match float64 autograd on the finite classes."""
-    monkeypatch.setattr(losses_module, "_JSD_BLOCK", 11)  # one row per block
+    monkeypatch.setattr(jsd_module, "_JSD_BLOCK", 11)  # one row per block
     s, t = randn(2, 3, 11, seed=148, scale=3), randn(2, 3, 11, seed=149, scale=3)
     t[0, 1, 4] = float("-inf")  # the teacher gives class 4 no mass in one row
     s[1, 2, 7] = float("-inf")  # the student gives class 7 no mass in another
@@ -405,7 +406,7 @@ def test_jsd_row_blocks_do_not_change_value_or_gradient(monkeypatch):
     mask = length_mask([5, 2, 4], 5)
     results = []
     for block in (1 << 18, 11, 30, 1):  # all rows at once, one row, 2 rows + a short last block, 1 element
-        monkeypatch.setattr(losses_module, "_JSD_BLOCK", block)
+        monkeypatch.setattr(jsd_module, "_JSD_BLOCK", block)
         x = s.clone().requires_grad_(True)
         loss = generalized_jsd(x, t, 0.3, 2.0, mask)
         (grad,) = torch.autograd.grad(loss, x)

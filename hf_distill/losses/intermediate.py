@@ -44,7 +44,7 @@ from ..features.taps import (
     model_info,
     unwrap,
 )
-from . import divergences as losses
+from . import feature_losses as losses
 from .terms import DistillTerm, check_incremental_pairs, parse_terms
 
 

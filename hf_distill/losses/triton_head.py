@@ -1,4 +1,4 @@
-"""The loss head's forward row statistics as one Triton kernel (CUDA only; :func:`hf_distill.losses.chunked._row_stats`
+"""The loss head's forward row statistics as one Triton kernel (CUDA only; :func:`hf_distill.losses.kd_head._row_stats`
 is the reference it is tested against, on a GPU, by `benchmarks/causal_lm_gpu.py` and tests/test_chunked.py).
 
 For a chunk of rows of float32 student and teacher logits it computes, per row: the log-normalisers of both at T
@@ -50,7 +50,7 @@ if triton is not None:
 
     @triton.jit
     def _mix(w, d):
-        """log((1 - w) + w exp(d)), exactly 0 at d = 0 (as hf_distill.losses._log1p_mix)."""
+        """log((1 - w) + w exp(d)), exactly 0 at d = 0 (as hf_distill.losses.divergences._log1p_mix)."""
         c = tl.where(d <= 0.0, w, 1.0 - w)
         return tl.maximum(d, 0.0) + _log1p(c * _expm1_neg(-tl.abs(d)))
 
@@ -160,7 +160,7 @@ if triton is not None:
 
 def row_stats(zs: torch.Tensor, zt: torch.Tensor | None, targets: torch.Tensor | None, kind: str | None,
               temperature: float, beta: float, alpha: float, vocab: int):
-    """The Triton version of :func:`hf_distill.losses.chunked._row_stats` (same arguments, same results)."""
+    """The Triton version of :func:`hf_distill.losses.kd_head._row_stats` (same arguments, same results)."""
     zs = zs if zs.stride(-1) == 1 else zs.contiguous()
     zt = zt if zt is None or zt.stride(-1) == 1 else zt.contiguous()
     n, n_cols = zs.shape

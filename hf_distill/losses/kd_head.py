@@ -1,0 +1,360 @@
+"""The direct route of the causal-LM loss head (:mod:`hf_distill.losses.chunked`): :class:`_KDHead`, the autograd
+function that reads each LM head's weight, and the row math it runs on.
+
+- float32-output GEMMs (:func:`mm_f32`, :func:`addmm_f32`, :class:`_LinearF32` and the :class:`float32_logits` mode
+  the module route uses): every logit comes out of its GEMM in float32, never rounded to bf16/fp16 on the way out.
+- the forward's row statistics (:func:`_row_stats`, or the Triton kernel of :mod:`hf_distill.losses.triton_head`
+  on CUDA) and the backward's closed-form logit gradient per vocabulary block (:func:`_grad_block`,
+  :func:`row_gradient`), fused by `torch.compile` on CUDA (`HF_DISTILL_COMPILE=0`: plain PyTorch;
+  `HF_DISTILL_TRITON=0`: no Triton kernel) and walked in cache-sized slices of rows on the CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from . import divergences as losses
+
+if TYPE_CHECKING:
+    from .chunked import KDSpec, LogitsHead
+
+#: The divergences with a closed-form logit gradient here (`kd_loss` values); all but `soft_ce` are times `T**2`.
+DIVERGENCES = losses.DIVERGENCE_KINDS
+# Logit elements per block of the backward's vocabulary walk, at least: the forward's chunk holds
+# `chunk_size * V` of them, and the backward's blocks are sized to hold as many (N rows x a slice of V).
+_MIN_BLOCK_COLUMNS = 128
+
+
+# ---------------------------------------------------------------------------------------------- float32-output GEMMs
+
+
+@functools.cache
+def _cuda_out_dtype() -> bool:
+    """Whether this torch has `torch.mm(..., out_dtype=float32)` for bf16/fp16 CUDA operands (torch >= 2.8)."""
+    try:
+        a = torch.ones(16, 16, device="cuda", dtype=torch.bfloat16)
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`a @ b` with float32 output: low-precision operands are multiplied exactly and summed in float32, never
+    rounded to their own dtype on the way out. CUDA: one low-precision GEMM with a float32 output; elsewhere the
+    operands are upcast (a bf16 or fp16 product is exact in float32, so the result is the same). Not
+    differentiable on CUDA (`out_dtype` has no derivative): :class:`_LinearF32` is the differentiable form."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and a.dtype == b.dtype and _cuda_out_dtype():
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
+
+
+@functools.cache
+def _cuda_addmm_out_dtype() -> bool:
+    """Whether this torch has `torch.addmm(c32, a, b, out_dtype=float32)` for bf16/fp16 CUDA operands."""
+    try:
+        a = torch.ones(16, 16, device="cuda", dtype=torch.bfloat16)
+        c = torch.ones(16, 16, device="cuda")
+        return bool(torch.addmm(c, a, a, out_dtype=torch.float32)[0, 0] == 17)
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def addmm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`acc + a @ b` into a float32 accumulator, the product as in :func:`mm_f32` (on CUDA the addition happens in
+    the GEMM's epilogue). Not differentiable: used where gradients are formed by hand."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and a.dtype == b.dtype and _cuda_addmm_out_dtype():
+        return torch.addmm(acc, a, b, out_dtype=torch.float32)
+    return acc.add_(mm_f32(a, b))
+
+
+def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the model's own `F.linear(x, weight)` would multiply in: autocast's, else the weight's."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return weight.dtype
+
+
+class _LinearF32(torch.autograd.Function):
+    """`F.linear` with float32 output and float32-accumulated gradients, operands in the linear's compute dtype."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        dtype = _compute_dtype(x, weight)
+        with torch.autocast(x.device.type, enabled=False):
+            flat = x.reshape(-1, x.shape[-1]).to(dtype)
+            out = mm_f32(flat, weight.to(dtype).t())
+            if bias is not None:
+                out += bias.float()
+        ctx.save_for_backward(x, weight)
+        ctx.dtype, ctx.has_bias = dtype, bias is not None
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        if torch.is_grad_enabled():
+            raise RuntimeError("hf_distill's float32-output linear has no second derivative.")
+        x, weight = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1]).to(ctx.dtype)
+        flat = x.reshape(-1, x.shape[-1]).to(ctx.dtype)
+        w = weight.to(ctx.dtype)
+        gx = mm_f32(g, w).to(x.dtype).reshape(x.shape) if ctx.needs_input_grad[0] else None
+        gw = mm_f32(g.t(), flat).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        gb = grad.reshape(-1, grad.shape[-1]).float().sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return gx, gw, gb
+
+
+class float32_logits(TorchFunctionMode):  # noqa: N801 (used as a context manager, like torch.no_grad)
+    """Within it, every `F.linear` computes its output in float32 from operands in its usual dtype (:func:`mm_f32`).
+    Used around an LM head's module call, so an engine's parameter hooks still run."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            return _LinearF32.apply(x, weight, bias)
+        return func(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- row math
+
+
+def row_gradient(kind: str, la: torch.Tensor, lb: torch.Tensor, stat: torch.Tensor, beta: float = 0.5,
+                 alpha: float = 0.1) -> torch.Tensor:
+    """d divergence / d (student logits / T) for a block of columns, from the row's statistic (`stat`, `(n, 1)`,
+    from :func:`hf_distill.losses.divergence_rows`, whose definitions these are the derivatives of).
+
+    With `g_v = dL/dQ_v` the chain rule through the softmax gives `Q_v (g_v - sum_u Q_u g_u)`; the sum is the row
+    statistic, which needs every column and so comes from the forward pass."""
+    q = la.exp()
+    if kind in ("kl", "soft_ce"):
+        return q - lb.exp()
+    d = la - lb
+    fast = losses._bounded(d)  # eager code: the plain forms where every log-ratio is finite and moderate
+    mix, masked = losses._mixer(fast), losses._multiplier(fast)
+    if kind == "reverse_kl":
+        return masked(q, d - stat)
+    if kind == "jsd":
+        return masked(q, -mix(beta, -d) - stat) * (1 - beta)
+    if kind == "skew_kl":
+        return masked(q, torch.exp(-mix(1 - alpha, d)) - stat) * -(1 - alpha)
+    if kind == "skew_reverse_kl":
+        log_r_q = mix(1 - alpha, -d)
+        return masked(q, -log_r_q - alpha * torch.exp(-log_r_q) - stat)
+    if kind == "tvd":
+        return q * (0.5 * torch.sign(q - lb.exp()) - stat)
+    raise ValueError(f"kd_loss={kind!r} has no closed-form gradient here; known: {', '.join(DIVERGENCES)}")
+
+
+def _head_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, head: LogitsHead,
+                 dtype: torch.dtype, cols: slice = slice(None)) -> torch.Tensor:
+    """float32 logits of rows `h` (already in `dtype`) for the vocabulary columns `cols`, post-processed."""
+    z = mm_f32(h, weight[cols].to(dtype).t())
+    if bias is not None:
+        z += bias[cols].float()
+    return head.post(z)
+
+
+def _row_stats(zs: torch.Tensor, zt: torch.Tensor | None, targets: torch.Tensor | None, kind: str | None,
+               temperature: float, beta: float, alpha: float, vocab: int):
+    """Per row of a token chunk (every column): CE normaliser and CE, the two log-normalisers at T, the divergence
+    (no factor) and its gradient statistic. Elementwise and row reductions only: fused by `torch.compile` on GPUs."""
+    lse1 = ce = lse_a = lse_b = value = stat = None
+    if kind is not None:
+        a = zs[:, :vocab] / temperature if temperature != 1.0 else zs[:, :vocab]
+        b = zt / temperature if temperature != 1.0 else zt
+        lse_a, lse_b = torch.logsumexp(a, -1), torch.logsumexp(b, -1)
+        value, stat = losses.divergence_rows(kind, a - lse_a[:, None], b - lse_b[:, None], beta, alpha)
+    if targets is not None:
+        # at T = 1 over the whole vocabulary the KD's student normaliser is the CE's: one reduction fewer
+        same = kind is not None and temperature == 1.0 and vocab == zs.shape[1]
+        lse1 = lse_a if same else torch.logsumexp(zs, -1)
+        ce = lse1 - zs.gather(-1, targets[:, None]).squeeze(-1)
+    return lse1, ce, lse_a, lse_b, value, stat
+
+
+def _grad_block(zs: torch.Tensor, zt: torch.Tensor | None, start: int, targets: torch.Tensor | None,
+                lse1: torch.Tensor | None, w_ce: torch.Tensor | None, lse_a: torch.Tensor | None,
+                lse_b: torch.Tensor | None, stat: torch.Tensor | None, w_kd: torch.Tensor | None, kind: str | None,
+                temperature: float, beta: float, alpha: float, scale: float, cap: float | None,
+                dtype: torch.dtype) -> torch.Tensor:
+    """d loss / d raw logits of a vocabulary block (columns `start...` of every row), in the GEMM dtype: the CE's
+    `softmax - onehot` and the divergence's closed form (:func:`row_gradient`), each times its row weight, through
+    the family's post-processing. Elementwise only: one fused kernel under `torch.compile` on GPUs."""
+    g = torch.zeros_like(zs)
+    if targets is not None:
+        cols = torch.arange(start, start + zs.shape[1], device=zs.device)
+        onehot = (targets[:, None] == cols[None, :]).to(zs.dtype)
+        g = g + (torch.exp(zs - lse1[:, None]) - onehot) * w_ce[:, None]
+    if zt is not None:
+        la = (zs / temperature if temperature != 1.0 else zs) - lse_a[:, None]
+        lb = (zt / temperature if temperature != 1.0 else zt) - lse_b[:, None]
+        g = g + row_gradient(kind, la, lb, stat[:, None], beta, alpha) * w_kd[:, None]
+    if cap is not None:
+        g = g * (1 - (zs / cap) ** 2)
+    if scale != 1.0:
+        g = g * scale
+    return g.to(dtype)
+
+
+@functools.cache
+def _fused(fn):
+    """`fn` compiled by inductor (one or two kernels instead of ~25 passes over the logits) where it runs on a
+    CUDA GPU and `HF_DISTILL_COMPILE` is not 0; the same function, same math, elsewhere (tested equal on a GPU,
+    `benchmarks/kd_precision.py`)."""
+    import os
+
+    if os.environ.get("HF_DISTILL_COMPILE", "1") == "0":
+        return fn
+    return torch.compile(fn, dynamic=True, fullgraph=True)
+
+
+def _elementwise(fn, device: torch.device):
+    return _fused(fn) if device.type == "cuda" else _by_rows(fn)
+
+
+_CPU_ELEMENTS = 1 << 20  # logits per slice of rows in the CPU's elementwise work: its temporaries stay in cache
+
+
+def _by_rows(fn):
+    """`fn` (row statistics or a gradient block) over slices of ~2^20 logits' rows: the same results, but its dozen
+    temporaries are slices' size (4 MiB), not the chunk's, and stay in cache (no `torch.compile` on CPU)."""
+
+    @functools.wraps(fn)
+    def run(zs, zt, *args):
+        step = max(1, _CPU_ELEMENTS // max(zs.shape[1], 1))
+        if zs.shape[0] <= step:
+            return fn(zs, zt, *args)
+        out = None
+        parts = []
+        for r in (slice(i, i + step) for i in range(0, zs.shape[0], step)):
+            part = fn(zs[r], None if zt is None else zt[r], *(_rows_of(x, r) for x in args))
+            if isinstance(part, torch.Tensor):  # a gradient block: written into one preallocated block
+                out = part.new_empty(zs.shape[0], part.shape[1]) if out is None else out
+                out[r] = part
+            else:
+                parts.append(part)
+        if out is not None:
+            return out
+        return tuple(None if p[0] is None else torch.cat(p) for p in zip(*parts, strict=True))
+
+    return run
+
+
+def _rows_of(x, rows: slice):
+    """The per-row arguments (1-D tensors: targets, row statistics, row weights) sliced; everything else as is."""
+    return x[rows] if isinstance(x, torch.Tensor) and x.dim() == 1 else x
+
+
+def _row_stats_fn(device: torch.device):
+    """The forward's row statistics: a Triton kernel on CUDA (:mod:`hf_distill.losses.triton_head`, two reads of each
+    logit), else :func:`_row_stats` (compiled on CUDA). `HF_DISTILL_TRITON=0`: no Triton kernel;
+    `HF_DISTILL_COMPILE=0`: plain PyTorch (both for comparisons: same math)."""
+    import os
+
+    from . import triton_head
+
+    on = os.environ.get("HF_DISTILL_COMPILE", "1") != "0" and os.environ.get("HF_DISTILL_TRITON", "1") != "0"
+    if on and triton_head.available(device):
+        return triton_head.row_stats
+    return _elementwise(_row_stats, device)
+
+
+def _blocks(v_s: int, vocab: int, cols: int):
+    """Vocabulary blocks of at most `cols` columns that never straddle `vocab` (the KD's last column)."""
+    for lo, hi in ((0, min(vocab, v_s)), (min(vocab, v_s), v_s)):
+        for start in range(lo, hi, cols):
+            yield slice(start, min(start + cols, hi))
+
+
+class _KDHead(torch.autograd.Function):
+    """`[sum of KD over kd rows, sum of CE over ce rows]` of `N` counted rows from hidden states and LM heads.
+
+    Forward: token chunks (every column of a row), keeping per row the student's and teacher's log-normalisers
+    at T, the student's at T = 1 (CE) and the divergence's statistic. Backward: vocabulary blocks (every row),
+    the block's logits recomputed, its gradient formed from those statistics (:func:`row_gradient`)."""
+
+    @staticmethod
+    def forward(ctx, h_s, w_s, b_s, h_t, w_t, b_t, t_logits, targets, kd_rows, ce_rows,
+                s_head: LogitsHead, t_head: LogitsHead | None, spec: KDSpec | None, vocab: int, chunk: int):
+        n = h_s.shape[0]
+        dtype_s = _compute_dtype(h_s, w_s)
+        dtype_t = _compute_dtype(h_t, w_t) if h_t is not None else None
+        kind = spec.kind if spec is not None else None
+        T, beta, alpha = (spec.temperature, spec.beta, spec.alpha) if spec is not None else (1.0, 0.5, 0.1)
+        stats = h_s.new_zeros(4, n, dtype=torch.float32)  # lse_s(T), lse_t(T), lse_s(1), divergence statistic
+        sums = h_s.new_zeros(2, dtype=torch.float32)
+        row_stats = _row_stats_fn(h_s.device)
+        with torch.autocast(h_s.device.type, enabled=False), torch.no_grad():
+            for start in range(0, n, chunk):
+                rows = slice(start, start + chunk)
+                zs = _head_logits(h_s[rows].to(dtype_s), w_s, b_s, s_head, dtype_s)
+                zt = None
+                if spec is not None:
+                    zt = (_head_logits(h_t[rows].to(dtype_t), w_t, b_t, t_head, dtype_t, slice(0, vocab))
+                          if t_logits is None else t_logits[rows, :vocab].float())
+                lse1, ce, lse_a, lse_b, value, stat = row_stats(
+                    zs, zt, targets[rows] if targets is not None else None, kind, T, beta, alpha, vocab)
+                if targets is not None:
+                    stats[2, rows] = lse1
+                    sums[1] += torch.where(ce_rows[rows], ce, 0.0).sum()
+                if spec is not None:
+                    stats[0, rows], stats[1, rows], stats[3, rows] = lse_a, lse_b, stat
+                    sums[0] += torch.where(kd_rows[rows], value, 0.0).sum() * spec.factor
+        ctx.save_for_backward(h_s, w_s, b_s, h_t, w_t, b_t, t_logits, targets, kd_rows, ce_rows, stats)
+        ctx.args = (s_head, t_head, spec, vocab, chunk, dtype_s, dtype_t)
+        ctx.set_materialize_grads(False)
+        return sums
+
+    @staticmethod
+    def backward(ctx, grad):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "The causal-LM loss head (hf_distill.losses.chunked) has no second derivative: its gradient is formed "
+                "in "
+                "closed form. For create_graph=True compute the loss from whole logits (kd_chunk_size unset where "
+                "chunking is impossible, or hf_distill.losses on the model's logits)."
+            )
+        h_s, w_s, b_s, h_t, w_t, b_t, t_logits, targets, kd_rows, ce_rows, stats = ctx.saved_tensors
+        s_head, t_head, spec, vocab, chunk, dtype_s, dtype_t = ctx.args
+        want_h, want_w, want_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        if grad is None or not (want_h or want_w or want_b):
+            return (None,) * 15
+        n, v_s = h_s.shape[0], w_s.shape[0]
+        kind = spec.kind if spec is not None else None
+        T, beta, alpha = (spec.temperature, spec.beta, spec.alpha) if spec is not None else (1.0, 0.5, 0.1)
+        # per-row weights of the two sums' gradients (the upstream gradient, e.g. a loss scale, included)
+        w_kd = (kd_rows.float() * grad[0].float() * (spec.factor / spec.temperature)) if spec is not None else None
+        w_ce = (ce_rows.float() * grad[1].float()) if targets is not None else None
+        grad_h = torch.zeros(h_s.shape, dtype=torch.float32, device=h_s.device) if want_h else None
+        grad_w = torch.empty_like(w_s) if want_w else None
+        grad_b = torch.empty_like(b_s) if want_b else None
+        cols = max(_MIN_BLOCK_COLUMNS, (chunk * v_s) // max(n, 1) // _MIN_BLOCK_COLUMNS * _MIN_BLOCK_COLUMNS)
+        grad_block = _elementwise(_grad_block, h_s.device)
+        with torch.autocast(h_s.device.type, enabled=False), torch.no_grad():
+            hs = h_s.to(dtype_s)
+            ht = h_t.to(dtype_t) if h_t is not None else None
+            for block in _blocks(v_s, vocab, cols):
+                zs = _head_logits(hs, w_s, b_s, s_head, dtype_s, block)
+                zt = None
+                if spec is not None and block.start < vocab:
+                    zt = (_head_logits(ht, w_t, b_t, t_head, dtype_t, block)
+                          if t_logits is None else t_logits[:, block].float())
+                g = grad_block(zs, zt, block.start, targets, stats[2], w_ce, stats[0], stats[1], stats[3], w_kd,
+                               kind, T, beta, alpha, s_head.scale, s_head.cap,
+                               dtype_s if not want_b else torch.float32)
+                if want_b:
+                    grad_b[block] = g.sum(0).to(b_s.dtype)
+                    g = g.to(dtype_s)
+                if want_w:  # float32 out, then one rounding (bf16 GEMMs may reduce split-K partials in bf16)
+                    grad_w[block] = mm_f32(g.t(), hs).to(w_s.dtype)
+                if want_h:
+                    grad_h = addmm_f32(grad_h, g, w_s[block].to(dtype_s))
+        grad_h = grad_h.to(h_s.dtype) if want_h else None
+        return grad_h, grad_w, grad_b, *(None,) * 12
