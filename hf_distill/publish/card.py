@@ -17,12 +17,14 @@ import dataclasses
 import json
 import os
 import re
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+from transformers import modelcard
 from transformers.modelcard import TrainingSummary, make_markdown_table
 
 from .measure import size_on_disk, stored_parameters
@@ -54,6 +56,12 @@ _AUTO_CLASSES = {"text-classification": "AutoModelForSequenceClassification", "f
                  "text2text-generation": "AutoModelForSeq2SeqLM", "translation": "AutoModelForSeq2SeqLM",
                  "summarization": "AutoModelForSeq2SeqLM"}
 _SEQ2SEQ_TASKS = ("text2text-generation", "translation", "summarization")  # no pipeline in transformers 5: `generate`
+# transformers indexes results only for the tasks of its own name table: the card's copy of its `create_model_index`
+# reads that table extended with the student tasks it lacks (transformers' own table is left as it is).
+_TASK_NAMES = {**modelcard.TASK_TAG_TO_NAME_MAPPING,
+               **{t: t.replace("-", " ").title() for t in (*_SEQ2SEQ_TASKS, "feature-extraction")}}
+_create_model_index = types.FunctionType(TrainingSummary.create_model_index.__code__,
+                                         {**vars(modelcard), "TASK_TAG_TO_NAME_MAPPING": _TASK_NAMES})
 _TOKEN_TASKS = ("text-generation", "fill-mask", "token-classification", *_SEQ2SEQ_TASKS)  # cards name kd_token_mask
 _KD_LOSSES = {"kl": "KL divergence x T^2", "soft_ce": "soft cross-entropy", "mse": "MSE of logits",
               "reverse_kl": "reverse KL divergence x T^2", "jsd": "generalized JSD x T^2",
@@ -132,12 +140,13 @@ class DistillationSummary(TrainingSummary):
                    dataset_metadata=[dataset_metadata], eval_results=r.student_metrics if indexed else None,
                    eval_lines=r.eval_lines or None, hyperparameters=r.training or None, source="trainer", report=r)
 
+    def create_model_index(self, metric_mapping: dict[str, str]) -> list[dict[str, Any]]:
+        return _create_model_index(self, {name: name for name in self.eval_results or {}})
+
     def create_metadata(self) -> dict[str, Any]:
         meta = super().create_metadata()
-        index = self.create_model_index({name: name for name in self.eval_results or {}})
-        meta.pop("model-index")
-        if index[0]["results"]:
-            meta["model-index"] = index
+        if not meta["model-index"][0]["results"]:
+            del meta["model-index"]
         if self.report.adapter:
             meta["library_name"] = "peft"
         if self.tasks:

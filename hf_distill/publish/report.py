@@ -202,6 +202,7 @@ def _run_facts(config: Any, architecture: str | None, args: Any, trainer: Any, s
         training.pop("mixed_precision_training", None)  # said by `precision`, bf16 included
         if "optimizer" in training and hasattr(args.optim, "value"):  # "adamw_torch", not "OptimizerNames.ADAMW_TORCH"
             training["optimizer"] = training["optimizer"].replace(str(args.optim), args.optim.value)
+        training["weight_decay"] = args.weight_decay  # not among transformers' hyperparameters
         training["precision"] = _precision(getattr(args, "bf16", False), getattr(args, "fp16", False))
         if hasattr(args, "distillation_summary"):
             found["distillation"] = distillation_facts(args)
