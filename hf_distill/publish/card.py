@@ -111,7 +111,7 @@ class DistillationSummary(TrainingSummary):
 
     @classmethod
     def from_report(cls, r: DistillationReport) -> DistillationSummary:
-        extra_tags, base = [], r.teacher_hub_id
+        extra_tags, base = [], hub_id(r.teacher)
         if r.adapter:
             base = hub_id(r.adapter.get("base_model"))
             extra_tags = ["transformers", *(["lora"] if r.adapter.get("peft_type") == "LORA" else []),

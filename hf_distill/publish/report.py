@@ -1,10 +1,7 @@
-"""What a distillation run produced, read once so that the model card, the CLI and the plots agree.
+"""What a distillation run produced (`DistillationReport`), read once so that the card, the CLI and the plots agree.
 
-`DistillationReport` holds the facts a card states. One reader fills it: `from_trainer` reads a live trainer,
-`from_folder` a saved student folder (`config.json`, `training_args.bin`, `trainer_state.json`, the weights, the
-last card's `distillation_report.json`, a recipe's `results.json`); both go through `_run_facts`, and the training
-settings are transformers' own (`extract_hyperparameters_from_trainer`, `parse_log_history`). A fact that could not
-be measured stays empty and the card leaves it out: the card never shows a placeholder.
+`from_trainer` (a live trainer) and `from_folder` (a saved student) both read through `_run_facts`, with transformers'
+training hyperparameters. A fact that could not be measured stays empty, and the card leaves it out.
 """
 
 from __future__ import annotations
@@ -94,29 +91,19 @@ class DistillationReport:
         _check_fields(fields)
         return dataclasses.replace(self, **{k: v for k, v in fields.items() if not _empty(v)})
 
-    @property
-    def teacher_hub_id(self) -> str | None:
-        """The teacher as a Hub model id, or None when it is a local path or a bare name."""
-        return hub_id(self.teacher)
-
     @classmethod
     def from_trainer(cls, trainer: Any, *, measure_speed: bool = False, speed_batches: int = 8,
                      **fields: Any) -> DistillationReport:
-        """Everything a `DistillationTrainer` knows after training; `fields` override what it found.
-
-        Nothing is run unless asked: the student's metrics are those of its last logged evaluation, the
-        teacher's those of the last `trainer.evaluate_teacher()` (an all-process evaluation loop; the card is
-        written by one process, where a sharded teacher's forward would wait for the others forever). With
-        `measure_speed=True` the speed-up is timed on up to `speed_batches` evaluation batches (training
-        batches when there is no evaluation set), in this process only: a replicated teacher only.
-        """
+        """What a `DistillationTrainer` knows after training, `fields` over it. Nothing runs unless asked: the metrics
+        are the last logged evaluation's and the last `trainer.evaluate_teacher()`'s (the card is written by one
+        process, where a sharded teacher would wait forever); `measure_speed=True` times up to `speed_batches`
+        batches here (`measure.trainer_speedup`)."""
         from ..features.taps import unwrap
 
         if "evaluate_teacher" in fields:
-            raise TypeError(
-                "The card no longer evaluates the teacher (it is written on one process, where a sharded "
-                "teacher would deadlock). Call trainer.evaluate_teacher() on every process before writing the "
-                "card: its metrics are the card's teacher column.")
+            raise TypeError("The card no longer evaluates the teacher (it is written on one process, where a sharded "
+                            "teacher would deadlock). Call trainer.evaluate_teacher() on every process before writing "
+                            "the card: its metrics are the card's teacher column.")
         _check_fields(fields)
         student, teacher, args, state = unwrap(trainer.model), trainer.teacher, trainer.args, trainer.state
         peft_config = getattr(getattr(trainer.model, "peft_config", None), "get", lambda _: None)("default")
@@ -139,14 +126,9 @@ class DistillationReport:
 
     @classmethod
     def from_folder(cls, folder: str | os.PathLike, **fields: Any) -> DistillationReport:
-        """What a saved student folder says about its run; `fields` override it.
-
-        Read, later sources winning: `config.json`, `adapter_config.json`, `training_args.bin`,
-        `trainer_state.json` (the folder's or its latest checkpoint's) and the weight files; then
-        `distillation_report.json` (what the last card said, measured by the trainer); last `results.json` (a
-        recipe's or the demo's measurements, `read_results`).
-        A causal LM's loss and perplexity are completed from each other (`lm_metrics`).
-        """
+        """What a saved student folder says, later sources winning: config.json, adapter_config.json,
+        training_args.bin, trainer_state.json (or the latest checkpoint's), the weights, distillation_report.json
+        (the last card's), results.json (`read_results`); then `fields`."""
         _check_fields(fields)
         folder = Path(folder)
         if not folder.is_dir():
@@ -180,8 +162,7 @@ class DistillationReport:
 
 def _run_facts(config: Any, architecture: str | None, args: Any, trainer: Any, state: dict[str, Any] | None,
                adapter_config: dict[str, Any] | None) -> dict[str, Any]:
-    """The facts a trainer and a saved folder both hold: the student's config, the training arguments (through
-    transformers' `extract_hyperparameters_from_trainer`), the trainer state's evaluations and step count."""
+    """The facts a trainer and a saved folder both hold: config, training arguments, evaluations, steps."""
     from transformers.modelcard import extract_hyperparameters_from_trainer, parse_log_history
 
     found: dict[str, Any] = {"architecture": architecture, "pipeline_tag": pipeline_tag_for(architecture),
@@ -223,10 +204,8 @@ def _run_facts(config: Any, architecture: str | None, args: Any, trainer: Any, s
 
 
 def read_results(path: str | os.PathLike) -> dict[str, Any]:
-    """A results.json (recipe, demo) as report fields, {} when absent: `teacher`, `method`, `dataset(s)`, `license`,
-    `speedup`, `student_parameters`/`params`, `teacher_parameters`, `*_size_bytes`, `student_metrics` /
-    `teacher_metrics` dicts or flat `student_<metric>`/`teacher_<metric>` numbers, `accuracy`, `f1`, `perplexity`,
-    `learning_rate`, `epochs`, `max_steps`, `train_steps`, `epochs_trained`, `seed`, `bf16`, `distillation`."""
+    """A recipe's or the demo's results.json as report fields ({} when absent): metrics as `student_metrics` /
+    `teacher_metrics` dicts, flat `student_<metric>` / `teacher_<metric>` numbers or `accuracy`, `f1`, `perplexity`."""
     data = _read_json(Path(path))
     if not data:
         return {}
@@ -284,8 +263,7 @@ def pipeline_tag_for(architecture: str | None) -> str | None:
 
 
 def distillation_facts(args: Any) -> dict[str, Any]:
-    """`args.distillation_summary()` plus what a card needs to read the run right: which tokens the logit loss
-    covered (`kd_token_mask`) and whether `eval_loss` was the student's own loss (`eval_with_teacher`)."""
+    """`args.distillation_summary()` with `kd_token_mask` and `eval_with_teacher` (is `eval_loss` the student's own)."""
     facts = dict(args.distillation_summary())
     for name in ("kd_token_mask", "eval_with_teacher"):
         if getattr(args, name, None) is not None:
@@ -294,14 +272,12 @@ def distillation_facts(args: Any) -> dict[str, Any]:
 
 
 def _own_eval_loss(pipeline_tag: str | None = None, distillation: dict[str, Any] | None = None, **_: Any) -> bool:
-    """Whether a logged `eval_loss` is a causal-LM student's own next-token loss, of which perplexity is exp: only
-    when it is known that the teacher did not join the evaluation (`eval_with_teacher=False`)."""
+    """Whether `eval_loss` is a causal LM's own next-token loss (known only with `eval_with_teacher=False`)."""
     return pipeline_tag == "text-generation" and (distillation or {}).get("eval_with_teacher") is False
 
 
 def lm_metrics(metrics: dict[str, float]) -> dict[str, float]:
-    """A language model's metrics with `perplexity` = exp(`loss`) beside each loss (`<set>_loss` gives
-    `<set>_perplexity`), and the loss (log perplexity) beside a perplexity given alone."""
+    """A language model's metrics with `<set>_perplexity` = exp(`<set>_loss`) beside each loss, and the reverse."""
     out: dict[str, float] = {}
     for name, value in metrics.items():
         if name.endswith("perplexity") and name[: -len("perplexity")] + "loss" in metrics:
@@ -352,9 +328,8 @@ def _is_metric(name: str, keep_loss: bool = False) -> bool:
 
 def latest_eval_metrics(log_history: list[dict[str, Any]], keep_loss: bool = False
                         ) -> tuple[dict[str, float], int | None]:
-    """The last evaluation's metrics (without the `eval_` prefix, losses and timings) and its step; with several
-    evaluation sets (`eval_dataset={"a": ..., "b": ...}`, one log entry each) those of every set at that step.
-    `keep_loss` keeps the losses too (a causal LM's eval loss is its quality measure: perplexity is its exp)."""
+    """The last evaluation's metrics (of every evaluation set at that step, without the `eval_` prefix, timings and
+    losses unless `keep_loss`) and its step."""
     metrics: dict[str, float] = {}
     step = None
     for entry in reversed(log_history or []):
@@ -431,9 +406,7 @@ def _shape(config: Any) -> dict[str, int]:
         return {}
     keys = {"layers": ("num_hidden_layers", "n_layers", "num_layers"), "hidden": ("hidden_size", "dim", "d_model"),
             "heads": ("num_attention_heads", "n_heads")}
-    if _get(config, "is_encoder_decoder"):
-        # Two stacks, each with its own depth (T5: num_layers / num_decoder_layers; BART, Marian: encoder_layers /
-        # decoder_layers); num_hidden_layers is only the encoder's there.
+    if _get(config, "is_encoder_decoder"):  # two stacks (T5: num_layers / num_decoder_layers; BART: encoder_layers)
         del keys["layers"]
         keys = {"encoder_layers": ("encoder_layers", "num_layers"),
                 "decoder_layers": ("decoder_layers", "num_decoder_layers"), **keys}
@@ -450,8 +423,8 @@ def _precision(bf16: Any, fp16: Any) -> str:
 
 
 def _load_training_args(path: Path) -> Any:
-    """`training_args.bin` without running arbitrary pickled code: weights-only loading, allowing only
-    classes from transformers, accelerate and hf_distill. None when the file is absent or foreign."""
+    """`training_args.bin` loaded weights-only, allowing classes of transformers, accelerate and hf_distill only;
+    None when absent or foreign."""
     if not path.is_file():
         return None
     import torch
