@@ -175,8 +175,12 @@ def _run_facts(config: Any, architecture: str | None, args: Any, trainer: Any, s
         stacks = {f"{s}_layers": init.get(f"teacher_num_{s}_layers") for s in ("encoder", "decoder")}
         if all(_number(v) for v in stacks.values()):  # an encoder-decoder student (students.from_teacher)
             found["teacher_shape"] = {k: int(v) for k, v in stacks.items()}
-    if adapter_config:
-        found["adapter"] = adapter_summary(adapter_config)
+    if adapter_config:  # a PEFT student: its repository holds adapters
+        targets, kind = adapter_config.get("target_modules"), adapter_config.get("peft_type")
+        found["adapter"] = {"peft_type": getattr(kind, "value", kind), "r": adapter_config.get("r"),  # "LORA"
+                            "lora_alpha": adapter_config.get("lora_alpha"), "target_modules": sorted(targets) if
+                            isinstance(targets, list | set | tuple) else targets,
+                            "base_model": adapter_config.get("base_model_name_or_path")}
     training: dict[str, Any] = {}
     if args is not None:
         training = extract_hyperparameters_from_trainer(trainer or SimpleNamespace(args=args))
@@ -254,10 +258,7 @@ def pipeline_tag_for(architecture: str | None) -> str | None:
         return None
     from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES as SEQ2SEQ
 
-    if architecture in set(SEQ2SEQ.values()):
-        # What AutoModelForSeq2SeqLM loads (T5/BART `...ForConditionalGeneration`, `MarianMTModel`) is tagged
-        # text2text-generation, as the Hub tags these classes; checked before the "Model" suffix (MarianMTModel)
-        # and instead of "ForConditionalGeneration" alone, which vision-language and speech models share.
+    if architecture in set(SEQ2SEQ.values()):  # not by suffix: MarianMTModel; Llava...ForConditionalGeneration
         return "text2text-generation"
     return next((tag for suffix, tag in _HEAD_TASKS if architecture.endswith(suffix)), None)
 
@@ -314,27 +315,19 @@ def detect_method(summary: dict[str, Any]) -> str:
     found = next((method for loss, method in _TERM_METHODS if loss in losses), None)
     if found or losses:
         return found or "feature-kd"
-    # Logit distillation alone, named by its objective: GKD's generalized JSD, MiniLLM's reverse KL, DistiLLM's skew
-    # KLs, Wen et al.'s total variation distance, or the forward KL / soft targets of Hinton et al.
     return _KD_METHODS.get(summary.get("kd_loss") or "", "logit-kd")
-
-
-def _is_metric(name: str, keep_loss: bool = False) -> bool:
-    """A quality metric, not a loss or timing; `name` may carry an eval set's prefix (`b_loss`, `b_runtime`)."""
-    if keep_loss and (name == "loss" or name.endswith("_loss")):
-        return True
-    return not any(name == k or name.endswith(f"_{k}") for k in _NOT_METRICS)
 
 
 def latest_eval_metrics(log_history: list[dict[str, Any]], keep_loss: bool = False
                         ) -> tuple[dict[str, float], int | None]:
     """The last evaluation's metrics (of every evaluation set at that step, without the `eval_` prefix, timings and
     losses unless `keep_loss`) and its step."""
+    skipped = tuple(f"_{k}" for k in _NOT_METRICS if k != "loss" or not keep_loss)  # eval_<name>, eval_<set>_<name>
     metrics: dict[str, float] = {}
     step = None
     for entry in reversed(log_history or []):
         found = {k[5:]: float(v) for k, v in entry.items()
-                 if k.startswith("eval_") and _number(v) and _is_metric(k[5:], keep_loss)}
+                 if k.startswith("eval_") and _number(v) and not k.endswith(skipped)}
         if not found:
             continue
         if step is not None and entry.get("step") != step:
@@ -350,15 +343,6 @@ def find_trainer_state(folder: str | os.PathLike) -> Path | None:
     candidates = [folder / "trainer_state.json", *folder.glob("checkpoint-*/trainer_state.json")]
     found = [(int(_read_json(p).get("global_step") or 0), p) for p in candidates if p.is_file()]
     return max(found, key=lambda item: (item[0], item[1] == candidates[0]))[1] if found else None
-
-
-def adapter_summary(config: dict[str, Any]) -> dict[str, Any]:
-    """What a card says about a PEFT student (the repository then holds adapters, not a full model)."""
-    targets, peft_type = config.get("target_modules"), config.get("peft_type")
-    return {"peft_type": getattr(peft_type, "value", peft_type),  # "LORA", not PeftType.LORA (str() of the enum)
-            "r": config.get("r"), "lora_alpha": config.get("lora_alpha"),
-            "target_modules": sorted(targets) if isinstance(targets, list | set | tuple) else targets,
-            "base_model": config.get("base_model_name_or_path")}
 
 
 # ---------------------------------------------------------------------- internals
