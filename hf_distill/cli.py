@@ -1,10 +1,4 @@
-"""`hf-distill`: the command line of hf_distill.
-
-    hf-distill demo [demo options]                          distil a real classifier end to end, offline
-    hf-distill run <recipe> --config file.yaml [--field v]  run recipes/<recipe>.py (or a script path)
-    hf-distill card <student_dir> [--teacher ...]           write or refresh the folder's README.md card
-    hf-distill push <student_dir> <repo_id> [--private]     publish the student files to the Hub
-    hf-distill report <output_dir>                          plot loss components and accuracy vs size
+"""`hf-distill`: the command line of hf_distill (demo, run, card, push, report; docs/guides/cli.md).
 
 Exit codes: 0 success, 2 usage error, 1 failure (one `error: ...` line on stderr, no traceback).
 """
@@ -15,6 +9,7 @@ import argparse
 import os
 import runpy
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -28,17 +23,13 @@ class CommandError(Exception):
         self.code = code
 
 
-def _version() -> str:
+def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    return __version__
-
-
-def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hf-distill", epilog="Run `hf-distill <command> --help` for the options of a command.",
         description="Knowledge distillation native to transformers.Trainer: run, document and publish students.")
-    parser.add_argument("--version", action="version", version=f"hf-distill {_version()}")
+    parser.add_argument("--version", action="version", version=f"hf-distill {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="<command>")
     sub.add_parser("demo", add_help=False,
                    help="distil a real sentiment classifier end to end, offline (options: hf-distill demo --help)")
@@ -83,50 +74,45 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _recipe_folders() -> tuple[Path, Path]:
+    return Path.cwd() / "recipes", REPO_ROOT / "recipes"
+
+
 def available_recipes() -> list[str]:
-    names = set()
-    for folder in (Path.cwd() / "recipes", REPO_ROOT / "recipes"):
-        if folder.is_dir():
-            names.update(p.stem for p in folder.glob("*.py") if not p.name.startswith("_"))
-    return sorted(names)
+    return sorted({p.stem for folder in _recipe_folders() if folder.is_dir() for p in folder.glob("*.py")
+                   if not p.name.startswith("_")})
 
 
 def resolve_recipe(recipe: str) -> Path:
-    path = Path(recipe)
-    if path.suffix == ".py" or os.sep in recipe or "/" in recipe:
-        if path.is_file():
-            return path.resolve()
+    if recipe.endswith(".py") or os.sep in recipe or "/" in recipe:
+        if Path(recipe).is_file():
+            return Path(recipe).resolve()
         raise CommandError(f"no recipe script at {recipe}.", code=2)
-    for folder in (Path.cwd() / "recipes", REPO_ROOT / "recipes"):
-        if (folder / f"{recipe}.py").is_file():
-            return (folder / f"{recipe}.py").resolve()
-    known = ", ".join(available_recipes()) or "none found"
-    raise CommandError(f"unknown recipe {recipe!r}. Available recipes: {known}.", code=2)
+    found = next((folder / f"{recipe}.py" for folder in _recipe_folders() if (folder / f"{recipe}.py").is_file()), None)
+    if found is None:
+        known = ", ".join(available_recipes()) or "none found"
+        raise CommandError(f"unknown recipe {recipe!r}. Available recipes: {known}.", code=2)
+    return found.resolve()
 
 
 # ---------------------------------------------------------------------- commands
 
 
-def cmd_demo(argv: list[str]) -> int:
-    from . import demo
-
-    return _exit_code(lambda: demo.main(argv))
-
-
 def cmd_run(recipe: str, argv: list[str]) -> int:
+    """`python <recipe> argv`: the script's folder importable, sys.argv and sys.path restored after."""
     path = resolve_recipe(recipe)
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = [str(path), *argv]
-    sys.path.insert(0, str(path.parent))  # as `python recipes/x.py`: the script's folder is importable
+    sys.path.insert(0, str(path.parent))
+
+    def script() -> int:
+        runpy.run_path(str(path), run_name="__main__")
+        return 0
+
     try:
-        return _exit_code(lambda: _run_script(path))
+        return _exit_code(script)
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
-
-
-def _run_script(path: Path) -> int:
-    runpy.run_path(str(path), run_name="__main__")
-    return 0
 
 
 def cmd_card(args: argparse.Namespace) -> int:
@@ -160,8 +146,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _exit_code(run) -> int:
-    """Run a script-like callable and turn its return value or SystemExit into an exit code."""
+def _exit_code(run: Callable[[], object]) -> int:
+    """A script-like callable's return value or SystemExit as an exit code; `sys.exit("message")` prints the
+    message and gives 1, as Python does."""
     try:
         code = run()
     except SystemExit as exit_:
@@ -170,7 +157,7 @@ def _exit_code(run) -> int:
         return 0
     if isinstance(code, int):
         return code
-    print(f"error: {code}", file=sys.stderr)  # sys.exit("message") prints and exits 1, as Python does
+    print(f"error: {code}", file=sys.stderr)
     return 1
 
 
@@ -182,26 +169,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # demo and run hand every remaining argument (--help included) to the script they start.
         if argv[:1] == ["demo"]:
-            return cmd_demo(argv[1:])
+            from . import demo
+
+            return _exit_code(lambda: demo.main(argv[1:]))
         if argv[:1] == ["run"] and len(argv) > 1 and not argv[1].startswith("-"):
             return cmd_run(argv[1], argv[2:])
         parser = build_parser()
-        try:
-            args = parser.parse_args(argv)
-        except SystemExit as exit_:
-            return exit_.code if isinstance(exit_.code, int) else 2
+        args = parser.parse_args(argv)
         if args.command is None:
             parser.print_help()
             return 2
         return {"card": cmd_card, "push": cmd_push, "report": cmd_report}[args.command](args)
     except SystemExit as exit_:
         return exit_.code if isinstance(exit_.code, int) else 2
-    except CommandError as error:
+    except (CommandError, HubPushError, FileNotFoundError, NotADirectoryError, ValueError, ImportError) as error:
         print(f"error: {error}", file=sys.stderr)
-        return error.code
-    except (HubPushError, FileNotFoundError, NotADirectoryError, ValueError, ImportError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+        return error.code if isinstance(error, CommandError) else 1
 
 
 if __name__ == "__main__":

@@ -104,7 +104,7 @@ def teacher_accuracy(trainer) -> float:
 def pushed(tmp_path_factory):
     """Train, leave decoys a careless upload would take along, then `trainer.push_to_hub()`."""
     root = tmp_path_factory.mktemp("hub")
-    trainer = tiny_run(root)
+    trainer = tiny_run(root, weight_decay=0.01)
     out = Path(trainer.args.output_dir)
     trainer.teacher.save_pretrained(out / "teacher")  # a user keeping the teacher next to the student
     (out / "runs").mkdir()
@@ -217,6 +217,7 @@ def test_pushed_card_tables(pushed):
     training = table_with(readme, ["Setting", "Value"])
     assert training["Learning rate"] == ["0.005"] and training["Seed"] == ["0"]
     assert training["Optimizer steps done"] == ["6"] and training["Precision"] == ["fp32"]
+    assert training["Weight decay"] == ["0.01"]
 
 
 def test_pushed_card_body(pushed):
@@ -252,6 +253,7 @@ def test_card_from_files_alone(pushed, tmp_path):
     assert meta["base_model"] == TEACHER_ID and meta["license"] == "mit" and "feature-kd" in meta["tags"]
     training = table_with(readme, ["Setting", "Value"])  # from training_args.bin and trainer_state.json
     assert training["Learning rate"] == ["0.005"] and training["Optimizer steps done"] == ["6"]
+    assert training["Weight decay"] == ["0.01"]
     sizes = table_with(readme, ["", "Teacher", "Student", "Student / teacher"])
     # Parameter counts from the safetensors headers; the teacher's from its folder named in config.json.
     assert sizes["Parameters"][:2] == [

@@ -135,3 +135,30 @@ def test_pipeline_tag_of_encoder_decoder_lms_is_text2text_generation():
     assert pipeline_tag_for("WhisperForConditionalGeneration") != "text2text-generation"
     assert pipeline_tag_for("LlamaForCausalLM") == "text-generation"
     assert pipeline_tag_for("BertModel") == "feature-extraction"
+
+
+@pytest.mark.parametrize("task", ["text2text-generation", "translation", "summarization", "feature-extraction",
+                                  "text-classification"])
+def test_model_index_holds_the_results_of_every_student_task(task):
+    """transformers' model index names only the tasks of its own table (no seq2seq, no feature extraction): the
+    card extends that table for itself, so every student's metrics are indexed, and transformers' table is left
+    as it was."""
+    import yaml
+    from huggingface_hub import ModelCard
+    from transformers.modelcard import TASK_TAG_TO_NAME_MAPPING
+
+    from hf_distill.publish.card import model_card
+    from hf_distill.publish.report import DistillationReport
+
+    table = dict(TASK_TAG_TO_NAME_MAPPING)
+    report = DistillationReport(model_name="me/student", pipeline_tag=task, datasets=["wmt/wmt16"],
+                                dataset_name="WMT16", dataset_config="de-en", dataset_split="validation",
+                                student_metrics={"bleu": 12.5, "gen_len": 6.25})
+    card = model_card(report)
+    (index,) = yaml.safe_load(card.split("---\n", 2)[1])["model-index"]
+    (result,) = index["results"]
+    assert index["name"] == "me/student" and result["task"]["type"] == task and result["task"]["name"]
+    assert result["dataset"] == {"name": "WMT16", "type": "wmt/wmt16", "config": "de-en", "split": "validation"}
+    assert [(m["type"], m["value"]) for m in result["metrics"]] == [("bleu", 12.5), ("gen_len", 6.25)]
+    assert [(r.task_type, r.metric_value) for r in ModelCard(card).data.eval_results] == [(task, 12.5), (task, 6.25)]
+    assert TASK_TAG_TO_NAME_MAPPING == table

@@ -544,3 +544,20 @@ def test_seq2seq_card_shows_both_stacks_the_seq2seq_task_and_the_decoder_tokens(
         printed = []
         exec(code, {"print": printed.append})  # noqa: S102 - the card's own example
         assert len(printed) == 1 and isinstance(printed[0], list) and len(printed[0]) == 1
+
+
+def test_seq2seq_card_indexes_the_students_evaluation(tmp_path):
+    """A seq2seq student's evaluation metric is in the card's model index (transformers' own index code knows no
+    text2text-generation task), with the value the trainer logged."""
+    teacher = sharpen(t5(seed=1))
+    trainer = trainer_for(tmp_path, students.from_teacher(teacher, decoder_layers=[0, 2]), teacher, max_steps=1,
+                          predict_with_generate=True, generation_max_length=6, generation_num_beams=1)
+    trainer.compute_metrics = lambda pred: {"gen_len": float(np.mean(np.count_nonzero(pred.predictions != PAD, -1)))}
+    trainer.train()
+    logged = trainer.evaluate(max_length=6, num_beams=1)["eval_gen_len"]
+    trainer.create_model_card(dataset_tags="wmt/wmt16", dataset="WMT16", dataset_args="de-en")
+    meta, _ = _card_sections((tmp_path / "out" / "README.md").read_text())
+    (result,) = meta["model-index"][0]["results"]
+    assert result["task"]["type"] == "text2text-generation"
+    assert result["dataset"]["type"] == "wmt/wmt16" and result["dataset"]["config"] == "de-en"
+    assert [(m["type"], m["value"]) for m in result["metrics"]] == [("gen_len", pytest.approx(logged))]

@@ -1,14 +1,7 @@
-"""Model cards of distilled students: transformers' `TrainingSummary` with a distillation section.
-
-`DistillationSummary` is a `transformers.modelcard.TrainingSummary` made from a `DistillationReport`: transformers
-writes the metadata (`create_metadata`, `create_model_index`), the hyperparameters (`extract_hyperparameters_from_
-trainer`, read by the report), the evaluation table (`parse_log_history`, `make_markdown_table`) and the framework
-versions; this module adds base model = the teacher, the pipeline tag and the body saying how the student was made
-and what it keeps of the teacher. `write_model_card(folder)` writes it into a student folder, `write_trainer_card`
-is `Trainer.create_model_card` for a `DistillationTrainer`.
-
-The card sets no `base_model_relation`: the Hub documents adapter, merge, quantized and finetune, none of which
-describes a student; without the field the Hub infers the relation itself.
+"""Model cards of distilled students: transformers' `TrainingSummary` (metadata, model index, framework versions)
+with base model = the teacher, the pipeline tag and a body saying how the student was made and what it keeps of
+the teacher. No `base_model_relation`: none of the Hub's values (adapter, merge, quantized, finetune) describes a
+student, and without it the Hub infers the relation itself.
 """
 
 from __future__ import annotations
@@ -17,17 +10,19 @@ import dataclasses
 import json
 import os
 import re
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+from transformers import modelcard
 from transformers.modelcard import TrainingSummary, make_markdown_table
 
 from ..features.heads import HEADS, HeadKind, kind_for_task
 from .measure import size_on_disk, stored_parameters
-from .report import LOSS_PLOT, REPORT_FILE, DistillationReport, _empty, hub_id
+from .report import _KD_METHODS, LOSS_PLOT, REPORT_FILE, DistillationReport, _empty, hub_id
 
 CARD_FILE = "README.md"
 BIBTEX = {m[1]: m[0] for m in re.finditer(r"^@\w+\{([^,]+),.*?^\}", Path(__file__).with_name("citations.bib")
@@ -52,14 +47,17 @@ METHODS = {  # tag -> (what the card calls it, BibTeX keys)
 _SEQ2SEQ_TASKS = HEADS[HeadKind.SEQ2SEQ_LM].tasks  # no pipeline in transformers 5: the card shows `generate`
 # Token-level heads: the card says which of their tokens the logit loss covered (`kd_token_mask`).
 _TOKEN_TASKS = tuple(task for facts in HEADS.values() if facts.token_level for task in facts.tasks)
+# transformers indexes results only for the tasks of its own name table: the card's copy of its `create_model_index`
+# reads that table extended with the student tasks it lacks (transformers' own table is left as it is).
+_TASK_NAMES = {**modelcard.TASK_TAG_TO_NAME_MAPPING,
+               **{t: t.replace("-", " ").title() for t in (*_SEQ2SEQ_TASKS, "feature-extraction")}}
+_create_model_index = types.FunctionType(TrainingSummary.create_model_index.__code__,
+                                         {**vars(modelcard), "TASK_TAG_TO_NAME_MAPPING": _TASK_NAMES})
 _KD_LOSSES = {"kl": "KL divergence x T^2", "soft_ce": "soft cross-entropy", "mse": "MSE of logits",
               "reverse_kl": "reverse KL divergence x T^2", "jsd": "generalized JSD x T^2",
               "skew_kl": "skew KL divergence x T^2", "skew_reverse_kl": "skew reverse KL divergence x T^2",
               "tvd": "total variation distance x T^2"}
-# The paper whose objective a logit loss is, when it is not Hinton et al.'s soft targets / forward KL.
-_KD_PAPERS = {"jsd": "agarwal2024gkd", "reverse_kl": "gu2024minillm", "skew_kl": "ko2024distillm",
-              "skew_reverse_kl": "ko2024distillm", "tvd": "wen2023fdivergence"}
-# DistiLLM's skew divergences: what the card calls each, and what alpha mixes (P = teacher, Q = student).
+# DistiLLM's skew divergences: what the card calls each, and what alpha mixes.
 _SKEW = {"skew_kl": ("skew KL", "KL(teacher || alpha teacher + (1 - alpha) student); 0 is the forward KL"),
          "skew_reverse_kl": ("skew reverse KL",
                              "KL(student || alpha student + (1 - alpha) teacher); 0 is the reverse KL")}
@@ -71,12 +69,10 @@ _SETTINGS = {"total_train_batch_size": "Effective batch size",
 
 
 def citations(report: DistillationReport) -> list[str]:
-    """BibTeX keys of the papers the run follows: the method's, the logit loss's (Hinton et al.; GKD for the
-    generalized JSD, MiniLLM for the reverse KL, DistiLLM for the skew KLs, Wen et al. for the total variation
-    distance) and ShortGPT's for a depth-pruned student."""
+    """BibTeX keys of the method's papers, the logit loss's and ShortGPT's for a depth-pruned student."""
     keys = list(METHODS.get(report.method or "", ("", []))[1])
     if (report.distillation.get("kd_weight") or 0) > 0:
-        keys.append(_KD_PAPERS.get(report.distillation.get("kd_loss") or "", "hinton2015distilling"))
+        keys.append(METHODS[_KD_METHODS.get(report.distillation.get("kd_loss") or "", "logit-kd")][1][0])
     if report.student_init.get("init") == "prune_depth":
         keys.append("men2024shortgpt")
     return list(dict.fromkeys(keys))
@@ -101,11 +97,10 @@ def method_name(report: DistillationReport) -> str | None:
 
 @dataclass
 class DistillationSummary(TrainingSummary):
-    """transformers' `TrainingSummary` of a distilled student; `from_report` fills it from a `DistillationReport`.
+    """transformers' `TrainingSummary` of a distilled student, filled from a `DistillationReport` (`from_report`).
 
-    A PEFT student's repository holds adapters, so its card is PEFT's: `library_name: peft` and `base_model` the
-    model the adapters load onto (tagged `base_model:adapter:<id>`, `lora`, `transformers`); the teacher stays
-    named in the body. Every metric is indexed (transformers indexes only those it knows, such as accuracy)."""
+    A PEFT student's card is PEFT's: `library_name: peft`, `base_model` the model the adapters load onto (tagged
+    `base_model:adapter:<id>`, `lora`, `transformers`). Every metric is indexed, not only those transformers knows."""
 
     report: DistillationReport = dataclasses.field(default_factory=DistillationReport)
 
@@ -114,7 +109,7 @@ class DistillationSummary(TrainingSummary):
 
     @classmethod
     def from_report(cls, r: DistillationReport) -> DistillationSummary:
-        extra_tags, base = [], r.teacher_hub_id
+        extra_tags, base = [], hub_id(r.teacher)
         if r.adapter:
             base = hub_id(r.adapter.get("base_model"))
             extra_tags = ["transformers", *(["lora"] if r.adapter.get("peft_type") == "LORA" else []),
@@ -129,38 +124,26 @@ class DistillationSummary(TrainingSummary):
                    dataset_metadata=[dataset_metadata], eval_results=r.student_metrics if indexed else None,
                    eval_lines=r.eval_lines or None, hyperparameters=r.training or None, source="trainer", report=r)
 
+    def create_model_index(self, metric_mapping: dict[str, str]) -> list[dict[str, Any]]:
+        return _create_model_index(self, {name: name for name in self.eval_results or {}})
+
     def create_metadata(self) -> dict[str, Any]:
         meta = super().create_metadata()
-        index = self.create_model_index({name: name for name in self.eval_results or {}})
-        meta.pop("model-index")
-        if index[0]["results"]:
-            meta["model-index"] = index
+        if not meta["model-index"][0]["results"]:
+            del meta["model-index"]
         if self.report.adapter:
             meta["library_name"] = "peft"
-        if self.tasks:
-            meta = {"pipeline_tag": self.tasks, **meta}
-        return meta
+        return {"pipeline_tag": self.tasks, **meta} if self.tasks else meta
 
     def to_model_card(self) -> str:
         from .. import __version__
 
         r = self.report
         versions = super().to_model_card().partition("### Framework versions\n\n")[2].strip()
-        sections = [_title(r), _made(r), _comparison(r), self._training(), _early_exit(r), _usage(r),
-                    _citation(r), f"Distilled with hf_distill {__version__}." + (f"\n\n{versions}" if versions else "")]
+        sections = [_title(r), _made(r), _comparison(r), _training(r), _early_exit(r), _usage(r), _citation(r),
+                    f"Distilled with hf_distill {__version__}." + (f"\n\n{versions}" if versions else "")]
         body = "\n\n".join(s for s in sections if s)
         return f"---\n{yaml.dump(self.create_metadata(), sort_keys=False)}---\n\n{body}\n"
-
-    def _training(self) -> str:
-        r = self.report
-        rows = [f"| {_SETTINGS.get(k, k.replace('_', ' ').capitalize())} | {v} |" for k, v in r.training.items()
-                if not _empty(v)]
-        parts = ["| Setting | Value |\n| --- | --- |\n" + "\n".join(rows)] if rows else []
-        if r.eval_lines:
-            parts.append("Evaluations during training:\n\n" + make_markdown_table(r.eval_lines).strip())
-        if r.loss_plot:
-            parts.append(f"![Loss components against training steps]({r.loss_plot})")
-        return "## Training\n\n" + "\n\n".join(parts) if parts else ""
 
 
 def model_card(report: DistillationReport) -> str:
@@ -169,11 +152,8 @@ def model_card(report: DistillationReport) -> str:
 
 
 def write_model_card(folder: str | os.PathLike, report: DistillationReport | None = None, **fields: Any) -> Path:
-    """Write `README.md` (and `distillation_report.json`, to refresh it later) into a student folder.
-
-    Without `report` the facts are read from the folder (`DistillationReport.from_folder`); `fields`
-    override them. Size, stored parameters and the loss plot are filled from the folder when missing.
-    """
+    """Write `README.md` and `distillation_report.json` (to refresh the card later) into a student folder: the
+    facts are `report`'s or the folder's (`DistillationReport.from_folder`), `fields` over them."""
     folder = Path(folder)
     report = DistillationReport.from_folder(folder, **fields) if report is None else report.updated(**fields)
     report = report.updated(student_size_bytes=report.student_size_bytes or size_on_disk(folder) or None,
@@ -181,31 +161,28 @@ def write_model_card(folder: str | os.PathLike, report: DistillationReport | Non
                             loss_plot=report.loss_plot or (LOSS_PLOT if (folder / LOSS_PLOT).is_file() else None))
     if report.loss_plot and not (folder / report.loss_plot).is_file():
         report = dataclasses.replace(report, loss_plot=None)
-    path = folder / CARD_FILE
-    path.write_text(model_card(report), encoding="utf-8")
+    (folder / CARD_FILE).write_text(model_card(report), encoding="utf-8")
     (folder / REPORT_FILE).write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
-    return path
+    return folder / CARD_FILE
 
 
-def write_trainer_card(trainer: Any, *, language: str | list[str] | None = None, license: str | None = None,
-                       tags: str | list[str] | None = None, model_name: str | None = None,
-                       finetuned_from: str | None = None, tasks: str | list[str] | None = None,
-                       dataset_tags: str | list[str] | None = None, dataset: str | list[str] | None = None,
-                       dataset_args: str | list[str] | None = None, **fields: Any) -> Path:
-    """`Trainer.create_model_card`'s arguments mapped onto a `DistillationReport`, card written to output_dir.
+_Names = str | list[str] | None
 
-    The teacher is the one the trainer distilled from. `finetuned_from` is what transformers' example scripts
-    pass it, the student's starting checkpoint (`model_name_or_path`): the card shows it as "initialised from",
-    never as the teacher (give `teacher=` to name a teacher loaded from a folder by its Hub id).
-    `dataset_tags` are the Hub dataset ids (`dataset` is used when they are missing), `dataset` its display
-    name, `dataset_args` its configuration; any `DistillationReport` field (e.g. `stages`, `augmentation`,
-    `teacher_metrics`) and `from_trainer`'s options may be given too.
-    """
+
+def write_trainer_card(trainer: Any, *, language: _Names = None, license: str | None = None, tags: _Names = None,
+                       model_name: str | None = None, finetuned_from: str | None = None, tasks: _Names = None,
+                       dataset_tags: _Names = None, dataset: _Names = None, dataset_args: _Names = None,
+                       **fields: Any) -> Path:
+    """`Trainer.create_model_card` of a `DistillationTrainer`: its arguments as `DistillationReport` fields, plus
+    any such field (`teacher=` names a teacher loaded from a folder by its Hub id) and `from_trainer`'s options.
+
+    The teacher is the one distilled from; `finetuned_from` (the student's starting checkpoint in transformers'
+    example scripts) is shown as "initialised from". `dataset_tags` are Hub ids (else the id-like `dataset`
+    values), `dataset` the display name, `dataset_args` its configuration."""
 
     def listed(value: Any) -> list[str]:
         return [value] if isinstance(value, str) else list(value or [])
 
-    # A display name such as "GLUE SST-2" is no Hub id: only id-like `dataset` values replace dataset_tags.
     mapped = {"language": listed(language), "license": license, "tags": listed(tags), "model_name": model_name,
               "initialised_from": finetuned_from, "pipeline_tag": (listed(tasks) or [None])[0],
               "datasets": listed(dataset_tags) or [d for d in listed(dataset) if " " not in d],
@@ -236,23 +213,20 @@ def _model_link(name: str | None) -> str:
 
 def _tokens(r: DistillationReport) -> str:
     """Which tokens the logit loss averaged over (`kd_token_mask`), in the words of the student's task."""
-    mask = r.distillation.get("kd_token_mask")
-    if r.pipeline_tag in _SEQ2SEQ_TASKS:  # the decoder's logits are distilled: its tokens, not the source text's
-        return {"attention": "every real target token: decoder positions with decoder_attention_mask = 1, or whose "
-                             "label is not -100 when the batch has no decoder_attention_mask "
-                             "(`kd_token_mask=attention`)",
-                "labels": "target tokens only: decoder positions whose label is not -100 (`kd_token_mask=labels`)",
-                }.get(mask, "")
-    if mask == "attention":
-        prompt = ", prompt tokens included" if r.pipeline_tag == "text-generation" else ""
-        return f"every real token (attention_mask = 1){prompt} (`kd_token_mask=attention`)"
-    if mask == "labels":
+    mask, task = r.distillation.get("kd_token_mask"), r.pipeline_tag or ""
+    if task in _SEQ2SEQ_TASKS:  # the decoder's logits are distilled: its tokens, not the source text's
+        which = {"attention": "every real target token: decoder positions with decoder_attention_mask = 1, or whose "
+                              "label is not -100 when the batch has no decoder_attention_mask",
+                 "labels": "target tokens only: decoder positions whose label is not -100"}.get(mask)
+    elif mask == "attention":
+        which = "every real token (attention_mask = 1)" + (", prompt tokens included" if task == "text-generation"
+                                                           else "")
+    else:
         which = {"text-generation": "completion tokens only: positions whose label is not -100, prompt and padding "
                                     "excluded",
                  "fill-mask": "masked tokens only: positions whose label is not -100",
-                 }.get(r.pipeline_tag or "", "labelled tokens only: positions whose label is not -100")
-        return f"{which} (`kd_token_mask=labels`)"
-    return ""
+                 }.get(task, "labelled tokens only: positions whose label is not -100") if mask == "labels" else None
+    return f"{which} (`kd_token_mask={mask}`)" if which else ""
 
 
 def _initialisation(r: DistillationReport) -> str:
@@ -280,8 +254,8 @@ def _initialisation(r: DistillationReport) -> str:
     return "random, a smaller configuration of the teacher's architecture (TinyBERT-style)" if kind == "shrink" else ""
 
 
-def _loss_rows(d: dict[str, Any]) -> list[tuple[str, str, float, str]]:
-    """(term, loss, weight, layers) of every loss term with a positive weight."""
+def _loss_rows(d: dict[str, Any]) -> list[str]:
+    """A table row (term, loss, weight, layers) for every loss term with a positive weight."""
     rows = [("task", "the student's own loss on the labels", d["task_weight"], "")] if (
         d.get("task_weight") or 0) > 0 else []
     if (d.get("kd_weight") or 0) > 0:
@@ -303,61 +277,50 @@ def _loss_rows(d: dict[str, Any]) -> list[tuple[str, str, float, str]]:
             else:
                 layers = ", ".join(f"{s} -> {t}" for s, t in layers)
             rows.append((term.get("name") or term["loss"], detail, term["weight"], layers))
-    return rows
+    return [f"| {name} | {loss} | {weight:g} | {layers} |" for name, loss, weight, layers in rows]
 
 
 def _made(r: DistillationReport) -> str:
-    d, lines = r.distillation, []
-    kd = (d.get("kd_weight") or 0) > 0
-    if r.method:
-        name = method_name(r) or r.method
-        # the papers also train on sequences the student samples; this run did not
-        sampled = ", on the training sequences (no student-generated samples)" if r.method in (
-            "gkd", "reverse-kl", "distillm", "tvd-kd") else ""
-        lines.append(f"- **Method**: {name[0].upper()}{name[1:]}{sampled}")
-    if r.teacher:
-        lines.append(f"- **Teacher**: {_model_link(r.teacher)}")
-    if r.student_shape:
-        labels = {"layers": "{} layers", "encoder_layers": "{} encoder layers", "decoder_layers": "{} decoder layers",
-                  "hidden": "hidden size {}", "heads": "{} attention heads"}
-        parts = [labels[k].format(v) for k, v in r.student_shape.items() if k in labels]
-        lines.append(f"- **Student**: {r.architecture or 'model'}, {', '.join(parts)}")
-    if r.adapter:
-        a = r.adapter
-        rank = f", rank {a['r']}" if a.get("r") else ""
-        on = f" on {', '.join(a['target_modules'])}" if isinstance(a.get("target_modules"), list) else ""
-        base = f" for the base model `{a['base_model']}`" if a.get("base_model") else ""
-        lines.append(f"- **Adapters**: this repository holds {a.get('peft_type') or 'PEFT'} adapters{rank}{on}{base}; "
-                     "only the adapters were trained and are published")
-    if _initialisation(r):
-        lines.append(f"- **Initialisation**: {_initialisation(r)}")
-    if r.initialised_from:
-        lines.append(f"- **Initialised from**: {_model_link(r.initialised_from)} (the student's starting checkpoint)")
-    rows = _loss_rows(d)
-    if rows:
-        lines += ["- **Loss**: the weighted sum of the terms below (layer 0 is the embedding output)\n",
-                  "| Term | Loss | Weight | Layers (student -> teacher) |\n| --- | --- | ---: | --- |",
-                  *(f"| {n} | {loss} | {w:g} | {layers} |" for n, loss, w, layers in rows), ""]
-    if kd and d.get("temperature") and d.get("kd_loss") != "mse":
-        lines.append(f"- **Temperature**: {d['temperature']:g}")
-    if kd and d.get("kd_loss") == "jsd" and d.get("jsd_beta") is not None:
-        lines.append(f"- **Beta** (generalized JSD): {d['jsd_beta']:g} (0 is the forward KL, 1 the reverse KL; TRL's "
-                     "GKD convention)")
-    if kd and d.get("kd_loss") in _SKEW and d.get("skew_alpha") is not None:
-        name, mixes = _SKEW[d["kd_loss"]]
-        lines.append(f"- **Alpha** ({name}): {d['skew_alpha']:g} ({mixes}; DistiLLM's default is 0.1)")
-    if kd and r.pipeline_tag in _TOKEN_TASKS and _tokens(r):
-        lines.append(f"- **Distilled tokens**: {_tokens(r)}")
-    if d.get("distill_terms") and d.get("projection"):
-        lines.append(f"- **Projections** (student -> teacher width, not published): {d['projection']}")
-    if r.stages:
-        lines.append("- **Stages**:\n" + "\n".join(f"  {i}. {s}" for i, s in enumerate(r.stages, 1)))
-    data = ", ".join(f"[{x}](https://huggingface.co/datasets/{x})" for x in r.datasets)
-    if data or r.dataset_name:
-        extra = ", ".join(x for x in (r.dataset_config, r.dataset_split) if x)
-        lines.append(f"- **Data**: {data or r.dataset_name}{f' ({extra})' if extra else ''}")
-    if r.augmentation:
-        lines.append(f"- **Augmentation**: {r.augmentation}")
+    d, a = r.distillation, r.adapter
+    kd, name, init, rows = (d.get("kd_weight") or 0) > 0, method_name(r) or r.method, _initialisation(r), _loss_rows(d)
+    # the papers of these methods also train on sequences the student samples; this run did not
+    sampled = ", on the training sequences (no student-generated samples)" if r.method in (
+        "gkd", "reverse-kl", "distillm", "tvd-kd") else ""
+    data = ", ".join(f"[{x}](https://huggingface.co/datasets/{x})" for x in r.datasets) or r.dataset_name
+    extra = ", ".join(x for x in (r.dataset_config, r.dataset_split) if x)
+    shape = {"layers": "{} layers", "encoder_layers": "{} encoder layers", "decoder_layers": "{} decoder layers",
+             "hidden": "hidden size {}", "heads": "{} attention heads"}
+    skew = _SKEW.get(d.get("kd_loss"), ("", ""))
+    lines = [
+        name and f"- **Method**: {name[0].upper()}{name[1:]}{sampled}",
+        r.teacher and f"- **Teacher**: {_model_link(r.teacher)}",
+        r.student_shape and f"- **Student**: {r.architecture or 'model'}, "
+                            + ", ".join(shape[k].format(v) for k, v in r.student_shape.items() if k in shape),
+        a and f"- **Adapters**: this repository holds {a.get('peft_type') or 'PEFT'} adapters"
+              + (f", rank {a['r']}" if a.get("r") else "")
+              + (f" on {', '.join(a['target_modules'])}" if isinstance(a.get("target_modules"), list) else "")
+              + (f" for the base model `{a['base_model']}`" if a.get("base_model") else "")
+              + "; only the adapters were trained and are published",
+        init and f"- **Initialisation**: {init}",
+        r.initialised_from and f"- **Initialised from**: {_model_link(r.initialised_from)} (the student's starting "
+                               "checkpoint)",
+        rows and "- **Loss**: the weighted sum of the terms below (layer 0 is the embedding output)\n\n"
+                 "| Term | Loss | Weight | Layers (student -> teacher) |\n| --- | --- | ---: | --- |\n"
+                 + "\n".join(rows) + "\n",
+        kd and d.get("temperature") and d.get("kd_loss") != "mse" and f"- **Temperature**: {d['temperature']:g}",
+        kd and d.get("kd_loss") == "jsd" and d.get("jsd_beta") is not None
+        and f"- **Beta** (generalized JSD): {d['jsd_beta']:g} (0 is the forward KL, 1 the reverse KL; TRL's GKD "
+            "convention)",
+        kd and skew[0] and d.get("skew_alpha") is not None
+        and f"- **Alpha** ({skew[0]}): {d['skew_alpha']:g} ({skew[1]}; DistiLLM's default is 0.1)",
+        kd and r.pipeline_tag in _TOKEN_TASKS and _tokens(r) and f"- **Distilled tokens**: {_tokens(r)}",
+        d.get("distill_terms") and d.get("projection")
+        and f"- **Projections** (student -> teacher width, not published): {d['projection']}",
+        r.stages and "- **Stages**:\n" + "\n".join(f"  {i}. {s}" for i, s in enumerate(r.stages, 1)),
+        data and f"- **Data**: {data}{f' ({extra})' if extra else ''}",
+        r.augmentation and f"- **Augmentation**: {r.augmentation}",
+    ]
+    lines = [line for line in lines if line]
     return "## How it was distilled\n\n" + "\n".join(lines) if lines else ""
 
 
@@ -408,26 +371,33 @@ def _comparison(r: DistillationReport) -> str:
     return "## Teacher vs student\n\n" + "\n\n".join(parts) if parts else ""
 
 
+def _training(r: DistillationReport) -> str:
+    rows = [f"| {_SETTINGS.get(k, k.replace('_', ' ').capitalize())} | {v} |" for k, v in r.training.items()
+            if not _empty(v)]
+    parts = [
+        rows and "| Setting | Value |\n| --- | --- |\n" + "\n".join(rows),
+        r.eval_lines and "Evaluations during training:\n\n" + make_markdown_table(r.eval_lines).strip(),
+        r.loss_plot and f"![Loss components against training steps]({r.loss_plot})",
+    ]
+    return "## Training\n\n" + "\n\n".join(p for p in parts if p) if any(parts) else ""
+
+
 def _early_exit(r: DistillationReport) -> str:
     """Speed-accuracy table of an early-exit model (hf_distill.students.early_exit): one row per exit threshold."""
-    if not r.early_exit:
-        return ""
     e = r.early_exit
+    if not e:
+        return ""
     kind = {"deebert": "DeeBERT off-ramps"}.get(e.get("branch", "fastbert"), "FastBERT branches")
+    rows = [f"| {x['speed']:g} | {x['accuracy']:.1%} | {x['mean_exit_layer']:.2f} | "
+            f"{'' if x.get('speedup_b1') is None else format(x['speedup_b1'], '.2f') + 'x'} | {x['flops_ratio']:.2f} |"
+            for x in e.get("sweep") or []]
     parts = [f"Early exits after each of the {e.get('num_exits')} blocks ({kind}); load with "
              "`hf_distill.students.early_exit.EarlyExitModel.from_pretrained` (the backbone alone loads with "
-             "AutoModel...)."]
-    rows = []
-    for x in e.get("sweep") or []:
-        b1 = "" if x.get("speedup_b1") is None else f"{x['speedup_b1']:.2f}x"
-        rows.append(f"| {x['speed']:g} | {x['accuracy']:.1%} | {x['mean_exit_layer']:.2f} | {b1} | "
-                    f"{x['flops_ratio']:.2f} |")
-    if rows:
-        parts.append("| speed | accuracy | mean exit layer | speed-up (batch 1) | FLOPs ratio |\n"
-                     "| --- | --- | --- | --- | --- |\n" + "\n".join(rows))
-    if e.get("plot"):
-        parts.append(f"![Accuracy against speed-up]({e['plot']})")
-    return "## Early exit\n\n" + "\n\n".join(parts)
+             "AutoModel...).",
+             rows and "| speed | accuracy | mean exit layer | speed-up (batch 1) | FLOPs ratio |\n"
+                      "| --- | --- | --- | --- | --- |\n" + "\n".join(rows),
+             e.get("plot") and f"![Accuracy against speed-up]({e['plot']})"]
+    return "## Early exit\n\n" + "\n\n".join(p for p in parts if p)
 
 
 def _usage(r: DistillationReport) -> str:

@@ -1,9 +1,6 @@
-"""Publishing distilled students to the Hugging Face Hub: one push path.
-
-`push_student(folder, repo_id)` uploads a saved student's own files (`upload_files`: config, weights, tokenizer,
-card and the plots it shows), so a teacher, projections, optimizer state, checkpoints, `training_args.bin` or logs
-lying in the same folder never leave the machine. Every push goes through it: the CLI's, `push_trainer`
-(`DistillationTrainer.push_to_hub`) and `push_checkpoint` (the save-time pushes of `push_to_hub=True`).
+"""Publishing students to the Hub: one push path, `push_student`, used by the CLI, `push_trainer` and
+`push_checkpoint`. It uploads a student's own files (`upload_files`), so a teacher, projections, optimizer state,
+checkpoints, `training_args.bin` or logs lying in the same folder never leave the machine.
 """
 
 from __future__ import annotations
@@ -69,13 +66,10 @@ def push_student(folder: str | os.PathLike, repo_id: str, *, private: bool | Non
                  revision: str | None = None, token: str | None = None,
                  commit_message: str = DEFAULT_COMMIT_MESSAGE, endpoint: str | None = None,
                  path_in_repo: str | None = None, whole_folder: bool = False, blocking: bool = True) -> Any:
-    """Publish a saved student folder to `repo_id`; returns the commit URL, or its Future when not `blocking`.
-
-    Creates the repo when needed (and the branch `revision`), then uploads exactly `upload_files(folder)` (all of
-    it with `whole_folder`, as a resumable checkpoint is pushed) under `path_in_repo`. The folder is only read.
-    Raises `HubPushError` naming the repo, the endpoint and the cause when the Hub cannot be reached, refuses,
-    or the folder is not a saved model (checked before any request). Background pushes run one at a time.
-    """
+    """Publish `upload_files(folder)` (all of it with `whole_folder`: a resumable checkpoint) to `repo_id`, creating
+    the repo and the branch `revision` when needed; returns the commit URL, or its Future when not `blocking`
+    (background pushes run one at a time). Raises `HubPushError` when the folder is not a student (before any
+    request) or the Hub fails."""
     files = None if whole_folder else upload_files(folder)
 
     def push() -> str:
@@ -124,13 +118,10 @@ def push_trainer(trainer: Any, commit_message: str | None = "End of training", b
 
 
 def push_checkpoint(trainer: Any, checkpoint_folder: str) -> None:
-    """`DistillationTrainer._push_from_checkpoint`: the pushes `push_to_hub=True` makes at each save.
-
-    The Trainer's own uploads all of `output_dir` (training_args.bin, logs, any file a user keeps there); this
-    sends the checkpoint's student files (`upload_files`) to the repo root instead. The resumable checkpoint
-    (optimizer state, projections: never the teacher) still goes to `last-checkpoint/` or `checkpoint-<step>/`
-    when `hub_strategy` is `checkpoint` or `all_checkpoints`, as the user asked. Pushes run in the background,
-    and one still in flight skips the next unless `hub_always_push`, as in the Trainer."""
+    """`DistillationTrainer._push_from_checkpoint` (`push_to_hub=True`): the checkpoint's student files to the repo
+    root, not all of `output_dir`; the whole checkpoint (never the teacher) to `last-checkpoint/` or
+    `checkpoint-<step>/` as `hub_strategy` asks. In the background; one in flight skips the next unless
+    `hub_always_push`, as in the Trainer."""
     from transformers.trainer_utils import HubStrategy, SaveStrategy
     from transformers.utils import PushInProgress
 

@@ -1,8 +1,5 @@
-"""Size and speed of models, measured the same way everywhere (demo, model cards, benchmarks).
-
-Timings on a shared machine are noisy, so speed is reported as a median, and a teacher/student speed-up
-is measured interleaved (teacher pass, student pass, teacher pass, ...) so that load from other processes
-slows both alike and cancels in the ratio.
+"""Size and speed of models, measured the same way everywhere (demo, model cards, benchmarks). Speed is a median,
+and a speed-up is timed interleaved (teacher, student, teacher, ...): load from other processes cancels in the ratio.
 """
 
 from __future__ import annotations
@@ -31,8 +28,8 @@ def count_parameters(model: nn.Module) -> int:
 
 
 def _timed_passes(models: list[nn.Module], batches: list[dict], repeats: int) -> list[list[float]]:
-    """`repeats` rounds of one pass per model (after one warm-up round); times[round][model]. Each model gets the
-    inputs its forward names (of the model inside a DDP or PEFT wrapper, whose own takes **kwargs)."""
+    """times[round][model] of `repeats` rounds after a warm-up; each model gets the inputs its (unwrapped) forward
+    names."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}.")
     modes = [m.training for m in models]
@@ -68,14 +65,12 @@ def speedup(teacher: nn.Module, student: nn.Module, batches: list[dict], repeats
 
 
 def size_on_disk(folder: str | os.PathLike) -> int:
-    """Bytes of a saved model's weight files directly in `folder` (`model.safetensors`, its shards,
-    `pytorch_model.bin`, `adapter_model.*`); `training_args.bin` or optimizer files next to them do not count."""
+    """Bytes of the weight files directly in `folder` (`WEIGHT_FILES`: not training_args.bin or optimizer state)."""
     return sum(p.stat().st_size for p in Path(folder).iterdir() if p.is_file() and WEIGHT_FILES.fullmatch(p.name))
 
 
 def stored_parameters(folder: str | os.PathLike) -> int | None:
-    """Parameters stored in the folder's `model*.safetensors` files, read from their headers (no model load);
-    None when it holds none."""
+    """Parameters in the folder's `model*.safetensors` headers (no model load); None when it holds none."""
     files = sorted(Path(folder).glob("model*.safetensors"))
     if not files:
         return None
@@ -90,8 +85,8 @@ def stored_parameters(folder: str | os.PathLike) -> int | None:
 
 
 def trainer_speedup(trainer: Any, student: nn.Module, teacher: nn.Module, limit: int) -> dict[str, Any]:
-    """`speedup` and how it was measured, on up to `limit` batches as the trainer collates them (evaluation set, else
-    training set), in this process: `DistillationReport.from_trainer(measure_speed=True)`."""
+    """`speedup` and how it was measured, on up to `limit` of the trainer's evaluation (else training) batches, in
+    this process: `DistillationReport.from_trainer(measure_speed=True)`."""
     from torch.utils.data import DataLoader
 
     from ..placement import REPLICA, teacher_mode

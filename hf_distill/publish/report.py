@@ -1,10 +1,7 @@
-"""What a distillation run produced, read once so that the model card, the CLI and the plots agree.
+"""What a distillation run produced (`DistillationReport`), read once so that the card, the CLI and the plots agree.
 
-`DistillationReport` holds the facts a card states. One reader fills it: `from_trainer` reads a live trainer,
-`from_folder` a saved student folder (`config.json`, `training_args.bin`, `trainer_state.json`, the weights, the
-last card's `distillation_report.json`, a recipe's `results.json`); both go through `_run_facts`, and the training
-settings are transformers' own (`extract_hyperparameters_from_trainer`, `parse_log_history`). A fact that could not
-be measured stays empty and the card leaves it out: the card never shows a placeholder.
+`from_trainer` (a live trainer) and `from_folder` (a saved student) both read through `_run_facts`, with transformers'
+training hyperparameters. A fact that could not be measured stays empty, and the card leaves it out.
 """
 
 from __future__ import annotations
@@ -89,30 +86,20 @@ class DistillationReport:
         _check_fields(fields)
         return dataclasses.replace(self, **{k: v for k, v in fields.items() if not _empty(v)})
 
-    @property
-    def teacher_hub_id(self) -> str | None:
-        """The teacher as a Hub model id, or None when it is a local path or a bare name."""
-        return hub_id(self.teacher)
-
     @classmethod
     def from_trainer(cls, trainer: Any, *, measure_speed: bool = False, speed_batches: int = 8,
                      **fields: Any) -> DistillationReport:
-        """Everything a `DistillationTrainer` knows after training; `fields` override what it found.
-
-        Nothing is run unless asked: the student's metrics are those of its last logged evaluation, the
-        teacher's those of the last `trainer.evaluate_teacher()` (an all-process evaluation loop; the card is
-        written by one process, where a sharded teacher's forward would wait for the others forever). With
-        `measure_speed=True` the speed-up is timed on up to `speed_batches` evaluation batches (training
-        batches when there is no evaluation set), in this process only: a replicated teacher only.
-        """
+        """What a `DistillationTrainer` knows after training, `fields` over it. Nothing runs unless asked: the metrics
+        are the last logged evaluation's and the last `trainer.evaluate_teacher()`'s (the card is written by one
+        process, where a sharded teacher would wait forever); `measure_speed=True` times up to `speed_batches`
+        batches here (`measure.trainer_speedup`)."""
         from ..features.heads import head_kind
         from ..features.taps import unwrap
 
         if "evaluate_teacher" in fields:
-            raise TypeError(
-                "The card no longer evaluates the teacher (it is written on one process, where a sharded "
-                "teacher would deadlock). Call trainer.evaluate_teacher() on every process before writing the "
-                "card: its metrics are the card's teacher column.")
+            raise TypeError("The card no longer evaluates the teacher (it is written on one process, where a sharded "
+                            "teacher would deadlock). Call trainer.evaluate_teacher() on every process before writing "
+                            "the card: its metrics are the card's teacher column.")
         _check_fields(fields)
         student, teacher, args, state = unwrap(trainer.model), trainer.teacher, trainer.args, trainer.state
         peft_config = getattr(getattr(trainer.model, "peft_config", None), "get", lambda _: None)("default")
@@ -137,14 +124,9 @@ class DistillationReport:
 
     @classmethod
     def from_folder(cls, folder: str | os.PathLike, **fields: Any) -> DistillationReport:
-        """What a saved student folder says about its run; `fields` override it.
-
-        Read, later sources winning: `config.json`, `adapter_config.json`, `training_args.bin`,
-        `trainer_state.json` (the folder's or its latest checkpoint's) and the weight files; then
-        `distillation_report.json` (what the last card said, measured by the trainer); last `results.json` (a
-        recipe's or the demo's measurements, `read_results`).
-        A causal LM's loss and perplexity are completed from each other (`lm_metrics`).
-        """
+        """What a saved student folder says, later sources winning: config.json, adapter_config.json,
+        training_args.bin, trainer_state.json (or the latest checkpoint's), the weights, distillation_report.json
+        (the last card's), results.json (`read_results`); then `fields`."""
         _check_fields(fields)
         folder = Path(folder)
         if not folder.is_dir():
@@ -178,8 +160,7 @@ class DistillationReport:
 
 def _run_facts(config: Any, architecture: str | None, args: Any, trainer: Any, state: dict[str, Any] | None,
                adapter_config: dict[str, Any] | None) -> dict[str, Any]:
-    """The facts a trainer and a saved folder both hold: the student's config, the training arguments (through
-    transformers' `extract_hyperparameters_from_trainer`), the trainer state's evaluations and step count."""
+    """The facts a trainer and a saved folder both hold: config, training arguments, evaluations, steps."""
     from transformers.modelcard import extract_hyperparameters_from_trainer, parse_log_history
 
     found: dict[str, Any] = {"architecture": architecture, "pipeline_tag": pipeline_tag_for(architecture, config),
@@ -192,14 +173,19 @@ def _run_facts(config: Any, architecture: str | None, args: Any, trainer: Any, s
         stacks = {f"{s}_layers": init.get(f"teacher_num_{s}_layers") for s in ("encoder", "decoder")}
         if all(_number(v) for v in stacks.values()):  # an encoder-decoder student (students.from_teacher)
             found["teacher_shape"] = {k: int(v) for k, v in stacks.items()}
-    if adapter_config:
-        found["adapter"] = adapter_summary(adapter_config)
+    if adapter_config:  # a PEFT student: its repository holds adapters
+        targets, kind = adapter_config.get("target_modules"), adapter_config.get("peft_type")
+        found["adapter"] = {"peft_type": getattr(kind, "value", kind), "r": adapter_config.get("r"),  # "LORA"
+                            "lora_alpha": adapter_config.get("lora_alpha"), "target_modules": sorted(targets) if
+                            isinstance(targets, list | set | tuple) else targets,
+                            "base_model": adapter_config.get("base_model_name_or_path")}
     training: dict[str, Any] = {}
     if args is not None:
         training = extract_hyperparameters_from_trainer(trainer or SimpleNamespace(args=args))
         training.pop("mixed_precision_training", None)  # said by `precision`, bf16 included
         if "optimizer" in training and hasattr(args.optim, "value"):  # "adamw_torch", not "OptimizerNames.ADAMW_TORCH"
             training["optimizer"] = training["optimizer"].replace(str(args.optim), args.optim.value)
+        training["weight_decay"] = args.weight_decay  # not among transformers' hyperparameters
         training["precision"] = _precision(getattr(args, "bf16", False), getattr(args, "fp16", False))
         if hasattr(args, "distillation_summary"):
             found["distillation"] = distillation_facts(args)
@@ -220,10 +206,8 @@ def _run_facts(config: Any, architecture: str | None, args: Any, trainer: Any, s
 
 
 def read_results(path: str | os.PathLike) -> dict[str, Any]:
-    """A results.json (recipe, demo) as report fields, {} when absent: `teacher`, `method`, `dataset(s)`, `license`,
-    `speedup`, `student_parameters`/`params`, `teacher_parameters`, `*_size_bytes`, `student_metrics` /
-    `teacher_metrics` dicts or flat `student_<metric>`/`teacher_<metric>` numbers, `accuracy`, `f1`, `perplexity`,
-    `learning_rate`, `epochs`, `max_steps`, `train_steps`, `epochs_trained`, `seed`, `bf16`, `distillation`."""
+    """A recipe's or the demo's results.json as report fields ({} when absent): metrics as `student_metrics` /
+    `teacher_metrics` dicts, flat `student_<metric>` / `teacher_<metric>` numbers or `accuracy`, `f1`, `perplexity`."""
     data = _read_json(Path(path))
     if not data:
         return {}
@@ -277,8 +261,7 @@ def pipeline_tag_for(architecture: str | None, config: Any = None) -> str | None
 
 
 def distillation_facts(args: Any) -> dict[str, Any]:
-    """`args.distillation_summary()` plus what a card needs to read the run right: which tokens the logit loss
-    covered (`kd_token_mask`) and whether `eval_loss` was the student's own loss (`eval_with_teacher`)."""
+    """`args.distillation_summary()` with `kd_token_mask` and `eval_with_teacher` (is `eval_loss` the student's own)."""
     facts = dict(args.distillation_summary())
     for name in ("kd_token_mask", "eval_with_teacher"):
         if getattr(args, name, None) is not None:
@@ -287,14 +270,12 @@ def distillation_facts(args: Any) -> dict[str, Any]:
 
 
 def _own_eval_loss(pipeline_tag: str | None = None, distillation: dict[str, Any] | None = None, **_: Any) -> bool:
-    """Whether a logged `eval_loss` is a causal-LM student's own next-token loss, of which perplexity is exp: only
-    when it is known that the teacher did not join the evaluation (`eval_with_teacher=False`)."""
+    """Whether `eval_loss` is a causal LM's own next-token loss (known only with `eval_with_teacher=False`)."""
     return pipeline_tag == "text-generation" and (distillation or {}).get("eval_with_teacher") is False
 
 
 def lm_metrics(metrics: dict[str, float]) -> dict[str, float]:
-    """A language model's metrics with `perplexity` = exp(`loss`) beside each loss (`<set>_loss` gives
-    `<set>_perplexity`), and the loss (log perplexity) beside a perplexity given alone."""
+    """A language model's metrics with `<set>_perplexity` = exp(`<set>_loss`) beside each loss, and the reverse."""
     out: dict[str, float] = {}
     for name, value in metrics.items():
         if name.endswith("perplexity") and name[: -len("perplexity")] + "loss" in metrics:
@@ -331,28 +312,19 @@ def detect_method(summary: dict[str, Any]) -> str:
     found = next((method for loss, method in _TERM_METHODS if loss in losses), None)
     if found or losses:
         return found or "feature-kd"
-    # Logit distillation alone, named by its objective: GKD's generalized JSD, MiniLLM's reverse KL, DistiLLM's skew
-    # KLs, Wen et al.'s total variation distance, or the forward KL / soft targets of Hinton et al.
     return _KD_METHODS.get(summary.get("kd_loss") or "", "logit-kd")
-
-
-def _is_metric(name: str, keep_loss: bool = False) -> bool:
-    """A quality metric, not a loss or timing; `name` may carry an eval set's prefix (`b_loss`, `b_runtime`)."""
-    if keep_loss and (name == "loss" or name.endswith("_loss")):
-        return True
-    return not any(name == k or name.endswith(f"_{k}") for k in _NOT_METRICS)
 
 
 def latest_eval_metrics(log_history: list[dict[str, Any]], keep_loss: bool = False
                         ) -> tuple[dict[str, float], int | None]:
-    """The last evaluation's metrics (without the `eval_` prefix, losses and timings) and its step; with several
-    evaluation sets (`eval_dataset={"a": ..., "b": ...}`, one log entry each) those of every set at that step.
-    `keep_loss` keeps the losses too (a causal LM's eval loss is its quality measure: perplexity is its exp)."""
+    """The last evaluation's metrics (of every evaluation set at that step, without the `eval_` prefix, timings and
+    losses unless `keep_loss`) and its step."""
+    skipped = tuple(f"_{k}" for k in _NOT_METRICS if k != "loss" or not keep_loss)  # eval_<name>, eval_<set>_<name>
     metrics: dict[str, float] = {}
     step = None
     for entry in reversed(log_history or []):
         found = {k[5:]: float(v) for k, v in entry.items()
-                 if k.startswith("eval_") and _number(v) and _is_metric(k[5:], keep_loss)}
+                 if k.startswith("eval_") and _number(v) and not k.endswith(skipped)}
         if not found:
             continue
         if step is not None and entry.get("step") != step:
@@ -368,15 +340,6 @@ def find_trainer_state(folder: str | os.PathLike) -> Path | None:
     candidates = [folder / "trainer_state.json", *folder.glob("checkpoint-*/trainer_state.json")]
     found = [(int(_read_json(p).get("global_step") or 0), p) for p in candidates if p.is_file()]
     return max(found, key=lambda item: (item[0], item[1] == candidates[0]))[1] if found else None
-
-
-def adapter_summary(config: dict[str, Any]) -> dict[str, Any]:
-    """What a card says about a PEFT student (the repository then holds adapters, not a full model)."""
-    targets, peft_type = config.get("target_modules"), config.get("peft_type")
-    return {"peft_type": getattr(peft_type, "value", peft_type),  # "LORA", not PeftType.LORA (str() of the enum)
-            "r": config.get("r"), "lora_alpha": config.get("lora_alpha"),
-            "target_modules": sorted(targets) if isinstance(targets, list | set | tuple) else targets,
-            "base_model": config.get("base_model_name_or_path")}
 
 
 # ---------------------------------------------------------------------- internals
@@ -424,9 +387,7 @@ def _shape(config: Any) -> dict[str, int]:
         return {}
     keys = {"layers": ("num_hidden_layers", "n_layers", "num_layers"), "hidden": ("hidden_size", "dim", "d_model"),
             "heads": ("num_attention_heads", "n_heads")}
-    if _get(config, "is_encoder_decoder"):
-        # Two stacks, each with its own depth (T5: num_layers / num_decoder_layers; BART, Marian: encoder_layers /
-        # decoder_layers); num_hidden_layers is only the encoder's there.
+    if _get(config, "is_encoder_decoder"):  # two stacks (T5: num_layers / num_decoder_layers; BART: encoder_layers)
         del keys["layers"]
         keys = {"encoder_layers": ("encoder_layers", "num_layers"),
                 "decoder_layers": ("decoder_layers", "num_decoder_layers"), **keys}
@@ -443,8 +404,8 @@ def _precision(bf16: Any, fp16: Any) -> str:
 
 
 def _load_training_args(path: Path) -> Any:
-    """`training_args.bin` without running arbitrary pickled code: weights-only loading, allowing only
-    classes from transformers, accelerate and hf_distill. None when the file is absent or foreign."""
+    """`training_args.bin` loaded weights-only, allowing classes of transformers, accelerate and hf_distill only;
+    None when absent or foreign."""
     if not path.is_file():
         return None
     import torch
