@@ -24,9 +24,9 @@ in the metadata is measured on the written files). When read back, the float16 v
 together (their mass sums to 1 up to float16 rounding), so the teacher is a distribution over k + 1 outcomes.
 
 The metadata (teacher name and weight fingerprint, vocabulary hash, k, temperature, kd_token_mask, versions) is kept
-in the Dataset's `info.description` (which `save_to_disk`/`load_from_disk`, `select`, `concatenate_datasets` and
-`to_iterable_dataset` keep) and in `teacher_signal.json` next to the shards. The trainer refuses a signal whose
-vocabulary, temperature, kd_token_mask or rows differ from the run's (`check_teacher_signal`).
+in the Dataset's `info.description` (which `save_to_disk`/`load_from_disk`, `select`, `concatenate_datasets` keep;
+`streamed` keeps it in an IterableDataset) and in `teacher_signal.json` next to the shards. The trainer refuses a
+signal whose vocabulary, temperature, kd_token_mask or rows differ from the run's (`check_teacher_signal`).
 
 Writing is resumable: rows are written in shards of `rows_per_shard` (each renamed into place when complete); run
 the same call again after an interruption and the finished shards are kept. Not done yet: pushing a signal to the
@@ -70,6 +70,7 @@ __all__ = [
     "row_hash",
     "signal_metadata",
     "signal_teacher",
+    "streamed",
     "vocabulary_hash",
 ]
 
@@ -347,7 +348,15 @@ def load_teacher_signal(
     signal = datasets.concatenate_datasets(parts, info=info)
     if len(signal) != meta["rows"]:
         raise ValueError(f"The teacher signal in {folder} has {len(signal)} rows, its metadata says {meta['rows']}.")
-    return signal.to_iterable_dataset(num_shards=len(shards)) if streaming else signal
+    return streamed(signal, num_shards=len(shards)) if streaming else signal
+
+
+def streamed(dataset: datasets.Dataset, num_shards: int = 1) -> datasets.IterableDataset:
+    """`dataset.to_iterable_dataset(num_shards)` (streamed from its files) with the signal's metadata kept, which
+    `to_iterable_dataset` drops: stream a signal, or rows joined with one, to the trainer this way."""
+    stream = dataset.with_format(None).to_iterable_dataset(num_shards=num_shards)  # rows as Python lists
+    stream.info.description = dataset.info.description
+    return stream
 
 
 def signal_metadata(dataset: Any) -> dict[str, Any] | None:
@@ -361,7 +370,7 @@ def signal_metadata(dataset: Any) -> dict[str, Any] | None:
 
 def attach_teacher_signal(rows: datasets.Dataset, signal: datasets.Dataset) -> datasets.Dataset:
     """`rows` with the signal's columns added side by side, after checking that every row is the one the signal
-    was made from (its `input_ids` hash). Stream the result with `.to_iterable_dataset()`."""
+    was made from (its `input_ids` hash). Stream the result with `streamed(...)`."""
     if len(rows) != len(signal):
         raise ValueError(f"The rows ({len(rows)}) and the teacher signal ({len(signal)} rows) differ in length: "
                          "give the rows the signal was created from, in the same order.")
@@ -437,29 +446,28 @@ def signal_teacher(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The batch's signal as the `(log_probs, indices, log_tail)` teacher of hf_distill.losses, (B, T, k), (B, T, k)
     and (B, T), aligned with the student's unshifted logits (position t predicts token t + 1; the last position and
-    the uncounted ones hold zeros, which the KD mask leaves out). `cached` holds one tensor per row for each
-    `teacher_signal_*` column (TeacherOutputsCollator)."""
+    the uncounted ones hold zeros, which the KD mask leaves out). `cached` holds the `teacher_signal_*` columns as
+    TeacherOutputsCollator pads them: (B, n_max) tails padded with NaN (a stored tail is never NaN), (B, n_max * k)
+    top-k entries."""
     ids = inputs["input_ids"]
     counted = kd_positions(inputs.get("attention_mask"), inputs.get(label_name), kd_token_mask, causal=True)
     if counted is None:
         counted = torch.ones(ids.shape[0], ids.shape[1] - 1, dtype=torch.bool, device=ids.device)
-    tails = [torch.as_tensor(t).reshape(-1) for t in cached[SIGNAL_TAIL]]
-    topk = [torch.as_tensor(t).reshape(-1).to(torch.int64) for t in cached[SIGNAL_TOPK]]
-    expected = counted.sum(-1).tolist()
-    for i, (tail, n) in enumerate(zip(tails, expected, strict=True)):
-        if len(tail) != n:
+    tails = torch.as_tensor(cached[SIGNAL_TAIL]).to(ids.device).float()
+    stored = ~tails.isnan()
+    for i, (n_stored, n) in enumerate(zip(stored.sum(-1).tolist(), counted.sum(-1).tolist(), strict=True)):
+        if n_stored != n:
             raise ValueError(
-                f"Row {i} of this batch counts {n} KD positions but its teacher signal holds {len(tail)}: the batch's "
-                f"labels or attention mask differ from the rows' when the signal was made (a collator that changes "
+                f"Row {i} of this batch counts {n} KD positions but its teacher signal holds {n_stored}: the batch's "
+                "labels or attention mask differ from the rows' when the signal was made (a collator that changes "
                 "labels, truncation or kd_token_mask). Collate the rows as they were when the signal was created.")
-    n_total = sum(expected)
-    packed = torch.cat(topk).to(ids.device)
-    k = packed.numel() // n_total if n_total else 1
-    stored = None
-    if SIGNAL_VALUES in cached:  # the "split" layout
-        stored = torch.cat([torch.as_tensor(v).reshape(-1) for v in cached[SIGNAL_VALUES]]).to(ids.device)
-    values, indices = unpack(packed, stored)
-    outcomes = torch.cat([values.view(n_total, k), torch.cat(tails).to(ids.device).float().view(n_total, 1)], -1)
+    topk = torch.as_tensor(cached[SIGNAL_TOPK]).to(ids.device)
+    k = topk.shape[1] // tails.shape[1] if tails.shape[1] else 1
+    entries = stored.repeat_interleave(k, dim=1)  # each stored position's k entries
+    n_total = int(stored.sum())
+    split = torch.as_tensor(cached[SIGNAL_VALUES]).to(ids.device)[entries] if SIGNAL_VALUES in cached else None
+    values, indices = unpack(topk[entries], split)
+    outcomes = torch.cat([values.view(n_total, k), tails[stored].view(n_total, 1)], -1)
     outcomes = outcomes - outcomes.logsumexp(-1, keepdim=True)  # float16 rounding: the k + 1 outcomes sum to 1 again
     b, t = ids.shape
     log_probs = torch.zeros(b, t, k, device=ids.device)
