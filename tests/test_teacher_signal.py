@@ -273,3 +273,14 @@ def test_trains_from_a_streamed_signal(tmp_path):
     trainer = _trainer(tmp_path, joined, max_steps=2, per_device_train_batch_size=4)
     trainer.train()
     assert [r for r in trainer.state.log_history if "loss_kd" in r]
+
+
+def test_bf16_teacher_forwards(tmp_path):
+    """dtype=torch.bfloat16 runs the teacher under autocast (CPU here): the same positions, a close signal."""
+    rows = sft_rows(4)
+    exact = _signal(tmp_path / "fp32", rows=rows)
+    half = _signal(tmp_path / "bf16", rows=rows, dtype=torch.bfloat16)
+    assert signal_metadata(half)["dtype"] == "torch.bfloat16"
+    assert [len(t) for t in half[SIGNAL_TAIL]] == [len(t) for t in exact[SIGNAL_TAIL]]
+    tails = [torch.tensor(sum(s[SIGNAL_TAIL], [])) for s in (exact, half)]
+    assert 0 < (tails[0] - tails[1]).abs().max() < 0.1
