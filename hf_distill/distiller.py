@@ -31,6 +31,7 @@ from .arguments import DistillationArguments
 from .data.cache import LOGITS_COLUMN, TOPK_INDICES_COLUMN, TOPK_VALUES_COLUMN, cached_teacher_info
 from .data.collators import TEACHER_PREFIX
 from .data.teacher_columns import check_teacher_columns
+from .data.teacher_signal import SIGNAL_TOPK, check_teacher_signal, signal_teacher
 from .features import heads as heads_mod
 from .features.heads import (
     TOKEN_LEVEL,
@@ -93,6 +94,7 @@ class Distiller(LogitTerms):
             raise TypeError(f"Distiller needs DistillationArguments, got {type(args).__name__}.")
         self.args, self.accelerator, self.route = args, accelerator, route
         self.label_smoother, self.compute_loss_func = label_smoother, compute_loss_func
+        self.processing_class = processing_class  # the student's tokenizer (a teacher signal's vocabulary check)
         if label_names is None:
             label_names = args.label_names if args.label_names is not None else find_labels(type(unwrap(student)))
         self.label_names = list(label_names)
@@ -198,6 +200,8 @@ class Distiller(LogitTerms):
         check_teacher_columns(dataset, which, head=self._head, teacher=self.teacher, kd_weight=self.args.kd_weight,
                               kd_loss=self.args.kd_loss, num_labels=self._student_shape[2],
                               intermediate=self.intermediate)
+        check_teacher_signal(dataset, which, temperature=self.args.temperature, kd_token_mask=self.args.kd_token_mask,
+                             tokenizer=self.processing_class, causal=self._causal)
 
     @property
     def projections(self) -> nn.Module | None:
@@ -268,7 +272,8 @@ class Distiller(LogitTerms):
         want_task, own_task = self._task_wanted(model, inputs, distill)
         # Teacher first (its forward would evict the student's activations from the CPU caches, benchmarks/speed.py);
         # a causal LM in training takes its logits a chunk of tokens at a time (hf_distill.losses.chunked).
-        chunks = self._chunk_for(model) if (model.training and distill and TOPK_VALUES_COLUMN not in cached) else None
+        sparse = TOPK_VALUES_COLUMN in cached or SIGNAL_TOPK in cached  # the chunked head takes dense teachers only
+        chunks = self._chunk_for(model) if (model.training and distill and not sparse) else None
         teacher = self._teacher_outputs(inputs, cached, hidden_only=chunks is not None) if distill else None
         s_out, s_feats, head = self._student_forward(model, student, inputs, distill, chunks,
                                                      want_task and not own_task and chunks is None)
@@ -381,6 +386,8 @@ class Distiller(LogitTerms):
         t_logits = cached.get(LOGITS_COLUMN)
         if t_logits is None and self.args.kd_loss != "mse" and TOPK_VALUES_COLUMN in cached:
             t_logits = (cached[TOPK_VALUES_COLUMN], cached[TOPK_INDICES_COLUMN])  # sparse: kl/soft_ce take it
+        if t_logits is None and self.args.kd_loss != "mse" and SIGNAL_TOPK in cached:  # top-k + tail (teacher_signal)
+            t_logits = signal_teacher(cached, inputs, self._token_labels, self.args.kd_token_mask)
         t_feats = self.intermediate.cached_features(cached) if self.intermediate is not None else None
         need_logits = self.args.kd_weight > 0 and t_logits is None
         need_features = self.intermediate is not None and t_feats is None

@@ -20,6 +20,7 @@ from transformers.trainer_utils import RemoveColumnsCollator
 from transformers.utils import logging
 
 TEACHER_PREFIX = "teacher_"
+SIGNAL_PREFIX = f"{TEACHER_PREFIX}signal"  # an offline teacher signal (data.teacher_signal): one tensor per row
 _logger = logging.get_logger(__name__)
 
 
@@ -66,6 +67,11 @@ class TeacherOutputsCollator:
         length = ids.shape[1] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
         mask = batch.get("attention_mask")
         for k, vals in teacher.items():
+            if k.startswith(SIGNAL_PREFIX):  # counted positions only: right-padded (NaN for floats), placed by the loss
+                dtype = next((v.dtype for v in vals if v.numel()), vals[0].dtype)  # an empty list reads as float32
+                vals = [v.to(dtype) for v in vals]
+                batch[k] = pad_stack(vals, None, "right", math.nan if dtype.is_floating_point else 0)
+                continue
             placed = _place_on_real_tokens(vals, mask) if length is not None else None
             batch[k] = placed if placed is not None else pad_stack(vals, length, self.padding_side)
         return batch

@@ -46,11 +46,12 @@ def check_teacher_columns(
                 "labels. Recompute the cached logits with a teacher of the same label set, or drop the column."
             )
     if LOGITS_COLUMN not in names and teacher is None and kd_weight > 0:
-        topk = TOPK_VALUES_COLUMN in names and TOPK_INDICES_COLUMN in names
+        topk = (TOPK_VALUES_COLUMN in names and TOPK_INDICES_COLUMN in names) or f"{TEACHER_PREFIX}signal_topk" in names
         if not topk or kd_loss == "mse":
             raise ValueError(
                 "kd_weight > 0 needs teacher logits: pass teacher_model, or add a `teacher_logits` column "
-                f"to the {which} dataset (see hf_distill.cache; cached top-k logits serve kd_loss kl/soft_ce)."
+                f"to the {which} dataset (see hf_distill.cache; cached top-k logits and teacher signals serve every "
+                "kd_loss but mse)."
             )
     if teacher is None and intermediate is not None:
         missing = sorted(intermediate.teacher_request.hidden - cached_hidden_layers(names))

@@ -1,0 +1,479 @@
+"""Offline teacher signal for causal LMs: a causal-LM teacher's top-k log-probabilities and tail mass, computed once.
+
+A large teacher's forward pass dominates a distillation step; its output at each counted position is well kept by
+its k most likely ids plus the mass of every other id (the tail). `create_teacher_signal` runs the teacher batched
+over tokenised rows and writes, for each position the trainer's KD term counts (`kd_positions` of
+hf_distill.losses.normalise, shifted as a causal LM: `kd_token_mask="labels"` keeps the positions whose *next* label
+is not -100, `"attention"` the real tokens with a real successor), the top-k log-probabilities at `temperature`,
+their ids and `log(1 - sum top-k probabilities)`. The student then trains from it without the teacher
+(`DistillationTrainer(teacher_model=None, train_dataset=attach_teacher_signal(rows, signal))`) with any sparse
+divergence (the `(log_probs, indices, log_tail)` teacher of hf_distill.losses: k + 1 outcomes, a true divergence).
+
+Layout (one row per training row, only its counted positions, in order; `datasets` features declared):
+
+- `teacher_signal_topk`: `List(uint32)`, n * k entries. Vocabularies up to 2**17 ids ("packed" layout): `id << 15`
+  in the high 17 bits, the float16 bits of `-log_prob` (>= 0, so its sign bit is free) in the low 15: 4 bytes per
+  entry, the float16 value kept exactly. Larger vocabularies ("split" layout): the ids alone, and
+  `teacher_signal_values`: `List(float16)` the log-probabilities, 6 bytes per entry.
+- `teacher_signal_tail`: `List(float32)`, n entries: log of the tail mass, computed as the logsumexp of the non-top-k
+  log-probabilities (no cancellation when the top k hold nearly all of the mass; -inf when k is the vocabulary).
+- `teacher_signal_row`: `int64`, a hash of the row's `input_ids`, checked against the training rows.
+
+At k = 64 the packed layout takes 64 * 4 + 4 = 260 bytes per counted token plus the list offsets (`bytes_per_token`
+in the metadata is measured on the written files). When read back, the float16 values and the tail are renormalised
+together (their mass sums to 1 up to float16 rounding), so the teacher is a distribution over k + 1 outcomes.
+
+The metadata (teacher name and weight fingerprint, vocabulary hash, k, temperature, kd_token_mask, versions) is kept
+in the Dataset's `info.description` (which `save_to_disk`/`load_from_disk`, `select`, `concatenate_datasets` keep;
+`streamed` keeps it in an IterableDataset) and in `teacher_signal.json` next to the shards. The trainer refuses a
+signal whose vocabulary, temperature, kd_token_mask or rows differ from the run's (`check_teacher_signal`).
+
+Writing is resumable: rows are written in shards of `rows_per_shard` (each renamed into place when complete); run
+the same call again after an interruption and the finished shards are kept. Not done yet: pushing a signal to the
+Hub with a dataset card, DDP sharding, and the chunked causal-LM loss head (training from a signal computes the
+student's logits whole).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import torch
+import torch.nn.functional as F
+from datasets.arrow_writer import ArrowWriter
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..features.taps import unwrap
+from ..losses.normalise import kd_positions
+from .cache import _attach
+from .cache_key import _dataset_digest, teacher_fingerprint
+from .collators import SIGNAL_PREFIX
+
+__all__ = [
+    "SIGNAL_ROW",
+    "SIGNAL_TAIL",
+    "SIGNAL_TOPK",
+    "SIGNAL_VALUES",
+    "attach_teacher_signal",
+    "check_teacher_signal",
+    "create_teacher_signal",
+    "load_teacher_signal",
+    "row_hash",
+    "signal_metadata",
+    "signal_teacher",
+    "streamed",
+    "vocabulary_hash",
+]
+
+SIGNAL_TOPK = f"{SIGNAL_PREFIX}_topk"
+SIGNAL_VALUES = f"{SIGNAL_PREFIX}_values"
+SIGNAL_TAIL = f"{SIGNAL_PREFIX}_tail"
+SIGNAL_ROW = f"{SIGNAL_PREFIX}_row"
+SIGNAL_FORMAT = 1  # bump when the layout changes: an old signal is then refused, never misread
+_MARKER = "hf_distill.data.teacher_signal "
+_META_FILE = "teacher_signal.json"
+_ID_BITS, _VALUE_BITS = 17, 15
+_MODES = ("labels", "attention")
+
+
+# ---------------------------------------------------------------------- hashes
+
+
+def vocabulary_hash(tokenizer: Any) -> str:
+    """blake2b of the tokenizer's (token, id) pairs, added tokens included: equal for tokenizers that map every
+    string to the same ids."""
+    if tokenizer is None or not hasattr(tokenizer, "get_vocab"):
+        raise ValueError(f"A tokenizer with get_vocab() is needed to hash the vocabulary, got {type(tokenizer)}.")
+    pairs = sorted(tokenizer.get_vocab().items(), key=lambda kv: (kv[1], kv[0]))
+    return hashlib.blake2b(json.dumps(pairs).encode(), digest_size=16).hexdigest()
+
+
+def row_hash(input_ids: Any) -> int:
+    """A signed 64-bit hash of one row's token ids (as int64, so the stored integer type does not matter)."""
+    data = np.asarray(input_ids, dtype=np.int64).tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+
+
+# ---------------------------------------------------------------------- creating the signal
+
+
+def create_teacher_signal(
+    teacher: nn.Module,
+    dataset: datasets.Dataset,
+    output_dir: str | os.PathLike,
+    *,
+    tokenizer: Any,
+    k: int = 64,
+    temperature: float = 1.0,
+    kd_token_mask: str = "labels",
+    batch_size: int = 8,
+    rows_per_shard: int = 1024,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    teacher_name: str | None = None,
+    progress: bool = True,
+) -> datasets.Dataset:
+    """The teacher signal of `teacher` over `dataset`, written to `output_dir` (resumed if it holds part of it).
+
+    Args:
+        teacher: a causal-LM teacher (its forward returns `logits` of shape (batch, length, vocabulary)).
+        dataset: tokenised rows: `input_ids`, optionally `attention_mask`, and `labels` (-100 where not learnt) for
+            `kd_token_mask="labels"`.
+        tokenizer: the teacher's tokenizer (its vocabulary hash is recorded; the student's must match).
+        k: ids kept per position; temperature: the temperature of the stored log-probabilities (training must use
+            the same `DistillationArguments.temperature`).
+        kd_token_mask: the positions stored, by the trainer's rule (`"labels"` or `"attention"`); training must use
+            the same.
+        batch_size: rows per teacher forward (the signal does not depend on it); rows_per_shard: rows per file (the
+            unit of resumption).
+        dtype: run the teacher under autocast in this dtype (e.g. torch.bfloat16, on CPU or GPU); None: as it is.
+        device: where to run the teacher (default: where its parameters are).
+        teacher_name: recorded as the teacher's name (default: its `name_or_path`).
+    """
+    if kd_token_mask not in _MODES:
+        raise ValueError(f"kd_token_mask={kd_token_mask!r}: use 'labels' or 'attention' (the trainer's rule).")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be an integer >= 1, got {k!r}.")
+    if not (isinstance(temperature, int | float) and 0 < float(temperature) < float("inf")):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}.")
+    if not isinstance(dataset, datasets.Dataset) or len(dataset) == 0:
+        raise ValueError("dataset must be a non-empty datasets.Dataset of tokenised rows.")
+    needed = ("input_ids", "labels") if kd_token_mask == "labels" else ("input_ids",)
+    missing = [c for c in needed if c not in dataset.column_names]
+    if missing:
+        raise ValueError(f"The dataset has no {missing} column (columns: {dataset.column_names}); "
+                         "kd_token_mask='labels' needs `labels` (-100 where not learnt), or use 'attention'.")
+    inner = unwrap(teacher)
+    vocab = getattr(getattr(inner, "config", None), "vocab_size", None)
+    if not isinstance(vocab, int):
+        raise ValueError("The teacher has no config.vocab_size: give a transformers causal-LM teacher.")
+    if k > vocab:
+        raise ValueError(f"k={k} exceeds the teacher's vocabulary ({vocab} ids).")
+    columns = [c for c in ("input_ids", "attention_mask", "labels") if c in dataset.column_names]
+    name = teacher_name or getattr(inner, "name_or_path", None) or getattr(inner.config, "_name_or_path", "") or ""
+    import hf_distill
+
+    meta = {"format": SIGNAL_FORMAT, "teacher": name, "teacher_fingerprint": teacher_fingerprint(teacher),
+            "vocab_hash": vocabulary_hash(tokenizer), "vocab_size": vocab, "k": k, "temperature": float(temperature),
+            "kd_token_mask": kd_token_mask, "layout": "packed" if vocab <= 2**_ID_BITS else "split",
+            "dtype": None if dtype is None else str(dtype), "rows": len(dataset), "rows_per_shard": rows_per_shard,
+            "dataset": _dataset_digest(dataset, columns), "hf_distill": hf_distill.__version__}
+    folder = Path(output_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    _check_resumable(folder, meta)
+    (folder / _META_FILE).write_text(json.dumps({**meta, "complete": False}, indent=2) + "\n")
+    shards = [(s, min(s + rows_per_shard, len(dataset))) for s in range(0, len(dataset), rows_per_shard)]
+    todo = [i for i, (s, e) in enumerate(shards) if not _shard_ok(_shard_path(folder, i), e - s)]
+    run_on = torch.device(device) if device is not None else next(teacher.parameters()).device
+    pad_id = getattr(tokenizer, "pad_token_id", None) or 0
+    source = dataset.select_columns(columns).with_format(None)
+    was_training = teacher.training
+    teacher.eval()
+    bar = tqdm(total=len(dataset), initial=len(dataset) - sum(shards[i][1] - shards[i][0] for i in todo),
+               desc="Teacher signal", unit="rows", disable=not progress)
+    try:
+        for i in todo:
+            start, end = shards[i]
+            tables = []
+            for s in range(start, end, batch_size):
+                rows = source[s : min(s + batch_size, end)]
+                tables.append(_signal_table(teacher, rows, meta, pad_id, run_on, dtype))
+                bar.update(len(rows["input_ids"]))
+            _write_shard(_shard_path(folder, i), pa.concat_tables(tables), meta["layout"])
+    finally:
+        bar.close()
+        teacher.train(was_training)
+    paths = [_shard_path(folder, i) for i in range(len(shards))]
+    positions = sum(_positions(p) for p in paths)
+    meta["positions"] = positions
+    # Measured: the files (with Arrow's per-file schema and footer) and the column buffers alone (the payload).
+    meta["bytes_per_token"] = round(sum(p.stat().st_size for p in paths) / max(positions, 1), 2)
+    payload = sum(datasets.Dataset.from_file(str(p)).data.nbytes for p in paths)
+    meta["payload_bytes_per_token"] = round(payload / max(positions, 1), 2)
+    (folder / _META_FILE).write_text(json.dumps({**meta, "complete": True}, indent=2) + "\n")
+    return load_teacher_signal(folder)
+
+
+def _signal_table(teacher, rows: dict[str, list], meta: dict, pad_id: int, device, dtype) -> pa.Table:
+    """One batch of rows: a right-padded teacher forward, then each counted position's top-k and tail."""
+    ids_rows = rows["input_ids"]
+    length, n = max(len(r) for r in ids_rows), len(ids_rows)
+    ids = torch.full((n, length), pad_id, dtype=torch.long)
+    mask = torch.zeros((n, length), dtype=torch.long)
+    labels = torch.full((n, length), -100, dtype=torch.long) if "labels" in rows else None
+    for i, r in enumerate(ids_rows):
+        ids[i, : len(r)] = torch.as_tensor(r)
+        mask[i, : len(r)] = torch.as_tensor(rows["attention_mask"][i]) if "attention_mask" in rows else 1
+        if labels is not None:
+            labels[i, : len(rows["labels"][i])] = torch.as_tensor(rows["labels"][i])
+    counted = kd_positions(mask, labels, meta["kd_token_mask"], causal=True)
+    counted = torch.ones(n, length - 1, dtype=torch.bool) if counted is None else counted
+    autocast = (torch.autocast(device.type, dtype=dtype) if dtype not in (None, torch.float32)
+                else contextlib.nullcontext())
+    with torch.no_grad(), autocast:
+        out = teacher(input_ids=ids.to(device), attention_mask=mask.to(device))
+    logits = out["logits"] if isinstance(out, dict) else out.logits
+    z = logits[:, :-1][counted.to(logits.device)]  # (positions, vocabulary), rows in order, positions ascending
+    k, T = meta["k"], meta["temperature"]
+    values, top, tails = [], [], []
+    step = max(1, 2**24 // z.shape[-1])  # positions per block: about 64 MB of float32 log-probabilities
+    for part in z.split(step):
+        log_p = F.log_softmax(part.float() / T, dim=-1)
+        v, idx = log_p.topk(k, dim=-1)
+        tails.append(log_p.scatter(-1, idx, float("-inf")).logsumexp(-1))  # log mass of the non-top-k ids
+        values.append(v)
+        top.append(idx)
+    v = torch.cat(values).cpu() if values else torch.zeros(0, k)
+    idx = torch.cat(top).cpu() if top else torch.zeros(0, k, dtype=torch.long)
+    tail = torch.cat(tails).cpu() if tails else torch.zeros(0)
+    topk, values16 = pack(v, idx, meta["layout"])
+    per_row = counted.sum(-1).to(torch.int64)
+    offsets = np.concatenate([[0], per_row.cumsum(0).numpy()]).astype(np.int32)
+    table = {
+        SIGNAL_TOPK: pa.ListArray.from_arrays(pa.array(offsets * k), pa.array(topk.reshape(-1))),
+        SIGNAL_TAIL: pa.ListArray.from_arrays(pa.array(offsets), pa.array(tail.numpy().astype(np.float32))),
+        SIGNAL_ROW: pa.array([row_hash(r) for r in ids_rows], pa.int64()),
+    }
+    if values16 is not None:
+        table[SIGNAL_VALUES] = pa.ListArray.from_arrays(pa.array(offsets * k), pa.array(values16.reshape(-1)))
+    return pa.table(table)
+
+
+def pack(log_probs: torch.Tensor, ids: torch.Tensor, layout: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """Top-k log-probabilities (<= 0) and ids -> the stored uint32 column and, in the "split" layout, the float16
+    values. "packed": `id << 15 | float16 bits of -log_prob` (its sign bit is always 0), ids below 2**17."""
+    magnitude = log_probs.neg().abs().to(torch.float16)  # |log p|; abs() also turns -0.0 into 0.0
+    if layout == "split":
+        return ids.numpy().astype(np.uint32), (-magnitude.float()).to(torch.float16).numpy()
+    if ids.numel() and int(ids.max()) >= 2**_ID_BITS:
+        raise ValueError(f"The packed layout holds ids below 2**{_ID_BITS}, got {int(ids.max())}.")
+    bits = magnitude.view(torch.int16).to(torch.int64) & (2**_VALUE_BITS - 1)
+    return ((ids.to(torch.int64) << _VALUE_BITS) | bits).numpy().astype(np.uint32), None
+
+
+def unpack(topk: torch.Tensor, values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stored column(s) -> (float32 log-probabilities, int64 ids); `values` given: the "split" layout."""
+    topk = topk.to(torch.int64)
+    if values is not None:
+        return values.float(), topk
+    bits = (topk & (2**_VALUE_BITS - 1)).to(torch.int16)
+    return -bits.view(torch.float16).float(), topk >> _VALUE_BITS
+
+
+def _features(layout: str) -> datasets.Features:
+    features = {SIGNAL_TOPK: datasets.List(datasets.Value("uint32"))}
+    if layout == "split":
+        features[SIGNAL_VALUES] = datasets.List(datasets.Value("float16"))
+    features[SIGNAL_TAIL] = datasets.List(datasets.Value("float32"))
+    features[SIGNAL_ROW] = datasets.Value("int64")
+    return datasets.Features(features)
+
+
+def _shard_path(folder: Path, i: int) -> Path:
+    return folder / f"shard-{i:05d}.arrow"
+
+
+def _write_shard(path: Path, table: pa.Table, layout: str) -> None:
+    """Written beside, then renamed: a shard file exists only when complete."""
+    features = _features(layout)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    writer = ArrowWriter(features=features, path=str(tmp))
+    try:
+        writer.write_table(table.select(list(features)).cast(features.arrow_schema))
+        writer.finalize()
+    finally:
+        writer.close()
+    os.replace(tmp, path)
+
+
+def _shard_ok(path: Path, rows: int) -> bool:
+    if not path.is_file():
+        return False
+    try:
+        return len(datasets.Dataset.from_file(str(path))) == rows
+    except Exception:  # a broken file is rewritten, never trusted
+        return False
+
+
+def _positions(path: Path) -> int:
+    tails = datasets.Dataset.from_file(str(path)).data.column(SIGNAL_TAIL)
+    return sum(len(chunk.flatten()) for chunk in tails.chunks)
+
+
+def _check_resumable(folder: Path, meta: dict) -> None:
+    """A folder holding (part of) another signal is refused, not overwritten or mixed with this one."""
+    path = folder / _META_FILE
+    if not path.is_file():
+        if any(folder.glob("shard-*.arrow")):
+            raise ValueError(f"{folder} holds shard files but no {_META_FILE}: choose an empty output_dir.")
+        return
+    old = json.loads(path.read_text())
+    keys = [k for k in meta if k not in ("hf_distill",)]
+    changed = [k for k in keys if old.get(k) != meta[k]]
+    if changed:
+        raise ValueError(
+            f"{folder} holds a teacher signal made with other settings ({', '.join(changed)} differ), so it cannot be "
+            "resumed: choose another output_dir, or delete that folder to start over."
+        )
+
+
+# ---------------------------------------------------------------------- reading it
+
+
+def load_teacher_signal(
+    path: str | os.PathLike, streaming: bool = False
+) -> datasets.Dataset | datasets.IterableDataset:
+    """The signal written by `create_teacher_signal` (complete only), as a Dataset or, with `streaming`, an
+    IterableDataset (one shard per file) that reads the files as it goes."""
+    folder = Path(path)
+    meta_path = folder / _META_FILE
+    if not meta_path.is_file():
+        raise ValueError(f"{folder} holds no teacher signal ({_META_FILE} is missing).")
+    meta = json.loads(meta_path.read_text())
+    if not meta.pop("complete", False):
+        raise ValueError(f"The teacher signal in {folder} is incomplete: run create_teacher_signal again to finish it.")
+    shards = sorted(folder.glob("shard-*.arrow"))
+    info = datasets.DatasetInfo(description=_MARKER + json.dumps(meta, sort_keys=True),
+                                features=_features(meta["layout"]))
+    parts = [datasets.Dataset.from_file(str(p), info=info) for p in shards]
+    signal = datasets.concatenate_datasets(parts, info=info)
+    if len(signal) != meta["rows"]:
+        raise ValueError(f"The teacher signal in {folder} has {len(signal)} rows, its metadata says {meta['rows']}.")
+    return streamed(signal, num_shards=len(shards)) if streaming else signal
+
+
+def streamed(dataset: datasets.Dataset, num_shards: int = 1) -> datasets.IterableDataset:
+    """`dataset.to_iterable_dataset(num_shards)` (streamed from its files) with the signal's metadata kept, which
+    `to_iterable_dataset` drops: stream a signal, or rows joined with one, to the trainer this way."""
+    stream = dataset.with_format(None).to_iterable_dataset(num_shards=num_shards)  # rows as Python lists
+    stream.info.description = dataset.info.description
+    return stream
+
+
+def signal_metadata(dataset: Any) -> dict[str, Any] | None:
+    """The signal's metadata recorded in a dataset's info (the signal itself, or rows joined with it)."""
+    info = getattr(dataset, "info", None)
+    for line in (getattr(info, "description", None) or "").splitlines():
+        if line.startswith(_MARKER):
+            return json.loads(line[len(_MARKER) :])
+    return None
+
+
+def attach_teacher_signal(rows: datasets.Dataset, signal: datasets.Dataset) -> datasets.Dataset:
+    """`rows` with the signal's columns added side by side, after checking that every row is the one the signal
+    was made from (its `input_ids` hash). Stream the result with `streamed(...)`."""
+    if len(rows) != len(signal):
+        raise ValueError(f"The rows ({len(rows)}) and the teacher signal ({len(signal)} rows) differ in length: "
+                         "give the rows the signal was created from, in the same order.")
+    _check_rows(rows, signal[SIGNAL_ROW], "rows")
+    return _attach(rows, signal)
+
+
+def _check_rows(rows: datasets.Dataset, hashes: list[int], which: str) -> None:
+    ids = rows.select_columns(["input_ids"]).with_format(None)
+    for start in range(0, len(rows), 4096):
+        for i, (r, h) in enumerate(zip(ids[start : start + 4096]["input_ids"], hashes[start : start + 4096],
+                                       strict=True)):
+            if row_hash(r) != int(h):
+                raise ValueError(
+                    f"Row {start + i} of the {which} ({len(r)} tokens) is not the row the teacher signal was made "
+                    "from (its input_ids hash differs): the rows were changed, reordered or retokenised. Join the "
+                    "signal with the rows it was created from (attach_teacher_signal), or create it again."
+                )
+
+
+def check_teacher_signal(
+    dataset: Any, which: str, *, temperature: float, kd_token_mask: str, tokenizer: Any, causal: bool
+) -> None:
+    """Refuse, before training, a signal that does not fit the run: another vocabulary, temperature or
+    kd_token_mask, rows that are not the signal's, a student that is not a causal LM."""
+    from .teacher_columns import first_row
+
+    if dataset is None:
+        return
+    names, first = first_row(dataset, needed=False)
+    if not any(n.startswith(SIGNAL_PREFIX) for n in names):
+        return
+    meta = signal_metadata(dataset)
+    if meta is None:
+        raise ValueError(f"The {which} dataset carries teacher_signal columns but not the signal's metadata: join "
+                         "the rows with the signal through attach_teacher_signal(rows, load_teacher_signal(path)).")
+    if meta.get("format") != SIGNAL_FORMAT:
+        raise ValueError(f"The teacher signal has format {meta.get('format')}, this hf_distill reads format "
+                         f"{SIGNAL_FORMAT}: create the signal again with this version.")
+    if not causal:
+        raise ValueError("A teacher signal holds a causal-LM teacher's next-token distributions: the student must be "
+                         "a causal LM.")
+    if float(temperature) != meta["temperature"]:
+        raise ValueError(f"The teacher signal was made at temperature {meta['temperature']}, but the run's "
+                         f"temperature is {temperature}: set DistillationArguments(temperature={meta['temperature']})"
+                         " or create the signal at the run's temperature.")
+    if kd_token_mask != meta["kd_token_mask"]:
+        raise ValueError(f"The teacher signal holds the positions of kd_token_mask={meta['kd_token_mask']!r}, but "
+                         f"the run counts kd_token_mask={kd_token_mask!r}: set kd_token_mask="
+                         f"{meta['kd_token_mask']!r} or create the signal with the run's.")
+    if tokenizer is None:
+        raise ValueError("Training from a teacher signal needs the student's tokenizer (processing_class=...) to "
+                         "check that its vocabulary is the one the signal's ids refer to.")
+    if vocabulary_hash(tokenizer) != meta["vocab_hash"]:
+        raise ValueError(f"The student's tokenizer has another vocabulary than the teacher signal's (made with "
+                         f"{meta['teacher'] or 'its teacher'}'s tokenizer, vocabulary hash {meta['vocab_hash']}): its "
+                         "ids would mean other tokens. Use a student that shares the teacher's tokenizer.")
+    missing = [c for c in ("input_ids", SIGNAL_ROW, SIGNAL_TAIL, SIGNAL_TOPK) if c not in names]
+    if missing:
+        raise ValueError(f"The {which} dataset lacks {missing}: join the rows with attach_teacher_signal.")
+    if isinstance(dataset, datasets.Dataset):
+        _check_rows(dataset, dataset.select_columns([SIGNAL_ROW]).with_format(None)[SIGNAL_ROW], f"{which} dataset")
+    elif first:
+        _check_rows(datasets.Dataset.from_list([{"input_ids": list(first["input_ids"])}]), [first[SIGNAL_ROW]],
+                    f"{which} dataset")
+
+
+# ---------------------------------------------------------------------- the teacher of a batch
+
+
+def signal_teacher(
+    cached: dict[str, Any], inputs: dict[str, Any], label_name: str, kd_token_mask: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The batch's signal as the `(log_probs, indices, log_tail)` teacher of hf_distill.losses, (B, T, k), (B, T, k)
+    and (B, T), aligned with the student's unshifted logits (position t predicts token t + 1; the last position and
+    the uncounted ones hold zeros, which the KD mask leaves out). `cached` holds the `teacher_signal_*` columns as
+    TeacherOutputsCollator pads them: (B, n_max) tails padded with NaN (a stored tail is never NaN), (B, n_max * k)
+    top-k entries."""
+    ids = inputs["input_ids"]
+    counted = kd_positions(inputs.get("attention_mask"), inputs.get(label_name), kd_token_mask, causal=True)
+    if counted is None:
+        counted = torch.ones(ids.shape[0], ids.shape[1] - 1, dtype=torch.bool, device=ids.device)
+    tails = torch.as_tensor(cached[SIGNAL_TAIL]).to(ids.device).float()
+    stored = ~tails.isnan()
+    for i, (n_stored, n) in enumerate(zip(stored.sum(-1).tolist(), counted.sum(-1).tolist(), strict=True)):
+        if n_stored != n:
+            raise ValueError(
+                f"Row {i} of this batch counts {n} KD positions but its teacher signal holds {n_stored}: the batch's "
+                "labels or attention mask differ from the rows' when the signal was made (a collator that changes "
+                "labels, truncation or kd_token_mask). Collate the rows as they were when the signal was created.")
+    topk = torch.as_tensor(cached[SIGNAL_TOPK]).to(ids.device)
+    k = topk.shape[1] // tails.shape[1] if tails.shape[1] else 1
+    entries = stored.repeat_interleave(k, dim=1)  # each stored position's k entries
+    n_total = int(stored.sum())
+    split = torch.as_tensor(cached[SIGNAL_VALUES]).to(ids.device)[entries] if SIGNAL_VALUES in cached else None
+    values, indices = unpack(topk[entries], split)
+    outcomes = torch.cat([values.view(n_total, k), tails[stored].view(n_total, 1)], -1)
+    outcomes = outcomes - outcomes.logsumexp(-1, keepdim=True)  # float16 rounding: the k + 1 outcomes sum to 1 again
+    b, t = ids.shape
+    log_probs = torch.zeros(b, t, k, device=ids.device)
+    index = torch.zeros(b, t, k, dtype=torch.long, device=ids.device)
+    log_tail = torch.zeros(b, t, device=ids.device)
+    log_probs[:, :-1][counted] = outcomes[:, :k]
+    index[:, :-1][counted] = indices.view(n_total, k)
+    log_tail[:, :-1][counted] = outcomes[:, k]
+    return log_probs, index, log_tail
