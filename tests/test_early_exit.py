@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 from pathlib import Path
 
@@ -122,9 +123,15 @@ def test_folded_branch_equals_the_reference_and_follows_weight_changes(width, he
     cached = branch._fold
     check()
     assert branch._fold is cached  # reused while no weight changes
-    with torch.no_grad():  # what an optimizer step does
+    optimizer = torch.optim.SGD(branch.parameters(), lr=0.05)  # an optimizer step, in eval mode
+    for p in branch.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    check()
+    with torch.no_grad():  # an in-place edit by hand: dropped explicitly, as documented
         for p in branch.parameters():
             p.add_(0.05 * torch.randn_like(p))
+    branch.drop_fold()
     check()
     branch.load_state_dict(ExitBranch(24, 4, width, heads).state_dict())
     check()
@@ -340,11 +347,17 @@ def test_branch_hooks_subclasses_and_train_mode_are_honoured(branch, monkeypatch
     plain_forward = base.forward
     monkeypatch.setattr(base, "forward", lambda self, *a, **k: forwards.append(self.training) or plain_forward(
         self, *a, **k))
+    folds = []
+    plain_weights = base.inference_weights
+    monkeypatch.setattr(base, "inference_weights", lambda self: folds.append(self) or plain_weights(self))
     ee.exit_forward(speed=0.5, **b)
-    assert forwards == []  # eval mode, no hooks: the module-free path
+    # Every branch is called as the module it is (its hooks, the global ones and a subclass's forward run), and in
+    # eval mode its forward takes the inference path. (Before issue #30 adaptive inference skipped the module call where
+    # it read no hooks in torch's private dicts: `forwards == []` here.)
+    assert forwards == [False] * 3 and folds == list(ee.branches)
     ee.branches[0].train()  # train mode: the module's own forward (FastBERT's: the reference form)
     ee.exit_forward(speed=0.5, **b)
-    assert forwards == [True]
+    assert forwards[3:] == [True, False, False] and folds[3:] == list(ee.branches)[1:]
     ee.branches[0].eval()
 
     class Sure(base):
@@ -889,3 +902,82 @@ def test_fastbert_recipe_refuses_student_fields_it_does_not_use(tmp_path, flag, 
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------- public torch APIs only (issue #30)
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def torch_private_uses(source: str) -> list[str]:
+    """Where `source` leans on torch internals: an attribute read or written that torch names privately (`_x` on a
+    module, parameter, tensor, hook handle or `torch.nn.modules.module`) or that the source does not define itself,
+    an override of a private `nn.Module` method, an import of a private torch name, or a `.forward` assignment
+    (patching an instance's method)."""
+    objects = (nn.Module, nn.Module(), nn.Linear(2, 2), nn.MultiheadAttention(4, 2), nn.ModuleList(), torch.Tensor,
+               torch.zeros(1), nn.Parameter(torch.zeros(1)), torch.nn.modules.module, torch.utils.hooks.RemovableHandle)
+    torch_private = {name for obj in objects for name in dir(obj) if _private(name)}
+    tree = ast.parse(source)
+    own = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            own.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            own.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            own.add(node.id)
+        elif isinstance(node, ast.ImportFrom) and node.level > 0:  # this package's own names
+            own.update(a.asname or a.name for a in node.names)
+    own -= torch_private
+    found = []
+    for node in ast.walk(tree):
+        where = f"line {getattr(node, 'lineno', '?')}"
+        if isinstance(node, ast.Attribute) and _private(node.attr) and node.attr not in own:
+            found.append(f"{where}: .{node.attr}")
+        elif isinstance(node, ast.FunctionDef) and node.name in torch_private:
+            found.append(f"{where}: overrides {node.name}")
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "torch":
+            if any(_private(part) for part in node.module.split(".")) or any(_private(a.name) for a in node.names):
+                found.append(f"{where}: imports {node.module}: {', '.join(a.name for a in node.names)}")
+        elif isinstance(node, ast.Import):
+            found += [f"{where}: imports {a.name}" for a in node.names
+                      if a.name.split(".")[0] == "torch" and any(_private(p) for p in a.name.split("."))]
+        elif isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            found += [f"{where}: assigns .forward" for t in targets
+                      if isinstance(t, ast.Attribute) and t.attr == "forward"]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+              and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and node.args[1].value == "forward"):
+            found.append(f"{where}: setattr(..., 'forward', ...)")
+    return found
+
+
+def test_early_exit_uses_public_torch_apis_only():
+    """Early exit reads no private torch attribute and patches no instance method (issue #30): a torch upgrade
+    that renames a private dict or changes `Module.__call__` cannot break it silently."""
+    import hf_distill.students.early_exit as early_exit
+    import hf_distill.students.exit_branches as exit_branches
+    import hf_distill.students.exit_rules as exit_rules
+
+    for module in (early_exit, exit_branches, exit_rules):
+        path = Path(module.__file__)
+        assert torch_private_uses(path.read_text(encoding="utf-8")) == [], path.name
+
+
+def test_the_private_api_scan_finds_what_early_exit_used_to_read():
+    """The scan above is not vacuous: lines of the module before issue #30 are each found."""
+    old = {
+        "from torch.nn.modules import module as _global_hooks\nx = bool(_global_hooks._global_forward_hooks)": 1,
+        "hooked = any(b._forward_hooks or b._forward_pre_hooks for b in blocks)": 2,
+        "inner, out_proj = attn._parameters, attn._modules['out_proj']._parameters": 3,
+        "key = [p._version for p in params]": 1,
+        "block.forward = wrap(i, block.forward)": 1,
+        "setattr(block, 'forward', run)": 1,
+        "class B(nn.Module):\n    def _apply(self, fn, *args):\n        return super()._apply(fn, *args)": 2,
+        "from torch.nn.modules.module import _global_forward_hooks": 1,
+        "self._fold = None\nfold = self._fold\nw = self.weight.detach()": 0,  # its own private names: fine
+    }
+    for source, count in old.items():
+        assert len(torch_private_uses(source)) == count, source
