@@ -368,7 +368,7 @@ def test_branch_hooks_subclasses_and_train_mode_are_honoured(branch, monkeypatch
     assert ee.exit_forward(speed=0.5, **b).exit_layer.tolist() == [3] * 4  # the subclass's forward ran
 
 
-@pytest.mark.parametrize("block_hook", [False, True])  # wrapped blocks, or the exit step as forward hooks
+@pytest.mark.parametrize("block_hook", [False, True])  # with or without a hook of the user's on a block
 def test_nothing_stays_attached_when_a_branch_fails_after_rows_left(block_hook):
     ee = wrapped(layers=4)
     b = batch(8)
@@ -384,7 +384,7 @@ def test_nothing_stays_attached_when_a_branch_fails_after_rows_left(block_hook):
     ee.branches[1] = Broken()
     with pytest.raises(RuntimeError, match="broken branch"):
         ee.exit_forward(speed=0.5, **b)  # rows left at block 1, so blocks 2-4 were slicing their inputs
-    assert all("forward" not in vars(blk) for blk in ee._blocks)  # the per-call wrappers are gone
+    assert all("forward" not in vars(blk) for blk in ee._blocks)  # no forward was set on a block
     hooks = [(len(blk._forward_hooks), len(blk._forward_pre_hooks)) for blk in ee._blocks]
     assert hooks == [(0, 0)] * 3 + [(int(block_hook), 0)]  # only the user's own hook is left
     if user is not None:
@@ -393,8 +393,8 @@ def test_nothing_stays_attached_when_a_branch_fails_after_rows_left(block_hook):
 
 
 def test_instance_forwards_survive_adaptive_inference():
-    """Blocks without forward hooks are wrapped for the call only: a forward set on the instance (as accelerate's
-    hooks do) runs inside the wrapper, on the rows that stayed, and is put back as it was."""
+    """A forward set on a block instance (as accelerate's hooks do) runs on the rows that stayed, and is left as it
+    was: adaptive inference hooks the blocks for the call and patches no forward."""
     ee = wrapped(layers=4)
     b = batch(8)
     lengths = b["attention_mask"].sum(-1)
