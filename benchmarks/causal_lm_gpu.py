@@ -9,8 +9,8 @@ LM heads (bf16, (V, H)) are given; one forward + backward into the student's hid
 
 - the floor: the student's LM-head GEMM forward + backward alone (`(h W^T).backward(g)`: three GEMMs);
 - hf_distill's loss head (`losses.chunked`, direct route), JSD (beta 0.5, T = 1) + CE and JSD alone, as it runs
-  by default on CUDA (the forward's row statistics in a Triton kernel, the backward's elementwise work compiled),
-  and for comparison compiled without the Triton kernel (`HF_DISTILL_TRITON=0`) and eager (`HF_DISTILL_COMPILE=0`);
+  by default on CUDA (the forward's row statistics and the backward's gradient blocks in Triton kernels), and for
+  comparison compiled without the Triton kernels (`HF_DISTILL_TRITON=0`) and eager (`HF_DISTILL_COMPILE=0`);
 - Liger-Kernel's `LigerFusedLinearJSD` (JSD alone) and TRL's `ChunkedDivergenceFunction` (JSD alone), when installed;
 - whole logits (JSD + CE from `(tokens, V)` float32 logits of a bf16 GEMM).
 
@@ -152,6 +152,11 @@ def main() -> None:
     chunks = a.chunks or [default]
     x = make_inputs(a.tokens, a.hidden, a.vocab)
     rows, notes = [], []
+    if os.environ.get("GRAD_CONFIG"):  # "BLOCKxWARPS": the backward kernel's launch setting (head_profile.py's best)
+        from hf_distill.losses import triton_head
+
+        triton_head._GRAD_BLOCK, triton_head._GRAD_WARPS = map(int, os.environ["GRAD_CONFIG"].split("x"))
+        notes.append(f"Triton gradient block launched as BLOCK x warps = {os.environ['GRAD_CONFIG']}")
     upstream = {"grad": torch.ones(a.tokens, a.vocab, device="cuda", dtype=torch.bfloat16)}  # made outside timing
     rows.append(measure("floor: student LM-head GEMM forward + backward", lambda x: floor(x, upstream["grad"]), x,
                         a.repeats))

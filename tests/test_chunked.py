@@ -468,7 +468,7 @@ def test_cuda_causal_lm_trains_through_the_loss_head_in_half_precision(tmp_path,
 
 _TRITON_CHECK = r"""
 import torch
-from hf_distill.losses import chunked, triton_head
+from hf_distill.losses import chunked, kd_head, triton_head
 torch.manual_seed(0)
 device = "cuda" if torch.cuda.is_available() else "cpu"
 n, V = 5, 3000
@@ -489,13 +489,44 @@ for kind in [*triton_head.KIND_CODES, None]:
     if kind not in (None, "soft_ce"):
         at = triton_head.row_stats(zt.clone(), zt.clone(), None, kind, 2.0, 0.3, 0.2, V)
         assert float(at[4].abs().max()) == 0.0, kind  # a true divergence: exactly 0 at agreement
+# the backward's gradient block: columns 700..2700 of every row (a start offset, a block shorter than a tile)
+lo, hi = 700, 2700
+w_ce, w_kd = torch.rand(n, device=device), torch.rand(n, device=device)
+w_ce[1] = 0.0
+y[0], y[2] = 1000, 5  # one target inside the block, one before it
+for kind in [*triton_head.KIND_CODES, None]:
+    for T, tg, cap, scale, dtype in [(1.0, y, None, 1.0, torch.bfloat16), (2.0, None, 30.0, 0.5, torch.float32),
+                                     (0.7, y, 50.0, 1.0, torch.float32)]:
+        if kind is None and tg is None:
+            continue
+        zt_ = zt if kind is not None else None
+        lse1, _, lse_a, lse_b, _, stat = chunked._row_stats(zs, zt_, y, kind, T, 0.3, 0.2, V)
+        args = (zs[:, lo:hi], None if zt_ is None else zt_[:, lo:hi], lo, tg, lse1, w_ce, lse_a, lse_b, stat, w_kd,
+                kind, T, 0.3, 0.2, scale, cap, dtype)
+        want = kd_head._grad_block(*args)
+        got = triton_head.grad_block(*args)
+        assert got.dtype == want.dtype == dtype and got.shape == want.shape
+        assert float(want.float().abs().max()) > 0, kind
+        if dtype == torch.bfloat16:  # one rounding of values that may differ in their last float32 bits
+            torch.testing.assert_close(got.float(), want.float(), atol=1e-2 * float(want.float().abs().max()),
+                                       rtol=1e-2)
+            continue
+        # float32: the same formulas in another order (Kahan's expm1/log1p), so both stand against float64 (the
+        # near-agreement cancellation makes either 1e-4 off at worst): the kernel no further than PyTorch's + 1e-6
+        d64 = lambda x: x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+        lse1_, _, lse_a_, lse_b_, _, stat_ = chunked._row_stats(d64(zs), d64(zt_), y, kind, T, 0.3, 0.2, V)
+        ref = kd_head._grad_block(*(d64(a) for a in args[:4]), lse1_, d64(w_ce), lse_a_, lse_b_, stat_, d64(w_kd),
+                                  *args[10:16], torch.float64)
+        err = lambda x: float((x.double() - ref).norm() / ref.norm())
+        assert err(got) <= 1.5 * err(want) + 1e-6, (kind, T, err(got), err(want))
 print("ok")
 """
 
 
-def test_triton_row_statistics_equal_the_pytorch_reference(tmp_path):
-    """The CUDA forward's Triton kernel against `chunked._row_stats` for every divergence, temperature, padded
-    vocabulary and CE: on a GPU directly, elsewhere in Triton's CPU interpreter (runs where triton is installed)."""
+def test_triton_kernels_equal_the_pytorch_reference(tmp_path):
+    """The CUDA forward's and backward's Triton kernels against `chunked._row_stats` and `kd_head._grad_block` for
+    every divergence, temperature, padded vocabulary, CE, soft cap and output dtype: on a GPU directly, elsewhere
+    in Triton's CPU interpreter (runs where triton is installed)."""
     pytest.importorskip("triton")
     import os
     import subprocess

@@ -3,10 +3,10 @@ function that reads each LM head's weight, and the row math it runs on.
 
 - float32-output GEMMs (:func:`mm_f32`, :func:`addmm_f32`, :class:`_LinearF32` and the :class:`float32_logits` mode
   the module route uses): every logit comes out of its GEMM in float32, never rounded to bf16/fp16 on the way out.
-- the forward's row statistics (:func:`_row_stats`, or the Triton kernel of :mod:`hf_distill.losses.triton_head`
-  on CUDA) and the backward's closed-form logit gradient per vocabulary block (:func:`_grad_block`,
-  :func:`row_gradient`), fused by `torch.compile` on CUDA (`HF_DISTILL_COMPILE=0`: plain PyTorch;
-  `HF_DISTILL_TRITON=0`: no Triton kernel) and walked in cache-sized slices of rows on the CPU.
+- the forward's row statistics (:func:`_row_stats`) and the backward's closed-form logit gradient per vocabulary
+  block (:func:`_grad_block`, :func:`row_gradient`): on CUDA the Triton kernels of
+  :mod:`hf_distill.losses.triton_head` (`HF_DISTILL_TRITON=0`: these functions compiled by `torch.compile`;
+  `HF_DISTILL_COMPILE=0`: plain PyTorch), on the CPU these functions walked in cache-sized slices of rows.
 """
 
 from __future__ import annotations
@@ -55,20 +55,22 @@ def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _cuda_addmm_out_dtype() -> bool:
-    """Whether this torch has `torch.addmm(c32, a, b, out_dtype=float32)` for bf16/fp16 CUDA operands."""
+    """Whether this torch adds a bf16/fp16 CUDA product into a float32 accumulator in place,
+    `torch.addmm(c32, a, b, out_dtype=float32, out=c32)` (the GEMM's epilogue reads and writes `c32`: no copy of it)."""
     try:
         a = torch.ones(16, 16, device="cuda", dtype=torch.bfloat16)
         c = torch.ones(16, 16, device="cuda")
-        return bool(torch.addmm(c, a, a, out_dtype=torch.float32)[0, 0] == 17)
+        out = torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
+        return out.data_ptr() == c.data_ptr() and bool((c == 17).all())
     except (TypeError, RuntimeError, NotImplementedError):
         return False
 
 
 def addmm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """`acc + a @ b` into a float32 accumulator, the product as in :func:`mm_f32` (on CUDA the addition happens in
-    the GEMM's epilogue). Not differentiable: used where gradients are formed by hand."""
+    """`acc += a @ b` into a float32 accumulator, the product as in :func:`mm_f32` (on CUDA the addition happens in
+    the GEMM's epilogue, in place). Not differentiable: used where gradients are formed by hand."""
     if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and a.dtype == b.dtype and _cuda_addmm_out_dtype():
-        return torch.addmm(acc, a, b, out_dtype=torch.float32)
+        return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     return acc.add_(mm_f32(a, b))
 
 
@@ -266,6 +268,19 @@ def _row_stats_fn(device: torch.device):
     return _elementwise(_row_stats, device)
 
 
+def _grad_block_fn(device: torch.device):
+    """The backward's gradient blocks: a Triton kernel on CUDA (each logit read once), else :func:`_grad_block`
+    (compiled on CUDA); the same switches as :func:`_row_stats_fn`."""
+    import os
+
+    from . import triton_head
+
+    on = os.environ.get("HF_DISTILL_COMPILE", "1") != "0" and os.environ.get("HF_DISTILL_TRITON", "1") != "0"
+    if on and triton_head.available(device):
+        return triton_head.grad_block
+    return _elementwise(_grad_block, device)
+
+
 def _blocks(v_s: int, vocab: int, cols: int):
     """Vocabulary blocks of at most `cols` columns that never straddle `vocab` (the KD's last column)."""
     for lo, hi in ((0, min(vocab, v_s)), (min(vocab, v_s), v_s)):
@@ -336,7 +351,7 @@ class _KDHead(torch.autograd.Function):
         grad_w = torch.empty_like(w_s) if want_w else None
         grad_b = torch.empty_like(b_s) if want_b else None
         cols = max(_MIN_BLOCK_COLUMNS, (chunk * v_s) // max(n, 1) // _MIN_BLOCK_COLUMNS * _MIN_BLOCK_COLUMNS)
-        grad_block = _elementwise(_grad_block, h_s.device)
+        grad_block = _grad_block_fn(h_s.device)
         with torch.autocast(h_s.device.type, enabled=False), torch.no_grad():
             hs = h_s.to(dtype_s)
             ht = h_t.to(dtype_t) if h_t is not None else None
@@ -353,7 +368,7 @@ class _KDHead(torch.autograd.Function):
                     grad_b[block] = g.sum(0).to(b_s.dtype)
                     g = g.to(dtype_s)
                 if want_w:  # float32 out, then one rounding (bf16 GEMMs may reduce split-K partials in bf16)
-                    grad_w[block] = mm_f32(g.t(), hs).to(w_s.dtype)
+                    grad_w[block].copy_(mm_f32(g.t(), hs))
                 if want_h:
                     grad_h = addmm_f32(grad_h, g, w_s[block].to(dtype_s))
         grad_h = grad_h.to(h_s.dtype) if want_h else None
