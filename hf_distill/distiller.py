@@ -49,12 +49,11 @@ from .losses.intermediate import IntermediateDistiller
 from .losses.normalise import COUNT_KINDS, StepCounts, batch_counts, decoder_positions
 from .placement import place_teacher, send_teacher_outputs, teacher_input_device
 from .teacher import (
+    check_cross_tokenizer,
     load_teacher,
     per_teacher,
     shared_base_teacher,
     shares_parameters,
-    student_tokenizer,
-    teacher_tokenizer,
     teacher_weights,
     validate_pair,
 )
@@ -147,7 +146,8 @@ class Distiller(LogitTerms):
         ]
         self._shared_vocab = min((v for v in shared_vocab if v is not None), default=None)
         # cross_tokenizer="aligned": the (student ids, teacher ids) of the tokens both vocabularies hold
-        self._cross_vocab = self._check_cross_tokenizer(student, t_tokenizers, sources)
+        self._cross_vocab = check_cross_tokenizer(args.cross_tokenizer, student, self.teachers, self.shared_base,
+                                                  processing_class, t_tokenizers, sources)
         self._padding_checked: set[int] = set()  # teachers whose extra vocabulary ids were measured (padding)
         if len(self.teachers) > 1 and args.kd_weight > 0 and args.kd_loss == "mse" and args.multi_teacher != "losses":
             raise ValueError(
@@ -213,35 +213,6 @@ class Distiller(LogitTerms):
                               intermediate=self.intermediate)
         check_teacher_signal(dataset, which, temperature=self.args.temperature, kd_token_mask=self.args.kd_token_mask,
                              tokenizer=self.processing_class, causal=self._causal)
-
-    def _check_cross_tokenizer(self, student: nn.Module, t_tokenizers: list, sources: list):
-        """Refuse `cross_tokenizer` where it cannot work (another head than a causal LM, not exactly one teacher
-        model, the student's own base as teacher); for "aligned", the vocabulary both tokenizers share."""
-        method = self.args.cross_tokenizer
-        if method is None:
-            return None
-        why = None
-        if static_head(student) is not Head.CAUSAL_LM:
-            why = f"the student ({type(unwrap(student)).__name__}) is not a causal LM"
-        elif len(self.teachers) != 1:
-            why = (f"it needs exactly one teacher model, which reads its own tokenization; got {len(self.teachers)} "
-                   "(cached teacher outputs cannot be used: they are on the teacher's positions)")
-        elif self.shared_base:
-            why = "the teacher is the student's own base (one tokenizer): leave cross_tokenizer unset"
-        if why is not None:
-            raise ValueError(f"cross_tokenizer={method!r} cannot be used: {why}.")
-        if method != "aligned":
-            return None
-        s_tok = student_tokenizer(self.processing_class)
-        t_tok, where = teacher_tokenizer(self.teachers[0], t_tokenizers[0], sources[0])
-        if s_tok is None or t_tok is None:
-            missing = "the student's (processing_class)" if s_tok is None else f"the teacher's ({where})"
-            raise ValueError(
-                f"cross_tokenizer='aligned' compares the tokens both vocabularies hold, so it needs both tokenizers, "
-                f"but {missing} is unknown. Pass processing_class=<student tokenizer> and "
-                "teacher_processing_class=<teacher tokenizer>."
-            )
-        return cross_tokenizer.shared_vocabulary(s_tok, t_tok)
 
     @property
     def projections(self) -> nn.Module | None:

@@ -153,6 +153,42 @@ def validate_pair(
     return shared
 
 
+def check_cross_tokenizer(
+    method: str | None, student: nn.Module, teachers: list[nn.Module], shared_base: bool, tokenizer: Any,
+    teacher_tokenizers: list[Any], sources: list[str | None],
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Refuse `cross_tokenizer` where it cannot work (another head than a causal LM, not exactly one teacher model,
+    the student's own base as teacher). For "aligned", returns the (student ids, teacher ids) of the tokens both
+    tokenizers hold (hf_distill.losses.cross_tokenizer.shared_vocabulary); else None."""
+    if method is None:
+        return None
+    from .features.heads import Head, static_head
+    from .losses.cross_tokenizer import shared_vocabulary
+
+    why = None
+    if static_head(student) is not Head.CAUSAL_LM:
+        why = f"the student ({type(unwrap(student)).__name__}) is not a causal LM"
+    elif len(teachers) != 1:
+        why = (f"it needs exactly one teacher model, which reads its own tokenization; got {len(teachers)} (cached "
+               "teacher outputs cannot be used: they are on the teacher's positions)")
+    elif shared_base:
+        why = "the teacher is the student's own base (one tokenizer): leave cross_tokenizer unset"
+    if why is not None:
+        raise ValueError(f"cross_tokenizer={method!r} cannot be used: {why}.")
+    if method != "aligned":
+        return None
+    s_tok = student_tokenizer(tokenizer)
+    t_tok, where = teacher_tokenizer(teachers[0], teacher_tokenizers[0], sources[0])
+    if s_tok is None or t_tok is None:
+        missing = "the student's (processing_class)" if s_tok is None else f"the teacher's ({where})"
+        raise ValueError(
+            "cross_tokenizer='aligned' compares the tokens both vocabularies hold, so it needs both tokenizers, but "
+            f"{missing} is unknown. Pass processing_class=<student tokenizer> and "
+            "teacher_processing_class=<teacher tokenizer>."
+        )
+    return shared_vocabulary(s_tok, t_tok)
+
+
 def _shared_vocabulary(s_cfg, t_cfg, t_tokenizer, tokenizer) -> int:
     """The ids both models can compare when their vocabulary sizes differ: only with one tokenizer (compared in
     `_compare_tokenizers` where the teacher's is known), and only padding beyond the smaller size (the trainer

@@ -84,6 +84,8 @@ def pairs(method: str, batch: dict[str, Any], label_name: str = "labels", mode: 
     s_mask, t_mask = distilled_positions(batch, label_name, mode, method)
     if method == "aligned":
         _need(batch, ("teacher_positions",), method)
+        if t_mask.shape[1] == 0:  # a one-token teacher sequence predicts nothing
+            t_mask = t_mask.new_zeros(t_mask.shape[0], 1)
         aligned = batch["teacher_positions"][:, : s_mask.shape[1]].to(s_mask.device)
         inside = (aligned >= 0) & (aligned < t_mask.shape[1])
         teacher_counted = t_mask.to(s_mask.device).gather(1, aligned.clamp(0, max(t_mask.shape[1] - 1, 0)))
