@@ -25,6 +25,7 @@ _CLASSES = {
     "Distiller": "distiller",
     "DistillTerm": "losses.terms",
     "TeacherOutputsCollator": "data.collators",
+    "CrossTokenizerCollator": "data.cross_tokenizer",
 }
 _MODULES = ("families", "layer_map", "losses", "presets", "students", "taps")
 # Modules that moved into the concern packages (docs/design.md, "Where things are"): their old import paths keep
@@ -76,6 +77,7 @@ if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
     sys.meta_path.append(_MovedModules())
 
 __all__ = [
+    "CrossTokenizerCollator",
     "DistillTerm",
     "DistillationArguments",
     "DistillationSeq2SeqArguments",
@@ -112,6 +114,7 @@ if TYPE_CHECKING:
     from . import losses, presets, students
     from .arguments import DistillationArguments
     from .data.collators import TeacherOutputsCollator
+    from .data.cross_tokenizer import CrossTokenizerCollator
     from .distiller import Distiller
     from .features import families, layer_map, taps
     from .losses.terms import DistillTerm

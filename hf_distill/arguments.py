@@ -40,6 +40,7 @@ DEFAULT_SKEW_ALPHA = 0.1  # DistiLLM (Ko et al., 2024)
 PROJECTION_KINDS = ("shared", "per_layer", "none")
 KD_TOKEN_MASKS = ("attention", "labels")
 MULTI_TEACHER_MODES = ("probs", "losses")
+CROSS_TOKENIZER_METHODS = ("uld", "aligned")  # hf_distill.losses.cross_tokenizer
 # The plain defaults of the fields a preset may set; the fields themselves default to None ("not given").
 PRESET_DEFAULTS: dict[str, Any] = {"kd_loss": "kl", "kd_weight": 0.5, "task_weight": 0.5, "projection": "shared"}
 # Defaults that depend on the student's head, as (any other head, causal LM): filled by `resolve_head_defaults`
@@ -192,6 +193,23 @@ class DistillationArguments(TrainingArguments):
             "with a single teacher."
         },
     )
+    cross_tokenizer: str | None = field(
+        default=None,
+        metadata={
+            "help": "Causal LMs whose teacher has another tokenizer than the student: how the KD term compares them "
+            "(hf_distill.losses.cross_tokenizer). `uld`: Universal Logit Distillation (Boizard et al. 2024), the L1 "
+            "distance between the two next-token distributions sorted in decreasing order (the shorter vocabulary "
+            "zero-padded), the k-th distilled position of the student paired with the teacher's k-th, truncated to "
+            "the shorter; `kd_loss` does not apply (leave it at `kl`). `aligned`: positions where both "
+            "tokenizations end at the same character are paired, and `kd_loss` compares the two distributions "
+            "restricted to the tokens both vocabularies hold (identical strings), each renormalised there; it needs "
+            "both tokenizers (processing_class, teacher_processing_class). Either needs the teacher's own "
+            "tokenization in every batch: use `hf_distill.data.cross_tokenizer.CrossTokenizerCollator` (with "
+            "remove_unused_columns=False, so that the text column reaches it). Default: unset, and a teacher whose "
+            "tokenizer differs from the student's is refused. Refused for other heads than causal LMs, with several "
+            "teachers, distill_terms, kd_chunk_size or kd_weight=0."
+        },
+    )
     eval_with_teacher: bool = field(
         default=False,
         metadata={
@@ -301,6 +319,7 @@ class DistillationArguments(TrainingArguments):
                 f"DistillationArguments.multi_teacher={self.multi_teacher!r} is unknown. "
                 f"Known: {', '.join(MULTI_TEACHER_MODES)}."
             )
+        self._validate_cross_tokenizer()
         if self.teacher_weights is not None and any(w < 0 for w in self.teacher_weights):
             raise ValueError(f"DistillationArguments.teacher_weights must be >= 0, got {self.teacher_weights}.")
         for name in ("kd_weight", "task_weight"):
@@ -322,6 +341,35 @@ class DistillationArguments(TrainingArguments):
                 "All loss weights are zero (kd_weight, task_weight and every distill_terms weight): "
                 "nothing would be trained. Set kd_weight > 0 for logit distillation."
             )
+
+    def _validate_cross_tokenizer(self) -> None:
+        """Refuse `cross_tokenizer` values, and settings beside it, that would do nothing or could not be honoured
+        (the student's head and the teachers are checked by the Distiller)."""
+        method = self.cross_tokenizer
+        if method is None:
+            return
+        if method not in CROSS_TOKENIZER_METHODS:
+            raise ValueError(
+                f"DistillationArguments.cross_tokenizer={method!r} is unknown. Known: "
+                f"{', '.join(CROSS_TOKENIZER_METHODS)}, or leave it unset for one shared tokenizer."
+            )
+        why = None
+        if self.kd_weight == 0:
+            why = "kd_weight=0 turns the KD term off, and cross_tokenizer only changes that term. Set kd_weight > 0"
+        elif self.distill_terms:
+            why = ("distill_terms compare features position by position, but the two tokenizations have different "
+                   "positions. Remove distill_terms (logit KD only)")
+        elif self.kd_chunk_size is not None:
+            why = ("the chunked loss head (kd_chunk_size) compares two logits of one vocabulary at the same positions. "
+                   "Leave kd_chunk_size unset")
+        elif method == "uld" and self.kd_loss != "kl":
+            why = (f"ULD is its own distance (sorted probabilities), so kd_loss={self.kd_loss!r} would do nothing. "
+                   "Leave kd_loss unset, or use cross_tokenizer='aligned', which compares with kd_loss")
+        elif method == "aligned" and self.kd_loss == "mse":
+            why = ("kd_loss='mse' compares raw logits, not the distributions renormalised over the shared "
+                   "vocabulary. Choose a divergence (kl, reverse_kl, jsd, ...)")
+        if why is not None:
+            raise ValueError(f"DistillationArguments.cross_tokenizer={method!r} cannot be used here: {why}.")
 
     def resolve_head_defaults(self, causal: bool, token_level: bool = True) -> dict[str, Any]:
         """Fill the fields of `HEAD_DEFAULTS` that neither the user nor the preset gave, for the student's head, and
@@ -379,6 +427,7 @@ class DistillationArguments(TrainingArguments):
             "projection": self.projection,
             "teacher_weights": self.teacher_weights,
             "multi_teacher": self.multi_teacher or "probs",
+            **({"cross_tokenizer": self.cross_tokenizer} if self.cross_tokenizer else {}),
         }
 
 

@@ -44,11 +44,19 @@ from .features.heads import (
 )
 from .features.taps import forward, unwrap
 from .logit_terms import LogitTerms, forward_params, student_shape
-from .losses import chunked
+from .losses import chunked, cross_tokenizer
 from .losses.intermediate import IntermediateDistiller
 from .losses.normalise import COUNT_KINDS, StepCounts, batch_counts, decoder_positions
 from .placement import place_teacher, send_teacher_outputs, teacher_input_device
-from .teacher import load_teacher, per_teacher, shared_base_teacher, shares_parameters, teacher_weights, validate_pair
+from .teacher import (
+    check_cross_tokenizer,
+    load_teacher,
+    per_teacher,
+    shared_base_teacher,
+    shares_parameters,
+    teacher_weights,
+    validate_pair,
+)
 from .tracking import ComponentTracker
 
 logger = logging.get_logger(__name__)
@@ -137,6 +145,9 @@ class Distiller(LogitTerms):
             for t, tok, src in zip(self.teachers, t_tokenizers, sources, strict=True)
         ]
         self._shared_vocab = min((v for v in shared_vocab if v is not None), default=None)
+        # cross_tokenizer="aligned": the (student ids, teacher ids) of the tokens both vocabularies hold
+        self._cross_vocab = check_cross_tokenizer(args.cross_tokenizer, student, self.teachers, self.shared_base,
+                                                  processing_class, t_tokenizers, sources)
         self._padding_checked: set[int] = set()  # teachers whose extra vocabulary ids were measured (padding)
         if len(self.teachers) > 1 and args.kd_weight > 0 and args.kd_loss == "mse" and args.multi_teacher != "losses":
             raise ValueError(
@@ -244,11 +255,7 @@ class Distiller(LogitTerms):
         """Count one optimizer step's micro-batches, so token-level terms are means over the whole step, across
         processes (hf_distill.losses.normalise). Loops that accumulate gradients call it before the step's first
         micro-batch; without it each call is a mean over its own batch."""
-        counts = sum(
-            (batch_counts(b, self._token_labels, self.args.kd_token_mask, self._causal, self._head is Head.SEQ2SEQ_LM)
-             for b in batches),
-            torch.zeros(len(COUNT_KINDS), dtype=torch.float64),
-        )
+        counts = sum((self._counts(b) for b in batches), torch.zeros(len(COUNT_KINDS), dtype=torch.float64))
         processes = self._processes() if self.args.average_tokens_across_devices else 1
         if processes > 1:
             counts = self.accelerator.reduce(counts.to(self.args.device), "sum").cpu()
@@ -266,7 +273,7 @@ class Distiller(LogitTerms):
             inputs = with_decoder_inputs(model, inputs, self._token_labels)
         distill = model.training or self.args.eval_with_teacher
         step_mean = model.training and self._step.take()  # token-level means rescaled to the optimizer step's
-        local = self._counts(inputs) if step_mean else None
+        local = self._counts({**inputs, **cached}) if step_mean else None
         if self.intermediate is not None:  # re-read every step, like kd_weight, so callbacks can change them
             self.intermediate.set_weights(self.args.distill_terms)
         want_task, own_task = self._task_wanted(model, inputs, distill)
@@ -284,7 +291,9 @@ class Distiller(LogitTerms):
         else:
             task = self._task_loss(s_out, inputs, head, num_items_in_batch, step_mean) if want_task else None
             kd = None
-            if teacher is not None and teacher.views:
+            if teacher is not None and teacher.views and self.args.cross_tokenizer:
+                kd = self._cross_tokenizer_kd(head_logits(s_out, head)[0], teacher.views[0][0], {**inputs, **cached})
+            elif teacher is not None and teacher.views:
                 kd = self._kd_loss(head, head_logits(s_out, head), teacher.views, inputs)
         if task is not None:
             components["task"], weights["task"] = self._scaled(task, "labels", head, local, s_out), (
@@ -309,8 +318,12 @@ class Distiller(LogitTerms):
         return (loss, self._predictions(s_out, distill)) if return_outputs else loss
 
     def _counts(self, inputs: dict[str, Any]) -> torch.Tensor:
-        return batch_counts(inputs, self._token_labels, self.args.kd_token_mask, self._causal,
-                            self._head is Head.SEQ2SEQ_LM)
+        counts = batch_counts(inputs, self._token_labels, self.args.kd_token_mask, self._causal,
+                              self._head is Head.SEQ2SEQ_LM)
+        if self.args.cross_tokenizer:  # the KD term counts the paired positions of the two tokenizations
+            counts[COUNT_KINDS.index("kd")] = cross_tokenizer.count(
+                self.args.cross_tokenizer, inputs, self._token_labels, self.args.kd_token_mask)
+        return counts
 
     def _task_wanted(self, model: nn.Module, inputs: dict[str, Any], distill: bool) -> tuple[bool, bool]:
         """Whether the task loss is computed (in training when task_weight > 0, in evaluation always) and whether it
@@ -383,6 +396,8 @@ class Distiller(LogitTerms):
         return _TeacherOutputs([first, *extra], feats, hidden)
 
     def _first_teacher(self, inputs: dict[str, Any], cached: dict[str, torch.Tensor], hidden_only: bool):
+        if self.args.cross_tokenizer:  # the teacher reads its own tokenization of the text
+            inputs = cross_tokenizer.teacher_inputs(cached, self.args.cross_tokenizer)
         t_logits = cached.get(LOGITS_COLUMN)
         if t_logits is None and self.args.kd_loss != "mse" and TOPK_VALUES_COLUMN in cached:
             t_logits = (cached[TOPK_VALUES_COLUMN], cached[TOPK_INDICES_COLUMN])  # sparse: kl/soft_ce take it

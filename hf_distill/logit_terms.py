@@ -18,7 +18,7 @@ from . import losses
 from .features import heads as heads_mod
 from .features.heads import Head
 from .features.taps import unwrap
-from .losses import chunked
+from .losses import chunked, cross_tokenizer
 from .losses.normalise import kd_positions, seq2seq_kd_positions
 from .teacher import check_padding_mass, padding_mass
 
@@ -29,7 +29,7 @@ _NO_POSITION = -1e9
 
 class LogitTerms:
     """Logit KD, the task loss and the causal-LM loss head, for `Distiller` (whose state they read: `args`,
-    `teachers`, `teacher_weights`, `_shared_vocab`, `_token_labels`, `_step`, `route`)."""
+    `teachers`, `teacher_weights`, `_shared_vocab`, `_cross_vocab`, `_token_labels`, `_step`, `route`)."""
 
     def _chunk_size(self, student: nn.Module) -> int | None:
         """Tokens per chunk for the causal-LM loss (hf_distill.losses.chunked), or None for whole logits.
@@ -47,6 +47,8 @@ class LogitTerms:
             why = "several teachers are combined"
         elif self.shared_base:
             why = "the teacher is the student's own base (adapters off)"
+        elif self.args.cross_tokenizer:
+            why = "cross_tokenizer compares the two models' logits at paired positions of two tokenizations"
         elif self.label_smoother is not None or self.compute_loss_func is not None:
             why = "label_smoothing_factor or compute_loss_func needs the student's full logits"
         elif self.args.kd_loss == "mse" and self.args.kd_weight > 0:
@@ -116,6 +118,15 @@ class LogitTerms:
                 s, teachers = s[..., :v], [t if isinstance(t, tuple) else t[..., :v] for t in teachers]
             values.append(self._combine_teachers(head, s, teachers, mask))
         return sum(values) / len(values)
+
+    def _cross_tokenizer_kd(self, s_logits: torch.Tensor, t_logits: torch.Tensor, batch: dict[str, Any]):
+        """The KD term of a teacher with another tokenizer (hf_distill.losses.cross_tokenizer): its logits on its own
+        tokenization, paired with the student's as `cross_tokenizer` says."""
+        args = self.args
+        return cross_tokenizer.cross_tokenizer_kd(
+            args.cross_tokenizer, s_logits, t_logits, batch, kind=args.kd_loss, temperature=args.temperature,
+            label_name=self._token_labels, mode=args.kd_token_mask, shared=self._cross_vocab,
+            beta=args.effective_jsd_beta, alpha=args.resolved_skew_alpha)
 
     def _combine_teachers(self, head: Head, s: torch.Tensor, t_logits: list, mask) -> torch.Tensor:
         """Several teachers are combined as `multi_teacher` says: `probs` distils the weighted average of their

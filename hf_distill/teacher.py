@@ -11,7 +11,8 @@ in-memory teacher's `name_or_path` (a local folder, or a Hub id already in the l
 either cannot be known a warning says so; nothing is guessed. Vocabulary sizes may differ only by padding rows
 (sizes of one family padded differently, e.g. 151,936 vs 152,064): the tokenizer must fit the smaller model, and
 the trainer measures the teacher's probability on its extra ids on the first distilled batch
-(`check_padding_mass`), refusing more than `PADDING_MASS_BOUND`.
+(`check_padding_mass`), refusing more than `PADDING_MASS_BOUND`. None of this applies with `cross_tokenizer` (causal
+LMs, hf_distill.losses.cross_tokenizer): the teacher then reads its own tokenization of the same text.
 """
 
 from __future__ import annotations
@@ -106,7 +107,10 @@ def validate_pair(
     s_cfg = getattr(unwrap(student), "config", None)
     t_cfg = getattr(unwrap(teacher), "config", None)
     t_tokenizer = None
-    if not shares_parameters(student, teacher):  # self-distillation: one model, one tokenizer
+    # With `cross_tokenizer` the teacher reads its own tokenization (hf_distill.losses.cross_tokenizer): ids and
+    # vocabulary sizes need not agree.
+    cross = getattr(args, "cross_tokenizer", None)
+    if not shares_parameters(student, teacher) and not cross:  # self-distillation: one model, one tokenizer
         t_tokenizer = _compare_tokenizers(tokenizer, teacher, teacher_tokenizer, source)
     if s_cfg is None or t_cfg is None:
         return None
@@ -122,7 +126,7 @@ def validate_pair(
         )
     shared = None
     s_vocab, t_vocab = getattr(s_cfg, "vocab_size", None), getattr(t_cfg, "vocab_size", None)
-    if s_vocab is not None and t_vocab is not None and s_vocab != t_vocab:
+    if not cross and s_vocab is not None and t_vocab is not None and s_vocab != t_vocab:
         get_head = getattr(unwrap(student), "get_output_embeddings", None)
         token_level = get_head is not None and get_head() is not None
         if token_level and args.kd_weight > 0:
@@ -147,6 +151,42 @@ def validate_pair(
                 "k would not mean the same class. Give the student the teacher's id2label/label2id."
             )
     return shared
+
+
+def check_cross_tokenizer(
+    method: str | None, student: nn.Module, teachers: list[nn.Module], shared_base: bool, tokenizer: Any,
+    teacher_tokenizers: list[Any], sources: list[str | None],
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Refuse `cross_tokenizer` where it cannot work (another head than a causal LM, not exactly one teacher model,
+    the student's own base as teacher). For "aligned", returns the (student ids, teacher ids) of the tokens both
+    tokenizers hold (hf_distill.losses.cross_tokenizer.shared_vocabulary); else None."""
+    if method is None:
+        return None
+    from .features.heads import Head, static_head
+    from .losses.cross_tokenizer import shared_vocabulary
+
+    why = None
+    if static_head(student) is not Head.CAUSAL_LM:
+        why = f"the student ({type(unwrap(student)).__name__}) is not a causal LM"
+    elif len(teachers) != 1:
+        why = (f"it needs exactly one teacher model, which reads its own tokenization; got {len(teachers)} (cached "
+               "teacher outputs cannot be used: they are on the teacher's positions)")
+    elif shared_base:
+        why = "the teacher is the student's own base (one tokenizer): leave cross_tokenizer unset"
+    if why is not None:
+        raise ValueError(f"cross_tokenizer={method!r} cannot be used: {why}.")
+    if method != "aligned":
+        return None
+    s_tok = student_tokenizer(tokenizer)
+    t_tok, where = teacher_tokenizer(teachers[0], teacher_tokenizers[0], sources[0])
+    if s_tok is None or t_tok is None:
+        missing = "the student's (processing_class)" if s_tok is None else f"the teacher's ({where})"
+        raise ValueError(
+            "cross_tokenizer='aligned' compares the tokens both vocabularies hold, so it needs both tokenizers, but "
+            f"{missing} is unknown. Pass processing_class=<student tokenizer> and "
+            "teacher_processing_class=<teacher tokenizer>."
+        )
+    return shared_vocabulary(s_tok, t_tok)
 
 
 def _shared_vocabulary(s_cfg, t_cfg, t_tokenizer, tokenizer) -> int:
@@ -266,9 +306,10 @@ def _compare_tokenizers(tokenizer, teacher: nn.Module, given, source: str | None
         raise ValueError(
             f"The teacher's tokenizer (from {where}) is not the student's: {differ}. The teacher reads the "
             "student's input ids and logit k is compared with logit k, so the same id would mean different tokens "
-            "to the two models. Distil with one tokenizer (cross-tokenizer distillation is not supported): build "
-            "the student from the teacher (students.from_teacher / students.shrink keep its vocabulary) and pass "
-            "the teacher's tokenizer as processing_class."
+            "to the two models. Distil with one tokenizer: build the student from the teacher "
+            "(students.from_teacher / students.shrink keep its vocabulary) and pass the teacher's tokenizer as "
+            "processing_class; or, for causal LMs, set DistillationArguments.cross_tokenizer ('uld' or 'aligned') "
+            "and let hf_distill.data.cross_tokenizer.CrossTokenizerCollator give the teacher its own tokenization."
         )
     return t_tok
 

@@ -1,0 +1,315 @@
+"""Cross-tokenizer KD (`cross_tokenizer="uld"` / `"aligned"`): a WordPiece teacher and a BPE student trained here
+on WikiText-2 lines, the alignment on hand-made tokenizers, both losses against float64 references written out with
+loops, training steps, and gradient accumulation."""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from decoder_models import decoder
+from helpers import args as make_args
+from helpers import bert
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from hf_distill import CrossTokenizerCollator, DistillationArguments, DistillationTrainer, Distiller
+from hf_distill.data.cross_tokenizer import align_positions
+from hf_distill.losses import cross_tokenizer as xt
+
+WIKI = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "wikitext2" / "wiki.valid.raw"
+if not WIKI.exists():  # a worktree beside the main checkout
+    WIKI = Path("/work/shared/data/wikitext2/wiki.valid.raw")
+
+
+def _lines(n: int, skip: int = 0) -> list[str]:
+    rows = [line.strip() for line in WIKI.read_text(encoding="utf-8").splitlines()]
+    rows = [r for r in rows if r and not r.startswith("=")]
+    return rows[skip: skip + n]
+
+
+def _fast(tok: Tokenizer, pad: str, unk: str) -> PreTrainedTokenizerFast:
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=pad, unk_token=unk)
+
+
+@pytest.fixture(scope="module")
+def tokenizers_pair():
+    """(student: BPE of 200 tokens, teacher: WordPiece of 500 tokens), trained on 400 WikiText-2 lines."""
+    lines = _lines(400)
+    wordpiece = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    wordpiece.pre_tokenizer = pre_tokenizers.Whitespace()
+    wordpiece.train_from_iterator(lines, trainers.WordPieceTrainer(vocab_size=500, special_tokens=["[PAD]", "[UNK]"],
+                                                                   show_progress=False))
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.Whitespace()
+    bpe.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=200, special_tokens=["<pad>", "<unk>"],
+                                                       show_progress=False))
+    return _fast(bpe, "<pad>", "<unk>"), _fast(wordpiece, "[PAD]", "[UNK]")
+
+
+def _models(s_tok, t_tok):
+    student = decoder("llama", layers=2, seed=0, vocab_size=len(s_tok), max_position_embeddings=128)
+    teacher = decoder("llama", layers=2, seed=1, vocab_size=len(t_tok), max_position_embeddings=128)
+    with torch.no_grad():  # a peaked teacher, so its distributions are far from the student's
+        teacher.lm_head.weight.mul_(30.0)
+    return student, teacher
+
+
+def _rows(n: int = 4, skip: int = 400) -> list[dict]:
+    """Short held-out text rows, one an SFT prompt + completion."""
+    texts = [" ".join(line.split()[:12]) for line in _lines(n, skip)]
+    rows = [{"text": t, "prompt": None, "completion": None} for t in texts]
+    words = texts[0].split()
+    rows[0] = {"text": None, "prompt": " ".join(words[:5]) + " ", "completion": " ".join(words[5:])}
+    return rows
+
+
+# ---------------------------------------------------------------------- the alignment
+
+
+def test_alignment_pairs_prefixes_that_end_at_the_same_character():
+    # "unhappy cats": student [un][happy][cats], teacher [unh][appy][cat][s]
+    student = [(0, 2), (2, 7), (8, 12)]
+    teacher = [(0, 3), (3, 7), (8, 11), (11, 12)]
+    assert align_positions(student, teacher) == [-1, 1, 3]
+    assert align_positions(teacher, student) == [-1, 1, -1, 2]
+    # special tokens (empty spans) end nothing; of two pieces of one character (8, 9) only the last is a boundary
+    student = [(0, 0), (0, 2), (2, 7), (8, 9), (8, 9), (9, 12), (0, 0)]
+    assert align_positions(student, teacher + [(0, 0)]) == [-1, -1, 1, -1, -1, 3, -1]
+
+
+def _hand_tokenizer(vocab: list[str], pad: str) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return _fast(tok, pad, "[UNK]")
+
+
+def test_the_collator_tokenizes_one_text_twice_and_aligns_it():
+    """Hand-made vocabularies (greedy longest match) give tokenizations known in advance."""
+    student = _hand_tokenizer(["<pad>", "[UNK]", "un", "##happy", "cats", "sat"], "<pad>")
+    teacher = _hand_tokenizer(["[PAD]", "[UNK]", "unh", "##appy", "cat", "##s", "s", "##at"], "[PAD]")
+    collate = CrossTokenizerCollator(student, teacher)
+    batch = collate([{"text": "unhappy cats"}, {"prompt": "cats ", "completion": "sat"}])
+    # row 0: student un|happy|cats, teacher unh|appy|cat|s; row 1: student cats|sat, teacher cat|s|s|at
+    assert batch["input_ids"].tolist() == [[2, 3, 4], [4, 5, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
+    assert batch["labels"].tolist() == [[2, 3, 4], [-100, 5, -100]]  # the prompt "cats " is not learnt
+    assert batch["teacher_input_ids"].tolist() == [[2, 3, 4, 5], [4, 5, 6, 7]]
+    assert batch["teacher_labels"].tolist() == [[2, 3, 4, 5], [-100, -100, 6, 7]]
+    assert batch["teacher_positions"].tolist() == [[-1, 1, 3], [1, 3, -1]]
+    # what "aligned" distils: student position 1 ("unhappy" read) with teacher 1; in row 1 only the prompt's end
+    # (student 0, teacher 1) predicts a completion token on both sides
+    rows, s_pos, t_pos = xt.pairs("aligned", batch)
+    assert list(zip(rows.tolist(), s_pos.tolist(), t_pos.tolist(), strict=True)) == [(0, 1, 1), (1, 0, 1)]
+    # what "uld" distils: the k-th counted position of each side, cut to the shorter (row 0: 2 vs 3, row 1: 1 vs 2)
+    rows, s_pos, t_pos = xt.pairs("uld", batch)
+    assert list(zip(rows.tolist(), s_pos.tolist(), t_pos.tolist(), strict=True)) == [(0, 0, 0), (0, 1, 1), (1, 0, 1)]
+    with pytest.raises(ValueError, match="remove_unused_columns=False"):
+        collate([{"input_ids": [1, 2]}])
+
+
+# ---------------------------------------------------------------------- the losses against float64 references
+
+
+def _random_batch(seed: int = 0):
+    """Two rows, right-padded, the first with a masked prompt; independent teacher positions and lengths."""
+    g = torch.Generator().manual_seed(seed)
+    s_logits = torch.randn(2, 7, 11, generator=g, dtype=torch.float64) * 2
+    t_logits = torch.randn(2, 9, 17, generator=g, dtype=torch.float64) * 3
+    labels = torch.tensor([[-100, -100, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, -100, -100]])
+    mask = torch.tensor([[1] * 7, [1] * 5 + [0] * 2])
+    t_labels = torch.tensor([[-100, -100, -100, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6, 7, -100, -100]])
+    t_mask = torch.tensor([[1] * 9, [1] * 7 + [0] * 2])
+    positions = torch.tensor([[0, 2, 3, 5, -1, 7, 8], [1, -1, 2, 4, 6, -1, -1]])
+    batch = {"input_ids": labels.clamp_min(0), "attention_mask": mask, "labels": labels,
+             "teacher_input_ids": t_labels.clamp_min(0), "teacher_attention_mask": t_mask, "teacher_labels": t_labels,
+             "teacher_positions": positions}
+    return s_logits, t_logits, batch
+
+
+def _uld_reference(s_logits, t_logits, batch, temperature):
+    """Per row: the student's positions predicting a counted label, the teacher's likewise, the k-th with the k-th up to
+    the shorter; per pair the sum over ranks of |sorted student prob - sorted teacher prob|; mean over all pairs."""
+    total, pairs = 0.0, 0
+    for b in range(s_logits.shape[0]):
+        s_idx = [i for i in range(s_logits.shape[1] - 1) if batch["labels"][b, i + 1] != -100]
+        t_idx = [j for j in range(t_logits.shape[1] - 1) if batch["teacher_labels"][b, j + 1] != -100]
+        for i, j in zip(s_idx, t_idx, strict=False):
+            q = sorted(torch.softmax(s_logits[b, i] / temperature, -1).tolist(), reverse=True)
+            p = sorted(torch.softmax(t_logits[b, j] / temperature, -1).tolist(), reverse=True)
+            width = max(len(p), len(q))
+            q, p = q + [0.0] * (width - len(q)), p + [0.0] * (width - len(p))
+            total += sum(abs(a - c) for a, c in zip(q, p, strict=True))
+            pairs += 1
+    return total / pairs
+
+
+def test_uld_matches_a_float64_reference():
+    s_logits, t_logits, batch = _random_batch()
+    for temperature in (1.0, 2.0):
+        got = xt.cross_tokenizer_kd("uld", s_logits.float(), t_logits.float(), batch, temperature=temperature)
+        assert got.dtype == torch.float32
+        assert math.isclose(float(got), _uld_reference(s_logits, t_logits, batch, temperature), rel_tol=1e-5)
+    # the gradient too (the reference's own autograd, float64, with the sort written as indexing)
+    s = s_logits.clone().requires_grad_(True)
+    xt.cross_tokenizer_kd("uld", s.float(), t_logits.float(), batch).backward()
+    ref = s_logits.clone().requires_grad_(True)
+    loss, n = 0.0, 0
+    for b, i, j in [(0, 1, 2), (0, 2, 3), (0, 3, 4), (0, 4, 5), (0, 5, 6), (1, 0, 0), (1, 1, 1), (1, 2, 2), (1, 3, 3)]:
+        q, p = torch.softmax(ref[b, i], -1), torch.softmax(t_logits[b, j], -1)
+        q = q[torch.argsort(q.detach(), descending=True)]
+        p = p[torch.argsort(p, descending=True)]
+        loss = loss + (torch.cat([q, q.new_zeros(len(p) - len(q))]) - p).abs().sum()
+        n += 1
+    (loss / n).backward()
+    torch.testing.assert_close(s.grad, ref.grad, rtol=1e-5, atol=1e-7)
+
+
+def _aligned_reference(s_logits, t_logits, batch, s_ids, t_ids, kind, temperature):
+    """Per student position i predicting a counted label whose teacher position j also does: both distributions
+    restricted to the shared ids and renormalised there, then T^2 * KL (or reverse KL); mean over the pairs."""
+    total, pairs = 0.0, 0
+    for b in range(s_logits.shape[0]):
+        for i in range(s_logits.shape[1] - 1):
+            j = int(batch["teacher_positions"][b, i])
+            if batch["labels"][b, i + 1] == -100 or j < 0 or j >= t_logits.shape[1] - 1:
+                continue
+            if batch["teacher_labels"][b, j + 1] == -100:
+                continue
+            q = [math.exp(float(s_logits[b, i, k]) / temperature) for k in s_ids]
+            p = [math.exp(float(t_logits[b, j, k]) / temperature) for k in t_ids]
+            q, p = [x / sum(q) for x in q], [x / sum(p) for x in p]
+            a, c = (p, q) if kind == "kl" else (q, p)
+            total += temperature**2 * sum(x * math.log(x / y) for x, y in zip(a, c, strict=True))
+            pairs += 1
+    return total / pairs
+
+
+@pytest.mark.parametrize("kind", ["kl", "reverse_kl"])
+def test_aligned_matches_a_float64_reference(kind):
+    s_logits, t_logits, batch = _random_batch(1)
+    s_ids, t_ids = torch.tensor([0, 2, 3, 7, 10]), torch.tensor([5, 1, 16, 8, 0])
+    for temperature in (1.0, 2.0):
+        got = xt.cross_tokenizer_kd("aligned", s_logits.float(), t_logits.float(), batch, kind=kind,
+                                    temperature=temperature, shared=(s_ids, t_ids))
+        want = _aligned_reference(s_logits, t_logits, batch, s_ids.tolist(), t_ids.tolist(), kind, temperature)
+        assert math.isclose(float(got), want, rel_tol=1e-5)
+
+
+def test_with_one_tokenizer_aligned_is_plain_kd_and_uld_of_equal_logits_is_zero(tokenizers_pair):
+    s_tok, _ = tokenizers_pair
+    batch = CrossTokenizerCollator(s_tok, s_tok)(_rows())
+    assert (batch["teacher_positions"][batch["attention_mask"] == 1] == torch.arange(batch["input_ids"].shape[1])
+            .expand_as(batch["input_ids"])[batch["attention_mask"] == 1]).all()
+    g = torch.Generator().manual_seed(0)
+    s_logits = torch.randn(*batch["input_ids"].shape, len(s_tok), generator=g)
+    t_logits = torch.randn(*batch["input_ids"].shape, len(s_tok), generator=g)
+    from hf_distill.losses import kl_div
+    from hf_distill.losses.normalise import kd_positions
+
+    plain = kl_div(s_logits[:, :-1], t_logits[:, :-1], 1.0, kd_positions(None, batch["labels"], "labels", True))
+    aligned = xt.cross_tokenizer_kd("aligned", s_logits, t_logits, batch, shared=xt.shared_vocabulary(s_tok, s_tok))
+    torch.testing.assert_close(aligned, plain)
+    assert float(xt.cross_tokenizer_kd("uld", s_logits, s_logits, batch)) == 0.0
+
+
+# ---------------------------------------------------------------------- training
+
+
+def _run_args(tmp_path, method: str, **kw):
+    base = dict(cross_tokenizer=method, kd_weight=1.0, task_weight=0.0, max_steps=1, per_device_train_batch_size=4,
+                remove_unused_columns=False, optim="adamw_torch", weight_decay=0.0, max_grad_norm=0.0)
+    return make_args(tmp_path / method, **{**base, **kw})
+
+
+@pytest.mark.parametrize("method", ["uld", "aligned"])
+def test_one_training_step_distils_a_wordpiece_teacher_into_a_bpe_student(tmp_path, tokenizers_pair, method):
+    from datasets import Dataset
+
+    s_tok, t_tok = tokenizers_pair
+    student, teacher = _models(s_tok, t_tok)
+    before = [p.detach().clone() for p in student.parameters()]
+    trainer = DistillationTrainer(model=student, teacher_model=teacher, args=_run_args(tmp_path, method),
+                                  train_dataset=Dataset.from_list(_rows()),  # text rows and one prompt + completion
+                                  processing_class=s_tok, teacher_processing_class=t_tok,
+                                  data_collator=CrossTokenizerCollator(s_tok, t_tok))
+    trainer.train()
+    logged = next(h for h in trainer.state.log_history if "loss" in h)
+    assert math.isfinite(logged["loss"]) and logged["loss_kd"] > 0 and "loss_task" not in logged
+    # task_weight=0: only the KD term's gradient can have moved the student
+    assert any(not torch.equal(a, b.detach()) for a, b in zip(before, student.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("method", ["uld", "aligned"])
+def test_two_accumulated_micro_batches_equal_one_batch_of_both(tmp_path, tokenizers_pair, method):
+    """KD (a mean over the step's paired positions) and the task loss (over its counted tokens): exact under GA."""
+    s_tok, t_tok = tokenizers_pair
+    student, teacher = _models(s_tok, t_tok)
+    student.train()
+    distiller = Distiller(student, _run_args(tmp_path, method, task_weight=0.5), teacher_model=teacher,
+                          processing_class=s_tok, teacher_processing_class=t_tok)
+    collate = CrossTokenizerCollator(s_tok, t_tok)
+    rows = _rows(4)
+
+    def grads(batches):
+        student.zero_grad()
+        distiller.start_step(batches)
+        for batch in batches:
+            (distiller.compute_loss(student, dict(batch)) / len(batches)).backward()
+        return torch.cat([p.grad.flatten() for p in student.parameters()])
+
+    whole = grads([collate(rows)])
+    halves = grads([collate(rows[:2]), collate(rows[2:])])
+    assert whole.abs().max() > 0
+    torch.testing.assert_close(halves, whole, rtol=1e-5, atol=1e-7)
+    # the two halves pair different numbers of positions, so a plain mean of two means would differ
+    counts = [xt.count(method, collate(rows[:2])), xt.count(method, collate(rows[2:]))]
+    assert counts[0] != counts[1]
+
+
+# ---------------------------------------------------------------------- refusals
+
+
+def test_arguments_refuse_what_cross_tokenizer_cannot_honour(tmp_path):
+    base = dict(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    with pytest.raises(ValueError, match="cross_tokenizer='other' is unknown"):
+        DistillationArguments(**base, cross_tokenizer="other")
+    for extra, match in [
+        (dict(kd_weight=0.0), "kd_weight=0"),
+        (dict(distill_terms=["loss=hidden_mse,layers=uniform"]), "distill_terms"),
+        (dict(kd_chunk_size=64), "kd_chunk_size"),
+        (dict(kd_loss="jsd"), "ULD is its own distance"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            DistillationArguments(**base, cross_tokenizer="uld", **extra)
+    with pytest.raises(ValueError, match="kd_loss='mse'"):
+        DistillationArguments(**base, cross_tokenizer="aligned", kd_loss="mse")
+    args = DistillationArguments(**base, cross_tokenizer="aligned", kd_loss="jsd")
+    assert args.distillation_summary()["cross_tokenizer"] == "aligned"
+
+
+def test_different_tokenizers_are_refused_without_the_flag(tmp_path, tokenizers_pair):
+    s_tok, t_tok = tokenizers_pair
+    student, teacher = _models(s_tok, t_tok)
+    with pytest.raises(ValueError, match="not the student's.*cross_tokenizer"):
+        Distiller(student, make_args(tmp_path), teacher_model=teacher, processing_class=s_tok,
+                  teacher_processing_class=t_tok)
+
+
+def test_the_distiller_refuses_cross_tokenizer_where_it_cannot_work(tmp_path, tokenizers_pair):
+    s_tok, t_tok = tokenizers_pair
+    student, teacher = _models(s_tok, t_tok)
+    with pytest.raises(ValueError, match="is not a causal LM"):
+        Distiller(bert(layers=2), _run_args(tmp_path, "uld"), teacher_model=bert(layers=2, seed=1))
+    with pytest.raises(ValueError, match="exactly one teacher"):
+        Distiller(student, _run_args(tmp_path, "uld"), teacher_model=[teacher, copy.deepcopy(teacher)])
+    with pytest.raises(ValueError, match="needs both tokenizers"):  # "aligned" reads both vocabularies
+        Distiller(student, _run_args(tmp_path, "aligned"), teacher_model=teacher, processing_class=s_tok)
+    distiller = Distiller(student, _run_args(tmp_path, "uld"), teacher_model=teacher)  # ULD needs no tokenizer
+    student.train()
+    ids = torch.randint(2, len(s_tok), (2, 6))
+    with pytest.raises(ValueError, match="CrossTokenizerCollator"):
+        distiller.compute_loss(student, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
