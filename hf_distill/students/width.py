@@ -293,7 +293,9 @@ def _channels(units: list[int], size: int, offset: int = 0) -> torch.Tensor:
 
 def _check_importance(importance: WidthImportance, shape: _Shape) -> None:
     if not isinstance(importance, WidthImportance):
-        raise TypeError(f"importance must be a WidthImportance (from width_importance), got {type(importance).__name__}.")
+        raise TypeError(
+            f"importance must be a WidthImportance (from width_importance), got {type(importance).__name__}."
+        )
     want = {
         "heads": (shape.layers, shape.heads),
         "neurons": (shape.layers, shape.intermediate),
