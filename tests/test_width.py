@@ -19,6 +19,17 @@ from hf_distill.students import (
     width_importance,
 )
 
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tensors here are a few hundred numbers: a second intra-op thread only adds hand-off cost (several times the
+    work on a busy 2-core runner), so these tests run on one and restore the setting."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 ENCODERS = ("bert", "roberta", "xlm-roberta", "camembert", "electra", "distilbert")
 SEQ2SEQ = ("t5", "mt5", "bart", "marian", "mbart", "pegasus")
 
@@ -334,3 +345,20 @@ def test_trainer_step_with_intermediate_terms_and_a_projection(name, target, ter
     for record in logged:
         for key in names:
             assert torch.isfinite(torch.tensor(record[key])) and record[key] > 0, key
+
+
+def test_hidden_channels_are_the_highest_scored_and_copied_exactly():
+    teacher = decoder("llama", layers=2)
+    student, report = prune_width(teacher, batches(), hidden_size=20)
+    kept = torch.tensor(report.hidden)
+    removed = [c for c in range(32) if c not in report.hidden]
+    assert report.importance.hidden[kept].min() >= report.importance.hidden[removed].max()
+    t, s = teacher.model, student.model
+    assert torch.equal(s.embed_tokens.weight, t.embed_tokens.weight[:, kept])
+    assert torch.equal(student.lm_head.weight, teacher.lm_head.weight[:, kept])
+    assert torch.equal(s.norm.weight, t.norm.weight[kept])
+    for sb, tb in zip(s.layers, t.layers, strict=True):
+        assert torch.equal(sb.self_attn.q_proj.weight, tb.self_attn.q_proj.weight[:, kept])  # all heads kept
+        assert torch.equal(sb.self_attn.o_proj.weight, tb.self_attn.o_proj.weight[kept])
+        assert torch.equal(sb.mlp.down_proj.weight, tb.mlp.down_proj.weight[kept])
+        assert torch.equal(sb.input_layernorm.weight, tb.input_layernorm.weight[kept])

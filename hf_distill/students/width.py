@@ -88,7 +88,7 @@ class _Shape:
     kv_heads: int
     head_dim: int
     intermediate: int
-    explicit_head_dim: bool  # the config has a head_dim field; else head size = hidden_size / num_attention_heads
+    explicit_head_dim: bool  # the family has a head_dim field; else head size = hidden_size / num_attention_heads
 
 
 def _axes(module: nn.Module, path: str) -> tuple[int, int]:
@@ -156,8 +156,10 @@ def _shape(model: PreTrainedModel, family: Family) -> _Shape:
     heads = getattr(config, family.num_heads_field)
     kv_field = family.num_kv_heads_field
     kv_heads = (getattr(config, kv_field, None) if kv_field else None) or heads
-    explicit = family.head_dim_field is not None and hasattr(config, family.head_dim_field)
-    head_dim = (getattr(config, family.head_dim_field) if explicit else None) or hidden // heads
+    # A family with a head_dim field reads it (falling back to hidden / heads when unset): set, it frees the
+    # head size from the hidden size.
+    explicit = family.head_dim_field is not None
+    head_dim = (getattr(config, family.head_dim_field, None) if explicit else None) or hidden // heads
     out = blocks[0].get_submodule(family.attention_output)
     _, in_axis = _axes(out, family.attention_output)
     width = out.weight.shape[in_axis]
@@ -403,8 +405,8 @@ def prune_width(
                                           kept_hidden), strict=True)
     student.to(base.device)
     student.train(teacher.training)
-    if getattr(base, "generation_config", None) is not None and student.can_generate():
-        student.generation_config = copy.deepcopy(base.generation_config)
+    if student.can_generate() and getattr(teacher, "generation_config", None) is not None:
+        student.generation_config = copy.deepcopy(teacher.generation_config)  # generate as the teacher does
     report = WidthPruning(importance=importance, layers=layers, heads=kept_heads, kv_heads=kept_kv,
                           neurons=kept_neurons, hidden=kept_hidden)
     return student, report
