@@ -362,3 +362,11 @@ def test_hidden_channels_are_the_highest_scored_and_copied_exactly():
         assert torch.equal(sb.self_attn.o_proj.weight, tb.self_attn.o_proj.weight[kept])
         assert torch.equal(sb.mlp.down_proj.weight, tb.mlp.down_proj.weight[kept])
         assert torch.equal(sb.input_layernorm.weight, tb.input_layernorm.weight[kept])
+
+
+def test_a_family_layout_that_misses_a_module_names_the_field(monkeypatch):
+    from dataclasses import replace
+
+    monkeypatch.setitem(FAMILIES, "bert", replace(FAMILIES["bert"], mlp_output="output.nope"))
+    with pytest.raises(ValueError, match="no module 'output.nope' .the family's mlp_output.*register_family.'bert'"):
+        prune_width(encoder("bert"), batches())
