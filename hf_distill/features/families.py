@@ -17,6 +17,12 @@ A decoder with a fused Q|K|V projection, grouped-query attention and rotary posi
                     num_kv_heads_field="num_key_value_heads", head_dim_field="head_dim", rotary="rotary_emb",
                     final_norm="norm", causal=True)
 
+Width pruning (`students.prune_width`) also reads, per block, the attention's output projection, the MLP's
+input and output projections and the norms (`attention_output`, `mlp_input`, `mlp_output`, `norms`; BERT's paths
+by default): a decoder with a Llama-like block adds `attention_output="self_attn.o_proj",
+mlp_input=("mlp.gate_proj", "mlp.up_proj"), mlp_output="mlp.down_proj", norms=("input_layernorm",
+"post_attention_layernorm")`.
+
 An encoder-decoder model registers each stack (terms name one with `stack=encoder|decoder`):
 
     register_encoder_decoder("my-seq2seq", encoder={"layers": "encoder.layers", "num_layers_field": "encoder_layers"},
@@ -82,6 +88,19 @@ class Family:
     embeddings_from_block_input: bool = False
     first_block_only: tuple[str, ...] = ()
     score_bias: bool = False
+    # Width pruning (`students.prune_width`), paths relative to one block (defaults: BERT's). `attention_output`:
+    # the Linear/Conv1D reading the heads' concatenated outputs (its input columns are heads). `mlp_input`: the
+    # modules whose output rows are the MLP's intermediate channels (gate and up of a gated MLP, kept together);
+    # `mlp_input_chunks`: how many intermediate-wide chunks one of them stacks (Phi-3's fused gate|up: 2).
+    # `mlp_output`: the module reading the intermediate channels. `norms`: the block's norms whose outputs rank
+    # the hidden channels (Minitron reads the norms in front of attention and MLP). `projections`: the Q, K, V
+    # projections when `query`/`key`/`value` tap something else (Qwen3's q_norm/k_norm); `qkv` when fused.
+    attention_output: str = "attention.output.dense"
+    mlp_input: tuple[str, ...] = ("intermediate.dense",)
+    mlp_input_chunks: int = 1
+    mlp_output: str = "output.dense"
+    norms: tuple[str, ...] = ("attention.output.LayerNorm", "output.LayerNorm")
+    projections: tuple[str, str, str] | None = None
 
     def stack(self, name: str) -> Family | None:
         """The family of one stack of an encoder-decoder model (None when it has no such stack)."""
@@ -159,6 +178,10 @@ register_family(
     hidden_size_field="dim",
     num_heads_field="n_heads",
     intermediate_size_field="hidden_dim",
+    attention_output="attention.out_lin",
+    mlp_input=("ffn.lin1",),
+    mlp_output="ffn.lin2",
+    norms=("sa_layer_norm", "output_layer_norm"),
 )
 
 # Decoder-only causal LMs (transformers 5 layout: model.layers, model.embed_tokens, model.norm, model.rotary_emb).
@@ -174,12 +197,27 @@ _DECODER = {
     "rotary": "rotary_emb",
     "final_norm": "norm",
     "causal": True,
+    "attention_output": "self_attn.o_proj",
+    "mlp_input": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp_output": "mlp.down_proj",
+    "norms": ("input_layernorm", "post_attention_layernorm"),
 }
-for _model_type in ("llama", "mistral", "qwen2", "gemma", "gemma2"):
+for _model_type in ("llama", "mistral", "qwen2", "gemma"):
     register_family(_model_type, "layers", **_DECODER)
+# Gemma-2 normalises both sides of attention and MLP; the norms in front of them rank the hidden channels.
+register_family("gemma2", "layers", **{**_DECODER, "norms": ("input_layernorm", "pre_feedforward_layernorm")})
 # Qwen3 normalises Q and K per head (q_norm/k_norm) before the rotary embedding: those are its real Q and K.
-register_family("qwen3", "layers", **{**_DECODER, "query": "self_attn.q_norm", "key": "self_attn.k_norm"})
-register_family("phi3", "layers", **{**_DECODER, "qkv": "self_attn.qkv_proj"})
+register_family(
+    "qwen3",
+    "layers",
+    **{**_DECODER, "query": "self_attn.q_norm", "key": "self_attn.k_norm",
+       "projections": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")},
+)
+register_family(
+    "phi3",
+    "layers",
+    **{**_DECODER, "qkv": "self_attn.qkv_proj", "mlp_input": ("mlp.gate_up_proj",), "mlp_input_chunks": 2},
+)
 # GPT-2: learned absolute positions (no rotary), added in the model forward: hidden_states[0] is `drop`'s output.
 register_family(
     "gpt2",
@@ -192,6 +230,10 @@ register_family(
     intermediate_size_field="n_inner",
     final_norm="ln_f",
     causal=True,
+    attention_output="attn.c_proj",
+    mlp_input=("mlp.c_fc",),
+    mlp_output="mlp.c_proj",
+    norms=("ln_1", "ln_2"),
 )
 
 # Encoder-decoder models (T5, mT5; BART, mBART, Marian, Pegasus). Each stack applies dropout (T5) or a scale, a norm

@@ -1,9 +1,10 @@
-"""Building students: copied or shrunk from the teacher (`build`) and pruned in depth (`prune`), the public API
-also importable as `hf_distill.students`; the Distilled-BiLSTM student (`bilstm`), FastBERT-style early exit
-(`early_exit`) and MobileBERT's progressive transfer (`progressive`)."""
+"""Building students: copied or shrunk from the teacher (`build`), pruned in depth (`prune`) and in width (`width`),
+the public API also importable as `hf_distill.students`; the Distilled-BiLSTM student (`bilstm`), FastBERT-style early
+exit (`early_exit`) and MobileBERT's progressive transfer (`progressive`)."""
 
-from . import build, prune
+from . import build, prune, width
 from .build import *  # noqa: F403 - `hf_distill.students.from_teacher` etc. are the public API
 from .prune import *  # noqa: F403 - `hf_distill.students.prune_depth` etc.
+from .width import *  # noqa: F403 - `hf_distill.students.prune_width` etc.
 
-__all__ = [*build.__all__, *prune.__all__]
+__all__ = [*build.__all__, *prune.__all__, *width.__all__]
