@@ -63,6 +63,8 @@ def online(mp: Any, endpoint: str, xet: bool = True) -> None:
 
     mp.setattr(hub_constants, "HF_HUB_OFFLINE", False)
     mp.setattr(hub_constants, "ENDPOINT", endpoint)
+    # downloads build file URLs from this template, made from HF_ENDPOINT at import
+    mp.setattr(hub_constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
     mp.setattr(transformers_hub, "_hf_api", None)  # the Trainer's shared HfApi keeps the endpoint it was made with
     if not xet:
         mp.setattr(hub_constants, "HF_HUB_DISABLE_XET", True)
