@@ -77,7 +77,7 @@ teacher.
 
 ## How it was made
 
-```bash
+```{"bash" if str(meta.get("command")).startswith("hf-distill") else "python"}
 {meta.get("command") or "(not recorded)"}
 ```
 
