@@ -1,4 +1,4 @@
-"""`hf-distill`: the command line of hf_distill (demo, run, card, push, report; docs/guides/cli.md).
+"""`hf-distill`: the command line of hf_distill (demo, run, card, push, report, signal; docs/guides/cli.md).
 
 Exit codes: 0 success, 2 usage error, 1 failure (one `error: ...` line on stderr, no traceback).
 """
@@ -71,7 +71,52 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write loss_components.png from trainer_state.json (the folder's or its latest checkpoint's) "
         "and, when subfolders hold results.json files with accuracy and params, accuracy_vs_params.png.")
     report.add_argument("output_dir")
+    _signal_parser(sub)
     return parser
+
+
+def _signal_parser(sub: argparse._SubParsersAction) -> None:
+    signal = sub.add_parser(
+        "signal", help="an offline causal-LM teacher signal: create it, push it to the Hub",
+        description="The teacher's top-k log-probabilities and tail mass at each counted token, made once, shared "
+        "as a Hub dataset, trained from without the teacher (docs/guides/caching.md).")
+    actions = signal.add_subparsers(dest="signal_command", metavar="<action>")
+    create = actions.add_parser(
+        "create", help="run a causal-LM teacher over tokenised rows and write its signal (resumable)",
+        description="Run the teacher batched over the rows and write the signal to output_dir; run the same command "
+        "again after an interruption to finish it.")
+    create.add_argument("teacher", help="teacher folder or Hub id (AutoModelForCausalLM)")
+    create.add_argument("rows", help="the tokenised training rows (input_ids, labels): a folder written by "
+                        "Dataset.save_to_disk, or a .parquet, .jsonl/.json or .arrow file")
+    create.add_argument("output_dir")
+    for flag, kind, default, text in (
+            ("--tokenizer", str, None, "tokenizer folder or Hub id (default: the teacher's)"),
+            ("--k", int, 64, "ids kept per token"),
+            ("--temperature", float, 1.0, "temperature of the stored log-probabilities (training must use it)"),
+            ("--kd_token_mask", ("labels", "attention"), "labels", "positions stored: labels (next label not "
+             "-100) or attention (real tokens)"),
+            ("--batch_size", int, 8, "rows per teacher forward"),
+            ("--rows_per_shard", int, 1024, "rows per file (the unit of resumption)"),
+            ("--dtype", ("bfloat16", "float16", "float32"), None, "load the teacher in this dtype and run it "
+             "under autocast so"),
+            ("--device", str, None, "where to run the teacher, e.g. cuda (default: cpu)"),
+            ("--split", str, "train", "the split of a saved DatasetDict"),
+            ("--teacher_name", str, None, "the teacher's name in the metadata and card (default: teacher)")):
+        choices = kind if isinstance(kind, tuple) else None
+        text += f" (default: {default})" if default is not None and "default" not in text else ""
+        create.add_argument(flag, type=str if choices else kind, choices=choices, default=default, help=text)
+    create.add_argument("--no_progress", action="store_true", help="no progress bar")
+    push = actions.add_parser(
+        "push", help="publish a signal folder as a Hub dataset repo (with a dataset card)",
+        description="Upload the signal's shards, teacher_signal.json and README.md (the dataset card, written "
+        "first when missing). Load it back with load_teacher_signal(repo_id).")
+    push.add_argument("signal_dir")
+    push.add_argument("repo_id", help="e.g. my-user/my-teacher-signal")
+    push.add_argument("--private", action="store_true", help="create the repo private (if it does not exist)")
+    push.add_argument("--revision", help="branch to push to (created if missing)")
+    push.add_argument("--token", help="Hub token (default: HF_TOKEN or the saved login)")
+    push.add_argument("--endpoint", help="Hub endpoint (default: HF_ENDPOINT or https://huggingface.co)")
+    push.add_argument("--commit_message", default=None)
 
 
 def _recipe_folders() -> tuple[Path, Path]:
@@ -146,6 +191,54 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_rows(path: str, split: str):
+    import datasets
+
+    if Path(path).is_dir():
+        rows = datasets.load_from_disk(path)
+        return rows[split] if isinstance(rows, datasets.DatasetDict) else rows
+    builders = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".arrow": "arrow"}
+    builder = builders.get(Path(path).suffix)
+    if builder is None or not Path(path).is_file():
+        raise CommandError(f"rows {path!r}: give a folder written by Dataset.save_to_disk or a "
+                           f"{', '.join(builders)} file of tokenised rows.", code=2)
+    return datasets.load_dataset(builder, data_files=path, split="train")
+
+
+def cmd_signal(args: argparse.Namespace, argv: list[str]) -> int:
+    if args.signal_command == "push":
+        from .data.signal_hub import DEFAULT_COMMIT_MESSAGE, push_teacher_signal
+
+        url = push_teacher_signal(args.signal_dir, args.repo_id, private=args.private or None,
+                                  revision=args.revision, token=args.token, endpoint=args.endpoint,
+                                  commit_message=args.commit_message or DEFAULT_COMMIT_MESSAGE)
+        print(f"Pushed the teacher signal {args.signal_dir} to the dataset repo {args.repo_id}: {url}")
+        return 0
+    import shlex
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .data.teacher_signal import create_teacher_signal, signal_metadata
+
+    dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, None: None}
+    rows = _load_rows(args.rows, args.split)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.teacher)
+    teacher = AutoModelForCausalLM.from_pretrained(args.teacher, **({"dtype": dtypes[args.dtype]} if args.dtype
+                                                                    else {}))
+    if args.device:
+        teacher.to(args.device)
+    signal = create_teacher_signal(
+        teacher, rows, args.output_dir, tokenizer=tokenizer, k=args.k, temperature=args.temperature,
+        kd_token_mask=args.kd_token_mask, batch_size=args.batch_size, rows_per_shard=args.rows_per_shard,
+        dtype=dtypes[args.dtype], teacher_name=args.teacher_name or args.teacher, progress=not args.no_progress,
+        command=shlex.join(["hf-distill", *argv]))
+    meta = signal_metadata(signal)
+    print(f"Wrote the teacher signal to {args.output_dir}: {meta['rows']} rows, {meta['positions']} tokens, "
+          f"{meta['bytes_per_token']} bytes per token (k={meta['k']}, temperature={meta['temperature']}).")
+    return 0
+
+
 def _exit_code(run: Callable[[], object]) -> int:
     """A script-like callable's return value or SystemExit as an exit code; `sys.exit("message")` prints the
     message and gives 1, as Python does."""
@@ -179,6 +272,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command is None:
             parser.print_help()
             return 2
+        if args.command == "signal":
+            if args.signal_command is None:
+                raise CommandError("`hf-distill signal` needs an action: create or push (see hf-distill signal "
+                                   "--help).", code=2)
+            return cmd_signal(args, argv)
         return {"card": cmd_card, "push": cmd_push, "report": cmd_report}[args.command](args)
     except SystemExit as exit_:
         return exit_.code if isinstance(exit_.code, int) else 2

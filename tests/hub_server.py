@@ -1,18 +1,23 @@
-"""A local stand-in for the Hugging Face Hub: the HTTP endpoints `huggingface_hub` 2.4 calls to publish.
+"""A local stand-in for the Hugging Face Hub: the HTTP endpoints `huggingface_hub` 2.4 calls to publish and download.
 
 `FakeHub` runs a stdlib `ThreadingHTTPServer` on 127.0.0.1 (a free port) in a thread and keeps what it
-receives, so tests check on the server side which files arrived and what they contain. Implemented:
+receives, so tests check on the server side which files arrived and what they contain. Model repos and dataset
+repos (`{kind}` below: `models` or `datasets`; `hub.files(repo_id, repo_type="dataset")`) are kept apart.
+Implemented:
 
 - `POST /api/repos/create`                          create_repo (409 when it exists: exist_ok handles it)
 - `POST /api/validate-yaml`                         README metadata check made before any upload
-- `POST /api/models/{ns}/{name}/preupload/{rev}`    upload modes: always "regular", so contents come inline
-- `POST /api/models/{ns}/{name}/commit/{rev}`       NDJSON commit: header, base64 "file", "deletedFile"
-- `POST /api/models/{ns}/{name}/branch/{branch}`    create_branch
-- `GET  /api/models/{ns}/{name}[/revision/{rev}]`   repo_info
+- `POST /api/{kind}/{ns}/{name}/preupload/{rev}`    upload modes: always "regular", so contents come inline
+- `POST /api/{kind}/{ns}/{name}/commit/{rev}`       NDJSON commit: header, base64 "file", "deletedFile"
+- `POST /api/{kind}/{ns}/{name}/branch/{branch}`    create_branch
+- `GET  /api/{kind}/{ns}/{name}[/revision/{rev}]`   repo_info
+- `GET  /api/{kind}/{ns}/{name}/tree/{rev}`         list_repo_tree (one page, every file)
+- `HEAD|GET /[datasets/]{ns}/{name}/resolve/{rev}/{path}`   a file's metadata and contents (hf_hub_download)
 - `GET  /api/whoami-v2`                             whoami
 
-`fail={"commit": 500}` makes an endpoint answer that status (with an `error` message), to test failures.
-This module also builds the tiny real distillation run that the publishing tests share.
+A revision is a branch name or a commit id (every commit's tree is kept). `fail={"commit": 500}` makes an
+endpoint answer that status (with an `error` message), to test failures. `online(monkeypatch, hub.endpoint)` points
+huggingface_hub at it. This module also builds the tiny real distillation run that the publishing tests share.
 """
 
 from __future__ import annotations
@@ -30,23 +35,48 @@ from urllib.parse import unquote, urlsplit
 import yaml
 
 USER = "fake-user"
-_REPO = r"/api/models/(?P<repo>[^/]+/[^/]+)"
+_REPO = r"/api/(?P<kind>models|datasets)/(?P<repo>[^/]+/[^/]+)"
+_FILE = r"/(?:(?P<kind>datasets)/)?(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<path>.+)"
 _ROUTES = [
     ("POST", re.compile(r"/api/repos/create"), "create_repo"),
     ("POST", re.compile(r"/api/validate-yaml"), "validate_yaml"),
     ("POST", re.compile(_REPO + r"/preupload/(?P<rev>.+)"), "preupload"),
     ("POST", re.compile(_REPO + r"/commit/(?P<rev>.+)"), "commit"),
     ("POST", re.compile(_REPO + r"/branch/(?P<rev>.+)"), "branch"),
+    ("GET", re.compile(_REPO + r"/tree/(?P<rev>[^/]+)"), "tree"),
     ("GET", re.compile(_REPO + r"(?:/revision/(?P<rev>.+))?"), "repo_info"),
     ("GET", re.compile(r"/api/whoami-v2"), "whoami"),
+    ("HEAD", re.compile(_FILE), "file"),
+    ("GET", re.compile(_FILE), "file"),
 ]
 
 
+def online(mp: Any, endpoint: str, xet: bool = True) -> None:
+    """Let huggingface_hub talk to `endpoint` (the tests run with HF_HUB_OFFLINE=1 otherwise).
+
+    With hf_xet installed, `upload_folder` takes huggingface_hub's pipelined path (preupload + commit, as the
+    fake Hub answers "regular" for every file no Xet transfer happens), which retries a failed commit five
+    times over ~23 s; `xet=False` selects the single-commit path, which fails at once.
+    """
+    import huggingface_hub.constants as hub_constants
+    import transformers.utils.hub as transformers_hub
+
+    mp.setattr(hub_constants, "HF_HUB_OFFLINE", False)
+    mp.setattr(hub_constants, "ENDPOINT", endpoint)
+    # downloads build file URLs from this template, made from HF_ENDPOINT at import
+    mp.setattr(hub_constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+    mp.setattr(transformers_hub, "_hf_api", None)  # the Trainer's shared HfApi keeps the endpoint it was made with
+    if not xet:
+        mp.setattr(hub_constants, "HF_HUB_DISABLE_XET", True)
+
+
 class FakeHub:
-    """In-memory repos: {repo_id: {"private": bool, "revisions": {rev: {path: bytes}}, "commits": [...]}}."""
+    """In-memory repos: {repo_id: {"private": bool, "revisions": {rev: {path: bytes}}, "commits": [...],
+    "trees": {commit id: {path: bytes}}}}; `repos` holds the model repos, `datasets` the dataset repos."""
 
     def __init__(self, fail: dict[str, int] | None = None) -> None:
         self.repos: dict[str, dict[str, Any]] = {}
+        self.datasets: dict[str, dict[str, Any]] = {}
         self.fail = dict(fail or {})
         self.requests: list[tuple[str, str, str | None]] = []  # (method, path, authorization header)
         self._server: ThreadingHTTPServer | None = None
@@ -64,6 +94,9 @@ class FakeHub:
             def do_POST(self) -> None:
                 hub._handle(self, "POST")
 
+            def do_HEAD(self) -> None:
+                hub._handle(self, "HEAD")
+
             def log_message(self, *args: Any) -> None:  # keep test output clean
                 pass
 
@@ -79,8 +112,11 @@ class FakeHub:
         self._server.shutdown()
         self._server.server_close()
 
-    def files(self, repo_id: str, revision: str = "main") -> dict[str, bytes]:
-        return self.repos[repo_id]["revisions"].get(revision, {})
+    def files(self, repo_id: str, revision: str = "main", repo_type: str = "model") -> dict[str, bytes]:
+        return self._store(repo_type)[repo_id]["revisions"].get(revision, {})
+
+    def _store(self, kind: str | None) -> dict[str, dict[str, Any]]:
+        return self.datasets if kind in ("dataset", "datasets") else self.repos
 
     # ------------------------------------------------------------------ dispatch
 
@@ -94,16 +130,18 @@ class FakeHub:
             if verb == method and match:
                 if name in self.fail:
                     return self._reply(request, self.fail[name], {"error": f"simulated {name} failure"})
+                if name == "file":
+                    return self._file(request, method, **match.groupdict())
                 status, payload = getattr(self, "_" + name)(body, **match.groupdict())
                 return self._reply(request, status, payload)
         self._reply(request, 404, {"error": f"no route for {method} {path}"})
 
-    def _reply(self, request: BaseHTTPRequestHandler, status: int, payload: dict[str, Any]) -> None:
+    def _reply(self, request: BaseHTTPRequestHandler, status: int, payload: Any) -> None:
         data = json.dumps(payload).encode()
         request.send_response(status)
         request.send_header("Content-Type", "application/json")
         request.send_header("Content-Length", str(len(data)))
-        if status == 404 and "Repository" in payload.get("error", ""):
+        if status == 404 and "Repository" in (payload.get("error", "") if isinstance(payload, dict) else ""):
             request.send_header("X-Error-Code", "RepoNotFound")
         request.end_headers()
         request.wfile.write(data)
@@ -113,11 +151,13 @@ class FakeHub:
     def _create_repo(self, body: bytes) -> tuple[int, dict[str, Any]]:
         spec = json.loads(body)
         repo_id = f"{spec.get('organization') or USER}/{spec['name']}"
-        url = f"{self.endpoint}/{repo_id}"
-        if repo_id in self.repos:
-            return 409, {"error": "You already created this model repo", "url": url}
+        kind = spec.get("type") or "model"
+        url = f"{self.endpoint}/{'datasets/' if kind == 'dataset' else ''}{repo_id}"
+        store = self._store(kind)
+        if repo_id in store:
+            return 409, {"error": f"You already created this {kind} repo", "url": url}
         private = spec.get("visibility") == "private" or bool(spec.get("private"))
-        self.repos[repo_id] = {"private": private, "revisions": {"main": {}}, "commits": []}
+        store[repo_id] = {"private": private, "revisions": {"main": {}}, "commits": [], "trees": {}}
         return 200, {"url": url, "name": repo_id}
 
     def _validate_yaml(self, body: bytes) -> tuple[int, dict[str, Any]]:
@@ -129,11 +169,11 @@ class FakeHub:
                 return 400, {"errors": [{"message": str(error)}], "warnings": []}
         return 200, {"errors": [], "warnings": []}
 
-    def _missing(self, repo: str) -> tuple[int, dict[str, Any]] | None:
-        return None if repo in self.repos else (404, {"error": "Repository not found"})
+    def _missing(self, repo: str, kind: str | None = None) -> tuple[int, dict[str, Any]] | None:
+        return None if repo in self._store(kind) else (404, {"error": "Repository not found"})
 
-    def _preupload(self, body: bytes, repo: str, rev: str) -> tuple[int, dict[str, Any]]:
-        if missing := self._missing(repo):
+    def _preupload(self, body: bytes, repo: str, rev: str, kind: str) -> tuple[int, dict[str, Any]]:
+        if missing := self._missing(repo, kind):
             return missing
         files = [
             {"path": f["path"], "uploadMode": "regular", "shouldIgnore": False, "oid": None}
@@ -141,12 +181,13 @@ class FakeHub:
         ]
         return 200, {"files": files, "commitOid": None}
 
-    def _commit(self, body: bytes, repo: str, rev: str) -> tuple[int, dict[str, Any]]:
-        if missing := self._missing(repo):
+    def _commit(self, body: bytes, repo: str, rev: str, kind: str) -> tuple[int, dict[str, Any]]:
+        if missing := self._missing(repo, kind):
             return missing
         lines = [json.loads(line) for line in body.decode().splitlines() if line.strip()]
         header = next(item["value"] for item in lines if item["key"] == "header")
-        tree = dict(self.repos[repo]["revisions"].get(rev, {}))
+        store = self._store(kind)
+        tree = dict(store[repo]["revisions"].get(rev, {}))
         for item in lines:
             key, value = item["key"], item["value"]
             if key == "file":
@@ -155,39 +196,79 @@ class FakeHub:
                 tree.pop(value["path"], None)
             elif key != "header":
                 return 400, {"error": f"FakeHub does not implement {key!r} entries"}
-        self.repos[repo]["revisions"][rev] = tree
+        store[repo]["revisions"][rev] = tree
         oid = hashlib.sha1(body).hexdigest()
-        self.repos[repo]["commits"].append({"oid": oid, "summary": header["summary"], "revision": rev})
+        store[repo]["trees"][oid] = tree
+        store[repo]["commits"].append({"oid": oid, "summary": header["summary"], "revision": rev})
+        prefix = "datasets/" if kind == "datasets" else ""
         return 200, {
-            "commitUrl": f"{self.endpoint}/{repo}/commit/{oid}",
+            "commitUrl": f"{self.endpoint}/{prefix}{repo}/commit/{oid}",
             "commitOid": oid,
             "pullRequestUrl": None,
         }
 
-    def _branch(self, body: bytes, repo: str, rev: str) -> tuple[int, dict[str, Any]]:
-        if missing := self._missing(repo):
+    def _branch(self, body: bytes, repo: str, rev: str, kind: str) -> tuple[int, dict[str, Any]]:
+        if missing := self._missing(repo, kind):
             return missing
-        revisions = self.repos[repo]["revisions"]
+        revisions = self._store(kind)[repo]["revisions"]
         if rev in revisions:
             return 409, {"error": "Reference already exists"}
         revisions[rev] = dict(revisions["main"])
         return 200, {}
 
-    def _repo_info(self, body: bytes, repo: str, rev: str | None = None) -> tuple[int, dict[str, Any]]:
-        if missing := self._missing(repo):
+    def _repo_info(self, body: bytes, repo: str, kind: str, rev: str | None = None) -> tuple[int, dict[str, Any]]:
+        if missing := self._missing(repo, kind):
             return missing
-        commits = self.repos[repo]["commits"]
-        files = self.files(repo, rev or "main")
+        entry = self._store(kind)[repo]
+        on_branch = [c for c in entry["commits"] if c["revision"] == (rev or "main")]
+        files = self._tree_of(kind, repo, rev or "main") or {}
         return 200, {
             "id": repo,
             "modelId": repo,
-            "private": self.repos[repo]["private"],
-            "sha": commits[-1]["oid"] if commits else "0" * 40,
+            "private": entry["private"],
+            "sha": on_branch[-1]["oid"] if on_branch else "0" * 40,
             "siblings": [{"rfilename": name} for name in sorted(files)],
         }
 
+    def _tree(self, body: bytes, repo: str, kind: str, rev: str) -> tuple[int, Any]:
+        if missing := self._missing(repo, kind):
+            return missing
+        files = self._tree_of(kind, repo, rev)
+        if files is None:
+            return 404, {"error": f"Invalid rev id: {rev}"}
+        return 200, [{"type": "file", "path": name, "size": len(data), "oid": _git_oid(data)}
+                     for name, data in sorted(files.items())]
+
+    def _tree_of(self, kind: str | None, repo: str, rev: str) -> dict[str, bytes] | None:
+        entry = self._store(kind)[repo]
+        return entry["revisions"].get(rev, entry["trees"].get(rev))
+
+    def _file(self, request: BaseHTTPRequestHandler, method: str, kind: str | None, repo: str, rev: str,
+              path: str) -> None:
+        if repo not in self._store(kind):
+            return self._reply(request, 404, {"error": "Repository not found"})
+        files = self._tree_of(kind, repo, rev)
+        if files is None or path not in files:
+            return self._reply(request, 404, {"error": f"Entry not found: {path} at {rev}"})
+        entry = self._store(kind)[repo]
+        commit = rev if rev in entry["trees"] else [c for c in entry["commits"] if c["revision"] == rev][-1]["oid"]
+        data = files[path]
+        request.send_response(200)
+        request.send_header("Content-Type", "application/octet-stream")
+        request.send_header("Content-Length", str(len(data)))
+        request.send_header("ETag", f'"{_git_oid(data)}"')
+        request.send_header("X-Repo-Commit", commit)
+        request.end_headers()
+        if method == "GET":
+            request.wfile.write(data)
+
     def _whoami(self, body: bytes) -> tuple[int, dict[str, Any]]:
         return 200, {"type": "user", "name": USER, "orgs": []}
+
+
+def _git_oid(data: bytes) -> str:
+    """The git blob id of a file's contents (what the Hub sends as a regular file's ETag and tree oid)."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
 # ---------------------------------------------------------------------- a tiny real distillation run

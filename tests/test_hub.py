@@ -20,9 +20,8 @@ from pathlib import Path
 import huggingface_hub.constants as hub_constants
 import pytest
 import torch
-import transformers.utils.hub as transformers_hub
 import yaml
-from hub_server import FakeHub, tiny_run
+from hub_server import FakeHub, online, tiny_run
 from huggingface_hub import ModelCard
 from safetensors.torch import load as load_safetensors
 
@@ -39,20 +38,6 @@ TEACHER_ID = "fake-org/tiny-bert-teacher"
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-def online(mp: pytest.MonkeyPatch, endpoint: str, xet: bool = True) -> None:
-    """Let huggingface_hub talk to `endpoint` (the tests run with HF_HUB_OFFLINE=1 otherwise).
-
-    With hf_xet installed, `upload_folder` takes huggingface_hub's pipelined path (preupload + commit, as the
-    fake Hub answers "regular" for every file no Xet transfer happens), which retries a failed commit five
-    times over ~23 s; `xet=False` selects the single-commit path, which fails at once.
-    """
-    mp.setattr(hub_constants, "HF_HUB_OFFLINE", False)
-    mp.setattr(hub_constants, "ENDPOINT", endpoint)
-    mp.setattr(transformers_hub, "_hf_api", None)  # the Trainer's shared HfApi keeps the endpoint it was made with
-    if not xet:
-        mp.setattr(hub_constants, "HF_HUB_DISABLE_XET", True)
 
 
 def front_matter(readme: str) -> dict:

@@ -23,15 +23,17 @@ At k = 64 the packed layout takes 64 * 4 + 4 = 260 bytes per counted token plus 
 in the metadata is measured on the written files). When read back, the float16 values and the tail are renormalised
 together (their mass sums to 1 up to float16 rounding), so the teacher is a distribution over k + 1 outcomes.
 
-The metadata (teacher name and weight fingerprint, vocabulary hash, k, temperature, kd_token_mask, versions) is kept
-in the Dataset's `info.description` (which `save_to_disk`/`load_from_disk`, `select`, `concatenate_datasets` keep;
-`streamed` keeps it in an IterableDataset) and in `teacher_signal.json` next to the shards. The trainer refuses a
-signal whose vocabulary, temperature, kd_token_mask or rows differ from the run's (`check_teacher_signal`).
+The metadata (teacher name and weight fingerprint, vocabulary hash, k, temperature, kd_token_mask, versions, the
+command that made it) is kept in the Dataset's `info.description` (which `save_to_disk`/`load_from_disk`, `select`,
+`concatenate_datasets` keep; `streamed` keeps it in an IterableDataset) and in `teacher_signal.json` next to the
+shards. The trainer refuses a signal whose vocabulary, temperature, kd_token_mask or rows differ from the run's
+(`check_teacher_signal`); hf_distill.data.signal_rescale changes the temperature where that is exact.
 
 Writing is resumable: rows are written in shards of `rows_per_shard` (each renamed into place when complete); run
-the same call again after an interruption and the finished shards are kept. Not done yet: pushing a signal to the
-Hub with a dataset card, DDP sharding, and the chunked causal-LM loss head (training from a signal computes the
-student's logits whole).
+the same call again after an interruption and the finished shards are kept. hf_distill.data.signal_hub pushes a
+signal to the Hub as a dataset repo with a dataset card; `load_teacher_signal("user/name")` loads it back. Not done
+yet: the chunked causal-LM loss head (training from a signal computes the student's logits whole) and the measured
+comparison with an online teacher (issue #31, items 4 and 5).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +57,7 @@ from tqdm.auto import tqdm
 
 from ..features.taps import unwrap
 from ..losses.normalise import kd_positions
+from ..teacher import student_tokenizer
 from .cache import _attach
 from .cache_key import _dataset_digest, teacher_fingerprint
 from .collators import SIGNAL_PREFIX
@@ -90,10 +94,12 @@ _MODES = ("labels", "attention")
 
 def vocabulary_hash(tokenizer: Any) -> str:
     """blake2b of the tokenizer's (token, id) pairs, added tokens included: equal for tokenizers that map every
-    string to the same ids."""
-    if tokenizer is None or not hasattr(tokenizer, "get_vocab"):
-        raise ValueError(f"A tokenizer with get_vocab() is needed to hash the vocabulary, got {type(tokenizer)}.")
-    pairs = sorted(tokenizer.get_vocab().items(), key=lambda kv: (kv[1], kv[0]))
+    string to the same ids. A processor is hashed by the tokenizer it holds (`.tokenizer`)."""
+    inner = student_tokenizer(tokenizer)
+    if inner is None:
+        raise ValueError(f"A tokenizer with get_vocab() (or a processor holding one as .tokenizer) is needed to hash "
+                         f"the vocabulary, got {type(tokenizer).__name__}.")
+    pairs = sorted(inner.get_vocab().items(), key=lambda kv: (kv[1], kv[0]))
     return hashlib.blake2b(json.dumps(pairs).encode(), digest_size=16).hexdigest()
 
 
@@ -121,6 +127,7 @@ def create_teacher_signal(
     device: torch.device | str | None = None,
     teacher_name: str | None = None,
     progress: bool = True,
+    command: str | None = None,
 ) -> datasets.Dataset:
     """The teacher signal of `teacher` over `dataset`, written to `output_dir` (resumed if it holds part of it).
 
@@ -138,6 +145,8 @@ def create_teacher_signal(
         dtype: run the teacher under autocast in this dtype (e.g. torch.bfloat16, on CPU or GPU); None: as it is.
         device: where to run the teacher (default: where its parameters are).
         teacher_name: recorded as the teacher's name (default: its `name_or_path`).
+        command: how the signal was made, for its dataset card (the CLI gives its command line; default: this
+            call, written as Python).
     """
     if kd_token_mask not in _MODES:
         raise ValueError(f"kd_token_mask={kd_token_mask!r}: use 'labels' or 'attention' (the trainer's rule).")
@@ -168,6 +177,10 @@ def create_teacher_signal(
             "dtype": None if dtype is None else str(dtype), "rows": len(dataset), "rows_per_shard": rows_per_shard,
             "dataset": _dataset_digest(dataset, columns), "hf_distill": hf_distill.__version__}
     folder = Path(output_dir)
+    meta["command"] = command or (
+        f"create_teacher_signal({name!r}, <{len(dataset)} rows>, {str(folder)!r}, k={k}, "
+        f"temperature={float(temperature)}, kd_token_mask={kd_token_mask!r}, batch_size={batch_size}, "
+        f"dtype={meta['dtype']})")
     folder.mkdir(parents=True, exist_ok=True)
     _check_resumable(folder, meta)
     (folder / _META_FILE).write_text(json.dumps({**meta, "complete": False}, indent=2) + "\n")
@@ -317,7 +330,7 @@ def _check_resumable(folder: Path, meta: dict) -> None:
             raise ValueError(f"{folder} holds shard files but no {_META_FILE}: choose an empty output_dir.")
         return
     old = json.loads(path.read_text())
-    keys = [k for k in meta if k not in ("hf_distill",)]
+    keys = [k for k in meta if k not in ("hf_distill", "command")]
     changed = [k for k in keys if old.get(k) != meta[k]]
     if changed:
         raise ValueError(
@@ -330,11 +343,17 @@ def _check_resumable(folder: Path, meta: dict) -> None:
 
 
 def load_teacher_signal(
-    path: str | os.PathLike, streaming: bool = False
+    path: str | os.PathLike, streaming: bool = False, *, revision: str | None = None, token: str | None = None
 ) -> datasets.Dataset | datasets.IterableDataset:
     """The signal written by `create_teacher_signal` (complete only), as a Dataset or, with `streaming`, an
-    IterableDataset (one shard per file) that reads the files as it goes."""
+    IterableDataset (one shard per file) that reads the files as it goes. `path` is its folder or, when no such
+    folder exists, a Hub dataset repo id ("user/name", at `revision`) pushed by `signal_hub.push_teacher_signal`:
+    downloaded once into the Hub cache, then read from there (offline too)."""
     folder = Path(path)
+    if not folder.exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)):
+        from .signal_hub import download_teacher_signal
+
+        folder = download_teacher_signal(str(path), revision=revision, token=token)
     meta_path = folder / _META_FILE
     if not meta_path.is_file():
         raise ValueError(f"{folder} holds no teacher signal ({_META_FILE} is missing).")
@@ -416,7 +435,9 @@ def check_teacher_signal(
     if float(temperature) != meta["temperature"]:
         raise ValueError(f"The teacher signal was made at temperature {meta['temperature']}, but the run's "
                          f"temperature is {temperature}: set DistillationArguments(temperature={meta['temperature']})"
-                         " or create the signal at the run's temperature.")
+                         ", create the signal at the run's temperature, or (exact only for a signal without tail "
+                         "mass, e.g. k = the vocabulary) rescale it with "
+                         "hf_distill.data.signal_rescale.rescale_teacher_signal(signal, temperature).")
     if kd_token_mask != meta["kd_token_mask"]:
         raise ValueError(f"The teacher signal holds the positions of kd_token_mask={meta['kd_token_mask']!r}, but "
                          f"the run counts kd_token_mask={kd_token_mask!r}: set kd_token_mask="

@@ -1,6 +1,7 @@
 """Publishing students to the Hub: one push path, `push_student`, used by the CLI, `push_trainer` and
 `push_checkpoint`. It uploads a student's own files (`upload_files`), so a teacher, projections, optimizer state,
-checkpoints, `training_args.bin` or logs lying in the same folder never leave the machine.
+checkpoints, `training_args.bin` or logs lying in the same folder never leave the machine. `push_folder` is the
+upload itself (any repo type: a teacher signal goes to a dataset repo through it, hf_distill.data.signal_hub).
 """
 
 from __future__ import annotations
@@ -53,11 +54,12 @@ def upload_files(folder: str | os.PathLike) -> list[str]:
 
 
 def ensure_repo(repo_id: str, *, private: bool | None = None, token: str | None = None,
-                endpoint: str | None = None, folder: str | os.PathLike | None = None) -> str:
-    """Create the model repo if needed; returns its full id (with the namespace the Hub gave it)."""
+                endpoint: str | None = None, folder: str | os.PathLike | None = None, repo_type: str = "model") -> str:
+    """Create the repo (a model repo unless `repo_type` says otherwise) if needed; returns its full id (with the
+    namespace the Hub gave it)."""
     api, endpoint = _api(endpoint, token)
     try:
-        return api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model").repo_id
+        return api.create_repo(repo_id, private=private, exist_ok=True, repo_type=repo_type).repo_id
     except Exception as error:  # any failure (network, HTTP, validation) becomes one clear message
         raise _error(folder or "the student", repo_id, endpoint, error) from error
 
@@ -71,15 +73,28 @@ def push_student(folder: str | os.PathLike, repo_id: str, *, private: bool | Non
     (background pushes run one at a time). Raises `HubPushError` when the folder is not a student (before any
     request) or the Hub fails."""
     files = None if whole_folder else upload_files(folder)
+    return push_folder(folder, repo_id, files, private=private, revision=revision, token=token,
+                       commit_message=commit_message, endpoint=endpoint, path_in_repo=path_in_repo, blocking=blocking)
+
+
+def push_folder(folder: str | os.PathLike, repo_id: str, files: list[str] | None, *, repo_type: str = "model",
+                private: bool | None = None, revision: str | None = None, token: str | None = None,
+                commit_message: str = DEFAULT_COMMIT_MESSAGE, endpoint: str | None = None,
+                path_in_repo: str | None = None, blocking: bool = True) -> Any:
+    """Upload `files` of `folder` (None: all of it) to the `repo_type` repo `repo_id` in one commit, creating the
+    repo and the branch `revision` when needed; returns the commit URL, or its Future when not `blocking`. Every
+    failure is one `HubPushError` naming the folder, the repo, the endpoint and the cause."""
 
     def push() -> str:
-        full_id = ensure_repo(repo_id, private=private, token=token, endpoint=endpoint, folder=folder)
+        full_id = ensure_repo(repo_id, private=private, token=token, endpoint=endpoint, folder=folder,
+                              repo_type=repo_type)
         api, url = _api(endpoint, token)
         try:
             if revision and revision != "main" and not revision.startswith("refs/"):
-                api.create_branch(full_id, branch=revision, exist_ok=True)
+                api.create_branch(full_id, branch=revision, exist_ok=True, repo_type=repo_type)
             return api.upload_folder(repo_id=full_id, folder_path=str(folder), path_in_repo=path_in_repo,
-                                     allow_patterns=files, commit_message=commit_message, revision=revision)
+                                     allow_patterns=files, commit_message=commit_message, revision=revision,
+                                     repo_type=repo_type)
         except Exception as error:  # any failure (network, HTTP, validation) becomes one clear message
             raise _error(folder, full_id, url, error) from error
 
