@@ -127,8 +127,7 @@ def _log_probs(
             tail = teacher_logits[2].float().to(s.device)
             if tail.shape != values.shape[:-1]:
                 raise ValueError(f"{fn}: log_tail {tuple(tail.shape)} must have the shape {tuple(values.shape[:-1])}")
-            log_p = torch.cat([values, _zero_padding(tail.unsqueeze(-1), real)], -1)
-            log_q = with_tail(F.log_softmax(s / temperature, dim=-1).gather(-1, indices))
+            log_p, log_q = _with_tails(values, _zero_padding(tail, real), s / temperature, indices)
         else:
             log_p = F.log_softmax(values / temperature, dim=-1)
             log_q = F.log_softmax(s.gather(-1, indices) / temperature, dim=-1)
@@ -236,6 +235,19 @@ def with_tail(log_probs_k: torch.Tensor) -> torch.Tensor:
     mass; ``-inf`` when they hold all of it)."""
     covered = torch.logsumexp(log_probs_k, dim=-1, keepdim=True).clamp(max=0.0)
     return torch.cat([log_probs_k, torch.log(-torch.expm1(covered))], -1)
+
+
+def _with_tails(values: torch.Tensor, tail: torch.Tensor, a: torch.Tensor, indices: torch.Tensor):
+    """Teacher and student over the k ids plus the tail bucket. The student's tail is the logsumexp of its other
+    logits (not `log(1 - sum)`, which rounds to `log 0` when the k ids hold all but ~1e-7 of its mass). When the ids
+    are the whole vocabulary there is no tail: both sides are the k outcomes (the teacher's tail is empty then)."""
+    log_q_all = F.log_softmax(a, dim=-1)
+    log_q_k = log_q_all.gather(-1, indices)
+    if indices.shape[-1] == a.shape[-1]:
+        return values, log_q_k
+    rest = a.scatter(-1, indices, float("-inf"))
+    log_q_tail = torch.logsumexp(rest, -1, keepdim=True) - torch.logsumexp(a, -1, keepdim=True)
+    return torch.cat([values, tail.unsqueeze(-1)], -1), torch.cat([log_q_k, log_q_tail], -1)
 
 
 def topk_with_tail(logits: torch.Tensor, k: int, temperature: float = 1.0):
