@@ -283,12 +283,15 @@ class _SparseKDHead(torch.autograd.Function):
 
 
 def _module_chunk(s_head: LogitsHead, kd: KDSpec | None, vocab: int, h, log_p, ids, log_tail, kd_part, ce_part, y):
-    """`[KD sum, CE sum]` of one chunk of rows through the head's module call (float32 logits), the sparse divergence
-    of :mod:`hf_distill.losses` on them."""
+    """`[KD sum, CE sum]` of one chunk of rows through the head's module call (float32 logits), by autograd through
+    the direct route's row math (the tail as the logsumexp of the other columns, which stays finite where
+    `1 - sum of the top k` rounds to 0 in float32)."""
     z = s_head.float32(h)
     kd_sum, ce_sum = z.new_zeros(()), z.new_zeros(())
     if kd is not None and bool(kd_part.any()):
-        kd_sum = kd(z[:, :vocab][kd_part], (log_p[kd_part], ids[kd_part], log_tail[kd_part])) * kd_part.sum()
+        _, _, _, log_q = _sparse_row_stats(z[kd_part], ids[kd_part], None, kd.temperature, vocab)
+        log_p_c = torch.cat([log_p[kd_part], log_tail[kd_part, None]], -1)
+        kd_sum = losses.divergence_rows(kd.kind, log_q, log_p_c, kd.beta, kd.alpha)[0].sum() * kd.factor
     if y is not None and bool(ce_part.any()):
         ce_sum = F.cross_entropy(z[ce_part], y[ce_part], reduction="sum")
     return torch.stack([kd_sum, ce_sum])
