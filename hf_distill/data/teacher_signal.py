@@ -30,8 +30,8 @@ signal whose vocabulary, temperature, kd_token_mask or rows differ from the run'
 
 Writing is resumable: rows are written in shards of `rows_per_shard` (each renamed into place when complete); run
 the same call again after an interruption and the finished shards are kept. Not done yet: pushing a signal to the
-Hub with a dataset card, DDP sharding, and the chunked causal-LM loss head (training from a signal computes the
-student's logits whole).
+Hub with a dataset card, and DDP sharding. Training from a signal goes through the chunked causal-LM loss head
+(hf_distill.losses.sparse_head: the student's logits a chunk at a time, never whole) wherever a dense teacher would.
 """
 
 from __future__ import annotations
