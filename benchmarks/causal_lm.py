@@ -294,6 +294,9 @@ def signal_section(teacher_path: str | None, kept: list[int] | None, steps: int,
     valid = make_blocks((data / "wiki.test.raw").read_text(encoding="utf-8"), tok, 128, 256)
     work = HERE / ".cache" / "signal"
     signals, runs = {}, {}
+    shutil.rmtree(work / "warmup", ignore_errors=True)  # first-call costs (the first forwards, Arrow writers): untimed
+    create_teacher_signal(teacher, train.select(range(batch)), work / "warmup", tokenizer=tok, k=min(ks),
+                          batch_size=batch, progress=False)
     for k in ks:
         shutil.rmtree(work / f"k{k}", ignore_errors=True)
         t0 = time.perf_counter()
