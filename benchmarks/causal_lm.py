@@ -1,7 +1,7 @@
 """Causal-LM distillation: quality, memory of chunked logits, speed against TRL's GKD (issue #14). Not part of CI.
 
     python benchmarks/causal_lm.py                          # all sections
-    python benchmarks/causal_lm.py --only memory,trl        # some of them (quality, memory, trl)
+    python benchmarks/causal_lm.py --only memory,trl        # some of them (quality, memory, trl, signal)
 
 - quality: teacher, KD student and CE-only student perplexities on held-out text, from `recipes/causal_lm.py`
   with `recipes/configs/causal_lm_wikitext.yaml` (run unless `benchmarks/runs/causal_lm/results.json` exists, or
@@ -12,7 +12,14 @@
   (ru_maxrss) minus the RSS just before the step;
 - trl: `DistillationTrainer(kd_loss=jsd, jsd_beta=0.5)` vs TRL's `GKDTrainer(lmbda=0, beta=0.5)` (off-policy, same
   loss, T = 1) on the recipe's teacher and pruned student and the same batches: median s/step after warm-up and
-  peak RSS of the training, each side in its own process, alternated in pairs.
+  peak RSS of the training, each side in its own process, alternated in pairs;
+- signal (issue #31): the offline teacher signal (`hf_distill.data.teacher_signal`) of the recipe's teacher over the
+  recipe's 480 training blocks at k = 8, 64 and 256 (teacher tokens/s while creating it, bytes per token), then the
+  recipe's pruned student trained `--signal-steps` steps (batch 8, JSD beta 0.5 + CE, T = 1, seed 0) five ways:
+  from each signal (no teacher), with the online teacher on the same top-k + tail objective (each step's teacher
+  logits -> float32 top-k + exact tail, not stored: the signal run's per-step KD loss and perplexity are compared
+  with it), and with the online teacher on the dense JSD (the ordinary run: perplexity "dense", step time). Step
+  times as in `trl`; the floor is 1 - the teacher forward's share of the dense online step (hooks on the teacher).
 
 Writes `benchmarks/results/causal_lm.{json,md}`; sections not run keep their previous results.
 """
@@ -36,10 +43,12 @@ ROOT = HERE.parent
 RESULTS = HERE / "results"
 RUN_DIR = HERE / "runs" / "causal_lm"
 CONFIG = ROOT / "recipes" / "configs" / "causal_lm_wikitext.yaml"
-SECTIONS = ("quality", "memory", "trl")
+SECTIONS = ("quality", "memory", "trl", "signal")
 VOCABS = (32_000, 128_256)
 DEFAULT = -1  # a memory case run with kd_chunk_size unset: the library default for its vocabulary
-TARGETS = {"chunked_over_naive_peak_128k": 0.35, "ours_over_trl_step_time": 1.0, "ours_over_trl_peak_rss": 1.0}
+TARGETS = {"chunked_over_naive_peak_128k": 0.35, "ours_over_trl_step_time": 1.0, "ours_over_trl_peak_rss": 1.0,
+           "signal_kd_loss_abs": 1e-3, "signal_perplexity_rel": 5e-3, "signal_over_online_step_above_floor": 0.02,
+           "signal_bytes_per_token_k64": 300}
 
 
 def rss_mb() -> float:
@@ -242,7 +251,169 @@ def trl_section(pairs: int, steps: int, warmup: int, batch: int, teacher: str | 
             "versions": {p: md.version(p) for p in ("trl", "transformers", "torch")}}
 
 
+# ----------------------------------------------------------------------------------------------- signal
+
+
+def _online_topk(distiller, k: int) -> None:
+    """Make `distiller` (a DistillationTrainer's) compare the student with the online teacher's top-k + tail at each
+    step, the objective a signal run trains on, in float32 and with the tail's exact logsumexp (nothing stored)."""
+    import torch
+
+    class OnlineTopK(type(distiller)):
+        def _first_teacher(self, inputs, cached, hidden_only):
+            out, _ = self.run_teacher(self.teacher, inputs)
+            log_p = torch.log_softmax(out.logits.float() / self.args.temperature, -1)
+            values, ids = log_p.topk(k, dim=-1)
+            return [(values, ids, log_p.scatter(-1, ids, float("-inf")).logsumexp(-1))], None, None
+
+    distiller.__class__ = OnlineTopK
+
+
+def signal_section(teacher_path: str | None, kept: list[int] | None, steps: int, batch: int, ks: list[int],
+                   k_main: int, warmup: int) -> dict:
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, default_data_collator
+
+    sys.path.insert(0, str(ROOT / "recipes"))
+    from causal_lm import blocks as make_blocks
+    from causal_lm import perplexity
+
+    from hf_distill import DistillationArguments, DistillationTrainer, students
+    from hf_distill.data.teacher_signal import attach_teacher_signal, create_teacher_signal, signal_metadata
+
+    if teacher_path is None:
+        r = json.loads((RUN_DIR / "results.json").read_text())
+        teacher_path, kept = r["teacher"], r["kept_blocks"]
+    torch.set_num_threads(2)
+    tok = AutoTokenizer.from_pretrained(teacher_path)
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_path).eval()
+    data = ROOT.parent / "shared" / "data" / "wikitext2"
+    train = make_blocks((data / "wiki.valid.raw").read_text(encoding="utf-8"), tok, 128, steps * batch)
+    valid = make_blocks((data / "wiki.test.raw").read_text(encoding="utf-8"), tok, 128, 256)
+    work = HERE / ".cache" / "signal"
+    signals, runs = {}, {}
+    shutil.rmtree(work / "warmup", ignore_errors=True)  # first-call costs (the first forwards, Arrow writers): untimed
+    create_teacher_signal(teacher, train.select(range(batch)), work / "warmup", tokenizer=tok, k=min(ks),
+                          batch_size=batch, progress=False)
+    for k in ks:
+        shutil.rmtree(work / f"k{k}", ignore_errors=True)
+        t0 = time.perf_counter()
+        signal = create_teacher_signal(teacher, train, work / f"k{k}", tokenizer=tok, k=k, temperature=1.0,
+                                       batch_size=batch, progress=False)
+        seconds = time.perf_counter() - t0
+        meta = signal_metadata(signal)
+        signals[k] = {"create_s": seconds, "teacher_tokens_per_s": len(train) * 128 / seconds,
+                      "positions": meta["positions"], "bytes_per_token": meta["bytes_per_token"],
+                      "payload_bytes_per_token": meta["payload_bytes_per_token"]}
+        print("signal", k, json.dumps(signals[k]), flush=True)
+        signals[k]["rows"] = attach_teacher_signal(train, signal)
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.times, self.teacher_s = [], []
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0, self.fwd = time.perf_counter(), 0.0
+
+        def on_step_end(self, args, state, control, **kw):
+            self.times.append(time.perf_counter() - self.t0)
+            self.teacher_s.append(self.fwd)
+
+    def run(name: str, k: int | None, online: bool) -> None:
+        clock = Clock()
+        hooks = []
+        if online:  # the teacher forward's time in each step
+            hooks = [teacher.register_forward_pre_hook(lambda *_: setattr(clock, "f0", time.perf_counter())),
+                     teacher.register_forward_hook(lambda *_: setattr(clock, "fwd", clock.fwd + time.perf_counter()
+                                                                      - clock.f0))]
+        args = DistillationArguments(
+            output_dir=str(work / "out" / name), max_steps=steps, per_device_train_batch_size=batch,
+            learning_rate=1e-3, lr_scheduler_type="cosine", warmup_steps=0.05, logging_steps=1, save_strategy="no",
+            report_to="none", use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0, kd_loss="jsd",
+            jsd_beta=0.5, temperature=1.0, kd_weight=1.0, task_weight=1.0)
+        rows = signals[k]["rows"] if not online else train
+        trainer = DistillationTrainer(model=students.from_teacher(teacher, kept), teacher_model=teacher if online
+                                      else None, args=args, train_dataset=rows, data_collator=default_data_collator,
+                                      processing_class=tok, callbacks=[clock])
+        if online and k is not None:
+            _online_topk(trainer.distiller, k)
+        trainer.train()
+        for h in hooks:
+            h.remove()
+        runs[name] = {"k": k, "online": online, "step_s": statistics.median(clock.times[warmup:]),
+                      "teacher_forward_s": statistics.median(clock.teacher_s[warmup:]), "times": clock.times,
+                      "kd_loss": [r["loss_kd"] for r in trainer.state.log_history if "loss_kd" in r],
+                      "perplexity": perplexity(trainer.model, valid)}
+        print("signal run", name, json.dumps({x: v for x, v in runs[name].items() if x not in ("times", "kd_loss")}),
+              flush=True)
+
+    run("online_dense", None, True)
+    run(f"online_topk{k_main}", k_main, True)
+    for k in ks:
+        run(f"signal_k{k}", k, False)
+    sig, ref, dense = runs[f"signal_k{k_main}"], runs[f"online_topk{k_main}"], runs["online_dense"]
+    diffs = [abs(a - b) for a, b in zip(sig["kd_loss"], ref["kd_loss"], strict=True)]
+    summary = {
+        "kd_loss_max_abs_diff": max(diffs), "kd_loss_first_step_abs_diff": diffs[0],
+        "perplexity_rel_diff": sig["perplexity"] / ref["perplexity"] - 1,
+        "signal_over_online_dense_step": sig["step_s"] / dense["step_s"],
+        "signal_over_online_topk_step": sig["step_s"] / ref["step_s"],
+        "floor": 1 - dense["teacher_forward_s"] / dense["step_s"],
+        "perplexity_over_dense": {str(k): runs[f"signal_k{k}"]["perplexity"] / dense["perplexity"] for k in ks},
+    }
+    for k in ks:
+        del signals[k]["rows"]
+    return {"signals": {str(k): v for k, v in signals.items()}, "runs": runs, "summary": summary,
+            "teacher": teacher_path, "kept_blocks": kept, "steps": steps, "batch": batch, "seq": 128,
+            "train_blocks": len(train), "eval_blocks": len(valid), "k": k_main, "ks": ks, "warmup": warmup}
+
+
 # ----------------------------------------------------------------------------------------------- report
+
+
+def signal_lines(sec: dict) -> list[str]:
+    """The signal section's tables and verdicts (markdown lines)."""
+    sm, t = sec["summary"], TARGETS
+    km = str(sec["k"])
+
+    def verdict(ok):
+        return "met" if ok else "not met"
+
+    ok_loss = verdict(sm["kd_loss_max_abs_diff"] <= t["signal_kd_loss_abs"])
+    ok_ppl = verdict(abs(sm["perplexity_rel_diff"]) <= t["signal_perplexity_rel"])
+    above = sm["signal_over_online_dense_step"] - sm["floor"]
+    ok_step = verdict(above <= t["signal_over_online_step_above_floor"])
+
+    lines = [f"Recipe teacher ({sec['teacher']}), student = its blocks {sec['kept_blocks']}; "
+             f"{sec['steps']} steps of {sec['batch']} x {sec['seq']} tokens over the first "
+             f"{sec['train_blocks']} blocks of wiki.valid.raw (one epoch), JSD beta 0.5 + CE, T = 1, cosine "
+             f"LR 1e-3, seed 0; perplexity on the first {sec['eval_blocks']} blocks of wiki.test.raw; median "
+             f"s/step after {sec['warmup']} warm-up steps.", "",
+             "| signal k | bytes / token (files) | payload bytes / token | teacher tokens/s creating | "
+             "create s |", "| ---: | ---: | ---: | ---: | ---: |"]
+    for k, v in sec["signals"].items():
+        lines.append(f"| {k} | {v['bytes_per_token']:.1f} | {v['payload_bytes_per_token']:.1f} | "
+                     f"{v['teacher_tokens_per_s']:,.0f} | {v['create_s']:.1f} |")
+    lines += ["", "| run | teacher | held-out perplexity | median s/step |", "| --- | --- | ---: | ---: |"]
+    for n, r in sec["runs"].items():
+        source = ("online, dense JSD" if r["k"] is None else f"online, top-{r['k']} + tail") if r["online"] \
+            else f"signal, k = {r['k']}"
+        lines.append(f"| {n} | {source} | {r['perplexity']:.2f} | {r['step_s']:.3f} |")
+    lines += ["", f"Signal (k = {km}) vs online top-{km} + tail, same objective: per-step KD loss max |diff| "
+              f"**{sm['kd_loss_max_abs_diff']:.2e}** (first step {sm['kd_loss_first_step_abs_diff']:.2e}; "
+              f"target <= {t['signal_kd_loss_abs']}: {ok_loss}), "
+              f"perplexity {sm['perplexity_rel_diff']:+.3%} (target within 0.5%: "
+              f"{ok_ppl}).", "",
+              f"Step time signal / online dense **{sm['signal_over_online_dense_step']:.3f}** (floor "
+              f"{sm['floor']:.3f} = 1 - the teacher forward's share; target <= floor + 0.02: "
+              f"{ok_step}); "
+              f"signal / online top-k **{sm['signal_over_online_topk_step']:.3f}**. Bytes per token at k = 64: "
+              f"{sec['signals'].get('64', {}).get('bytes_per_token', float('nan')):.1f} (target <= 300).", "",
+              "Perplexity / dense online run: " + ", ".join(
+                  f"k = {k}: **{v:.4f}**" for k, v in sm["perplexity_over_dense"].items()) + ".", ""]
+    return lines
 
 
 def write_report(data: dict) -> None:
@@ -296,12 +467,15 @@ def write_report(data: dict) -> None:
                 lines += ["", f"ours / TRL: step time **{st:.3f}** (target <= 1: {'met' if st <= 1 else 'not met'}), "
                           f"peak RSS **{pm:.3f}** (target < 1: {'met' if pm < 1 else 'not met'})."]
             lines.append("")
+        elif name == "signal":
+            lines += signal_lines(sec)
     (RESULTS / "causal_lm.md").write_text("\n".join(lines) + "\n")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections: quality, memory, trl")
+    p.add_argument("--only", default=",".join(SECTIONS),
+                   help="comma-separated sections: quality, memory, trl, signal")
     p.add_argument("--force", action="store_true", help="quality: rerun the recipe even if results exist")
     p.add_argument("--batch", type=int, default=4, help="memory: sequences per step")
     p.add_argument("--seq", type=int, default=1024, help="memory: tokens per sequence")
@@ -313,6 +487,11 @@ def main() -> None:
                         "other cases keep earlier rows")
     p.add_argument("--trl-teacher", default=None, help="trl: teacher folder (default: the recipe run's teacher)")
     p.add_argument("--trl-kept", default=None, help="trl: teacher blocks the student keeps, e.g. 0,2,4")
+    p.add_argument("--signal-teacher", default=None, help="signal: teacher folder (default: the recipe run's)")
+    p.add_argument("--signal-kept", default=None, help="signal: teacher blocks the student keeps, e.g. 0,1,5")
+    p.add_argument("--signal-steps", type=int, default=60, help="signal: steps per run (batch 8: 8 x steps blocks)")
+    p.add_argument("--signal-ks", default="8,64,256", help="signal: the k of each signal")
+    p.add_argument("--signal-k", type=int, default=64, help="signal: the k compared with the online top-k run")
     p.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
     p.add_argument("--trl-child", nargs=7, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -342,6 +521,12 @@ def main() -> None:
         elif name == "memory":
             cases = [(int(v), int(c) or None) for v, c in (x.split(":") for x in a.cases.split(","))]
             sec = memory(a.batch, a.seq, cases, data.get("memory"))
+        elif name == "signal":
+            kept = [int(k) for k in a.signal_kept.split(",")] if a.signal_kept else None
+            ks = [int(k) for k in a.signal_ks.split(",")]
+            if a.signal_k not in ks:
+                p.error(f"--signal-k {a.signal_k} must be one of --signal-ks {a.signal_ks}")
+            sec = signal_section(a.signal_teacher, kept, a.signal_steps, 8, ks, a.signal_k, a.warmup)
         else:
             kept = [int(k) for k in a.trl_kept.split(",")] if a.trl_kept else None
             sec = trl_section(a.pairs, a.steps, a.warmup, 8, a.trl_teacher, kept)

@@ -279,7 +279,7 @@ class Distiller(LogitTerms):
         want_task, own_task = self._task_wanted(model, inputs, distill)
         # Teacher first (its forward would evict the student's activations from the CPU caches, benchmarks/speed.py);
         # a causal LM in training takes its logits a chunk of tokens at a time (hf_distill.losses.chunked).
-        sparse = TOPK_VALUES_COLUMN in cached or SIGNAL_TOPK in cached  # the chunked head takes dense teachers only
+        sparse = TOPK_VALUES_COLUMN in cached  # top-k renormalised (no tail): whole logits; a signal has its own head
         chunks = self._chunk_for(model) if (model.training and distill and not sparse) else None
         teacher = self._teacher_outputs(inputs, cached, hidden_only=chunks is not None) if distill else None
         s_out, s_feats, head = self._student_forward(model, student, inputs, distill, chunks,

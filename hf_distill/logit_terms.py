@@ -204,7 +204,8 @@ class LogitTerms:
             with torch.no_grad():  # the teacher's logits on the first batch's distilled tokens, a few rows at a time
                 rows = t_hidden[:, :-1][kd_mask] if kd_mask is not None else t_hidden[:, :-1].flatten(0, 1)
                 self._check_padding(0, (t_logits_fn(part) for part in rows.split(256)))
-        teacher = t_logits_fn if t_hidden is not None else (t_logits[:, :-1] if t_logits is not None else None)
+        # dense logits, or a teacher signal's (log_probs, indices, log_tail) (hf_distill.losses.sparse_head)
+        teacher = t_logits_fn if t_hidden is not None else (shift(t_logits) if t_logits is not None else None)
         ce_labels = labels[:, 1:] if want_task and labels is not None else None
         return chunked.chunked_kd_and_ce(chunked.last_hidden(s_out), s_logits_fn, teacher, t_hidden, kd_mask,
                                          ce_labels, kd_fn, chunk, self._shared_vocab, route=self.route)

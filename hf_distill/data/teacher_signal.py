@@ -31,9 +31,9 @@ shards. The trainer refuses a signal whose vocabulary, temperature, kd_token_mas
 
 Writing is resumable: rows are written in shards of `rows_per_shard` (each renamed into place when complete); run
 the same call again after an interruption and the finished shards are kept. hf_distill.data.signal_hub pushes a
-signal to the Hub as a dataset repo with a dataset card; `load_teacher_signal("user/name")` loads it back. Not done
-yet: the chunked causal-LM loss head (training from a signal computes the student's logits whole) and the measured
-comparison with an online teacher (issue #31, items 4 and 5).
+signal to the Hub as a dataset repo with a dataset card; `load_teacher_signal("user/name")` loads it back. Training
+from a signal goes through the chunked causal-LM loss head (hf_distill.losses.sparse_head: the student's logits a
+chunk at a time, never whole) wherever a dense teacher would.
 """
 
 from __future__ import annotations

@@ -49,6 +49,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..features.taps import unwrap
 from . import divergences as losses
+from . import sparse_head
 from .kd_head import (  # noqa: F401 - re-exported: `chunked.row_gradient`, `chunked._fused`, ... (tests, benchmarks)
     DIVERGENCES,
     _fused,
@@ -282,6 +283,9 @@ def chunked_kd_and_ce(
     if kd is not None and kd.kind == "mse":
         raise ValueError("kd_loss='mse' compares raw logits, which the chunked loss head does not keep: compute it "
                          "from whole logits (DistillationTrainer does, for kd_loss='mse', unless kd_chunk_size is set)")
+    if isinstance(teacher, tuple | list):  # a (log_probs, indices, log_tail) signal: losses.sparse_head
+        return sparse_head.sparse_kd_and_ce(s_hidden, student_head, teacher, kd_mask, labels, kd, chunk_size, vocab,
+                                            route)
     s_rows, t_source, is_kd, is_ce, targets, n_kd, n_ce = _counted_rows(s_hidden, teacher, t_hidden, kd_mask,
                                                                          labels, kd)
     from_hidden = t_hidden is not None
