@@ -878,6 +878,24 @@ def test_new_divergences_are_nonnegative_and_exactly_zero_at_agreement(kind):
         assert float(losses_module.logit_kd_loss(kind, torch.randn(8, 50, generator=g) * 5, x, 2.0)) >= 0.0
 
 
+def _coarse_reference(kind: str, t, s, idx, temperature: float):
+    """Per row, in float64: both full distributions coarsened onto the ids `idx` + one tail bucket, then `kind`
+    (beta 0.3, alpha 0.2). The tail is computed from the other ids' probabilities, not as 1 - sum."""
+    p = torch.softmax(t.double() / temperature, -1)
+    q = torch.softmax(s.double() / temperature, -1)
+    rest = torch.ones_like(p, dtype=torch.bool).scatter(-1, idx, False)
+    pc = torch.cat([p.gather(-1, idx), (p * rest).sum(-1, keepdim=True)], -1)
+    qc = torch.cat([q.gather(-1, idx), (q * rest).sum(-1, keepdim=True)], -1)
+    if kind == "kl":
+        return (pc * (pc / qc).log()).sum(-1)
+    if kind == "reverse_kl":
+        return (qc * (qc / pc).log()).sum(-1)
+    if kind == "jsd":
+        m = 0.3 * pc + 0.7 * qc
+        return 0.3 * (pc * (pc / m).log()).sum(-1) + 0.7 * (qc * (qc / m).log()).sum(-1)
+    return _ref_divergence(kind, pc, qc, alpha=0.2)
+
+
 @pytest.mark.parametrize("kind", ["kl", "reverse_kl", "jsd", *sorted(NEW_KINDS)])
 def test_top_k_with_a_tail_bucket_is_a_true_divergence_on_k_plus_one_outcomes(kind):
     """A teacher stored as its top-k log-probabilities at T plus log(tail mass): both sides become distributions
@@ -889,21 +907,7 @@ def test_top_k_with_a_tail_bucket_is_a_true_divergence_on_k_plus_one_outcomes(ki
     temperature, k = 2.0, 8
     sparse = losses_module.topk_with_tail(t, k, temperature)
     got = losses_module.logit_kd_loss(kind, s, sparse, temperature, beta=0.3, alpha=0.2)
-    # reference: coarsen both full distributions (float64) onto the k ids + one tail bucket
-    idx = sparse[1]
-    p = torch.softmax(t.double() / temperature, -1)
-    q = torch.softmax(s.detach().double() / temperature, -1)
-    pk, qk = p.gather(-1, idx), q.gather(-1, idx)
-    pc, qc = torch.cat([pk, 1 - pk.sum(-1, keepdim=True)], -1), torch.cat([qk, 1 - qk.sum(-1, keepdim=True)], -1)
-    if kind == "kl":
-        per = (pc * (pc / qc).log()).sum(-1)
-    elif kind == "reverse_kl":
-        per = (qc * (qc / pc).log()).sum(-1)
-    elif kind == "jsd":
-        m = 0.3 * pc + 0.7 * qc
-        per = 0.3 * (pc * (pc / m).log()).sum(-1) + 0.7 * (qc * (qc / m).log()).sum(-1)
-    else:
-        per = _ref_divergence(kind, pc, qc, alpha=0.2)
+    per = _coarse_reference(kind, t, s.detach(), sparse[1], temperature)
     assert float(got) == pytest.approx(float(temperature**2 * per.mean()), rel=1e-4)
     got.backward()
     assert s.grad.abs().sum() > 0  # the tail bucket reaches the student's other ids too
@@ -916,3 +920,32 @@ def test_skew_alpha_is_validated():
     for bad in (1.0, -0.1, True, "0.1"):
         with pytest.raises(ValueError, match="alpha"):
             losses_module.skew_kl(x, x, alpha=bad)
+
+
+@pytest.mark.parametrize("kind", ["kl", "reverse_kl", "jsd", *sorted(NEW_KINDS)])
+def test_a_tail_bucket_stays_exact_when_the_top_k_hold_nearly_all_the_mass(kind):
+    """A peaked student whose k ids hold all but ~1e-12 of its mass: its tail is the logsumexp of its other logits,
+    so the loss and gradient stay finite and match float64 (`log(1 - sum)` rounds to log 0 in float32). With the
+    ids covering the whole vocabulary there is no tail bucket: the sparse loss is the dense one."""
+    g = torch.Generator().manual_seed(6)
+    t = torch.randn(5, 40, generator=g)
+    t[:, :4] += 30.0  # 4 ids hold all but ~e^-27 of the mass, student and teacher alike
+    s = (t + 0.3 * torch.randn(5, 40, generator=g)).requires_grad_(True)
+    sparse = losses_module.topk_with_tail(t, 4)
+    got = losses_module.logit_kd_loss(kind, s, sparse, 1.0, beta=0.3, alpha=0.2)
+    got.backward()
+    s64 = s.detach().double().requires_grad_(True)
+    want = _coarse_reference(kind, t, s64, sparse[1], 1.0).mean()
+    want.backward()
+    assert math.isfinite(float(got)) and torch.isfinite(s.grad).all()
+    assert float(got) == pytest.approx(float(want), rel=1e-3, abs=1e-12)
+    assert float((s.grad.double() - s64.grad).norm() / s64.grad.norm()) < 1e-3
+    s.grad = None
+    whole = losses_module.logit_kd_loss(kind, s, losses_module.topk_with_tail(t, 40), 1.0, beta=0.3, alpha=0.2)
+    whole.backward()
+    dense_s = s.detach().clone().requires_grad_(True)
+    dense = losses_module.logit_kd_loss(kind, dense_s, t, 1.0, beta=0.3, alpha=0.2)
+    dense.backward()
+    assert torch.isfinite(s.grad).all()
+    torch.testing.assert_close(whole, dense, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(s.grad, dense_s.grad, rtol=1e-4, atol=1e-7)

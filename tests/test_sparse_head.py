@@ -101,8 +101,9 @@ def test_loss_and_gradients_equal_the_whole_logits_sparse_divergence(kind, post,
         assert float(got[0]) > 0
 
 
+@pytest.mark.parametrize("route", ["direct", "module"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_all_ids_kept_is_the_dense_divergence(kind):
+def test_all_ids_kept_is_the_dense_divergence(kind, route):
     """k = vocabulary: the tail outcome is empty on both sides (no column to sum, log-mass -inf) and the sparse
     divergence is the dense one, value and gradients, with nothing undefined."""
     h, head, _, kd_mask, labels = _problem(vocab=150, pad=0, bias=False, seed=1)
@@ -115,7 +116,7 @@ def test_all_ids_kept_is_the_dense_divergence(kind):
     kd = losses.logit_kd_loss(kind, x[:, :-1] @ w.T, t_logits, 2.0, mask=kd_mask, beta=BETA, alpha=ALPHA)
     kd.backward()
     kd = kd.detach()
-    got = _head(h, head, teacher, kd_mask, None, kind, 2.0, None, (1.0, 0.0))
+    got = _head(h, head, teacher, kd_mask, None, kind, 2.0, None, (1.0, 0.0), route=route)
     assert float(got[0]) == pytest.approx(float(kd), rel=1e-5)
     assert _relative(got[2], x.grad) < 1e-5 and _relative(got[3], w.grad) < 1e-5
 

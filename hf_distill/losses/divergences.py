@@ -127,7 +127,8 @@ def _log_probs(
             tail = teacher_logits[2].float().to(s.device)
             if tail.shape != values.shape[:-1]:
                 raise ValueError(f"{fn}: log_tail {tuple(tail.shape)} must have the shape {tuple(values.shape[:-1])}")
-            log_p, log_q = _with_tails(values, _zero_padding(tail, real), s / temperature, indices)
+            tail = _zero_padding(tail.unsqueeze(-1), real)[..., 0]
+            log_p, log_q = _with_tails(values, tail, s / temperature, indices)
         else:
             log_p = F.log_softmax(values / temperature, dim=-1)
             log_q = F.log_softmax(s.gather(-1, indices) / temperature, dim=-1)
@@ -237,25 +238,31 @@ def with_tail(log_probs_k: torch.Tensor) -> torch.Tensor:
     return torch.cat([log_probs_k, torch.log(-torch.expm1(covered))], -1)
 
 
+def _tail(a: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """log of the mass of every id but `indices` under `softmax(a)`: the logsumexp of the other logits, exact however
+    much mass the ids hold (`log(1 - sum)` rounds to log 0 in float32 when they hold all but ~1e-7 of it)."""
+    rest = a.scatter(-1, indices, float("-inf"))
+    return torch.logsumexp(rest, -1) - torch.logsumexp(a, -1)
+
+
 def _with_tails(values: torch.Tensor, tail: torch.Tensor, a: torch.Tensor, indices: torch.Tensor):
-    """Teacher and student over the k ids plus the tail bucket. The student's tail is the logsumexp of its other
-    logits (not `log(1 - sum)`, which rounds to `log 0` when the k ids hold all but ~1e-7 of its mass). When the ids
-    are the whole vocabulary there is no tail: both sides are the k outcomes (the teacher's tail is empty then)."""
-    log_q_all = F.log_softmax(a, dim=-1)
-    log_q_k = log_q_all.gather(-1, indices)
+    """Teacher and student over the k ids plus the tail bucket, the student's tail by :func:`_tail` (the same ops as
+    :func:`topk_with_tail`'s, so equal logits give equal outcomes: 0 exactly at agreement). When the ids are the
+    whole vocabulary there is no tail: both sides are the k outcomes (the teacher's tail is empty then)."""
+    log_q_k = F.log_softmax(a, dim=-1).gather(-1, indices)
     if indices.shape[-1] == a.shape[-1]:
         return values, log_q_k
-    rest = a.scatter(-1, indices, float("-inf"))
-    log_q_tail = torch.logsumexp(rest, -1, keepdim=True) - torch.logsumexp(a, -1, keepdim=True)
-    return torch.cat([values, tail.unsqueeze(-1)], -1), torch.cat([log_q_k, log_q_tail], -1)
+    return torch.cat([values, tail.unsqueeze(-1)], -1), torch.cat([log_q_k, _tail(a, indices).unsqueeze(-1)], -1)
 
 
 def topk_with_tail(logits: torch.Tensor, k: int, temperature: float = 1.0):
     """A teacher's top-k signal with its tail bucket: ``(log_probs, indices, log_tail)`` at temperature T, the
     sparse teacher format every logit KD function here takes (offline teacher outputs)."""
-    log_p = F.log_softmax(logits.float() / _check_temperature(temperature), dim=-1)
-    values, indices = log_p.topk(k, dim=-1)
-    return values, indices, with_tail(values)[..., -1]
+    a = logits.float() / _check_temperature(temperature)
+    values, indices = F.log_softmax(a, dim=-1).topk(k, dim=-1)
+    if k == a.shape[-1]:
+        return values, indices, torch.full_like(values[..., 0], float("-inf"))
+    return values, indices, _tail(a, indices)
 
 
 def _log1p_mix(w: float, d: torch.Tensor) -> torch.Tensor:

@@ -291,6 +291,8 @@ def _module_chunk(s_head: LogitsHead, kd: KDSpec | None, vocab: int, h, log_p, i
     if kd is not None and bool(kd_part.any()):
         _, _, _, log_q = _sparse_row_stats(z[kd_part], ids[kd_part], None, kd.temperature, vocab)
         log_p_c = torch.cat([log_p[kd_part], log_tail[kd_part, None]], -1)
+        if ids.shape[-1] == vocab:  # the ids are the whole vocabulary: no tail outcome (its -inf on both sides
+            log_q, log_p_c = log_q[:, :-1], log_p_c[:, :-1]  # would put NaN into autograd's mixtures)
         kd_sum = losses.divergence_rows(kd.kind, log_q, log_p_c, kd.beta, kd.alpha)[0].sum() * kd.factor
     if y is not None and bool(ce_part.any()):
         ce_sum = F.cross_entropy(z[ce_part], y[ce_part], reduction="sum")
