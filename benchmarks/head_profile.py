@@ -92,7 +92,7 @@ def main() -> None:
             try:
                 ms = bench(run) * len(starts)
                 add(f"forward: Triton row stats JSD+CE, BLOCK {block}, {warps} warps (x{len(starts)} chunks)", ms,
-                    note=f"{logit_bytes / ms / 1e9:.0f} GB/s")
+                    note=f"{logit_bytes / ms / 1e9:.2f} TB/s")
             except Exception as err:  # a setting this GPU cannot run (registers, shared memory)
                 add(f"forward: Triton row stats BLOCK {block}, {warps} warps", float("nan"), note=str(err)[:120])
     compiled = kd_head._row_stats_fn(torch.device("cuda"))
