@@ -260,6 +260,15 @@ def test_peft_student_generates_with_its_adapters(tmp_path):
     assert len(calls) == 1
     order = [batch[PROMPT_IDS].tolist().index(r) for r in calls[0]["prompt"].tolist()]  # the sampler shuffles
     assert torch.equal(calls[0]["sequences"], with_adapters[order])
+    # self-distillation on the shared base: seq_kd's teacher is the base, so it generates with the adapters off
+    calls.clear()
+    trainer = _trainer(tmp_path / "self", student, student, datasets.Dataset.from_list(list(_rows(4, seed=6))), tok,
+                       seq_kd=True, generation_temperature=0.0, max_new_tokens=5, max_steps=1, stop_token_ids=[0],
+                       learning_rate=0.0)
+    trainer.train()
+    order = [batch[PROMPT_IDS].tolist().index(r) for r in calls[0]["prompt"].tolist()]
+    assert len(calls) == 1 and torch.equal(calls[0]["sequences"], without[order])
+    assert student.training and any(m.training for m in student.modules())
 
 
 def test_conversational_messages_with_a_chat_template(tmp_path):
@@ -346,3 +355,28 @@ def test_collator_refuses_rows_it_cannot_read():
     tok.pad_token = None
     with pytest.raises(ValueError, match="no pad token"):
         PromptCompletionCollator(tok)
+
+
+def test_trl_sft_trainer_generates_through_the_mixin(tmp_path):
+    """`class DistilSFT(DistillationMixin, SFTTrainer)` with this collator (TRL's dataset preparation skipped)."""
+    trl = pytest.importorskip("trl")
+    import dataclasses
+
+    from hf_distill import DistillationMixin
+
+    @dataclasses.dataclass
+    class Args(DistillationArguments, trl.SFTConfig):
+        pass
+
+    class DistilSFT(DistillationMixin, trl.SFTTrainer):
+        pass
+
+    tok, calls = _tokenizer(), []
+    run = Args(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, report_to=[], use_cpu=True,
+               save_strategy="no", lmbda=1.0, max_new_tokens=3, kd_weight=1.0, task_weight=0.0, logging_steps=1,
+               dataset_kwargs={"skip_prepare_dataset": True})
+    trainer = DistilSFT(model=_spy(llama(0), calls), teacher_model=llama(1), args=run, train_dataset=_rows(8),
+                        processing_class=tok, data_collator=PromptCompletionCollator(tok))
+    trainer.train()
+    logged = [r["generated_tokens"] for r in trainer.state.log_history if "generated_tokens" in r]
+    assert len(calls) == 2 and len(logged) == 2 and all(n > 0 for n in logged)
