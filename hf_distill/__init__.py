@@ -26,6 +26,7 @@ _CLASSES = {
     "DistillTerm": "losses.terms",
     "TeacherOutputsCollator": "data.collators",
     "CrossTokenizerCollator": "data.cross_tokenizer",
+    "PromptCompletionCollator": "data.prompts",
 }
 _MODULES = ("families", "layer_map", "losses", "presets", "students", "taps")
 # Modules that moved into the concern packages (docs/design.md, "Where things are"): their old import paths keep
@@ -83,6 +84,7 @@ __all__ = [
     "DistillationSeq2SeqArguments",
     "DistillationSeq2SeqTrainer",
     "DistillationMixin",
+    "PromptCompletionCollator",
     "DistillationTrainer",
     "Distiller",
     "TeacherOutputsCollator",
@@ -115,6 +117,7 @@ if TYPE_CHECKING:
     from .arguments import DistillationArguments
     from .data.collators import TeacherOutputsCollator
     from .data.cross_tokenizer import CrossTokenizerCollator
+    from .data.prompts import PromptCompletionCollator
     from .distiller import Distiller
     from .features import families, layer_map, taps
     from .losses.terms import DistillTerm

@@ -47,6 +47,7 @@ from .logit_terms import LogitTerms, forward_params, student_shape
 from .losses import chunked, cross_tokenizer
 from .losses.intermediate import IntermediateDistiller
 from .losses.normalise import COUNT_KINDS, StepCounts, batch_counts, decoder_positions
+from .on_policy import PROMPT_KEYS, OnPolicy, check_on_policy
 from .placement import place_teacher, send_teacher_outputs, teacher_input_device
 from .teacher import (
     check_cross_tokenizer,
@@ -112,6 +113,10 @@ class Distiller(LogitTerms):
         teachers = [load_teacher(str(t), like=student) if isinstance(t, str | os.PathLike) else t for t in teachers]
         t_tokenizers = per_teacher(teacher_processing_class, len(teachers))
         self._check_arguments(student, len(teachers))
+        check_on_policy(args, causal=static_head(student) is Head.CAUSAL_LM, n_teachers=len(teachers),
+                        accelerator=accelerator, train_dataset=train_dataset)
+        # lmbda / seq_kd: who completes each micro-batch's prompts, and the generation (hf_distill.on_policy)
+        self.on_policy = OnPolicy(args, unwrap(student), processing_class) if args.generates else None
         self.teacher_weights = teacher_weights(args.teacher_weights, len(teachers))
         # Self-distillation on one PEFT base: the "teacher" is the student with its adapters off. It must not
         # be frozen or put in eval mode for good (that would freeze or un-dropout the student too).
@@ -251,10 +256,14 @@ class Distiller(LogitTerms):
 
     # ------------------------------------------------------------------ the loss
 
-    def start_step(self, batches: list[dict[str, Any]]) -> None:
+    def start_step(self, batches: list[dict[str, Any]], model: nn.Module | None = None) -> None:
         """Count one optimizer step's micro-batches, so token-level terms are means over the whole step, across
         processes (hf_distill.losses.normalise). Loops that accumulate gradients call it before the step's first
-        micro-batch; without it each call is a mean over its own batch."""
+        micro-batch; without it each call is a mean over its own batch. With `lmbda` / `seq_kd`, given the student
+        `model`, it first replaces the completions of the micro-batches the coin picks by generated ones (in place,
+        hf_distill.on_policy), so that the counts are the generated rows'."""
+        if self.on_policy is not None and model is not None:
+            self.on_policy.prepare(batches, model, self)
         counts = sum((self._counts(b) for b in batches), torch.zeros(len(COUNT_KINDS), dtype=torch.float64))
         processes = self._processes() if self.args.average_tokens_across_devices else 1
         if processes > 1:
@@ -268,6 +277,8 @@ class Distiller(LogitTerms):
         `return_outputs` the student's outputs (as `Trainer.compute_loss`). In training mode, or in evaluation with
         `eval_with_teacher`, the teacher runs; otherwise it is the student's task loss alone."""
         cached = {k: inputs.pop(k) for k in list(inputs) if k.startswith(TEACHER_PREFIX)}
+        for key in PROMPT_KEYS:  # the prompts generation reads (hf_distill.data.prompts): never a model input
+            inputs.pop(key, None)
         student = self._student_state(model)  # the model as the Trainer prepared it, not the one it was built with
         if self._head is Head.SEQ2SEQ_LM:  # teacher and student read the same decoder inputs
             inputs = with_decoder_inputs(model, inputs, self._token_labels)

@@ -151,7 +151,9 @@ class DistillationMixin(ProjectionTraining):
         """The Trainer's prefetch of one optimizer step's micro-batches: the distiller counts their tokens, so that
         token-level terms are means over the whole step (hf_distill.losses.normalise)."""
         batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
-        self.distiller.start_step(batch_samples)
+        self.distiller.start_step(batch_samples, model=self.model)  # lmbda / seq_kd: generated first (on_policy)
+        if self.distiller.on_policy is not None and num_items_in_batch is not None:  # counted on the new labels
+            num_items_in_batch = self._get_num_items_in_batch(batch_samples, device)
         return batch_samples, num_items_in_batch
 
     def call_model_init(self, trial=None) -> nn.Module:
@@ -182,6 +184,8 @@ class DistillationMixin(ProjectionTraining):
         if "loss" in logs and self.distiller.tracker:
             for name, value in self.distiller.tracker.pop_means(self.accelerator).items():
                 logs[f"loss_{name}"] = value
+        if "loss" in logs and self.distiller.on_policy is not None:  # generated_tokens(_per_second)
+            logs.update(self.distiller.on_policy.log_values(self.accelerator))
         if "loss" in logs:
             # Callbacks cannot add to the history themselves (on_log gets a copy): schedules and stages
             # (hf_distill.callbacks) report the values they set through `distill_log_values()`.
@@ -199,6 +203,8 @@ class DistillationMixin(ProjectionTraining):
             # DistilBERT student); cached teacher outputs are columns too.
             extra = {p for p in self.distiller.teacher_params if p not in ("labels", "kwargs", "args")}
             extra.add(f"{TEACHER_PREFIX}logits")
+            # the text columns a collator tokenises itself (hf_distill.data.prompts.PromptCompletionCollator)
+            extra.update(getattr(getattr(self.data_collator, "base", self.data_collator), "dataset_columns", ()))
             self._signature_columns += sorted(extra - set(self._signature_columns))
 
     def _remove_unused_columns(self, dataset, description: str | None = None):

@@ -1,0 +1,288 @@
+"""On-policy (GKD) and sequence-level (Kim & Rush) distillation of causal LMs: completions generated each step.
+
+GKD (Agarwal et al. 2024) trains the student on its own samples, where its mistakes are; sequence-level KD (Kim &
+Rush 2016) on the teacher's. `OnPolicy` decides, per micro-batch, who completes its prompts: the student with
+probability `lmbda`, else the teacher when `seq_kd`, else nobody (the dataset's completion is kept), as TRL's GKD
+does. The coin comes from a generator seeded with `seed`, so it falls the same way on every process: under ZeRO-3
+every process must take part in the gathered generation.
+
+Completions are generated when an optimizer step's micro-batches are fetched (`Distiller.start_step(batches,
+model=...)`, which the trainer's `get_batch_samples` calls), with that step's weights, and before the step's
+positions are counted: generated tokens enter the normalisation over gradient accumulation and processes
+(hf_distill.losses.normalise) like dataset tokens. A generated row is the prompt followed by the completion up to
+and including its first stop token, right-padded; its labels are the completion (-100 on the prompt and padding),
+so KD over the labelled positions (`kd_token_mask="labels"`) covers exactly the generated tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from accelerate.utils import DistributedType, extract_model_from_parallel
+from torch import nn
+
+from .data.collators import TEACHER_PREFIX
+from .placement import ZERO3_SHARDED, teacher_input_device, teacher_mode
+from .teacher import shared_base_teacher
+
+PROMPT_IDS, PROMPT_MASK = "prompt_input_ids", "prompt_attention_mask"
+PROMPT_KEYS = (PROMPT_IDS, PROMPT_MASK)
+"""The batch keys of the left-padded prompts (hf_distill.data.prompts.PromptCompletionCollator): generation reads
+them, the loss never passes them to a model."""
+GENERATION_FIELDS = ("max_new_tokens", "generation_temperature", "top_p", "stop_token_ids")
+DEFAULT_MAX_NEW_TOKENS = 128  # TRL's GKD
+
+
+def validate_generation_arguments(args: Any) -> None:
+    """Refuse on-policy settings that are out of range or that would do nothing (DistillationArguments)."""
+    lmbda = args.lmbda
+    if isinstance(lmbda, bool) or not isinstance(lmbda, int | float) or not 0.0 <= lmbda <= 1.0:
+        raise ValueError(
+            f"DistillationArguments.lmbda must be in [0, 1] (the probability that the student generates a "
+            f"micro-batch's completions), got {lmbda!r}."
+        )
+    if not args.generates:
+        given = [name for name in GENERATION_FIELDS if getattr(args, name) is not None]
+        if given:
+            raise ValueError(
+                f"DistillationArguments.{', '.join(given)} set, but nothing is generated (lmbda=0 and seq_kd=False): "
+                "the run trains on the dataset's completions. Set lmbda > 0 (on-policy) or seq_kd=True, or remove "
+                f"{', '.join(given)}."
+            )
+        return
+    if args.max_new_tokens is not None and (isinstance(args.max_new_tokens, bool) or args.max_new_tokens <= 0):
+        raise ValueError(f"DistillationArguments.max_new_tokens must be > 0, got {args.max_new_tokens!r}.")
+    temperature = args.generation_temperature
+    if temperature is not None and not temperature >= 0:
+        raise ValueError(
+            f"DistillationArguments.generation_temperature must be >= 0 (0 = greedy), got {temperature!r}."
+        )
+    if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
+        raise ValueError(f"DistillationArguments.top_p must be in (0, 1], got {args.top_p!r}.")
+    if args.top_p is not None and temperature == 0:
+        raise ValueError(
+            f"DistillationArguments.top_p={args.top_p} does nothing with generation_temperature=0 (greedy decoding "
+            "samples nothing). Remove top_p, or set generation_temperature > 0."
+        )
+    if args.stop_token_ids is not None and (
+        not args.stop_token_ids or not all(isinstance(i, int) and i >= 0 for i in args.stop_token_ids)
+    ):
+        raise ValueError(
+            f"DistillationArguments.stop_token_ids must be a non-empty list of token ids, got {args.stop_token_ids!r}."
+        )
+    why = None
+    if args.cross_tokenizer:
+        why = ("cross_tokenizer needs the teacher's own tokenization of each row, made from the text by its collator "
+               "before generation")
+    elif args.kd_weight == 0:
+        why = "kd_weight=0: there would be no KD term on the generated completions. Set kd_weight > 0"
+    if why is not None:
+        raise ValueError(f"DistillationArguments.lmbda / seq_kd (generated completions) cannot be used here: {why}.")
+
+
+def check_on_policy(args: Any, *, causal: bool, n_teachers: int, accelerator: Any, train_dataset: Any) -> None:
+    """Refuse generation where the student, teachers, engine or data cannot honour it (Distiller set-up)."""
+    if not args.generates:
+        return
+    what = f"lmbda={args.lmbda}" if args.lmbda > 0 else "seq_kd=True"
+    if not causal:
+        raise ValueError(
+            f"{what} generates completions, which needs a causal-LM student (AutoModelForCausalLM); this student is "
+            "not one. Remove lmbda / seq_kd."
+        )
+    if n_teachers == 0:
+        raise ValueError(
+            f"{what} generates new completions each step, so the teacher must run on them: give teacher_model "
+            "(cached teacher outputs describe the dataset's completions only)."
+        )
+    if getattr(accelerator, "distributed_type", None) == DistributedType.FSDP:
+        raise ValueError(
+            f"{what}: generating completions under FSDP is not supported (generate would run on sharded "
+            "parameters). Use DeepSpeed ZeRO-3 (parameters are gathered for generation) or DDP, or set lmbda=0 and "
+            "seq_kd=False."
+        )
+    if args.given("kd_token_mask") and args.kd_token_mask != "labels":
+        raise ValueError(
+            f"kd_token_mask={args.kd_token_mask!r} with {what} would distil the prompt tokens too: KD covers the "
+            "generated completion, which the labels mark. Leave kd_token_mask unset (or 'labels')."
+        )
+    columns = getattr(train_dataset, "column_names", None) or []
+    cached = [c for c in columns if c.startswith(TEACHER_PREFIX)]
+    if cached:
+        raise ValueError(
+            f"The train dataset carries cached teacher outputs ({', '.join(cached)}), but {what} replaces the "
+            "completions they were computed on. Drop those columns and let the teacher run."
+        )
+
+
+class OnPolicy:
+    """Who completes each micro-batch's prompts, the generation itself, and what it produced since the last log.
+
+    Args:
+        args: the run's DistillationArguments (read at every step, so a callback may change `lmbda`).
+        student: the student as built (its generation_config's eos/pad ids are the fallbacks).
+        tokenizer: the student's tokenizer (its eos/pad ids come first), or None.
+    """
+
+    def __init__(self, args: Any, student: nn.Module, tokenizer: Any = None) -> None:
+        self.args = args
+        gen_config = getattr(student, "generation_config", None)
+        config = getattr(student, "config", None)
+        stops = args.stop_token_ids
+        if stops is None:
+            eos = getattr(tokenizer, "eos_token_id", None)
+            eos = eos if eos is not None else getattr(gen_config, "eos_token_id", None)
+            stops = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        self.stop_ids = [int(i) for i in stops]
+        pads = (getattr(tokenizer, "pad_token_id", None), getattr(gen_config, "pad_token_id", None),
+                getattr(config, "pad_token_id", None))
+        self.pad_id = next((int(p) for p in pads if p is not None), None)
+        if self.pad_id is None:
+            raise ValueError(
+                "Generating completions (lmbda / seq_kd) needs a padding id for the rows of unequal length, but "
+                "neither the tokenizer (processing_class) nor the student's config has one. Set "
+                "tokenizer.pad_token (e.g. to its eos_token) and pass it as processing_class."
+            )
+        self._coin = torch.Generator().manual_seed(int(args.seed))
+        self.tokens = 0
+        self.seconds = 0.0
+
+    def source(self) -> str | None:
+        """Who completes the next micro-batch: "student" (probability lmbda), else "teacher" with seq_kd, else
+        None (the dataset's completion). No coin is drawn when lmbda is 0 or 1."""
+        lmbda = float(self.args.lmbda)
+        if lmbda >= 1 or (lmbda > 0 and torch.rand((), generator=self._coin).item() < lmbda):
+            return "student"
+        return "teacher" if self.args.seq_kd else None
+
+    def generation_kwargs(self) -> dict[str, Any]:
+        """`generate`'s settings: max_new_tokens, sampling (or greedy at temperature 0), stop and pad ids."""
+        args = self.args
+        temperature = 1.0 if args.generation_temperature is None else float(args.generation_temperature)
+        kwargs: dict[str, Any] = {
+            "max_new_tokens": args.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+            "do_sample": temperature > 0,
+            "pad_token_id": self.pad_id,
+            "eos_token_id": self.stop_ids or None,
+            "use_cache": True,
+        }
+        if temperature > 0:  # top_k 0: no top-k cut, the distribution is the model's (top_p aside)
+            kwargs.update(temperature=temperature, top_p=1.0 if args.top_p is None else float(args.top_p), top_k=0)
+        return kwargs
+
+    def prepare(self, batches: list[dict[str, Any]], student: nn.Module, distiller: Any) -> None:
+        """Complete, in place, the prompts of the micro-batches the coin gives to the student or the teacher."""
+        for batch in batches:
+            who = self.source()
+            if who is None:
+                continue
+            _check_batch(batch)
+            model = student if who == "student" else distiller.teacher
+            shared = who == "teacher" and distiller.shared_base
+            sequences = self._generate(model, batch, distiller.accelerator, shared)
+            rows, generated = completion_rows(batch[PROMPT_IDS], batch[PROMPT_MASK], sequences, self.stop_ids,
+                                              self.pad_id, distiller._token_labels)
+            batch.update(rows)
+            self.tokens += generated
+
+    def _generate(self, model: nn.Module, batch: dict[str, Any], accelerator: Any, shared: bool) -> torch.Tensor:
+        ids, mask = batch[PROMPT_IDS], batch[PROMPT_MASK]
+        autocast = accelerator.autocast() if accelerator is not None else contextlib.nullcontext()
+        with generation_module(model, accelerator, shared) as (module, extra), torch.no_grad(), autocast:
+            device = teacher_input_device(module)
+            start = time.perf_counter()
+            out = module.generate(input_ids=ids if device is None else ids.to(device),
+                                  attention_mask=mask if device is None else mask.to(device),
+                                  **self.generation_kwargs(), **extra)
+            self.seconds += time.perf_counter() - start
+        return out.to(ids.device)
+
+    def log_values(self, accelerator: Any = None) -> dict[str, float]:
+        """Generated tokens since the last call (over every process) and their rate; empty when none."""
+        if self.seconds <= 0:
+            return {}
+        values = torch.tensor([float(self.tokens), self.seconds], dtype=torch.float64)
+        processes = accelerator.num_processes if accelerator is not None else 1
+        if processes > 1:
+            values = accelerator.reduce(values.to(accelerator.device), "sum").cpu()
+        tokens, seconds = values.tolist()
+        self.tokens, self.seconds = 0, 0.0
+        return {"generated_tokens": tokens, "generated_tokens_per_second": tokens / (seconds / processes)}
+
+
+@contextlib.contextmanager
+def generation_module(model: nn.Module, accelerator: Any = None, shared_base: bool = False) -> Iterator[tuple]:
+    """The model to call `generate` on, and extra generate arguments: outside DDP / DeepSpeed / torch.compile
+    wrappers but still a PeftModel (its adapters generate; with `shared_base`, the teacher: adapters off), in
+    eval mode, its parameters gathered under ZeRO-3 (`synced_gpus` so that processes finishing early keep up).
+    Every module's train/eval mode is restored on exit."""
+    module = extract_model_from_parallel(model, keep_torch_compile=False)
+    modes = [(m, m.training) for m in module.modules()]
+    zero3 = accelerator is not None and teacher_mode(accelerator) == ZERO3_SHARDED
+    extra = {"synced_gpus": True} if zero3 and accelerator.num_processes > 1 else {}
+    try:
+        with contextlib.ExitStack() as stack:
+            if zero3:
+                import deepspeed
+
+                stack.enter_context(deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None))
+            if shared_base:
+                module = stack.enter_context(shared_base_teacher(module))
+            module.eval()
+            yield module, extra
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+def completion_rows(
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sequences: torch.Tensor, stop_ids: list[int], pad_id: int,
+    label_name: str = "labels",
+) -> tuple[dict[str, torch.Tensor], int]:
+    """The training rows of generated `sequences` (left-padded prompts of width `prompt_ids.shape[1]`, then the
+    completions): each prompt's real tokens, then its completion up to and including the first stop id,
+    right-padded with `pad_id`; labels are the completion (-100 elsewhere). Returns the rows and the number of
+    completion tokens kept."""
+    completions = sequences[:, prompt_ids.shape[1]:]
+    b, n = completions.shape
+    stops = torch.isin(completions, torch.tensor(stop_ids, dtype=completions.dtype, device=completions.device))
+    ends = torch.where(stops.any(1), stops.int().argmax(1) + 1, torch.full((b,), n, device=completions.device))
+    prompts = [prompt_ids[i][prompt_mask[i] != 0] for i in range(b)]
+    kept = [completions[i, : int(ends[i])] for i in range(b)]
+    length = max(len(p) + len(c) for p, c in zip(prompts, kept, strict=True))
+    ids = torch.full((b, length), pad_id, dtype=prompt_ids.dtype, device=prompt_ids.device)
+    mask = torch.zeros((b, length), dtype=prompt_mask.dtype, device=prompt_ids.device)
+    labels = torch.full((b, length), -100, dtype=prompt_ids.dtype, device=prompt_ids.device)
+    for i, (p, c) in enumerate(zip(prompts, kept, strict=True)):
+        ids[i, : len(p)], ids[i, len(p): len(p) + len(c)] = p, c
+        mask[i, : len(p) + len(c)] = 1
+        labels[i, len(p): len(p) + len(c)] = c
+    return {"input_ids": ids, "attention_mask": mask, label_name: labels}, int(ends.sum())
+
+
+def _check_batch(batch: dict[str, Any]) -> None:
+    missing = [k for k in PROMPT_KEYS if not isinstance(batch.get(k), torch.Tensor)]
+    if missing:
+        raise ValueError(
+            f"Generating completions (lmbda / seq_kd) needs the prompts in every training batch ({', '.join(missing)} "
+            f"missing; the batch has {sorted(batch)}). Collate prompt + completion or messages rows with "
+            "hf_distill.data.prompts.PromptCompletionCollator."
+        )
+    if bool((batch[PROMPT_MASK][:, -1] == 0).any()):
+        raise ValueError(f"{PROMPT_IDS} must be left-padded (generation continues each row from its last column).")
+    cached = [k for k in batch if k.startswith(TEACHER_PREFIX)]
+    others = [k for k, v in batch.items() if k not in (*PROMPT_KEYS, "input_ids", "attention_mask", "labels")
+              and isinstance(v, torch.Tensor) and v.dim() >= 2]
+    if cached or others:
+        raise ValueError(
+            f"The batch has {', '.join(cached + others)}, which describe the dataset's completion, not a generated "
+            "one. Drop them from the rows (generation replaces input_ids, attention_mask and labels)."
+        )
+
+
+__all__ = ["PROMPT_KEYS", "OnPolicy", "check_on_policy", "completion_rows", "generation_module",
+           "validate_generation_arguments"]

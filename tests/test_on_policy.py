@@ -1,0 +1,382 @@
+"""On-policy (GKD, lmbda) and sequence-level (Kim & Rush, seq_kd) distillation of causal LMs."""
+
+from __future__ import annotations
+
+import types
+
+import datasets
+import pytest
+import torch
+import torch.nn.functional as F
+from accelerate.utils import DistributedType
+from helpers import VOCAB, args, bert, flat_params, labelled_collate, llama, word_tokenizer
+
+from hf_distill import DistillationArguments, DistillationTrainer, losses
+from hf_distill.data.prompts import PromptCompletionCollator
+from hf_distill.distiller import Distiller
+from hf_distill.losses.normalise import kd_positions
+from hf_distill.on_policy import PROMPT_IDS, PROMPT_MASK, completion_rows
+
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% if m['role'] == 'assistant' %}</s> "
+            "{% endif %}{% endfor %}{% if add_generation_prompt %}assistant {% endif %}")
+
+
+def _tokenizer(chat: bool = True):
+    """A WordLevel tokenizer of the tiny Llama's VOCAB ids: <unk> <pad> <s> </s> user assistant w0 w1 ..."""
+    tok = word_tokenizer(["<s>", "</s>", "user", "assistant", *[f"w{i}" for i in range(VOCAB - 6)]])
+    tok.add_special_tokens({"eos_token": "</s>", "bos_token": "<s>"})
+    if chat:
+        tok.chat_template = TEMPLATE
+    return tok
+
+
+def _words(g: torch.Generator, n: int) -> str:
+    return " ".join(f"w{int(i)}" for i in torch.randint(0, VOCAB - 6, (n,), generator=g))
+
+
+def _rows(n: int = 8, seed: int = 0, prompt_len: int | None = None) -> datasets.Dataset:
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        p = prompt_len or int(torch.randint(2, 6, (1,), generator=g))
+        rows.append({"prompt": _words(g, p), "completion": _words(g, int(torch.randint(2, 6, (1,), generator=g)))})
+    return datasets.Dataset.from_list(rows)
+
+
+def _spy(model, calls: list):
+    """Record every generate call on this instance: its output, the model's mode and whether autograd was on."""
+    original = model.generate
+
+    def generate(*a, **kw):
+        out = original(*a, **kw)
+        calls.append({"sequences": out.clone(), "training": model.training, "grad": torch.is_grad_enabled(),
+                      "prompt": kw["input_ids"].clone()})
+        return out
+
+    model.generate = generate
+    return model
+
+
+def _trainer(tmp_path, student, teacher, train, tok=None, **kw):
+    tok = tok or _tokenizer()
+    settings = {"kd_weight": 1.0, "task_weight": 0.0, "max_steps": 2, "per_device_train_batch_size": 4, **kw}
+    return DistillationTrainer(model=student, teacher_model=teacher, args=args(tmp_path, **settings),
+                               train_dataset=train, data_collator=PromptCompletionCollator(tok), processing_class=tok)
+
+
+def _seen_batches(trainer) -> list[dict]:
+    """Record a copy of every training batch the distiller's compute_loss gets."""
+    seen, original = [], trainer.distiller.compute_loss
+
+    def compute_loss(model, inputs, **kw):
+        seen.append({k: v.clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)})
+        return original(model, inputs, **kw)
+
+    trainer.distiller.compute_loss = compute_loss
+    return seen
+
+
+def _stop_token(student, batch) -> int:
+    """A token greedy decoding emits early in the first row, so that completions end at different lengths."""
+    out = student.generate(input_ids=batch[PROMPT_IDS], attention_mask=batch[PROMPT_MASK], max_new_tokens=6,
+                           do_sample=False, pad_token_id=1, eos_token_id=None)
+    return int(out[0, batch[PROMPT_IDS].shape[1] + 1])
+
+
+# ---------------------------------------------------------------------- who generates
+
+
+def test_lmbda_1_trains_on_the_students_own_completions(tmp_path):
+    student_calls, teacher_calls = [], []
+    student, teacher = _spy(llama(0), student_calls), _spy(llama(1), teacher_calls)
+    trainer = _trainer(tmp_path, student, teacher, _rows(8), lmbda=1.0, max_new_tokens=4)
+    seen = _seen_batches(trainer)
+    trainer.train()
+    assert len(student_calls) == 2 and not teacher_calls  # one micro-batch per step, both completed by the student
+    assert all(not c["training"] and not c["grad"] for c in student_calls)  # eval mode, no autograd
+    assert student.training  # back in train mode
+    data = PromptCompletionCollator(_tokenizer())(list(_rows(8)))
+    for call, batch in zip(student_calls, seen, strict=True):
+        generated = call["sequences"][:, call["prompt"].shape[1]:]
+        for i in range(batch["input_ids"].shape[0]):
+            completion = batch["input_ids"][i][batch["labels"][i] != -100]
+            torch.testing.assert_close(completion, generated[i][: len(completion)])
+    dataset_completions = {tuple(r[lab != -100].tolist()) for r, lab in zip(data["input_ids"], data["labels"],
+                                                                            strict=True)}
+    trained = {tuple(b["input_ids"][i][b["labels"][i] != -100].tolist()) for b in seen for i in range(4)}
+    assert not trained & dataset_completions
+    logged = [r for r in trainer.state.log_history if "generated_tokens" in r]
+    assert len(logged) == 2 and all(r["generated_tokens_per_second"] > 0 for r in logged)
+    assert [r["generated_tokens"] for r in logged] == [float((b["labels"] != -100).sum()) for b in seen]
+
+
+def test_seq_kd_completes_with_the_teacher(tmp_path):
+    student_calls, teacher_calls = [], []
+    student, teacher = _spy(llama(0), student_calls), _spy(llama(1), teacher_calls)
+    trainer = _trainer(tmp_path, student, teacher, _rows(8), seq_kd=True, max_new_tokens=3, task_weight=0.5,
+                       kd_weight=0.5)
+    seen = _seen_batches(trainer)
+    trainer.train()
+    assert len(teacher_calls) == 2 and not student_calls
+    for call, batch in zip(teacher_calls, seen, strict=True):
+        generated = call["sequences"][:, call["prompt"].shape[1]:]
+        for i in range(4):
+            torch.testing.assert_close(batch["labels"][i][batch["labels"][i] != -100], generated[i][:3])
+
+
+def test_lmbda_coin_is_seeded_and_mixes_with_seq_kd(tmp_path):
+    student_calls, teacher_calls = [], []
+    student, teacher = _spy(llama(0), student_calls), _spy(llama(1), teacher_calls)
+    trainer = _trainer(tmp_path, student, teacher, _rows(8), lmbda=0.5, seq_kd=True, max_new_tokens=2, max_steps=6,
+                       per_device_train_batch_size=2, generation_temperature=0.7, top_p=0.9)
+    trainer.train()
+    coin = torch.Generator().manual_seed(0)
+    want = sum(torch.rand((), generator=coin).item() < 0.5 for _ in range(6))
+    assert len(student_calls) == want and len(teacher_calls) == 6 - want and 0 < want < 6
+
+
+def test_lmbda_0_is_todays_run(tmp_path):
+    """lmbda=0 with the prompt collator: the weights and losses of today's run on the same tokenised rows."""
+    rows, tok = _rows(8), _tokenizer()
+    collator = PromptCompletionCollator(tok)
+    tokenised = datasets.Dataset.from_list(
+        [{"input_ids": p + c, "labels": [-100] * len(p) + c} for p, c in (collator.tokenize(r) for r in rows)])
+    calls = []
+    on = _trainer(tmp_path / "on", _spy(llama(0), calls), llama(1), rows, lmbda=0.0, task_weight=0.5,
+                  kd_weight=0.5)
+    on.train()
+    today = DistillationTrainer(model=llama(0), teacher_model=llama(1), train_dataset=tokenised,
+                                data_collator=labelled_collate, processing_class=tok,
+                                args=args(tmp_path / "today", kd_weight=0.5, task_weight=0.5, max_steps=2,
+                                          per_device_train_batch_size=4))
+    today.train()
+    assert not calls and on.distiller.on_policy is None
+    assert torch.equal(flat_params(on.model), flat_params(today.model))
+    losses = [[r["loss"] for r in t.state.log_history if "loss" in r] for t in (on, today)]
+    assert len(losses[0]) == 2 and losses[0] == losses[1]
+
+
+# ---------------------------------------------------------------------- what the loss covers
+
+
+def test_loss_covers_exactly_the_generated_completion_tokens(tmp_path):
+    tok = _tokenizer()
+    student, teacher = llama(0).train(), llama(1)
+    batch = PromptCompletionCollator(tok)(list(_rows(3, seed=2)))
+    stop = _stop_token(student, batch)
+    run = args(tmp_path, lmbda=1.0, generation_temperature=0.0, max_new_tokens=6, stop_token_ids=[stop],
+               kd_weight=1.0, task_weight=0.0)
+    distiller = Distiller(student, run, teacher, processing_class=tok)
+    calls = []
+    _spy(student, calls)
+    prompts = [batch[PROMPT_IDS][i][batch[PROMPT_MASK][i] != 0].tolist() for i in range(3)]
+    distiller.start_step([batch], model=student)
+    generated = calls[0]["sequences"][:, calls[0]["prompt"].shape[1]:].tolist()
+    kept = []
+    for i, row in enumerate(generated):  # by hand: up to and including the first stop token
+        c = row[: row.index(stop) + 1] if stop in row else row
+        kept.append(c)
+        n = len(prompts[i]) + len(c)
+        assert batch["input_ids"][i, :n].tolist() == prompts[i] + c
+        assert batch["labels"][i].tolist() == [-100] * len(prompts[i]) + c + [-100] * (batch["labels"].shape[1] - n)
+        assert batch["attention_mask"][i].tolist() == [1] * n + [0] * (batch["attention_mask"].shape[1] - n)
+    assert len({len(c) for c in kept}) > 1  # the stop token cut the rows at different lengths
+    got = distiller.compute_loss(student, batch)
+    # KL(teacher || student) at the positions predicting each generated token, and nowhere else
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    s = F.log_softmax(student(input_ids=ids, attention_mask=mask).logits[:, :-1].double(), -1)
+    with torch.no_grad():
+        t = F.log_softmax(teacher(input_ids=ids, attention_mask=mask).logits[:, :-1].double(), -1)
+    rows = [(i, len(prompts[i]) - 1 + j) for i in range(3) for j in range(len(kept[i]))]
+    want = sum((t[i, p].exp() * (t[i, p] - s[i, p])).sum() for i, p in rows) / len(rows)
+    assert got.item() == pytest.approx(want.item(), rel=1e-5)
+
+
+def test_completion_rows_cut_at_the_first_stop_token():
+    prompt = torch.tensor([[0, 5, 6], [7, 8, 9]])
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    sequences = torch.cat([prompt, torch.tensor([[10, 3, 11], [12, 13, 14]])], 1)
+    rows, n = completion_rows(prompt, mask, sequences, stop_ids=[3], pad_id=0)
+    assert n == 5
+    assert rows["input_ids"].tolist() == [[5, 6, 10, 3, 0, 0], [7, 8, 9, 12, 13, 14]]
+    assert rows["labels"].tolist() == [[-100, -100, 10, 3, -100, -100], [-100, -100, -100, 12, 13, 14]]
+    assert rows["attention_mask"].tolist() == [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]]
+
+
+def test_accumulated_generated_steps_equal_the_big_batch(tmp_path):
+    """Greedy completions of unequal length: GA 2 x 2 rows gives the weights of one batch of 4 (SGD), because the
+    step's counts are the generated rows'."""
+    rows, tok = _rows(8, seed=4, prompt_len=3), _tokenizer()
+    stop = _stop_token(llama(0), PromptCompletionCollator(tok)(list(rows)[:4]))
+    runs, calls = [], []
+    for name, shape in (("big", dict(per_device_train_batch_size=4)),
+                        ("acc", dict(per_device_train_batch_size=2, gradient_accumulation_steps=2))):
+        calls.append([])
+        trainer = _trainer(tmp_path / name, _spy(llama(0), calls[-1]), llama(1), rows, tok, lmbda=1.0,
+                           generation_temperature=0.0, max_new_tokens=5, stop_token_ids=[stop], optim="sgd",
+                           learning_rate=0.5, kd_loss="jsd", kd_weight=0.6, task_weight=0.4, **shape)
+        seen = _seen_batches(trainer)
+        trainer.train()
+        runs.append((trainer, seen))
+    big = [r.tolist() for c in calls[0] for r in c["sequences"][:, 3:]]
+    acc = [r.tolist() for c in calls[1] for r in c["sequences"][:, 3:]]
+    assert [r[: r.index(stop) + 1] if stop in r else r for r in big] == \
+           [r[: r.index(stop) + 1] if stop in r else r for r in acc]  # the same completions in both runs
+    counts = [int((b["labels"] != -100).sum()) for b in runs[1][1]]
+    assert counts[0] != counts[1] or counts[2] != counts[3]  # micro-batches of unequal generated counts
+    torch.testing.assert_close(flat_params(runs[0][0].model), flat_params(runs[1][0].model), atol=1e-6, rtol=0)
+    assert flat_params(runs[0][0].model).ne(flat_params(llama(0))).any()
+    # the first step's logged KD is the mean over its generated tokens (not over the dataset's completions)
+    first = runs[0][1][0]
+    ids, mask = first["input_ids"], first["attention_mask"]
+    with torch.no_grad():
+        s, t = (m(input_ids=ids, attention_mask=mask).logits[:, :-1] for m in (llama(0), llama(1)))
+    want = losses.logit_kd_loss("jsd", s, t, 1.0, mask=kd_positions(mask, first["labels"], "labels", True), beta=0.5)
+    logged = [[r["loss_kd"] for r in trainer.state.log_history if "loss_kd" in r] for trainer, _ in runs]
+    assert logged[0][0] == pytest.approx(want.item(), rel=1e-5) and logged[0] == pytest.approx(logged[1], rel=1e-5)
+
+
+# ---------------------------------------------------------------------- PEFT and conversational data
+
+
+def test_peft_student_generates_with_its_adapters(tmp_path):
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    student = peft.get_peft_model(llama(0), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                             init_lora_weights=False))
+    tok = _tokenizer()
+    batch = PromptCompletionCollator(tok)(list(_rows(4, seed=6)))
+    greedy = dict(input_ids=batch[PROMPT_IDS], attention_mask=batch[PROMPT_MASK], max_new_tokens=5, do_sample=False,
+                  pad_token_id=1, eos_token_id=None)
+    with_adapters = student.generate(**greedy)
+    with student.disable_adapter():
+        without = student.generate(**greedy)
+    assert not torch.equal(with_adapters, without)  # the adapters change what is generated
+    calls = []
+    _spy(student, calls)
+    trainer = _trainer(tmp_path, student, llama(1), datasets.Dataset.from_list(list(_rows(4, seed=6))), tok,
+                       lmbda=1.0, generation_temperature=0.0, max_new_tokens=5, max_steps=1, stop_token_ids=[0])
+    trainer.train()
+    assert len(calls) == 1
+    order = [batch[PROMPT_IDS].tolist().index(r) for r in calls[0]["prompt"].tolist()]  # the sampler shuffles
+    assert torch.equal(calls[0]["sequences"], with_adapters[order])
+    # self-distillation on the shared base: seq_kd's teacher is the base, so it generates with the adapters off
+    calls.clear()
+    trainer = _trainer(tmp_path / "self", student, student, datasets.Dataset.from_list(list(_rows(4, seed=6))), tok,
+                       seq_kd=True, generation_temperature=0.0, max_new_tokens=5, max_steps=1, stop_token_ids=[0],
+                       learning_rate=0.0)
+    trainer.train()
+    order = [batch[PROMPT_IDS].tolist().index(r) for r in calls[0]["prompt"].tolist()]
+    assert len(calls) == 1 and torch.equal(calls[0]["sequences"], without[order])
+    assert student.training and any(m.training for m in student.modules())
+
+
+def test_conversational_messages_with_a_chat_template(tmp_path):
+    tok = _tokenizer()
+    rows = datasets.Dataset.from_list([
+        {"messages": [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3 w4"}]},
+        {"messages": [{"role": "user", "content": "w5"}, {"role": "assistant", "content": "w6"},
+                      {"role": "user", "content": "w7 w8 w9"}, {"role": "assistant", "content": "w10"}]},
+    ])
+    collator = PromptCompletionCollator(tok)
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    assert collator.tokenize(rows[0]) == (ids("user w1 w2 assistant"), ids("w3 w4 </s>"))
+    assert collator.tokenize(rows[1]) == (ids("user w5 assistant w6 </s> user w7 w8 w9 assistant"), ids("w10 </s>"))
+    listed = {"prompt": [{"role": "user", "content": "w1 w2"}], "completion": [{"role": "assistant", "content": "w3"}]}
+    assert collator.tokenize(listed) == (ids("user w1 w2 assistant"), ids("w3 </s>"))
+    calls = []
+    trainer = _trainer(tmp_path, _spy(llama(0), calls), llama(1), rows, tok, lmbda=1.0, max_new_tokens=3,
+                       max_steps=1, per_device_train_batch_size=2)
+    seen = _seen_batches(trainer)
+    trainer.train()
+    prompts = {tuple(collator.tokenize(r)[0]) for r in rows}
+    for i in range(2):  # each trained row: a templated prompt, then the generated completion
+        prompt = (seen[0]["attention_mask"][i] == 1) & (seen[0]["labels"][i] == -100)
+        assert tuple(seen[0]["input_ids"][i][prompt].tolist()) in prompts
+    assert len(calls) == 1 and int((seen[0]["labels"] != -100).sum()) > 0
+
+
+# ---------------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize(("settings", "match"), [
+    (dict(lmbda=1.5), "lmbda must be in"),
+    (dict(lmbda=-0.1), "lmbda must be in"),
+    (dict(max_new_tokens=8), "max_new_tokens set, but nothing is generated"),
+    (dict(generation_temperature=0.7, top_p=0.9), "generation_temperature, top_p set"),
+    (dict(stop_token_ids=[2]), "stop_token_ids set"),
+    (dict(lmbda=1.0, max_new_tokens=0), "max_new_tokens must be > 0"),
+    (dict(lmbda=1.0, generation_temperature=-1.0), "generation_temperature must be >= 0"),
+    (dict(lmbda=1.0, top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(lmbda=1.0, generation_temperature=0.0, top_p=0.9), "greedy"),
+    (dict(seq_kd=True, stop_token_ids=[]), "non-empty list"),
+    (dict(lmbda=1.0, kd_weight=0.0, task_weight=1.0), "kd_weight=0"),
+    (dict(lmbda=1.0, cross_tokenizer="uld"), "cross_tokenizer"),
+])
+def test_arguments_refuse_meaningless_generation_settings(tmp_path, settings, match):
+    with pytest.raises(ValueError, match=match):
+        DistillationArguments(output_dir=str(tmp_path), **settings)
+
+
+def test_distiller_refuses_what_cannot_generate(tmp_path):
+    tok = _tokenizer()
+    with pytest.raises(ValueError, match="needs a causal-LM student"):
+        Distiller(bert(2), args(tmp_path, lmbda=1.0), bert(2, seed=1))
+    with pytest.raises(ValueError, match="give teacher_model"):
+        Distiller(llama(0), args(tmp_path, seq_kd=True), None, processing_class=tok)
+    with pytest.raises(ValueError, match="would distil the prompt tokens too"):
+        Distiller(llama(0), args(tmp_path, lmbda=1.0, kd_token_mask="attention"), llama(1), processing_class=tok)
+    cached = datasets.Dataset.from_list([{"prompt": "w1", "completion": "w2", "teacher_logits": [[0.0] * VOCAB]}])
+    with pytest.raises(ValueError, match="carries cached teacher outputs"):
+        Distiller(llama(0), args(tmp_path, lmbda=1.0), llama(1), processing_class=tok, train_dataset=cached)
+    fsdp = types.SimpleNamespace(distributed_type=DistributedType.FSDP, device=torch.device("cpu"), num_processes=2)
+    with pytest.raises(ValueError, match="under FSDP is not supported"):
+        Distiller(llama(0), args(tmp_path, lmbda=0.5), llama(1), processing_class=tok, accelerator=fsdp)
+    with pytest.raises(ValueError, match="needs a padding id"):
+        Distiller(llama(0), args(tmp_path, lmbda=1.0), llama(1))  # no tokenizer, no pad id in the Llama config
+    distiller = Distiller(llama(0), args(tmp_path, lmbda=1.0), llama(1), processing_class=tok)
+    plain = labelled_collate([{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}])
+    with pytest.raises(ValueError, match="PromptCompletionCollator"):
+        distiller.start_step([plain], model=llama(0))
+
+
+def test_collator_refuses_rows_it_cannot_read():
+    with pytest.raises(ValueError, match="no chat template"):
+        PromptCompletionCollator(_tokenizer(chat=False))([{"messages": [{"role": "user", "content": "w1"},
+                                                                          {"role": "assistant", "content": "w2"}]}])
+    with pytest.raises(ValueError, match="reads `prompt` \\+ `completion`"):
+        PromptCompletionCollator(_tokenizer())([{"text": "w1 w2"}])
+    with pytest.raises(ValueError, match="both be strings or both be lists"):
+        mixed = {"prompt": "w1", "completion": [{"role": "assistant", "content": "w2"}]}
+        PromptCompletionCollator(_tokenizer())([mixed])
+    with pytest.raises(ValueError, match="leaves no room"):
+        PromptCompletionCollator(_tokenizer(), max_length=2)([{"prompt": "w1 w2", "completion": "w3"}])
+    tok = _tokenizer()
+    tok.pad_token = None
+    with pytest.raises(ValueError, match="no pad token"):
+        PromptCompletionCollator(tok)
+
+
+def test_trl_sft_trainer_generates_through_the_mixin(tmp_path):
+    """`class DistilSFT(DistillationMixin, SFTTrainer)` with this collator (TRL's dataset preparation skipped)."""
+    trl = pytest.importorskip("trl")
+    import dataclasses
+
+    from hf_distill import DistillationMixin
+
+    @dataclasses.dataclass
+    class Args(DistillationArguments, trl.SFTConfig):
+        pass
+
+    class DistilSFT(DistillationMixin, trl.SFTTrainer):
+        pass
+
+    tok, calls = _tokenizer(), []
+    run = Args(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, report_to=[], use_cpu=True,
+               save_strategy="no", lmbda=1.0, max_new_tokens=3, kd_weight=1.0, task_weight=0.0, logging_steps=1,
+               dataset_kwargs={"skip_prepare_dataset": True})
+    trainer = DistilSFT(model=_spy(llama(0), calls), teacher_model=llama(1), args=run, train_dataset=_rows(8),
+                        processing_class=tok, data_collator=PromptCompletionCollator(tok))
+    trainer.train()
+    logged = [r["generated_tokens"] for r in trainer.state.log_history if "generated_tokens" in r]
+    assert len(calls) == 2 and len(logged) == 2 and all(n > 0 for n in logged)
