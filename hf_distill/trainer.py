@@ -48,6 +48,8 @@ PRIVATE_OVERRIDES = (
     "_load_from_checkpoint",
     "_push_from_checkpoint",
 )
+#: Private Trainer methods the mixin calls (not overrides), with the parameters it passes: checked the same way.
+PRIVATE_CALLS = {"_get_num_items_in_batch": ("batch_samples", "device")}
 
 
 class DistillationMixin(ProjectionTraining):

@@ -15,7 +15,7 @@ from transformers import Seq2SeqTrainer, Trainer
 
 from hf_distill import DistillationTrainer
 from hf_distill.seq2seq import DistillationSeq2SeqTrainer
-from hf_distill.trainer import PRIVATE_OVERRIDES
+from hf_distill.trainer import PRIVATE_CALLS, PRIVATE_OVERRIDES
 
 DESIGN = Path(__file__).resolve().parents[1] / "docs" / "design.md"
 
@@ -38,6 +38,17 @@ def test_every_private_override_still_exists_in_transformers():
         "DistillationMixin's override is never called. Port the override (see docs/design.md) and update "
         "hf_distill.trainer.PRIVATE_OVERRIDES."
     )
+
+
+def test_every_private_method_we_call_still_takes_what_we_pass():
+    for name, passed in PRIVATE_CALLS.items():
+        method = getattr(Trainer, name, None)
+        assert callable(method), f"transformers {transformers.__version__} has no Trainer.{name} (the mixin calls it)"
+        params = list(inspect.signature(method).parameters)[1:]
+        assert params[: len(passed)] == list(passed), f"Trainer.{name} now takes {params}, we pass {passed}"
+    text = " ".join(DESIGN.read_text().split())
+    for name in PRIVATE_CALLS:
+        assert re.search(rf"`{name}` \(called\): needed because .+? checked against transformers \d+\.\d+", text), name
 
 
 def test_the_list_names_every_private_override():
