@@ -308,3 +308,31 @@ def test_without_trl_the_import_error_names_the_extra(monkeypatch):
     monkeypatch.delitem(sys.modules, "hf_distill.trl", raising=False)
     with pytest.raises(ImportError, match=r"hf-distill\[trl\]"):
         importlib.import_module("hf_distill.trl")
+
+
+def test_distillation_trainer_on_flattened_batches_equals_padded(tmp_path):
+    """Without TRL: transformers' DataCollatorWithFlattening (padding-free rows, position_ids, -100 at each
+    sequence's first label) gives the padded batch's KD and task terms, in training (loss head) and evaluation."""
+    from helpers import args, labelled_collate, sft_rows
+    from transformers import DataCollatorWithFlattening
+
+    from hf_distill import Distiller
+
+    student, teacher = llama(0), llama(1, layers=3)
+    rows = list(sft_rows(6))
+    flat = DataCollatorWithFlattening()(rows)
+    assert flat["input_ids"].shape[0] == 1 and int((flat["position_ids"] == 0).sum()) == len(rows)
+    padded = labelled_collate(rows)
+    for mode in ("labels", "attention"):
+        distiller = Distiller(student, args(tmp_path, kd_token_mask=mode, kd_weight=1.0, task_weight=1.0,
+                                            eval_with_teacher=True), teacher_model=teacher)
+        for train in (True, False):
+            student.train(train)
+            values = []
+            for batch in (flat, padded):
+                distiller.tracker.reset()
+                with torch.no_grad():
+                    total = distiller.compute_loss(student, dict(batch))
+                values.append(distiller.tracker.pop_means() if train else {"total": float(total)})
+            for key, value in values[0].items():
+                assert value == pytest.approx(values[1][key], rel=1e-5, abs=1e-7), (mode, train, key)
