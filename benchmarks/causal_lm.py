@@ -485,7 +485,8 @@ def main() -> None:
     p.add_argument("--force", action="store_true", help="quality: rerun the recipe even if results exist")
     p.add_argument("--batch", type=int, default=4, help="memory: sequences per step")
     p.add_argument("--seq", type=int, default=1024, help="memory: tokens per sequence")
-    p.add_argument("--pairs", type=int, default=3, help="trl: alternated process pairs; sft: rounds of one process per side")
+    p.add_argument("--pairs", type=int, default=3,
+                   help="trl: alternated process pairs; sft: rounds of one process per side")
     p.add_argument("--steps", type=int, default=8, help="trl, sft: steps per process")
     p.add_argument("--warmup", type=int, default=2, help="trl, sft, signal: steps left out of the median")
     p.add_argument("--cases", default=",".join(f"{v}:{c}" for v in VOCABS for c in (0, DEFAULT)),
