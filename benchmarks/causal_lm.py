@@ -1,7 +1,7 @@
 """Causal-LM distillation: quality, memory of chunked logits, speed against TRL's GKD (issue #14). Not part of CI.
 
     python benchmarks/causal_lm.py                          # all sections
-    python benchmarks/causal_lm.py --only memory,trl        # some of them (quality, memory, trl, signal)
+    python benchmarks/causal_lm.py --only memory,trl        # some of them (quality, memory, trl, signal, sft)
 
 - quality: teacher, KD student and CE-only student perplexities on held-out text, from `recipes/causal_lm.py`
   with `recipes/configs/causal_lm_wikitext.yaml` (run unless `benchmarks/runs/causal_lm/results.json` exists, or
@@ -20,6 +20,8 @@
   logits -> float32 top-k + exact tail, not stored: the signal run's per-step KD loss and perplexity are compared
   with it), and with the online teacher on the dense JSD (the ordinary run: perplexity "dense", step time). Step
   times as in `trl`; the floor is 1 - the teacher forward's share of the dense online step (hooks on the teacher).
+- sft (issue #32): `DistillationSFTTrainer` (unpacked and packed) vs TRL's `GKDTrainer(lmbda=0)` on the same
+  prompt/completion rows and batches (benchmarks/causal_lm_sft.py says how).
 
 Writes `benchmarks/results/causal_lm.{json,md}`; sections not run keep their previous results.
 """
@@ -43,7 +45,7 @@ ROOT = HERE.parent
 RESULTS = HERE / "results"
 RUN_DIR = HERE / "runs" / "causal_lm"
 CONFIG = ROOT / "recipes" / "configs" / "causal_lm_wikitext.yaml"
-SECTIONS = ("quality", "memory", "trl", "signal")
+SECTIONS = ("quality", "memory", "trl", "signal", "sft")
 VOCABS = (32_000, 128_256)
 DEFAULT = -1  # a memory case run with kd_chunk_size unset: the library default for its vocabulary
 TARGETS = {"chunked_over_naive_peak_128k": 0.35, "ours_over_trl_step_time": 1.0, "ours_over_trl_peak_rss": 1.0,
@@ -469,19 +471,24 @@ def write_report(data: dict) -> None:
             lines.append("")
         elif name == "signal":
             lines += signal_lines(sec)
+        elif name == "sft":
+            from causal_lm_sft import sft_lines
+
+            lines += sft_lines(sec)
     (RESULTS / "causal_lm.md").write_text("\n".join(lines) + "\n")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", default=",".join(SECTIONS),
-                   help="comma-separated sections: quality, memory, trl, signal")
+                   help="comma-separated sections: quality, memory, trl, signal, sft")
     p.add_argument("--force", action="store_true", help="quality: rerun the recipe even if results exist")
     p.add_argument("--batch", type=int, default=4, help="memory: sequences per step")
     p.add_argument("--seq", type=int, default=1024, help="memory: tokens per sequence")
-    p.add_argument("--pairs", type=int, default=3, help="trl: alternated process pairs")
-    p.add_argument("--steps", type=int, default=8, help="trl: steps per process")
-    p.add_argument("--warmup", type=int, default=2, help="trl: steps left out of the median")
+    p.add_argument("--pairs", type=int, default=3,
+                   help="trl: alternated process pairs; sft: rounds of one process per side")
+    p.add_argument("--steps", type=int, default=8, help="trl, sft: steps per process")
+    p.add_argument("--warmup", type=int, default=2, help="trl, sft, signal: steps left out of the median")
     p.add_argument("--cases", default=",".join(f"{v}:{c}" for v in VOCABS for c in (0, DEFAULT)),
                    help="memory: V:chunk cases to run (chunk 0 = whole logits, -1 = the library's default for V); "
                         "other cases keep earlier rows")
@@ -492,7 +499,10 @@ def main() -> None:
     p.add_argument("--signal-steps", type=int, default=60, help="signal: steps per run (batch 8: 8 x steps blocks)")
     p.add_argument("--signal-ks", default="8,64,256", help="signal: the k of each signal")
     p.add_argument("--signal-k", type=int, default=64, help="signal: the k compared with the online top-k run")
+    p.add_argument("--sft-teacher", default=None, help="sft: teacher folder (default: the recipe run's teacher)")
+    p.add_argument("--sft-kept", default=None, help="sft: teacher blocks the student keeps, e.g. 0,1,5")
     p.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
+    p.add_argument("--sft-child", nargs=7, help=argparse.SUPPRESS)
     p.add_argument("--trl-child", nargs=7, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.memory_child:
@@ -502,6 +512,14 @@ def main() -> None:
     if a.trl_child:
         side, teacher, kept, blocks, batch, steps, warmup = a.trl_child
         res = trl_child(side, teacher, [int(k) for k in kept.split(",")], int(blocks), int(batch), int(steps),
+                        int(warmup))
+        print("RESULT " + json.dumps(res))
+        return
+    if a.sft_child:
+        from causal_lm_sft import sft_child
+
+        side, teacher, kept, rows, batch, steps, warmup = a.sft_child
+        res = sft_child(side, teacher, [int(k) for k in kept.split(",")], int(rows), int(batch), int(steps),
                         int(warmup))
         print("RESULT " + json.dumps(res))
         return
@@ -527,6 +545,14 @@ def main() -> None:
             if a.signal_k not in ks:
                 p.error(f"--signal-k {a.signal_k} must be one of --signal-ks {a.signal_ks}")
             sec = signal_section(a.signal_teacher, kept, a.signal_steps, 8, ks, a.signal_k, a.warmup)
+        elif name == "sft":
+            from causal_lm_sft import sft_section
+
+            teacher, kept = a.sft_teacher, [int(k) for k in a.sft_kept.split(",")] if a.sft_kept else None
+            if teacher is None:
+                r = json.loads((RUN_DIR / "results.json").read_text())
+                teacher, kept = r["teacher"], kept or r["kept_blocks"]
+            sec = sft_section(run_child, a.pairs, a.steps, a.warmup, 8, teacher, kept)
         else:
             kept = [int(k) for k in a.trl_kept.split(",")] if a.trl_kept else None
             sec = trl_section(a.pairs, a.steps, a.warmup, 8, a.trl_teacher, kept)

@@ -1,7 +1,8 @@
 """hf_distill: knowledge distillation native to `transformers.Trainer`.
 
 Swap `Trainer` for `DistillationTrainer` and `TrainingArguments` for `DistillationArguments` (`Seq2SeqTrainer` for
-`DistillationSeq2SeqTrainer` and `Seq2SeqTrainingArguments` for `DistillationSeq2SeqArguments`).
+`DistillationSeq2SeqTrainer` and `Seq2SeqTrainingArguments` for `DistillationSeq2SeqArguments`; TRL's `SFTTrainer`
+for `DistillationSFTTrainer` and `SFTConfig` for `DistillationSFTConfig`, with the `trl` extra).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ _CLASSES = {
     "DistillationArguments": "arguments",
     "DistillationSeq2SeqArguments": "seq2seq",
     "DistillationSeq2SeqTrainer": "seq2seq",
+    "DistillationSFTConfig": "trl",  # needs the `trl` extra (ImportError naming it otherwise)
+    "DistillationSFTTrainer": "trl",
     "DistillationMixin": "trainer",
     "DistillationTrainer": "trainer",
     "Distiller": "distiller",
@@ -83,6 +86,8 @@ __all__ = [
     "DistillationArguments",
     "DistillationSeq2SeqArguments",
     "DistillationSeq2SeqTrainer",
+    "DistillationSFTConfig",
+    "DistillationSFTTrainer",
     "DistillationMixin",
     "PromptCompletionCollator",
     "DistillationTrainer",
@@ -123,3 +128,4 @@ if TYPE_CHECKING:
     from .losses.terms import DistillTerm
     from .seq2seq import DistillationSeq2SeqArguments, DistillationSeq2SeqTrainer
     from .trainer import DistillationMixin, DistillationTrainer
+    from .trl import DistillationSFTConfig, DistillationSFTTrainer

@@ -282,6 +282,9 @@ class Distiller(LogitTerms):
         student = self._student_state(model)  # the model as the Trainer prepared it, not the one it was built with
         if self._head is Head.SEQ2SEQ_LM:  # teacher and student read the same decoder inputs
             inputs = with_decoder_inputs(model, inputs, self._token_labels)
+        if isinstance(inputs.get("position_ids"), torch.Tensor) and "use_cache" not in inputs:
+            # Packed (padding-free) rows: transformers keeps their sequences apart only without a KV cache.
+            inputs = {**inputs, "use_cache": False}
         distill = model.training or self.args.eval_with_teacher
         step_mean = model.training and self._step.take()  # token-level means rescaled to the optimizer step's
         local = self._counts({**inputs, **cached}) if step_mean else None

@@ -104,7 +104,8 @@ class LogitTerms:
                 if head is Head.SEQ2SEQ_LM:  # the decoder's positions, not the encoder's attention mask
                     mask = seq2seq_kd_positions(inputs, self._token_labels, self.args.kd_token_mask)
                 else:
-                    mask = kd_positions(inputs.get("attention_mask"), labels, self.args.kd_token_mask, causal)
+                    mask = kd_positions(inputs.get("attention_mask"), labels, self.args.kd_token_mask, causal,
+                                        inputs.get("position_ids"))  # packed rows: not across sequences
             elif head is Head.QUESTION_ANSWERING and inputs.get("attention_mask") is not None:
                 # Span logits are distributions over positions: padding is no candidate answer, for either model.
                 real = inputs["attention_mask"] != 0
@@ -197,7 +198,8 @@ class LogitTerms:
         if self.args.kd_weight > 0:
             kd_fn = chunked.dense_kd(self.args.kd_loss, self.args.temperature, self.args.effective_jsd_beta,
                                      self.args.resolved_skew_alpha)
-        kd_mask = kd_positions(inputs.get("attention_mask"), labels, self.args.kd_token_mask, causal=True)
+        kd_mask = kd_positions(inputs.get("attention_mask"), labels, self.args.kd_token_mask, causal=True,
+                               position_ids=inputs.get("position_ids"))  # packed rows: not across sequences
         t_logits, t_hidden = teacher.views[0][0] if teacher.views else None, teacher.hidden
         s_logits_fn, t_logits_fn = self._logits_fns(model)
         if self._shared_vocab is not None and t_hidden is not None and 0 not in self._padding_checked:

@@ -11,7 +11,7 @@ from helpers import teacher as make_teacher
 from transformers import BertForMaskedLM
 
 from hf_distill import DistillationTrainer
-from hf_distill.losses.normalise import COUNT_KINDS, StepCounts, batch_counts
+from hf_distill.losses.normalise import COUNT_KINDS, StepCounts, batch_counts, kd_positions, same_sequence
 
 
 def _labelled_rows(n=32, seed=0, causal=False):
@@ -93,6 +93,26 @@ def test_batch_counts_follow_the_masks_each_term_uses():
     causal = dict(zip(COUNT_KINDS, batch_counts(batch, "labels", "attention", causal=True).tolist(), strict=True))
     # next-token positions: labels[:, 1:] != -100 -> 2; both t and t+1 real -> 2 + 1
     assert causal["labels"] == 2 and causal["kd"] == 3
+
+
+@pytest.mark.parametrize(("mode", "expected"), [("attention", [1, 1, 0, 1, 0, 1, 1, 1]),
+                                              ("labels", [1, 1, 0, 1, 0, 0, 1, 1])])
+def test_packed_rows_count_no_position_across_sequences(mode, expected):
+    """A padding-free row packing sequences of 3, 2 and 4 tokens (position_ids restart at 0): a causal KD term counts
+    no position whose next token starts another sequence, even where that token's label is not -100 (t = 2), and
+    batch_counts counts what kd_positions selects."""
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+    batch = {"input_ids": torch.ones(1, 9, dtype=torch.long), "position_ids": pos,
+             "labels": torch.tensor([[-100, 5, 6, 4, 7, -100, -100, 8, 9]])}
+    got = kd_positions(None, batch["labels"], mode, causal=True, position_ids=pos)
+    assert got.int().tolist() == [expected]
+    counts = dict(zip(COUNT_KINDS, batch_counts(batch, "labels", mode, causal=True).tolist(), strict=True))
+    assert counts["kd"] == sum(expected)
+    unpacked = dict(zip(COUNT_KINDS, batch_counts({k: v for k, v in batch.items() if k != "position_ids"}, "labels",
+                                                  mode, causal=True).tolist(), strict=True))
+    assert unpacked["kd"] == {"attention": 8, "labels": 6}[mode]  # one long sequence: the boundaries count
+    assert same_sequence(torch.arange(5)[None]).all() and same_sequence(None) is None
+    assert kd_positions(None, None, "attention", causal=False, position_ids=pos) is None  # encoders: unchanged
 
 
 def test_step_counts_scale_and_are_used_up_by_the_steps_micro_batches():

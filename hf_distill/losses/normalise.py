@@ -34,19 +34,39 @@ def _positions_shape(batch: dict[str, Any]) -> tuple[int, int] | None:
 
 
 def kd_positions(
-    attention_mask: torch.Tensor | None, labels: torch.Tensor | None, mode: str, causal: bool
+    attention_mask: torch.Tensor | None,
+    labels: torch.Tensor | None,
+    mode: str,
+    causal: bool,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The positions a token-level KD term averages over, aligned with the (shifted, for causal LMs) logits.
 
     `mode="labels"`: positions whose label is not -100 (for a causal LM, whose *next* label is not -100: the
     logits at t predict token t+1). `mode="attention"`: real tokens (for a causal LM, positions t with both t
-    and t+1 real). None means every position counts."""
+    and t+1 real). A causal LM's packed (padding-free) rows also drop the last token of each sequence, whose next
+    token starts another one (`same_sequence`). None means every position counts."""
+    within = same_sequence(position_ids) if causal else None
     if mode == "labels" and isinstance(labels, torch.Tensor) and labels.dim() == 2:
-        return (labels[:, 1:] if causal else labels) != -100
-    if attention_mask is None:
+        counted = (labels[:, 1:] if causal else labels) != -100
+    elif attention_mask is None:
+        counted = None
+    else:
+        real = attention_mask != 0
+        counted = real[:, :-1] & real[:, 1:] if causal else real
+    if within is None:
+        return counted
+    return within if counted is None else counted & within.to(counted.device)
+
+
+def same_sequence(position_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """(B, T - 1): whether tokens t and t + 1 of a row belong to one sequence, for rows that pack several sequences
+    (TRL's padding-free batches, transformers' DataCollatorWithFlattening): position t + 1 follows position t, the
+    rule transformers' masks use to keep packed sequences apart (`find_packed_sequence_indices`). None without
+    2-D position_ids."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[1] < 2:
         return None
-    real = attention_mask != 0
-    return real[:, :-1] & real[:, 1:] if causal else real
+    return position_ids[:, 1:] - position_ids[:, :-1] == 1
 
 
 def decoder_positions(batch: dict[str, Any], label_name: str = "labels") -> torch.Tensor | None:
@@ -100,7 +120,7 @@ def batch_counts(
         causal_pairs = torch.tensor(float(b * t * (t + 1) // 2))
     lab = label_positions(labels, causal)
     n_labels = lab.sum() if lab is not None else torch.tensor(0.0)
-    kd = kd_positions(mask, labels, kd_mode, causal)
+    kd = kd_positions(mask, labels, kd_mode, causal, batch.get("position_ids"))
     n_kd = kd.sum() if kd is not None else torch.tensor(float(b * (t - 1 if causal else t)))
     dec_tokens = dec_pairs = torch.tensor(0.0)
     if seq2seq:

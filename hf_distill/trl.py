@@ -1,0 +1,211 @@
+"""Distillation inside TRL's `SFTTrainer`: `DistillationSFTTrainer` and `DistillationSFTConfig`.
+
+LLM practitioners train with TRL's `SFTTrainer` (chat templates, `messages` data, packing, assistant-only loss).
+`DistillationSFTTrainer` is that trainer with a teacher: SFT prepares the data exactly as it would (tokenization,
+the chat template, completion or assistant masks folded into `labels`, packing) and hf_distill's `Distiller` computes
+the loss on its batches, as `DistillationTrainer` does on any other batch:
+
+    from hf_distill.trl import DistillationSFTConfig, DistillationSFTTrainer
+
+    args = DistillationSFTConfig(output_dir="out", kd_loss="jsd", kd_weight=1.0, task_weight=1.0,
+                                 assistant_only_loss=True, packing=True)
+    DistillationSFTTrainer(model=student, teacher_model=teacher, args=args, train_dataset=messages_rows,
+                           processing_class=tokenizer).train()
+
+What the distillation means for SFT's data paths:
+
+* The KD term counts the positions whose next-token label is not -100 (`kd_token_mask="labels"`, the default for
+  a causal LM): exactly the tokens SFT's own loss counts, so the completion with `completion_only_loss`, the
+  assistant turns with `assistant_only_loss=True`, every token of plain-text or `messages` rows otherwise.
+* Packing (`packing=True` with `packing_strategy="bfd"` or `"bfd_split"`, or `padding_free=True`) puts several
+  sequences in one row without padding: SFT's collator gives `position_ids` that restart at 0 for each sequence
+  and no attention mask. Student and teacher both run on that row with those `position_ids` and without a KV
+  cache, so transformers keeps each sequence's attention inside it, and the KD term never counts the last token
+  of a sequence (its next token starts another one: `hf_distill.losses.normalise.same_sequence`), on whole
+  logits and in the chunked loss head alike. A packed batch's KD loss equals the mean over the same sequences
+  run unpacked (tested).
+* The task term is the student's own cross-entropy on `labels`, as SFT's `loss_type="nll"`.
+
+Refused, each with the fix: `packing_strategy="wrapped"` (it keeps no sequence boundaries), `loss_type="dft"`,
+packing without a teacher model (packing keeps only `input_ids` and `labels`, so cached teacher columns are lost),
+and with padding-free rows: `cross_tokenizer`, intermediate terms other than `hidden_mse`, `cosine_loss` and
+`incremental_mse` (the others compare attention or whole rows, which a packed row mixes), and a packed evaluation
+set evaluated with the teacher when training is not padding-free (SFT's collator would pad each packed row as one
+sequence). SFT's `entropy` and `mean_token_accuracy` metrics come from its own fused loss, which the distillation
+loss replaces; `num_tokens` is still logged.
+
+This module needs TRL (`pip install 'hf-distill[trl]'`); `hf_distill.DistillationSFTTrainer` imports it on first use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Trainer, TrainingArguments
+from transformers.utils import logging
+
+from .arguments import PRESET_DEFAULTS, DistillationArguments
+from .trainer import DistillationMixin
+
+try:
+    from trl import SFTConfig, SFTTrainer
+except ImportError as err:  # the optional extra is missing (tests/test_trl_sft.py hides trl to check this)
+    raise ImportError(
+        "hf_distill.trl (DistillationSFTTrainer, DistillationSFTConfig) needs TRL, which is not installed: "
+        "pip install 'hf-distill[trl]' (trl>=1.16)."
+    ) from err
+
+logger = logging.get_logger(__name__)
+
+__all__ = ["DistillationSFTConfig", "DistillationSFTTrainer"]
+
+# Intermediate terms that are means over single tokens, so a packed row changes nothing for them.
+TOKEN_TERMS = ("hidden_mse", "cosine_loss", "incremental_mse")
+
+
+_SFT_FIELDS = {f.name: f for f in dataclasses.fields(SFTConfig)}
+
+
+def _sft_default(name: str) -> Any:
+    """SFTConfig's own default of a TrainingArguments field (with its help), which DistillationArguments' copy of
+    the field would otherwise replace with TrainingArguments' default."""
+    return field(default=_SFT_FIELDS[name].default, metadata=_SFT_FIELDS[name].metadata)
+
+
+@dataclass
+class DistillationSFTConfig(DistillationArguments, SFTConfig):
+    """`SFTConfig` (chat template, `packing`, `padding_free`, `completion_only_loss`, `assistant_only_loss`,
+    `max_length`, ...) plus the distillation fields of `DistillationArguments`: the arguments of
+    `DistillationSFTTrainer`, and what `HfArgumentParser` parses in place of `SFTConfig`. SFTConfig's defaults
+    hold, also where they differ from TrainingArguments' (`gradient_checkpointing=True`, `bf16=True` unless `fp16`,
+    `learning_rate=2e-5`, `logging_steps=10`), so swapping `SFTConfig` for it changes nothing but the loss."""
+
+    learning_rate: float = _sft_default("learning_rate")
+    logging_steps: float = _sft_default("logging_steps")
+    gradient_checkpointing: bool = _sft_default("gradient_checkpointing")
+    bf16: bool | None = _sft_default("bf16")
+
+
+def padding_free(args: SFTConfig) -> bool:
+    """Whether SFT's collator flattens each batch into one row with `position_ids` (SFTTrainer's own rule)."""
+    return bool(args.padding_free or (args.packing and args.packing_strategy in ("bfd", "bfd_split")))
+
+
+def check_sft_arguments(args: DistillationSFTConfig, teacher_model: Any) -> None:
+    """Refuse the SFT settings under which the distillation would not be what it says (module docstring)."""
+    eval_packing = args.packing if args.eval_packing is None else args.eval_packing
+    if args.packing_strategy == "wrapped" and (args.packing or eval_packing):
+        raise ValueError(
+            "packing_strategy='wrapped' joins rows and cuts them at max_length without keeping where each one starts "
+            "(no seq_lengths, no position_ids), so student and teacher would attend across rows and KD would distil "
+            "each row's last token towards the next row's first. Use packing_strategy='bfd' (or 'bfd_split'), which "
+            "keeps the boundaries, or packing=False."
+        )
+    if args.loss_type != "nll":
+        raise ValueError(
+            f"loss_type={args.loss_type!r}: DistillationSFTTrainer's task term is the student's own cross-entropy on "
+            "the labels (loss_type='nll'). Use loss_type='nll'."
+        )
+    flat = padding_free(args)
+    if args.packing and teacher_model is None:
+        raise ValueError(
+            "packing=True needs teacher_model: SFTTrainer packs only input_ids and labels, so cached teacher "
+            "columns (hf_distill.data.cache, teacher signals) do not survive packing. Give teacher_model, or set "
+            "packing=False."
+        )
+    if flat and args.cross_tokenizer:
+        raise ValueError(
+            f"cross_tokenizer={args.cross_tokenizer!r} with packed (padding-free) rows: the teacher reads its own "
+            "tokenization of each row, which SFT does not pack. Set packing=False and padding_free=False."
+        )
+    if flat:
+        mixing = sorted({t.loss for t in args.terms if t.loss not in TOKEN_TERMS})
+        if mixing:
+            raise ValueError(
+                f"distill_terms with loss {', '.join(mixing)} on packed (padding-free) rows: they compare attention "
+                f"or whole rows, and a packed row holds several sequences. Use only {', '.join(TOKEN_TERMS)}, or "
+                "packing=False and padding_free=False."
+            )
+    if args.eval_with_teacher and eval_packing and not flat:
+        raise ValueError(
+            "eval_packing with eval_with_teacher=True while training is not padding-free: SFTTrainer's collator pads "
+            "each packed evaluation row as one sequence (no position_ids), so its sequences would attend to each "
+            "other and KD would cross them. Set eval_packing=False, or train with packing=True "
+            "(packing_strategy='bfd') so both use padding-free rows."
+        )
+
+
+class DistillationSFTTrainer(DistillationMixin, SFTTrainer):
+    """TRL's `SFTTrainer` + a frozen teacher: SFT's data handling (chat templates, `messages` and prompt/completion
+    rows, completion- and assistant-only labels, packing) and `DistillationTrainer`'s loss, checkpoints and card.
+
+    Takes `DistillationSFTConfig`; `SFTConfig`, `DistillationArguments` or plain `TrainingArguments` are upgraded
+    to it (every field kept, a warning logged). Other arguments as `DistillationTrainer` (`teacher_model=`,
+    `teacher_processing_class=`) and `SFTTrainer` (`processing_class`, `peft_config`, `formatting_func`, ...).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | str | None = None,
+        args: TrainingArguments | None = None,
+        *trainer_args: Any,
+        teacher_model: nn.Module | str | list[nn.Module | str] | None = None,
+        teacher_processing_class: Any = None,
+        **trainer_kwargs: Any,
+    ) -> None:
+        args = self._distillation_arguments(args)
+        check_sft_arguments(args, teacher_model)  # before SFTTrainer tokenizes and packs the datasets
+        super().__init__(model, args, *trainer_args, teacher_model=teacher_model,
+                         teacher_processing_class=teacher_processing_class, **trainer_kwargs)
+
+    def _distillation_arguments(self, args: Any) -> DistillationSFTConfig:
+        if args is None:
+            return DistillationSFTConfig(output_dir="trainer_output")
+        if isinstance(args, DistillationSFTConfig):
+            return args
+        if not isinstance(args, TrainingArguments):
+            raise TypeError(f"DistillationSFTTrainer needs DistillationSFTConfig (or SFTConfig), got "
+                            f"{type(args).__name__}.")
+        upgraded = DistillationSFTConfig.from_training_arguments(args)
+        settings = ", ".join(f"{name}={getattr(upgraded, name)!r}" for name in PRESET_DEFAULTS)
+        logger.warning(
+            f"DistillationSFTTrainer got {type(args).__name__}; upgraded them to DistillationSFTConfig with every "
+            f"field kept (packing={upgraded.packing}) and the distillation settings {settings}. Pass "
+            "DistillationSFTConfig to choose them."
+        )
+        return upgraded
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ):
+        """The distillation loss (Distiller); SFT's `num_tokens` is counted as SFTTrainer counts it."""
+        if model.training:
+            mask = inputs.get("attention_mask")
+            local = mask.sum() if mask is not None else torch.tensor(inputs["input_ids"].numel())
+            tokens = self.accelerator.gather_for_metrics(local.to(self.accelerator.device)).sum().item()
+            self._total_train_tokens += tokens // self._tp_size
+            self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
+        return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                    num_items_in_batch=num_items_in_batch)
+
+    def prediction_step(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+        **kwargs: Any,
+    ):
+        """`Trainer.prediction_step` on the distillation loss (SFTTrainer's own reads `.logits` from the outputs of
+        its fused loss head, which the Distiller does not return); inside `evaluate_teacher` the teacher predicts."""
+        if self._evaluating_teacher:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **kwargs)
+        return Trainer.prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=ignore_keys)

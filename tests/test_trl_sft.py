@@ -1,0 +1,338 @@
+"""DistillationSFTTrainer (hf_distill.trl): TRL's SFTTrainer data paths with a teacher.
+
+Conversational rows through a chat template, completion- and assistant-only labels (the KD term counts exactly the
+tokens SFT's loss counts, against masks built by hand), packing (a packed batch's KD equals the same sequences run
+unpacked: neither attention nor KD crosses a sequence boundary, on the chunked loss head and on whole logits), the
+refusals, and the ImportError without TRL. Skipped where `trl` is not installed, except that last one.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib
+import importlib.util
+import math
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from datasets import Dataset
+from helpers import flat_params, llama, word_tokenizer
+
+needs_trl = pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl is not installed")
+
+WORDS = [f"w{i}" for i in range(40)]
+# A chat template with generation markers (what assistant_only_loss reads): "USER w1 w2 END ASSISTANT w3 END ..."
+TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}ASSISTANT {% generation %}{{ m['content'] }} END{% endgeneration %} "
+    "{% else %}USER {{ m['content'] }} END {% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT {% endif %}"
+)
+# Conversations of two exchanges, 13 to 20 tokens: the first assistant turn is in the prompt of a prompt/completion row.
+CONVERSATIONS = [
+    [("user", "w1 w2"), ("assistant", "w3 w4 w5"), ("user", "w6"), ("assistant", "w7 w8")],
+    [("user", "w9"), ("assistant", "w10"), ("user", "w11 w12 w13"), ("assistant", "w14 w15 w16 w17")],
+    [("user", "w18 w19 w20 w21"), ("assistant", "w22"), ("user", "w23 w24"), ("assistant", "w25 w26 w27 w28 w29")],
+    [("user", "w30"), ("assistant", "w31 w32"), ("user", "w33"), ("assistant", "w34")],
+    [("user", "w35 w36"), ("assistant", "w37 w38 w39"), ("user", "w1 w3 w5 w7"), ("assistant", "w2 w4 w6")],
+    [("user", "w8 w9 w10"), ("assistant", "w11"), ("user", "w12"), ("assistant", "w13 w14")],
+]
+
+
+def _tokenizer():
+    tok = word_tokenizer(["USER", "ASSISTANT", "END", "dummy", *WORDS])  # "dummy": TRL probes the template with it
+    tok.eos_token = "END"
+    tok.chat_template = TEMPLATE
+    return tok
+
+
+def _messages(conv):
+    return [{"role": r, "content": c} for r, c in conv]
+
+
+def _rows(kind: str) -> Dataset:
+    if kind == "messages":
+        return Dataset.from_list([{"messages": _messages(c)} for c in CONVERSATIONS])
+    return Dataset.from_list([{"prompt": _messages(c[:-1]), "completion": _messages(c[-1:])} for c in CONVERSATIONS])
+
+
+def _hand_labels(tok, conv, counted: str) -> tuple[list[int], list[int]]:
+    """The ids of a conversation and its labels, built turn by turn from the template's words (not through the
+    template): `counted` is "all" (every token), "assistant" (each assistant turn's words and END) or "last" (the
+    last turn's, a prompt/completion row's completion)."""
+    ids, labels = [], []
+    for i, (role, content) in enumerate(conv):
+        if role == "assistant":
+            head, body = ["ASSISTANT"], [*content.split(), "END"]
+        else:
+            head, body = ["USER", *content.split(), "END"], []
+        counted_body = counted == "all" or (counted == "assistant") or (counted == "last" and i == len(conv) - 1)
+        for words, counts in ((head, counted == "all"), (body, counted_body)):
+            token_ids = tok.convert_tokens_to_ids(words)
+            ids += token_ids
+            labels += token_ids if counts else [-100] * len(token_ids)
+    return ids, labels
+
+
+def _config(tmp_path, name: str, **kw):
+    from hf_distill import DistillationSFTConfig
+
+    base = dict(output_dir=str(tmp_path / name), max_steps=1, per_device_train_batch_size=8, report_to=[],
+                use_cpu=True, save_strategy="no", bf16=False, gradient_checkpointing=False, disable_tqdm=True,
+                logging_steps=1, dataloader_num_workers=0, seed=0, kd_loss="kl", kd_weight=1.0, task_weight=1.0,
+                learning_rate=1e-3)
+    base.update(kw)
+    return DistillationSFTConfig(**base)
+
+
+def _pair(vocab: int):
+    return llama(0, vocab=vocab), llama(1, layers=3, vocab=vocab)
+
+
+def _trainer(tmp_path, name, rows, student, teacher, tok, **kw):
+    from hf_distill import DistillationSFTTrainer
+
+    return DistillationSFTTrainer(model=copy.deepcopy(student), teacher_model=copy.deepcopy(teacher),
+                                  args=_config(tmp_path, name, **kw), train_dataset=rows, processing_class=tok)
+
+
+def _components(trainer, batch: dict, train: bool) -> dict[str, float]:
+    """The KD and task terms of one batch (no step scaling: outside the training loop). In training the tracker
+    holds them; in evaluation (with the teacher) the loss is taken once with each weight alone."""
+    trainer.model.train(train)
+    trainer.distiller.tracker.reset()
+    if train:
+        with torch.no_grad():
+            trainer.compute_loss(trainer.model, dict(batch))
+        return trainer.distiller.tracker.pop_means()
+    args, out = trainer.args, {}
+    weights = (args.kd_weight, args.task_weight)
+    for name, kd_weight, task_weight in (("kd", 1.0, 0.0), ("task", 0.0, 1.0)):
+        args.kd_weight, args.task_weight = kd_weight, task_weight
+        with torch.no_grad():
+            out[name] = float(trainer.compute_loss(trainer.model, dict(batch)))
+    args.kd_weight, args.task_weight = weights
+    return out
+
+
+def _reference(student, teacher, batch: dict, counted: torch.Tensor) -> tuple[float, float]:
+    """Forward KL (T = 1) and cross-entropy over `counted` (B, T - 1) positions, from both models' whole logits in
+    float64; each sequence of a batch is run on its own (one row each, padded rows cut to their length)."""
+    kl, ce = [], []
+    for i in range(batch["input_ids"].shape[0]):
+        n = int(batch["attention_mask"][i].sum())
+        ids = batch["input_ids"][i, :n][None]
+        with torch.no_grad():
+            s = student(input_ids=ids).logits[0, :-1].double().log_softmax(-1)
+            t = teacher(input_ids=ids).logits[0, :-1].double().log_softmax(-1)
+        keep = counted[i, : n - 1]
+        kl.append((t.exp() * (t - s)).sum(-1)[keep])
+        labels = batch["labels"][i, 1:n]
+        ce.append(F.nll_loss(s, labels.clamp_min(0), reduction="none")[labels != -100])
+    return torch.cat(kl).mean().item(), torch.cat(ce).mean().item()
+
+
+@needs_trl
+@pytest.mark.parametrize(
+    ("kind", "sft", "counted"),
+    [
+        ("messages", dict(assistant_only_loss=True), "assistant"),
+        ("messages", {}, "all"),
+        ("prompt_completion", {}, "last"),  # completion_only_loss defaults to True for prompt/completion rows
+        ("prompt_completion", dict(completion_only_loss=False), "all"),
+    ],
+)
+def test_kd_counts_the_tokens_sft_loss_counts(tmp_path, kind, sft, counted):
+    """Conversational rows through the chat template: SFT's labels equal the hand-built ones, and the KD term and
+    the task term are means over exactly those positions (float64 references from whole logits)."""
+    tok = _tokenizer()
+    student, teacher = _pair(len(tok))
+    trainer = _trainer(tmp_path, kind, _rows(kind), student, teacher, tok, **sft)
+    batch = next(iter(trainer.get_train_dataloader()))
+    hand = {}
+    for conv in CONVERSATIONS:
+        ids, labels = _hand_labels(tok, conv, counted)
+        hand[tuple(ids)] = labels
+    expected = torch.full_like(batch["labels"], -100)
+    for i in range(batch["input_ids"].shape[0]):
+        n = int(batch["attention_mask"][i].sum())
+        expected[i, :n] = torch.tensor(hand[tuple(batch["input_ids"][i, :n].tolist())])  # KeyError: other tokens
+    assert torch.equal(batch["labels"], expected)
+    mask = expected[:, 1:] != -100
+    real = (batch["attention_mask"][:, :-1] != 0) & (batch["attention_mask"][:, 1:] != 0)
+    assert mask.any() and (counted == "all") == torch.equal(mask, real)  # the masks differ where they should
+    assert trainer.args.kd_token_mask == "labels"
+    kd, ce = _reference(student, teacher, batch, mask)
+    for train in (True, False):  # the chunked loss head (training) and whole logits (evaluation with the teacher)
+        trainer.args.eval_with_teacher = not train
+        got = _components(trainer, batch, train)
+        assert got["kd"] == pytest.approx(kd, rel=1e-5, abs=1e-7)
+        assert got["task"] == pytest.approx(ce, rel=1e-5, abs=1e-7)
+    assert trainer.distiller._student_state(trainer.model).rebuilds  # the training pass did take the loss head
+
+
+def _one_sequence_per_row(batch: dict) -> dict:
+    """A padding-free row (position_ids restarting at 0) as a right-padded batch of its sequences."""
+    pos = batch["position_ids"][0]
+    starts = [*(pos == 0).nonzero().flatten().tolist(), pos.numel()]
+    pieces = [(s, e) for s, e in zip(starts[:-1], starts[1:], strict=True)]
+    width = max(e - s for s, e in pieces)
+    out = {"input_ids": torch.zeros(len(pieces), width, dtype=torch.long),
+           "attention_mask": torch.zeros(len(pieces), width, dtype=torch.long),
+           "labels": torch.full((len(pieces), width), -100)}
+    for i, (s, e) in enumerate(pieces):
+        out["input_ids"][i, : e - s] = batch["input_ids"][0, s:e]
+        out["attention_mask"][i, : e - s] = 1
+        out["labels"][i, : e - s] = batch["labels"][0, s:e]
+    return out
+
+
+@needs_trl
+@pytest.mark.parametrize("kd_token_mask", ["labels", "attention"])
+@pytest.mark.parametrize("flat", [dict(packing=True, packing_strategy="bfd", max_length=36),
+                                  dict(padding_free=True, max_length=None)], ids=["bfd", "padding_free"])
+def test_packed_kd_equals_the_sequences_run_unpacked(tmp_path, kd_token_mask, flat):
+    """One padding-free row holding every sequence: KD and task terms equal those of the same sequences as a padded
+    batch (same counted tokens), on the chunked loss head and on whole logits, so neither the models' attention nor
+    the KD term crosses a boundary; the teacher reads the same position_ids."""
+    tok = _tokenizer()
+    student, teacher = _pair(len(tok))
+    common = dict(assistant_only_loss=True, kd_token_mask=kd_token_mask, eval_with_teacher=True)
+    packed = _trainer(tmp_path, "packed", _rows("messages"), student, teacher, tok, **common, **flat)
+    batch = next(iter(packed.get_train_dataloader()))
+    assert batch["input_ids"].shape[0] == 1 and "attention_mask" not in batch
+    assert int((batch["position_ids"] == 0).sum()) == len(CONVERSATIONS)  # one row, every conversation in it
+    if flat.get("packing"):
+        assert 1 < len(packed.train_dataset) < len(CONVERSATIONS)  # bfd packed them into rows of <= 36 tokens
+    unpacked = _trainer(tmp_path, "unpacked", _rows("messages"), student, teacher, tok, **common)
+    rows = next(iter(unpacked.get_train_dataloader()))
+    assert rows["input_ids"].shape[0] == len(CONVERSATIONS)
+    for train in (True, False):  # chunked loss head, then whole logits (evaluation with the teacher)
+        ours, ref = _components(packed, batch, train), _components(unpacked, rows, train)
+        assert ours["kd"] == pytest.approx(ref["kd"], rel=1e-5, abs=1e-7)
+        assert ours["task"] == pytest.approx(ref["task"], rel=1e-5, abs=1e-7)
+    # The same sequences cut out of the packed row, run one per row: the reference does not depend on SFT's own
+    # unpacked path.
+    counted = _one_sequence_per_row(batch)
+    mask = counted["labels"][:, 1:] != -100 if kd_token_mask == "labels" else (
+        (counted["attention_mask"][:, :-1] != 0) & (counted["attention_mask"][:, 1:] != 0))
+    kd, ce = _reference(student, teacher, counted, mask)
+    assert ours["kd"] == pytest.approx(kd, rel=1e-5, abs=1e-7)
+    assert ours["task"] == pytest.approx(ce, rel=1e-5, abs=1e-7)
+    # What makes it true: with a KV cache transformers ignores the packed boundaries (attention crosses), and
+    # without position_ids the row is one sequence.
+    for broken in ({**batch, "use_cache": True}, {k: v for k, v in batch.items() if k != "position_ids"}):
+        assert _components(packed, broken, True)["kd"] != pytest.approx(kd, rel=1e-3)
+
+
+@needs_trl
+def test_packed_training_runs_and_logs(tmp_path):
+    """A packed run trains (weights move, loss_kd and SFT's num_tokens are logged) and evaluates with
+    compute_metrics (Trainer's prediction step on the Distiller's outputs)."""
+    tok = _tokenizer()
+    student, teacher = _pair(len(tok))
+    from hf_distill import DistillationSFTTrainer
+
+    args = _config(tmp_path, "run", packing=True, max_length=36, assistant_only_loss=True, max_steps=2,
+                   per_device_train_batch_size=2, per_device_eval_batch_size=2, kd_loss="jsd")
+    trainer = DistillationSFTTrainer(model=copy.deepcopy(student), teacher_model=teacher, args=args,
+                                     train_dataset=_rows("messages"), eval_dataset=_rows("messages"),
+                                     processing_class=tok, compute_metrics=lambda p: {"rows": float(len(p.label_ids))})
+    trainer.train()
+    assert (flat_params(trainer.model) - flat_params(student)).abs().max() > 1e-5
+    logged = trainer.state.log_history[0]
+    assert {"loss_kd", "loss_task", "num_tokens"} <= set(logged) and logged["num_tokens"] > 0
+    metrics = trainer.evaluate()
+    # padding-free: each evaluation batch of 2 packed rows is one flattened row
+    assert metrics["eval_rows"] == math.ceil(len(trainer.eval_dataset) / 2) and metrics["eval_loss"] > 0
+
+
+@needs_trl
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        (dict(packing=True, packing_strategy="wrapped", max_length=24), "wrapped"),
+        (dict(loss_type="dft"), "loss_type='dft'"),
+        (dict(packing=True, max_length=24, distill_terms=["loss=attention_score_mse,layers=last"]),
+         "attention_score_mse"),
+        (dict(eval_packing=True, eval_with_teacher=True), "eval_packing"),
+    ],
+)
+def test_sft_settings_that_would_lie_are_refused(tmp_path, kw, match):
+    tok = _tokenizer()
+    student, teacher = _pair(len(tok))
+    with pytest.raises(ValueError, match=match):
+        _trainer(tmp_path, "refused", _rows("messages"), student, teacher, tok, **kw)
+
+
+@needs_trl
+def test_packing_without_a_teacher_is_refused(tmp_path):
+    from hf_distill import DistillationSFTTrainer
+
+    tok = _tokenizer()
+    with pytest.raises(ValueError, match="packing=True needs teacher_model"):
+        DistillationSFTTrainer(model=llama(0, vocab=len(tok)), args=_config(tmp_path, "x", packing=True, max_length=24),
+                               train_dataset=_rows("messages"), processing_class=tok)
+
+
+@needs_trl
+def test_arguments_keep_sft_defaults_and_upgrade(tmp_path):
+    """DistillationSFTConfig's defaults are SFTConfig's (not TrainingArguments'); an SFTConfig given to the trainer
+    is upgraded with every field kept."""
+    from trl import SFTConfig
+
+    from hf_distill import DistillationSFTConfig, DistillationSFTTrainer
+
+    ours = DistillationSFTConfig(output_dir=str(tmp_path / "a"), use_cpu=True, report_to=[])
+    theirs = SFTConfig(output_dir=str(tmp_path / "a"), use_cpu=True, report_to=[])
+    for f in dataclasses.fields(SFTConfig):
+        if f.init and f.name not in ("logging_dir",):
+            assert getattr(ours, f.name) == getattr(theirs, f.name), f.name
+    tok = _tokenizer()
+    student, teacher = _pair(len(tok))
+    sft = SFTConfig(output_dir=str(tmp_path / "b"), use_cpu=True, report_to=[], bf16=False, max_length=24,
+                    packing=True, assistant_only_loss=True, max_steps=1)
+    trainer = DistillationSFTTrainer(model=student, teacher_model=teacher, args=sft, train_dataset=_rows("messages"),
+                                     processing_class=tok)
+    assert isinstance(trainer.args, DistillationSFTConfig)
+    assert trainer.args.packing and trainer.args.assistant_only_loss and trainer.args.max_length == 24
+
+
+def test_without_trl_the_import_error_names_the_extra(monkeypatch):
+    """hf_distill.trl without TRL installed: an ImportError that says which extra to install."""
+    monkeypatch.setitem(sys.modules, "trl", None)  # `import trl` now fails as if it were not installed
+    monkeypatch.delitem(sys.modules, "hf_distill.trl", raising=False)
+    with pytest.raises(ImportError, match=r"hf-distill\[trl\]"):
+        importlib.import_module("hf_distill.trl")
+
+
+def test_distillation_trainer_on_flattened_batches_equals_padded(tmp_path):
+    """Without TRL: transformers' DataCollatorWithFlattening (padding-free rows, position_ids, -100 at each
+    sequence's first label) gives the padded batch's KD and task terms, in training (loss head) and evaluation."""
+    from helpers import args, labelled_collate, sft_rows
+    from transformers import DataCollatorWithFlattening
+
+    from hf_distill import Distiller
+
+    student, teacher = llama(0), llama(1, layers=3)
+    rows = list(sft_rows(6))
+    flat = DataCollatorWithFlattening()(rows)
+    assert flat["input_ids"].shape[0] == 1 and int((flat["position_ids"] == 0).sum()) == len(rows)
+    padded = labelled_collate(rows)
+    for mode in ("labels", "attention"):
+        distiller = Distiller(student, args(tmp_path, kd_token_mask=mode, kd_weight=1.0, task_weight=1.0,
+                                            eval_with_teacher=True), teacher_model=teacher)
+        for train in (True, False):
+            student.train(train)
+            values = []
+            for batch in (flat, padded):
+                distiller.tracker.reset()
+                with torch.no_grad():
+                    total = distiller.compute_loss(student, dict(batch))
+                values.append(distiller.tracker.pop_means() if train else {"total": float(total)})
+            for key, value in values[0].items():
+                assert value == pytest.approx(values[1][key], rel=1e-5, abs=1e-7), (mode, train, key)
