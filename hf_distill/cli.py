@@ -1,6 +1,6 @@
 """`hf-distill`: the command line of hf_distill (demo, run, card, push, report, signal; docs/guides/cli.md).
 
-Exit codes: 0 success, 2 usage error, 1 failure (one `error: ...` line on stderr, no traceback).
+Exit codes: 0 success, 2 usage error, 1 failure (one `error: ...` line on stderr, no traceback), 130 Ctrl-C.
 """
 
 from __future__ import annotations
