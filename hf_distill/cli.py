@@ -1,6 +1,6 @@
 """`hf-distill`: the command line of hf_distill (demo, run, card, push, report, signal; docs/guides/cli.md).
 
-Exit codes: 0 success, 2 usage error, 1 failure (one `error: ...` line on stderr, no traceback).
+Exit codes: 0 success, 2 usage error, 1 failure (one `error: ...` line on stderr, no traceback), 130 Ctrl-C.
 """
 
 from __future__ import annotations
@@ -98,10 +98,11 @@ def _signal_parser(sub: argparse._SubParsersAction) -> None:
             ("--batch_size", int, 8, "rows per teacher forward"),
             ("--rows_per_shard", int, 1024, "rows per file (the unit of resumption)"),
             ("--dtype", ("bfloat16", "float16", "float32"), None, "load the teacher in this dtype and run it "
-             "under autocast so"),
+             "under autocast in it (default: as saved)"),
             ("--device", str, None, "where to run the teacher, e.g. cuda (default: cpu)"),
             ("--split", str, "train", "the split of a saved DatasetDict"),
-            ("--teacher_name", str, None, "the teacher's name in the metadata and card (default: teacher)")):
+            ("--teacher_name", str, None, "the teacher's name in the metadata and card (default: the "
+             "teacher argument)")):
         choices = kind if isinstance(kind, tuple) else None
         text += f" (default: {default})" if default is not None and "default" not in text else ""
         create.add_argument(flag, type=str if choices else kind, choices=choices, default=default, help=text)
@@ -217,26 +218,68 @@ def cmd_signal(args: argparse.Namespace, argv: list[str]) -> int:
     import shlex
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from .data.teacher_signal import create_teacher_signal, signal_metadata
+    from .data.teacher_signal import check_signal_settings, create_teacher_signal, signal_metadata
 
     dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, None: None}
     rows = _load_rows(args.rows, args.split)
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.teacher)
-    teacher = AutoModelForCausalLM.from_pretrained(args.teacher, **({"dtype": dtypes[args.dtype]} if args.dtype
-                                                                    else {}))
-    if args.device:
-        teacher.to(args.device)
-    signal = create_teacher_signal(
-        teacher, rows, args.output_dir, tokenizer=tokenizer, k=args.k, temperature=args.temperature,
-        kd_token_mask=args.kd_token_mask, batch_size=args.batch_size, rows_per_shard=args.rows_per_shard,
-        dtype=dtypes[args.dtype], teacher_name=args.teacher_name or args.teacher, progress=not args.no_progress,
-        command=shlex.join(["hf-distill", *argv]))
+    device = _signal_device(args.device)
+    # Everything that can be checked without the teacher's weights is, before loading them (minutes for an LLM).
+    config = _load("teacher", args.teacher, lambda: AutoConfig.from_pretrained(args.teacher))
+    vocab = getattr(config, "vocab_size", None)
+    check_signal_settings(rows, args.output_dir, k=args.k, temperature=args.temperature,
+                          kd_token_mask=args.kd_token_mask, vocab_size=vocab if isinstance(vocab, int) else None)
+    where = args.tokenizer or args.teacher
+    tokenizer = _load("--tokenizer" if args.tokenizer else "teacher", where,
+                      lambda: AutoTokenizer.from_pretrained(where))
+    teacher = _load("teacher", args.teacher, lambda: AutoModelForCausalLM.from_pretrained(
+        args.teacher, **({"dtype": dtypes[args.dtype]} if args.dtype else {})))
+    if device is not None:
+        teacher.to(device)
+    try:
+        signal = create_teacher_signal(
+            teacher, rows, args.output_dir, tokenizer=tokenizer, k=args.k, temperature=args.temperature,
+            kd_token_mask=args.kd_token_mask, batch_size=args.batch_size, rows_per_shard=args.rows_per_shard,
+            dtype=dtypes[args.dtype], teacher_name=args.teacher_name or args.teacher, progress=not args.no_progress,
+            command=shlex.join(["hf-distill", *argv]))
+    except KeyboardInterrupt:
+        done, total = len(list(Path(args.output_dir).glob("shard-*.arrow"))), -(-len(rows) // args.rows_per_shard)
+        raise CommandError(f"interrupted: {done} of {total} shards ({args.rows_per_shard} rows each) are written in "
+                           f"{args.output_dir}; run the same command again to finish the signal.", code=130) from None
     meta = signal_metadata(signal)
     print(f"Wrote the teacher signal to {args.output_dir}: {meta['rows']} rows, {meta['positions']} tokens, "
           f"{meta['bytes_per_token']} bytes per token (k={meta['k']}, temperature={meta['temperature']}).")
     return 0
+
+
+def _signal_device(name: str | None):
+    """`--device` as a torch.device, refused before any loading when it is not a device this machine has."""
+    import torch
+
+    if name is None:
+        return None
+    try:
+        device = torch.device(name)
+    except RuntimeError as error:
+        raise CommandError(f"--device {name}: not a device name ({error}); use e.g. cpu, cuda or cuda:1.", 2) from None
+    accelerator = getattr(torch, device.type, None) if device.type != "cpu" else None
+    available = device.type == "cpu" or (accelerator is not None and accelerator.is_available())
+    count = accelerator.device_count() if available and hasattr(accelerator, "device_count") else None
+    if not available or (device.index is not None and count is not None and device.index >= count):
+        raise CommandError(f"--device {name}: this machine has no such device (torch {torch.__version__}); leave "
+                           "--device out to run the teacher on the CPU, or run where that device is.", code=2)
+    return device
+
+
+def _load(what: str, where: str, load: Callable[[], object]):
+    """A transformers `from_pretrained` call whose failure (no such folder or Hub id, offline) is one error line."""
+    try:
+        return load()
+    except OSError as error:
+        first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+        raise CommandError(f"{what} {where!r}: could not load it ({first}). Give a folder saved with "
+                           "save_pretrained, or a Hub id (downloads need HF_HUB_OFFLINE unset).") from None
 
 
 def _exit_code(run: Callable[[], object]) -> int:
@@ -280,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
         return {"card": cmd_card, "push": cmd_push, "report": cmd_report}[args.command](args)
     except SystemExit as exit_:
         return exit_.code if isinstance(exit_.code, int) else 2
+    except KeyboardInterrupt:
+        print("error: interrupted.", file=sys.stderr)
+        return 130
     except (CommandError, HubPushError, FileNotFoundError, NotADirectoryError, ValueError, ImportError) as error:
         print(f"error: {error}", file=sys.stderr)
         return error.code if isinstance(error, CommandError) else 1

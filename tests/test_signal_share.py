@@ -165,7 +165,7 @@ def test_cli_creates_and_pushes_a_signal(tmp_path, hub, capsys):
     argv = ["signal", "create", str(tmp_path / "teacher"), str(tmp_path / "rows"), str(tmp_path / "signal"),
             "--k", str(K), "--temperature", str(T), "--rows_per_shard", "4", "--batch_size", "3", "--no_progress"]
     assert main(argv) == 0
-    out = capsys.readouterr().out
+    out = capsys.readouterr().out.splitlines()[-1]  # deepspeed's first import may print a line before it
     signal = load_teacher_signal(tmp_path / "signal")
     meta = signal_metadata(signal)
     assert out.startswith(f"Wrote the teacher signal to {tmp_path / 'signal'}: 8 rows, {meta['positions']} tokens")
@@ -194,6 +194,80 @@ def test_cli_signal_errors_are_one_line(tmp_path, capsys):
     assert main(["signal", "push", str(tmp_path), "fake-user/x"]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"error: Could not push {tmp_path}: ") and err.count("\n") == 1
+
+
+def _cli_inputs(tmp_path, capsys):
+    """A saved teacher (with its tokenizer) and saved rows, as a user of `hf-distill signal create` has them."""
+    llama(1).save_pretrained(tmp_path / "teacher")
+    _tokenizer().save_pretrained(tmp_path / "teacher")
+    sft_rows(8).save_to_disk(str(tmp_path / "rows"))
+    sft_rows(8).remove_columns("labels").save_to_disk(str(tmp_path / "unlabelled"))
+    capsys.readouterr()  # their progress bars
+    return str(tmp_path / "teacher"), str(tmp_path / "rows")
+
+
+def test_cli_signal_create_refuses_bad_settings_before_loading_the_teacher(tmp_path, capsys, monkeypatch):
+    import transformers
+
+    teacher, rows = _cli_inputs(tmp_path, capsys)
+    loaded = []
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **kw: loaded.append(a))
+    (tmp_path / "a_file").write_text("mine")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    cases = [
+        ([teacher, rows, "new", "--k", str(VOCAB + 1)], 1, f"k={VOCAB + 1} exceeds the teacher's vocabulary "
+                                                           f"({VOCAB} ids): choose k <= {VOCAB}"),
+        ([teacher, str(tmp_path / "unlabelled"), "new"], 1, "no ['labels'] column"),
+        ([teacher, rows, "new", "--temperature", "0"], 1, "temperature must be a finite number > 0"),
+        ([teacher, rows, str(tmp_path / "a_file")], 1, "is a file: give a new folder"),
+        ([teacher, rows, str(tmp_path / "notes")], 1, "is not empty and holds no teacher signal"),
+        ([teacher, rows, "new", "--device", "not-a-device"], 2, "--device not-a-device: not a device name"),
+        ([str(tmp_path / "no-teacher"), rows, "new"], 1, f"teacher {str(tmp_path / 'no-teacher')!r}: could not "
+                                                         "load it"),
+        ([teacher, rows, "new", "--tokenizer", str(tmp_path / "no-tok")], 1, "--tokenizer"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append(([teacher, rows, "new", "--device", "cuda"], 2, "--device cuda: this machine has no such device"))
+    monkeypatch.chdir(tmp_path)
+    for argv, code, message in cases:
+        assert main(["signal", "create", "--k", "4", "--no_progress", *argv]) == code, argv  # a later --k wins
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and err.count("\n") == 1, (argv, err)
+    assert loaded == [] and not (tmp_path / "new").exists()
+    assert (tmp_path / "a_file").read_text() == "mine" and sorted(p.name for p in (tmp_path / "notes").iterdir()) == [
+        "todo.txt"]
+
+
+def test_cli_signal_create_interrupted_then_run_again(tmp_path, capsys, monkeypatch):
+    from hf_distill.data import teacher_signal
+
+    teacher, rows = _cli_inputs(tmp_path, capsys)
+    argv = ["signal", "create", teacher, rows, str(tmp_path / "signal"), "--k", str(K), "--temperature", str(T),
+            "--rows_per_shard", "4", "--batch_size", "4", "--no_progress"]
+    real, calls = teacher_signal._signal_table, []
+
+    def ctrl_c_on_the_second_batch(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(teacher_signal, "_signal_table", ctrl_c_on_the_second_batch)
+    assert main(argv) == 130
+    err = capsys.readouterr().err.splitlines()[-1]  # after transformers' "Loading weights" bar
+    assert err.startswith(f"error: interrupted: 1 of 2 shards (4 rows each) are written in {tmp_path / 'signal'}; "
+                          "run the same command again"), err
+    assert main([*argv[:-1], "--batch_size", "2"]) == 0  # run again (another batch size: the same signal)
+    assert len(calls) == 4  # the interrupted batch, then the second shard's two batches of 2 rows only
+    signal = load_teacher_signal(tmp_path / "signal")
+    monkeypatch.setattr(teacher_signal, "_signal_table", real)
+    python = _signal(tmp_path / "python", sft_rows(8), llama(1))
+    assert signal.to_dict() == python.to_dict()
+    assert signal_metadata(signal)["command"].endswith("--batch_size 4 --no_progress")  # the command that started it
+    assert main([*argv[:5], "--k", str(K + 1), "--no_progress"]) == 1
+    err = capsys.readouterr().err
+    assert f"k: {K} there, {K + 1} now" in err and "temperature: 2.0 there, 1.0 now" in err, err
 
 
 # ---------------------------------------------------------------------- processors

@@ -210,6 +210,8 @@ def test_training_refuses_a_signal_that_does_not_fit(tmp_path):
         _trainer(tmp_path, joined, tokenizer=_tokenizer("x"))
     with pytest.raises(ValueError, match="kd_token_mask='labels'"):
         _trainer(tmp_path, joined, kd_token_mask="attention")
+    with pytest.raises(ValueError, match="kd_loss='mse' needs teacher logits over the whole vocabulary.*set kd_loss"):
+        _trainer(tmp_path, joined, kd_loss="mse")
     changed = rows.map(lambda r, i: {"input_ids": r["input_ids"][:-1] if i == 5 else r["input_ids"]},
                        with_indices=True)
     with pytest.raises(ValueError, match="Row 5 of the rows"):
@@ -219,6 +221,22 @@ def test_training_refuses_a_signal_that_does_not_fit(tmp_path):
         _trainer(tmp_path, forced)
     with pytest.raises(ValueError, match="other settings"):
         _signal(tmp_path, rows=sft_rows(8, seed=4))  # same folder, other rows
+
+
+def test_an_output_dir_that_is_not_a_signal_is_refused_untouched(tmp_path):
+    (tmp_path / "signal").mkdir()
+    (tmp_path / "signal" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="is not empty and holds no teacher signal .* it holds notes.txt"):
+        _signal(tmp_path)
+    assert [p.name for p in (tmp_path / "signal").iterdir()] == ["notes.txt"]
+    (tmp_path / "signal" / "notes.txt").unlink()
+    (tmp_path / "signal").rmdir()
+    (tmp_path / "signal").write_text("mine")
+    with pytest.raises(ValueError, match="is a file: give a new folder"):
+        _signal(tmp_path)
+    assert (tmp_path / "signal").read_text() == "mine"
+    with pytest.raises(ValueError, match=f"k={VOCAB + 1} exceeds the teacher's vocabulary .*choose k <= {VOCAB}"):
+        _signal(tmp_path / "other", k=VOCAB + 1)
 
 
 # ---------------------------------------------------------------------- training from it

@@ -47,7 +47,13 @@ def check_teacher_columns(
             )
     if LOGITS_COLUMN not in names and teacher is None and kd_weight > 0:
         topk = (TOPK_VALUES_COLUMN in names and TOPK_INDICES_COLUMN in names) or f"{TEACHER_PREFIX}signal_topk" in names
-        if not topk or kd_loss == "mse":
+        if topk and kd_loss == "mse":
+            raise ValueError(
+                f"kd_loss='mse' needs teacher logits over the whole vocabulary, but the {which} dataset carries top-k "
+                "ones (cached top-k logits or a teacher signal), which every other kd_loss uses: set kd_loss to "
+                "'kl', 'reverse_kl', 'jsd', 'tvd', 'skew_kl', 'skew_reverse_kl' or 'soft_ce', or pass teacher_model."
+            )
+        if not topk:
             raise ValueError(
                 "kd_weight > 0 needs teacher logits: pass teacher_model, or add a `teacher_logits` column "
                 f"to the {which} dataset (see hf_distill.cache; cached top-k logits and teacher signals serve every "

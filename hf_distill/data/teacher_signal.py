@@ -68,6 +68,7 @@ __all__ = [
     "SIGNAL_TOPK",
     "SIGNAL_VALUES",
     "attach_teacher_signal",
+    "check_signal_settings",
     "check_teacher_signal",
     "create_teacher_signal",
     "load_teacher_signal",
@@ -148,25 +149,12 @@ def create_teacher_signal(
         command: how the signal was made, for its dataset card (the CLI gives its command line; default: this
             call, written as Python).
     """
-    if kd_token_mask not in _MODES:
-        raise ValueError(f"kd_token_mask={kd_token_mask!r}: use 'labels' or 'attention' (the trainer's rule).")
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"k must be an integer >= 1, got {k!r}.")
-    if not (isinstance(temperature, int | float) and 0 < float(temperature) < float("inf")):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}.")
-    if not isinstance(dataset, datasets.Dataset) or len(dataset) == 0:
-        raise ValueError("dataset must be a non-empty datasets.Dataset of tokenised rows.")
-    needed = ("input_ids", "labels") if kd_token_mask == "labels" else ("input_ids",)
-    missing = [c for c in needed if c not in dataset.column_names]
-    if missing:
-        raise ValueError(f"The dataset has no {missing} column (columns: {dataset.column_names}); "
-                         "kd_token_mask='labels' needs `labels` (-100 where not learnt), or use 'attention'.")
     inner = unwrap(teacher)
     vocab = getattr(getattr(inner, "config", None), "vocab_size", None)
     if not isinstance(vocab, int):
         raise ValueError("The teacher has no config.vocab_size: give a transformers causal-LM teacher.")
-    if k > vocab:
-        raise ValueError(f"k={k} exceeds the teacher's vocabulary ({vocab} ids).")
+    check_signal_settings(dataset, output_dir, k=k, temperature=temperature, kd_token_mask=kd_token_mask,
+                          vocab_size=vocab)
     columns = [c for c in ("input_ids", "attention_mask", "labels") if c in dataset.column_names]
     name = teacher_name or getattr(inner, "name_or_path", None) or getattr(inner.config, "_name_or_path", "") or ""
     import hf_distill
@@ -214,6 +202,35 @@ def create_teacher_signal(
     meta["payload_bytes_per_token"] = round(payload / max(positions, 1), 2)
     (folder / _META_FILE).write_text(json.dumps({**meta, "complete": True}, indent=2) + "\n")
     return load_teacher_signal(folder)
+
+
+def check_signal_settings(dataset: Any, output_dir: str | os.PathLike, *, k: Any, temperature: Any,
+                          kd_token_mask: str, vocab_size: int | None) -> None:
+    """Refuse settings `create_teacher_signal` cannot use, each naming the fix; cheap, so the command line runs it
+    before loading the teacher's weights (`vocab_size`: the teacher config's, None to skip that check)."""
+    if kd_token_mask not in _MODES:
+        raise ValueError(f"kd_token_mask={kd_token_mask!r}: use 'labels' or 'attention' (the trainer's rule).")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be an integer >= 1, got {k!r}.")
+    if vocab_size is not None and k > vocab_size:
+        raise ValueError(f"k={k} exceeds the teacher's vocabulary ({vocab_size} ids): choose k <= {vocab_size}.")
+    if not (isinstance(temperature, int | float) and 0 < float(temperature) < float("inf")):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}.")
+    if not isinstance(dataset, datasets.Dataset) or len(dataset) == 0:
+        raise ValueError("dataset must be a non-empty datasets.Dataset of tokenised rows.")
+    needed = ("input_ids", "labels") if kd_token_mask == "labels" else ("input_ids",)
+    missing = [c for c in needed if c not in dataset.column_names]
+    if missing:
+        raise ValueError(f"The dataset has no {missing} column (columns: {dataset.column_names}); "
+                         "kd_token_mask='labels' needs `labels` (-100 where not learnt), or use 'attention'.")
+    folder = Path(output_dir)
+    if folder.is_file():
+        raise ValueError(f"output_dir {str(output_dir)!r} is a file: give a new folder (or this signal's, to resume).")
+    others = sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) if folder.is_dir() else []
+    if others and not (folder / _META_FILE).is_file():  # not overwritten, not mixed with a signal's files
+        raise ValueError(f"{folder} is not empty and holds no teacher signal ({_META_FILE} is missing; it holds "
+                         f"{', '.join(others[:3])}{', ...' if len(others) > 3 else ''}): choose a new or empty "
+                         "output_dir.")
 
 
 def _signal_table(teacher, rows: dict[str, list], meta: dict, pad_id: int, device, dtype) -> pa.Table:
@@ -323,20 +340,19 @@ def _positions(path: Path) -> int:
 
 
 def _check_resumable(folder: Path, meta: dict) -> None:
-    """A folder holding (part of) another signal is refused, not overwritten or mixed with this one."""
+    """A folder holding (part of) another signal is refused, not overwritten or mixed with this one (one holding
+    other files: check_signal_settings). Resuming keeps the command that started it (its card says how it was made)."""
     path = folder / _META_FILE
     if not path.is_file():
-        if any(folder.glob("shard-*.arrow")):
-            raise ValueError(f"{folder} holds shard files but no {_META_FILE}: choose an empty output_dir.")
         return
     old = json.loads(path.read_text())
     keys = [k for k in meta if k not in ("hf_distill", "command")]
     changed = [k for k in keys if old.get(k) != meta[k]]
     if changed:
-        raise ValueError(
-            f"{folder} holds a teacher signal made with other settings ({', '.join(changed)} differ), so it cannot be "
-            "resumed: choose another output_dir, or delete that folder to start over."
-        )
+        values = "; ".join(f"{k}: {old.get(k)} there, {meta[k]} now" for k in changed)
+        raise ValueError(f"{folder} holds a teacher signal made with other settings ({', '.join(changed)} differ: "
+                         f"{values}), so it cannot be resumed: choose another output_dir, or delete that folder.")
+    meta["command"] = old.get("command") or meta["command"]
 
 
 # ---------------------------------------------------------------------- reading it
