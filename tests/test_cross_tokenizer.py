@@ -220,8 +220,9 @@ def test_with_one_tokenizer_aligned_is_plain_kd_and_uld_of_equal_logits_is_zero(
 
 
 def _run_args(tmp_path, method: str, **kw):
+    # remove_unused_columns keeps its default (True): the trainer keeps the collator's text columns itself
     base = dict(cross_tokenizer=method, kd_weight=1.0, task_weight=0.0, max_steps=1, per_device_train_batch_size=4,
-                remove_unused_columns=False, optim="adamw_torch", weight_decay=0.0, max_grad_norm=0.0)
+                optim="adamw_torch", weight_decay=0.0, max_grad_norm=0.0)
     return make_args(tmp_path / method, **{**base, **kw})
 
 

@@ -53,8 +53,8 @@ class CrossTokenizerCollator:
     `kd_token_mask="labels"` counts it). Each tokenizer adds its own special tokens (`add_special_tokens`) and is
     truncated on its own to `max_length` tokens (so long texts may cover less text on one side). Both sides are
     right-padded (padding ids: the tokenizer's pad token, else its EOS, else 0; padded positions are masked and
-    carry label -100). The Trainer drops dataset columns the student's forward does not name: pass
-    `remove_unused_columns=False` so that the text reaches the collator.
+    carry label -100). The distillation trainers keep the columns it reads (`dataset_columns`) through the
+    Trainer's column removal.
 
     Output: `input_ids`, `attention_mask`, `labels` (the student's), `teacher_input_ids`, `teacher_attention_mask`,
     `teacher_labels`, and `teacher_positions` (B, student length): the teacher position aligned with each student
@@ -83,6 +83,11 @@ class CrossTokenizerCollator:
         self.tokenizer, self.teacher_tokenizer = tokenizer, teacher_tokenizer
         self.text_column, self.prompt_column, self.completion_column = text_column, prompt_column, completion_column
         self.max_length, self.add_special_tokens = max_length, add_special_tokens
+
+    @property
+    def dataset_columns(self) -> tuple[str, ...]:
+        """The text columns this collator reads: DistillationMixin keeps them through column removal."""
+        return (self.text_column, self.prompt_column, self.completion_column)
 
     def _texts(self, features: list[dict[str, Any]]) -> tuple[list[str], list[int]]:
         """Each row's text and the character where its learnt part starts (0 for a plain text row)."""
