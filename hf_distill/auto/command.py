@@ -72,6 +72,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     group.add_argument("--batch_size", type=int, default=1, help="rows per timed batch (default: 1)")
     group.add_argument("--seq_len", type=int, help="tokens per timed row (default: --max_length)")
     group.add_argument("--repeats", type=int, default=30, help="interleaved timing rounds (default: 30)")
+    group.add_argument("--threads", type=int, help="CPU threads of torch, for timing and training (default: "
+                       "torch's)")
     group = p.add_argument_group("search")
     group.add_argument("--proxy_steps", type=int, default=50, help="distillation steps that rank a candidate")
     group.add_argument("--top_n", type=int, default=1, help="candidates distilled fully (default: 1)")
@@ -168,6 +170,16 @@ def cmd_auto(args: argparse.Namespace, argv: list[str]) -> int:
     from .space import Candidate
 
     check_output_dir(Path(args.output_dir), args.overwrite_output_dir)  # before any teacher is loaded or trained
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {args.threads}.")
+        torch.set_num_threads(args.threads)
+    if args.no_progress:
+        import datasets
+        from transformers.utils import logging as hf_logging
+
+        datasets.disable_progress_bars()
+        hf_logging.disable_progress_bar()
     candidates = None
     if args.candidates:
         try:

@@ -412,9 +412,9 @@ def _auto(r: DistillationReport) -> str:
             f"{x['num_attention_heads']} | {x['intermediate_size']} | {x['hidden_size']} | {x['params']:,} | "
             f"{x['latency_ms']:.3f} | {'' if x['proxy_metric'] is None else format(x['proxy_metric'], '.4f')} | "
             f"{'' if x['final_metric'] is None else format(x['final_metric'], '.4f')} |" for x in a.get("rows") or []]
-    table = (f"| Candidate | Layers | Heads | Intermediate | Hidden | Parameters | Latency (ms) | Proxy {a['metric']} | "
-             f"Final {a['metric']} |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n" + "\n".join(rows)
-             ) if rows else ""
+    head = (f"| Candidate | Layers | Heads | Intermediate | Hidden | Parameters | Latency (ms) | Proxy {a['metric']} "
+            f"| Final {a['metric']} |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n")
+    table = head + "\n".join(rows) if rows else ""
     return "## How the shape was chosen\n\n" + "\n\n".join(p for p in (text, table) if p)
 
 
