@@ -246,7 +246,8 @@ def auto_student(
 
     by_name = {c.name: c for c in pool}
     fit = dict(train_dataset=train_dataset, eval_dataset=eval_dataset, data_collator=data_collator,
-               processing_class=processing_class, compute_metrics=compute_metrics)
+               processing_class=processing_class, compute_metrics=compute_metrics,
+               teacher_processing_class=processing_class)  # every candidate reads the teacher's tokens
     # 3. the proxy: a short distillation of each candidate within the budget, nothing saved
     within = [r for r in rows if r["within_budget"]]
     with tempfile.TemporaryDirectory(prefix="hf-distill-auto-") as scratch:
