@@ -1,4 +1,4 @@
-"""`hf-distill`: the command line of hf_distill (demo, run, card, push, report, signal; docs/guides/cli.md).
+"""`hf-distill`: the command line of hf_distill (demo, run, card, push, report, signal, auto; docs/guides/cli.md).
 
 Exit codes: 0 success, 2 usage error, 1 failure (one `error: ...` line on stderr, no traceback), 130 Ctrl-C.
 """
@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
         "and, when subfolders hold results.json files with accuracy and params, accuracy_vs_params.png.")
     report.add_argument("output_dir")
     _signal_parser(sub)
+    from .auto.command import add_parser as auto_parser
+
+    auto_parser(sub)
     return parser
 
 
@@ -320,6 +323,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise CommandError("`hf-distill signal` needs an action: create or push (see hf-distill signal "
                                    "--help).", code=2)
             return cmd_signal(args, argv)
+        if args.command == "auto":
+            from .auto.command import cmd_auto
+
+            return cmd_auto(args, argv)
         return {"card": cmd_card, "push": cmd_push, "report": cmd_report}[args.command](args)
     except SystemExit as exit_:
         return exit_.code if isinstance(exit_.code, int) else 2

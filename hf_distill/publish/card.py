@@ -75,6 +75,11 @@ def citations(report: DistillationReport) -> list[str]:
         keys.append(METHODS[_KD_METHODS.get(report.distillation.get("kd_loss") or "", "logit-kd")][1][0])
     if report.student_init.get("init") == "prune_depth":
         keys.append("men2024shortgpt")
+    if report.student_init.get("init") == "prune_width":
+        keys.extend(["muralidharan2024minitron", *(["men2024shortgpt"] if report.student_init.get("block_importance")
+                                                  else [])])
+    if report.auto:
+        keys.append("yin2021autotinybert")
     return list(dict.fromkeys(keys))
 
 
@@ -140,7 +145,8 @@ class DistillationSummary(TrainingSummary):
 
         r = self.report
         versions = super().to_model_card().partition("### Framework versions\n\n")[2].strip()
-        sections = [_title(r), _made(r), _comparison(r), _training(r), _early_exit(r), _usage(r), _citation(r),
+        sections = [_title(r), _made(r), _auto(r), _comparison(r), _training(r), _early_exit(r), _usage(r),
+                    _citation(r),
                     f"Distilled with hf_distill {__version__}." + (f"\n\n{versions}" if versions else "")]
         body = "\n\n".join(s for s in sections if s)
         return f"---\n{yaml.dump(self.create_metadata(), sort_keys=False)}---\n\n{body}\n"
@@ -246,6 +252,14 @@ def _initialisation(r: DistillationReport) -> str:
                 f"(1 - mean cosine between a block's input and output, ShortGPT, Men et al., 2024){tokens}; the kept "
                 f"blocks copied bit-exactly with "
                 f"{'the embeddings, final norm and LM head' if causal else 'the embeddings and head'}")
+    if kind == "prune_width" and init.get("teacher_shape"):
+        t = init["teacher_shape"]
+        depth = (f", its {len(layers)} most important blocks of {total} by block importance (ShortGPT, Men et al., "
+                 "2024)") if layers is not None and total else ""
+        return (f"width pruning of the teacher ({t.get('num_layers')} layers, {t.get('num_attention_heads')} heads, "
+                f"MLP {t.get('intermediate_size')}, hidden {t.get('hidden_size')}): the heads, MLP channels and hidden "
+                "channels of largest activation on calibration text kept (Minitron, Muralidharan et al., 2024)"
+                f"{depth}, their weights copied")
     if kind == "from_teacher" and layers is not None:
         if causal:
             return f"teacher decoder blocks {layers} (0-based){of}, copied with the embeddings, final norm and LM head"
@@ -380,6 +394,28 @@ def _training(r: DistillationReport) -> str:
         r.loss_plot and f"![Loss components against training steps]({r.loss_plot})",
     ]
     return "## Training\n\n" + "\n\n".join(p for p in parts if p) if any(parts) else ""
+
+
+def _auto(r: DistillationReport) -> str:
+    """How `hf_distill.auto` chose the student's shape for a latency budget: its latency and the ranked candidates."""
+    a = r.auto
+    if not a:
+        return ""
+    how = "the most accurate" if a.get("picked") else f"number {a.get('proxy_rank')} by the proxy"
+    text = (f"Chosen by `hf-distill auto` ({a['kind']} candidate `{a['name']}`) as {how} of the students that answer "
+            f"within a latency budget of **{a['budget_ms']:g} ms** ({a['setup']}): this student takes "
+            f"**{a['latency_ms']:.3f} ms**, the teacher {a['teacher_latency_ms']:.3f} ms. {a['candidates']} candidate "
+            f"shapes were built (pruned depth x width, layer copies, shrunk models) and timed; {a['within_budget']} "
+            f"met the budget, each was distilled for {a['proxy_steps']} steps and ranked by evaluation "
+            f"{a['metric']}, and the best {a['top_n']} distilled fully (the best final {a['metric']} is the pick).")
+    rows = [f"| {x['name']}{' (this model)' if x['name'] == a['name'] else ''} | {x['num_layers']} | "
+            f"{x['num_attention_heads']} | {x['intermediate_size']} | {x['hidden_size']} | {x['params']:,} | "
+            f"{x['latency_ms']:.3f} | {'' if x['proxy_metric'] is None else format(x['proxy_metric'], '.4f')} | "
+            f"{'' if x['final_metric'] is None else format(x['final_metric'], '.4f')} |" for x in a.get("rows") or []]
+    head = (f"| Candidate | Layers | Heads | Intermediate | Hidden | Parameters | Latency (ms) | Proxy {a['metric']} "
+            f"| Final {a['metric']} |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n")
+    table = head + "\n".join(rows) if rows else ""
+    return "## How the shape was chosen\n\n" + "\n\n".join(p for p in (text, table) if p)
 
 
 def _early_exit(r: DistillationReport) -> str:

@@ -10,6 +10,7 @@ import os
 import re
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,19 +28,32 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _timed_passes(models: list[nn.Module], batches: list[dict], repeats: int) -> list[list[float]]:
+def _timed_passes(models: list[nn.Module], batches: list[dict], repeats: int,
+                  on_round: Callable[[], object] | None = None) -> list[list[float]]:
     """times[round][model] of `repeats` rounds after a warm-up; each model gets the inputs its (unwrapped) forward
-    names."""
+    names. `on_round` is called after each round (a progress bar)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}.")
     modes = [m.training for m in models]
     names = [set(inspect.signature(unwrap(m).forward).parameters) for m in models]
+    # CUDA kernels run asynchronously: wait for them, or a pass would time only their launch.
+    cuda = any(isinstance(v, torch.Tensor) and v.is_cuda for b in batches for v in b.values())
 
     def one_pass(model: nn.Module, names: set[str]) -> float:
         start = time.perf_counter()
         for batch in batches:
             model(**{k: v for k, v in batch.items() if k in names})
+        if cuda:
+            torch.cuda.synchronize()
         return time.perf_counter() - start
+
+    def rounds() -> list[list[float]]:
+        times = []
+        for _ in range(repeats):
+            times.append([one_pass(m, n) for m, n in zip(models, names)])
+            if on_round is not None:
+                on_round()
+        return times
 
     try:
         for m in models:
@@ -47,7 +61,7 @@ def _timed_passes(models: list[nn.Module], batches: list[dict], repeats: int) ->
         with torch.no_grad():
             for m, n in zip(models, names):
                 one_pass(m, n)  # warm-up: allocator, lazy init, caches
-            return [[one_pass(m, n) for m, n in zip(models, names)] for _ in range(repeats)]
+            return rounds()
     finally:
         for m, mode in zip(models, modes):
             m.train(mode)
@@ -57,6 +71,14 @@ def inference_seconds(model: nn.Module, batches: list[dict], repeats: int = 5) -
     """Median wall seconds of one no-grad, eval-mode pass over `batches`. Only the inputs `forward` names
     are passed, so extra columns do no harm; leave `labels` out to time inference without a loss."""
     return statistics.median(t[0] for t in _timed_passes([model], batches, repeats))
+
+
+def latencies(models: list[nn.Module], batches: list[dict], repeats: int = 5,
+              on_round: Callable[[], object] | None = None) -> list[float]:
+    """Median wall seconds of each model's no-grad pass over `batches`, the models timed interleaved (round after
+    round, every model once per round), so that load from other processes falls on all of them alike."""
+    times = _timed_passes(models, batches, repeats, on_round)
+    return [statistics.median(t[i] for t in times) for i in range(len(models))]
 
 
 def speedup(teacher: nn.Module, student: nn.Module, batches: list[dict], repeats: int = 5) -> float:

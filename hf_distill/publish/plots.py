@@ -92,6 +92,34 @@ def plot_accuracy_vs_params(runs: list[dict[str, Any]], out: str | os.PathLike) 
     return _save(plt, fig, ax, out)
 
 
+def plot_accuracy_vs_latency(rows: list[dict[str, Any]], setup: dict[str, Any], out: str | os.PathLike) -> Path:
+    """`hf_distill.auto`'s candidates: proxy and final metric against measured latency, the budget as a line; the
+    candidates over the budget (never trained) sit on the x axis as ticks."""
+    plt, fig, ax = _figure()
+    metric, teacher = setup["metric"], setup["teacher"]
+    proxy = [r for r in rows if r.get("proxy_metric") is not None]
+    ax.scatter([r["latency_ms"] for r in proxy], [r["proxy_metric"] for r in proxy], s=40, facecolors="none",
+               edgecolors="tab:blue", label=f"after {setup['proxy_steps']} proxy steps", zorder=3)
+    final = [r for r in rows if r.get("final_metric") is not None]
+    ax.scatter([r["latency_ms"] for r in final], [r["final_metric"] for r in final], s=50, color="tab:green",
+               label="fully distilled", zorder=3)
+    for r in proxy:
+        y = r["final_metric"] if r.get("final_metric") is not None else r["proxy_metric"]
+        ax.annotate(r["name"] + (" (picked)" if r.get("picked") else ""), (r["latency_ms"], y),
+                    textcoords="offset points", xytext=(5, 5), fontsize=8)
+    over = [r["latency_ms"] for r in rows if not r.get("within_budget")]
+    if over:
+        ax.plot(over, [0] * len(over), "|", color="tab:gray", markersize=14, transform=ax.get_xaxis_transform(),
+                label="over the budget (not trained)")
+    if teacher.get("metric") is not None:
+        ax.scatter([teacher["latency_ms"]], [teacher["metric"]], marker="*", s=200, color="tab:red", label="teacher",
+                   zorder=3)
+    ax.axvline(setup["budget_ms"], color="tab:red", linestyle="--", label=f"budget {setup['budget_ms']:g} ms")
+    ax.set(xlabel=f"latency (ms; {setup['device']}, batch {setup['batch_size']} x {setup['seq_len']} tokens)",
+           ylabel=metric, title=f"{metric} against latency")
+    return _save(plt, fig, ax, out)
+
+
 def _figure() -> tuple[Any, Any, Any]:
     try:
         import matplotlib

@@ -72,6 +72,7 @@ class DistillationReport:
     adapter: dict[str, Any] = field(default_factory=dict)  # a PEFT student: type, rank, targets, base model
     initialised_from: str | None = None  # the student's starting checkpoint (`finetuned_from`), never the teacher
     early_exit: dict[str, Any] = field(default_factory=dict)  # students.early_exit: exits, speed sweep, plot
+    auto: dict[str, Any] = field(default_factory=dict)  # hf_distill.auto: the latency budget and how the shape won
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

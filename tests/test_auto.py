@@ -1,0 +1,240 @@
+"""hf_distill.auto: candidates, the latency budget, the proxy ranking, the Pareto table, the card, `hf-distill auto`."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import args, collate, teacher, token_dataset
+from hub_server import POSITIVE, VOCAB_WORDS, tiny_tokenizer
+
+from hf_distill.auto import Candidate, auto_student, candidate_grid, rank
+from hf_distill.auto import search as search_module
+from hf_distill.cli import main
+
+# Four candidates of the 4-layer, 4-head, 32-wide teacher: one per way of building a student.
+POOL = [Candidate("prune", 2, 2, 32, 16), Candidate("prune", 1, 4, 64, 32), Candidate("copy", 2, 4, 64, 32),
+        Candidate("shrink", 1, 2, 32, 16)]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: a second intra-op thread only adds hand-off cost on a busy 2-core runner."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def run(tmp_path, **kw):
+    settings = dict(budget_ms=1e6, args=args(tmp_path, max_steps=2), data_collator=collate, proxy_steps=2,
+                    seq_len=12, repeats=2, calibration_rows=8, candidates=POOL[:2], progress=False)
+    settings.update(kw)
+    return auto_student(teacher(), token_dataset(24), token_dataset(8, seed=1), **settings)
+
+
+def fixed_latencies(monkeypatch, seconds: list[float]) -> None:
+    """measure.latencies answering fixed numbers (teacher first), after checking it was asked for them all."""
+    def fake(models, batches, repeats, on_round=None):
+        assert len(models) == len(seconds) and len(batches) == 1
+        return list(seconds)
+
+    monkeypatch.setattr(search_module.measure, "latencies", fake)
+
+
+def scores(values: list[float]):
+    """A compute_metrics returning `values` in call order (proxy evaluations first, then the full runs')."""
+    queue = iter(values)
+    return lambda _prediction: {"score": next(queue)}
+
+
+# ---------------------------------------------------------------------- the search space
+
+
+def test_default_grid_is_the_documented_one():
+    grid = candidate_grid(teacher())
+    assert [c.name for c in grid] == [
+        "prune_L4_H3_I48_D24", "prune_L4_H2_I32_D16", "prune_L2_H4_I64_D32", "prune_L2_H3_I48_D24",
+        "prune_L2_H2_I32_D16", "prune_L1_H4_I64_D32", "prune_L1_H3_I48_D24", "prune_L1_H2_I32_D16", "copy_L2",
+        "shrink_L2_H2_I32_D16"]  # depth 1 x width 1 (the teacher itself) left out
+
+
+def test_custom_grid_and_its_errors():
+    grid = candidate_grid(teacher(), depths=[0.5], widths=[(0.5, 0.25, 0.5)], copy_depths=[], shrink_shapes=[])
+    assert [c.name for c in grid] == ["prune_L2_H2_I16_D16"]
+    with pytest.raises(ValueError, match=r"hidden size follows the heads"):
+        candidate_grid(teacher(), widths=[(0.5, 0.5, 1.0)])
+    with pytest.raises(ValueError, match=r"depths must hold fractions of the teacher in \(0, 1\], got 2"):
+        candidate_grid(teacher(), depths=[2])
+    with pytest.raises(ValueError, match="every shape is the teacher's own"):
+        candidate_grid(teacher(), depths=[1.0], widths=[1.0], copy_depths=[1.0], shrink_shapes=[])
+    with pytest.raises(ValueError, match="kind 'wide' is not one of prune, copy, shrink"):
+        Candidate("wide", 1, 1, 1, 1)
+
+
+def test_candidates_build_to_their_shape():
+    t = teacher()
+    importance = search_module.width_importance(t, [collate(token_dataset(8).to_list())])
+    for candidate in POOL:
+        student = candidate.build(t, importance)
+        config = student.config
+        assert (config.num_hidden_layers, config.num_attention_heads, config.intermediate_size,
+                config.hidden_size) == tuple(candidate.shape().values())
+
+
+# ---------------------------------------------------------------------- budget and ranking
+
+
+def test_within_budget_is_exactly_the_candidates_below_it_and_only_they_train(tmp_path, monkeypatch):
+    fixed_latencies(monkeypatch, [0.010, 0.006, 0.002, 0.0049, 0.008])  # teacher, then POOL in order
+    result = run(tmp_path, candidates=POOL, budget_ms=5.0)
+    rows = {r["name"]: r for r in result.rows}
+    assert [r["latency_ms"] for r in result.rows] == pytest.approx([6.0, 2.0, 4.9, 8.0])
+    assert {n for n, r in rows.items() if r["within_budget"]} == {"prune_L1_H4_I64_D32", "copy_L2"}
+    assert {n for n, r in rows.items() if r["proxy_metric"] is not None} == {"prune_L1_H4_I64_D32", "copy_L2"}
+    assert result.picked in ("prune_L1_H4_I64_D32", "copy_L2")
+
+
+def test_the_best_proxy_metric_is_distilled_and_picked(tmp_path, monkeypatch):
+    fixed_latencies(monkeypatch, [0.010, 0.003, 0.002, 0.004])
+    # proxy scores of POOL[:3] in order, then the full run's score and the teacher's
+    result = run(tmp_path, candidates=POOL[:3], metric="score", compute_metrics=scores([0.2, 0.9, 0.5, 0.7, 1.0]))
+    assert result.picked == "prune_L1_H4_I64_D32"
+    ranked = sorted(result.rows, key=lambda r: r["proxy_rank"])
+    assert [(r["name"], r["proxy_metric"]) for r in ranked] == [
+        ("prune_L1_H4_I64_D32", 0.9), ("copy_L2", 0.5), ("prune_L2_H2_I32_D16", 0.2)]
+    assert [r["name"] for r in result.rows if r["final_metric"] is not None] == [result.picked]  # top_n=1
+    assert json.loads((result.student_dir / "config.json").read_text())["num_hidden_layers"] == 1
+    assert json.loads((tmp_path / "out" / "pareto.json").read_text())["teacher"]["metric"] == 1.0
+
+
+def test_rank_breaks_ties_by_latency():
+    rows = [{"name": "a", "proxy_metric": 0.8, "latency_ms": 3.0}, {"name": "b", "proxy_metric": 0.8,
+            "latency_ms": 2.0}, {"name": "c", "proxy_metric": None, "latency_ms": 1.0},
+            {"name": "d", "proxy_metric": 0.7, "latency_ms": 1.0}]
+    assert [r["name"] for r in rank(rows)] == ["b", "a", "d"]
+    assert [r["name"] for r in rank(rows, greater_is_better=False)] == ["d", "b", "a"]
+
+
+def test_a_budget_no_candidate_meets_names_the_fastest_and_trains_nothing(tmp_path, monkeypatch):
+    fixed_latencies(monkeypatch, [0.010, 0.006, 0.0025, 0.004])
+
+    class NoTraining:
+        def __init__(self, *a, **kw):
+            raise AssertionError("nothing may train before the budget is checked")
+
+    monkeypatch.setattr(search_module, "DistillationTrainer", NoTraining)
+    out = tmp_path / "out"
+    with pytest.raises(ValueError) as error:
+        run(tmp_path, candidates=POOL[:3], budget_ms=2.0)
+    message = str(error.value)
+    assert "No candidate meets the budget of 2 ms" in message
+    assert "the fastest, prune_L1_H4_I64_D32, takes 2.500 ms" in message
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------------- what is written
+
+
+def test_real_measurement_table_plot_and_cards(tmp_path):
+    pytest.importorskip("matplotlib")
+    result = run(tmp_path, candidates=[POOL[0], POOL[3]], top_n=2)
+    out = tmp_path / "out"
+    assert result.student_dir == out / "student"
+    assert all(math.isfinite(r["latency_ms"]) and r["latency_ms"] > 0 for r in result.rows)
+    assert all(r["within_budget"] and r["final_metric"] is not None for r in result.rows)
+    picked = next(r for r in result.rows if r["picked"])
+    other = next(r for r in result.rows if not r["picked"])
+    assert result.picked == picked["name"] and (out / other["name"] / "config.json").is_file()
+    assert not (out / picked["name"]).exists()  # moved to student/
+
+    data = json.loads((out / "pareto.json").read_text())
+    assert data["budget_ms"] == 1e6 and data["picked"] == picked["name"] and data["student_dir"] == "student"
+    assert data["teacher"]["latency_ms"] > 0 and data["proxy_steps"] == 2
+    assert {r["name"]: r["latency_ms"] for r in data["candidates"]} == {r["name"]: r["latency_ms"]
+                                                                       for r in result.rows}
+    table = (out / "pareto.md").read_text()
+    assert "# Students within 1e+06 ms" in table
+    assert f"| {picked['name']} |" in table and f"{picked['latency_ms']:.3f}" in table and "**yes**" in table
+    assert (out / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    card = (out / "student" / "README.md").read_text()
+    assert "## How the shape was chosen" in card
+    assert "latency budget of **1e+06 ms**" in card and f"takes **{picked['latency_ms']:.3f} ms**" in card
+    assert f"`{picked['name']}`" in card and "as the most accurate" in card
+    assert f"| {picked['name']} (this model) |" in card
+    pruned = (out / "student" if picked["kind"] == "prune" else out / other["name"]) / "README.md"
+    assert "width pruning of the teacher (4 layers, 4 heads" in pruned.read_text()
+    assert "muralidharan2024minitron" in pruned.read_text()
+    other_card = (out / other["name"] / "README.md").read_text()
+    assert "number 1 by the proxy" in other_card or "number 2 by the proxy" in other_card
+
+
+def test_a_non_empty_output_dir_is_refused(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(ValueError, match="is not empty"):
+        run(tmp_path)
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+# ---------------------------------------------------------------------- the command line
+
+
+@pytest.fixture(scope="module")
+def saved_teacher(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny BERT teacher folder with its tokenizer, and a TSV of labelled sentences."""
+    from transformers import BertForSequenceClassification
+
+    root = tmp_path_factory.mktemp("auto_cli")
+    tokenizer = tiny_tokenizer(root / "tokenizer")
+    model = teacher()
+    model.resize_token_embeddings(tokenizer.vocab_size)
+    model.save_pretrained(root / "teacher")
+    tokenizer.save_pretrained(root / "teacher")
+    assert isinstance(BertForSequenceClassification.from_pretrained(root / "teacher"), BertForSequenceClassification)
+    rng = random.Random(0)
+    lines = ["sentence\tlabel"]
+    for _ in range(24):
+        words = rng.choices(VOCAB_WORDS, k=rng.randint(3, 7))
+        lines.append(f"{' '.join(words)}\t{int(any(w in POSITIVE for w in words))}")
+    (root / "rows.tsv").write_text("\n".join(lines) + "\n")
+    return root / "teacher", root / "rows.tsv"
+
+
+def cli_args(saved_teacher, out: Path, budget: str = "1e6") -> list[str]:
+    folder, rows = saved_teacher
+    return ["auto", str(folder), "--budget_ms", budget, "--output_dir", str(out), "--train_file", str(rows),
+            "--validation_file", str(rows), "--max_length", "16", "--max_steps", "2", "--proxy_steps", "2",
+            "--per_device_train_batch_size", "8", "--depths", "0.5", "--widths", "0.5", "--copy_depths", "",
+            "--shrink", "0.25x0.5", "--repeats", "2", "--calibration_rows", "8", "--no_progress"]
+
+
+def test_cli_end_to_end_and_no_silent_overwrite(saved_teacher, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(cli_args(saved_teacher, out)) == 0
+    printed = capsys.readouterr().out
+    data = json.loads((out / "pareto.json").read_text())
+    assert [r["name"] for r in data["candidates"]] == ["prune_L2_H2_I32_D16", "shrink_L1_H2_I32_D16"]
+    assert f"Picked {data['picked']}" in printed and "| candidate | kind |" in printed
+    assert (out / "student" / "model.safetensors").is_file() and (out / "student" / "tokenizer.json").is_file()
+    assert "latency budget of **1e+06 ms**" in (out / "student" / "README.md").read_text()
+    assert (out / "command.txt").read_text().startswith("hf-distill auto ")
+
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert main(cli_args(saved_teacher, out)) == 1
+    assert "is not empty" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_cli_budget_error_is_one_line(saved_teacher, tmp_path, capsys):
+    out = tmp_path / "never"
+    assert main(cli_args(saved_teacher, out, budget="1e-9")) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+    assert len(err) == 1 and err[0].startswith("error: No candidate meets the budget of 1e-09 ms")
+    assert "the fastest, " in err[0] and not out.exists()
