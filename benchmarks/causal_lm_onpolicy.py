@@ -8,7 +8,9 @@ mixture 0.5 p_student + 0.5 p_teacher), T = 1 for the loss (TRL's `temperature` 
 temperature), KD only, the same `max_new_tokens` (TRL's `max_completion_length`) and stop token (the tokenizer's
 EOS, kept as the completion's last token on both sides), greedy decoding by default (TRL: `generation_kwargs=
 {"do_sample": False}`; ours `generation_temperature=0`) or, with `--onpolicy-sample`, sampling at T = 1 with no
-top-k or top-p cut on every side, seed 0, lr 1e-4 constant, fp32, no gradient checkpointing.
+top-k or top-p cut on every side, seed 0, lr 1e-4 constant, fp32, no gradient checkpointing. The student's config
+says `use_cache=True`, as a Hub checkpoint does (the recipe's teacher was saved with False, which TRL's `generate`
+would follow: no KV cache).
 
 Data: the `sft` section's WikiText-2 rows as text (prompt: a line's first 16 words; completion: up to the next 48;
 the completion is never trained on, as generation replaces it), `steps x batch` rows taken in order (no shuffling on
@@ -57,6 +59,9 @@ def onpolicy_child(side: str, teacher_path: str, kept: list[int], batch: int, st
     tok = AutoTokenizer.from_pretrained(teacher_path)
     teacher = AutoModelForCausalLM.from_pretrained(teacher_path)
     student = students.from_teacher(teacher, kept)
+    # The recipe saved its teacher with use_cache=False (copied into the student), which TRL's generate honours
+    # (no KV cache: 3x slower generation here) and ours overrides; a Hub checkpoint says True: so do both here.
+    student.config.use_cache = student.generation_config.use_cache = True
     rows = Dataset.from_list([{"prompt": p, "completion": c} for p, c in text_rows(steps * batch)])
     stops = {tok.eos_token_id}
     calls: list[dict[str, Any]] = []
