@@ -1,7 +1,8 @@
 """Causal-LM distillation: quality, memory of chunked logits, speed against TRL's GKD (issue #14). Not part of CI.
 
     python benchmarks/causal_lm.py                          # all sections
-    python benchmarks/causal_lm.py --only memory,trl        # some of them (quality, memory, trl, signal, sft)
+    python benchmarks/causal_lm.py --only memory,trl        # some of them (quality, memory, trl, signal, sft,
+                                                            # onpolicy)
 
 - quality: teacher, KD student and CE-only student perplexities on held-out text, from `recipes/causal_lm.py`
   with `recipes/configs/causal_lm_wikitext.yaml` (run unless `benchmarks/runs/causal_lm/results.json` exists, or
@@ -22,6 +23,8 @@
   times as in `trl`; the floor is 1 - the teacher forward's share of the dense online step (hooks on the teacher).
 - sft (issue #32): `DistillationSFTTrainer` (unpacked and packed) vs TRL's `GKDTrainer(lmbda=0)` on the same
   prompt/completion rows and batches (benchmarks/causal_lm_sft.py says how).
+- onpolicy (issue #32): fully on-policy (lmbda = 1) `DistillationTrainer` and `DistillationSFTTrainer` vs TRL 1.16's
+  `DistillationTrainer` on the same prompts, greedy by default (benchmarks/causal_lm_onpolicy.py says how).
 
 Writes `benchmarks/results/causal_lm.{json,md}`; sections not run keep their previous results.
 """
@@ -45,7 +48,7 @@ ROOT = HERE.parent
 RESULTS = HERE / "results"
 RUN_DIR = HERE / "runs" / "causal_lm"
 CONFIG = ROOT / "recipes" / "configs" / "causal_lm_wikitext.yaml"
-SECTIONS = ("quality", "memory", "trl", "signal", "sft")
+SECTIONS = ("quality", "memory", "trl", "signal", "sft", "onpolicy")
 VOCABS = (32_000, 128_256)
 DEFAULT = -1  # a memory case run with kd_chunk_size unset: the library default for its vocabulary
 TARGETS = {"chunked_over_naive_peak_128k": 0.35, "ours_over_trl_step_time": 1.0, "ours_over_trl_peak_rss": 1.0,
@@ -475,20 +478,24 @@ def write_report(data: dict) -> None:
             from causal_lm_sft import sft_lines
 
             lines += sft_lines(sec)
+        elif name == "onpolicy":
+            from causal_lm_onpolicy import onpolicy_lines
+
+            lines += onpolicy_lines(sec)
     (RESULTS / "causal_lm.md").write_text("\n".join(lines) + "\n")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", default=",".join(SECTIONS),
-                   help="comma-separated sections: quality, memory, trl, signal, sft")
+                   help="comma-separated sections: quality, memory, trl, signal, sft, onpolicy")
     p.add_argument("--force", action="store_true", help="quality: rerun the recipe even if results exist")
     p.add_argument("--batch", type=int, default=4, help="memory: sequences per step")
     p.add_argument("--seq", type=int, default=1024, help="memory: tokens per sequence")
     p.add_argument("--pairs", type=int, default=3,
-                   help="trl: alternated process pairs; sft: rounds of one process per side")
-    p.add_argument("--steps", type=int, default=8, help="trl, sft: steps per process")
-    p.add_argument("--warmup", type=int, default=2, help="trl, sft, signal: steps left out of the median")
+                   help="trl: alternated process pairs; sft, onpolicy: rounds of one process per side")
+    p.add_argument("--steps", type=int, default=8, help="trl, sft, onpolicy: steps per process")
+    p.add_argument("--warmup", type=int, default=2, help="trl, sft, signal, onpolicy: steps left out of the median")
     p.add_argument("--cases", default=",".join(f"{v}:{c}" for v in VOCABS for c in (0, DEFAULT)),
                    help="memory: V:chunk cases to run (chunk 0 = whole logits, -1 = the library's default for V); "
                         "other cases keep earlier rows")
@@ -501,7 +508,13 @@ def main() -> None:
     p.add_argument("--signal-k", type=int, default=64, help="signal: the k compared with the online top-k run")
     p.add_argument("--sft-teacher", default=None, help="sft: teacher folder (default: the recipe run's teacher)")
     p.add_argument("--sft-kept", default=None, help="sft: teacher blocks the student keeps, e.g. 0,1,5")
+    p.add_argument("--onpolicy-teacher", default=None, help="onpolicy: teacher folder (default: the recipe run's)")
+    p.add_argument("--onpolicy-kept", default=None, help="onpolicy: teacher blocks the student keeps, e.g. 0,1,5")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="onpolicy: tokens generated per completion")
+    p.add_argument("--onpolicy-sample", action="store_true",
+                   help="onpolicy: sample at T = 1 (no top-k / top-p) instead of greedy decoding")
     p.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
+    p.add_argument("--onpolicy-child", help=argparse.SUPPRESS)
     p.add_argument("--sft-child", nargs=7, help=argparse.SUPPRESS)
     p.add_argument("--trl-child", nargs=7, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -522,6 +535,11 @@ def main() -> None:
         res = sft_child(side, teacher, [int(k) for k in kept.split(",")], int(rows), int(batch), int(steps),
                         int(warmup))
         print("RESULT " + json.dumps(res))
+        return
+    if a.onpolicy_child:
+        from causal_lm_onpolicy import onpolicy_child
+
+        print("RESULT " + json.dumps(onpolicy_child(**json.loads(a.onpolicy_child))))
         return
     only = [s.strip() for s in a.only.split(",") if s.strip()]
     unknown = sorted(set(only) - set(SECTIONS))
@@ -553,6 +571,16 @@ def main() -> None:
                 r = json.loads((RUN_DIR / "results.json").read_text())
                 teacher, kept = r["teacher"], kept or r["kept_blocks"]
             sec = sft_section(run_child, a.pairs, a.steps, a.warmup, 8, teacher, kept)
+        elif name == "onpolicy":
+            from causal_lm_onpolicy import onpolicy_section
+
+            teacher = a.onpolicy_teacher
+            kept = [int(k) for k in a.onpolicy_kept.split(",")] if a.onpolicy_kept else None
+            if teacher is None:
+                r = json.loads((RUN_DIR / "results.json").read_text())
+                teacher, kept = r["teacher"], kept or r["kept_blocks"]
+            sec = onpolicy_section(run_child, a.pairs, a.steps, a.warmup, 8, teacher, kept, a.max_new_tokens,
+                                   a.onpolicy_sample)
         else:
             kept = [int(k) for k in a.trl_kept.split(",")] if a.trl_kept else None
             sec = trl_section(a.pairs, a.steps, a.warmup, 8, a.trl_teacher, kept)

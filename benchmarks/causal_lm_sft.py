@@ -25,23 +25,30 @@ SIDES = ("ours", "ours_packed", "trl")
 PROMPT_WORDS, COMPLETION_WORDS, PACKED_LENGTH = 16, 48, 256
 
 
-def sft_rows(tok, n: int):
-    """`n` prompt/completion rows tokenised as SFT does (prompt ids, then completion ids + EOS; prompt labels -100)."""
-    from datasets import Dataset
-
+def text_rows(n: int) -> list[tuple[str, str]]:
+    """The first `n` (prompt, completion) pairs of wiki.valid.raw: a line's first 16 words, then up to 48 more."""
     text = (ROOT.parent / "shared" / "data" / "wikitext2" / "wiki.valid.raw").read_text(encoding="utf-8")
-    rows = []
+    pairs = []
     for line in text.splitlines():
         words = line.split()
         if len(words) < PROMPT_WORDS + 8 or line.lstrip().startswith("="):
             continue
-        prompt = " ".join(words[:PROMPT_WORDS])
         completion = " " + " ".join(words[PROMPT_WORDS:PROMPT_WORDS + COMPLETION_WORDS])
+        pairs.append((" ".join(words[:PROMPT_WORDS]), completion))
+        if len(pairs) == n:
+            break
+    return pairs
+
+
+def sft_rows(tok, n: int):
+    """`n` prompt/completion rows tokenised as SFT does (prompt ids, then completion ids + EOS; prompt labels -100)."""
+    from datasets import Dataset
+
+    rows = []
+    for prompt, completion in text_rows(n):
         p = tok(prompt, add_special_tokens=False)["input_ids"]
         c = tok(completion, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         rows.append({"input_ids": p + c, "labels": [-100] * len(p) + c})
-        if len(rows) == n:
-            break
     return Dataset.from_list(rows)
 
 

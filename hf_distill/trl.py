@@ -25,6 +25,14 @@ What the distillation means for SFT's data paths:
   logits and in the chunked loss head alike. A packed batch's KD loss equals the mean over the same sequences
   run unpacked (tested).
 * The task term is the student's own cross-entropy on `labels`, as SFT's `loss_type="nll"`.
+* On-policy and sequence-level KD (`lmbda` > 0, `seq_kd`) generate each micro-batch's completions from its prompts,
+  so SFT must not tokenise the rows first: without a `data_collator` (or with
+  `hf_distill.data.prompts.PromptCompletionCollator`) the trainer sets `dataset_kwargs["skip_prepare_dataset"]`
+  and collates the raw prompt/completion or `messages` rows with `PromptCompletionCollator` (the processing class,
+  `max_length`), whose labels are the completion. Refused there: packing and `padding_free` (generated rows replace
+  the dataset's), `formatting_func`, `completion_only_loss=False`, `assistant_only_loss=True` and
+  `skip_prepare_dataset=False` (SFT's preparation, which those act on, does not run). Another collator gets SFT's
+  prepared rows as configured and must add the left-padded prompts (`prompt_input_ids`) itself.
 
 Refused, each with the fix: `packing_strategy="wrapped"` (it keeps no sequence boundaries), `loss_type="dft"`,
 packing without a teacher model (packing keeps only `input_ids` and `labels`, so cached teacher columns are lost),
@@ -49,6 +57,8 @@ from transformers import Trainer, TrainingArguments
 from transformers.utils import logging
 
 from .arguments import PRESET_DEFAULTS, DistillationArguments
+from .data.collators import TeacherOutputsCollator
+from .data.prompts import PromptCompletionCollator
 from .trainer import DistillationMixin
 
 try:
@@ -139,6 +149,40 @@ def check_sft_arguments(args: DistillationSFTConfig, teacher_model: Any) -> None
         )
 
 
+def prepare_generation(args: DistillationSFTConfig, data_collator: Any, formatting_func: Any) -> bool:
+    """With `lmbda` > 0 or `seq_kd`: refuse the SFT settings generation cannot honour, and have SFT hand the raw rows
+    to `PromptCompletionCollator` (module docstring). Returns whether the trainer must build that collator."""
+    if not args.generates:
+        return False
+    what = f"lmbda={args.lmbda}" if args.lmbda > 0 else "seq_kd=True"
+    if args.packing or args.padding_free or args.eval_packing:
+        raise ValueError(
+            f"{what} generates each micro-batch's completions from its prompts, so the rows are rebuilt every step "
+            "and there are no dataset sequences to pack. Set packing=False, padding_free=False and eval_packing=False "
+            "(or lmbda=0 and seq_kd=False to pack the dataset's completions)."
+        )
+    if data_collator is not None and not isinstance(data_collator, PromptCompletionCollator):
+        return False  # SFT prepares the rows as configured; the collator must add the prompts (checked per batch)
+    kwargs = dict(args.dataset_kwargs or {})
+    fix = ("the raw rows go to PromptCompletionCollator (its labels: the completion, or the last assistant "
+           "message), so SFT's dataset preparation does not run")
+    if kwargs.get("skip_prepare_dataset", True) is False:
+        raise ValueError(
+            f"dataset_kwargs={{'skip_prepare_dataset': False}} with {what}: {fix}. Remove skip_prepare_dataset from "
+            "dataset_kwargs (it is set for you), or give a data_collator that adds prompt_input_ids to SFT's rows."
+        )
+    given = [name for name, bad in (("formatting_func", formatting_func is not None),
+                                     ("completion_only_loss=False", args.completion_only_loss is False),
+                                     ("assistant_only_loss=True", args.assistant_only_loss)) if bad]
+    if given:
+        raise ValueError(
+            f"{', '.join(given)} with {what}: {fix}, and the loss covers the (generated) completion only. Remove "
+            f"{', '.join(given)}; give prompt/completion or messages rows."
+        )
+    args.dataset_kwargs = {**kwargs, "skip_prepare_dataset": True}
+    return data_collator is None
+
+
 class DistillationSFTTrainer(DistillationMixin, SFTTrainer):
     """TRL's `SFTTrainer` + a frozen teacher: SFT's data handling (chat templates, `messages` and prompt/completion
     rows, completion- and assistant-only labels, packing) and `DistillationTrainer`'s loss, checkpoints and card.
@@ -159,8 +203,13 @@ class DistillationSFTTrainer(DistillationMixin, SFTTrainer):
     ) -> None:
         args = self._distillation_arguments(args)
         check_sft_arguments(args, teacher_model)  # before SFTTrainer tokenizes and packs the datasets
+        collator = trainer_args[0] if trainer_args else trainer_kwargs.get("data_collator")
+        build = prepare_generation(args, collator, trainer_kwargs.get("formatting_func"))
         super().__init__(model, args, *trainer_args, teacher_model=teacher_model,
                          teacher_processing_class=teacher_processing_class, **trainer_kwargs)
+        if build:  # after SFTTrainer, which may load the processing class from the model's name
+            tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+            self.data_collator = TeacherOutputsCollator(PromptCompletionCollator(tokenizer, self.args.max_length))
 
     def _distillation_arguments(self, args: Any) -> DistillationSFTConfig:
         if args is None:

@@ -380,3 +380,65 @@ def test_trl_sft_trainer_generates_through_the_mixin(tmp_path):
     trainer.train()
     logged = [r["generated_tokens"] for r in trainer.state.log_history if "generated_tokens" in r]
     assert len(calls) == 2 and len(logged) == 2 and all(n > 0 for n in logged)
+
+
+@pytest.mark.parametrize("given_collator", [False, True], ids=["built", "given"])
+def test_distillation_sft_trainer_on_policy_generates_with_the_student(tmp_path, given_collator):
+    """DistillationSFTTrainer with lmbda=1 on prompt/completion rows: SFT's dataset preparation is skipped for the
+    user (the raw rows reach PromptCompletionCollator, built when none is given), the student completes every
+    micro-batch's prompts, it trains on exactly those completions, and the generated tokens are logged."""
+    pytest.importorskip("trl")
+    from hf_distill import DistillationSFTConfig, DistillationSFTTrainer
+
+    tok, student_calls, teacher_calls = _tokenizer(), [], []
+    student, teacher = _spy(llama(0), student_calls), _spy(llama(1), teacher_calls)
+    before = flat_params(student).clone()
+    run = DistillationSFTConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, report_to=[],
+                                use_cpu=True, save_strategy="no", bf16=False, gradient_checkpointing=False,
+                                lmbda=1.0, max_new_tokens=3, kd_loss="jsd", kd_weight=1.0, task_weight=0.0,
+                                logging_steps=1, learning_rate=1e-3, disable_tqdm=True, dataloader_num_workers=0)
+    extra = {"data_collator": PromptCompletionCollator(tok)} if given_collator else {}
+    trainer = DistillationSFTTrainer(model=student, teacher_model=teacher, args=run, train_dataset=_rows(8),
+                                     processing_class=tok, **extra)
+    assert run.dataset_kwargs == {"skip_prepare_dataset": True}
+    assert sorted(trainer.train_dataset.column_names) == ["completion", "prompt"]  # SFT did not tokenise them
+    assert isinstance(trainer.data_collator.base, PromptCompletionCollator)
+    seen = _seen_batches(trainer)
+    trainer.train()
+    assert len(student_calls) == 2 and not teacher_calls
+    prompts = {tuple(t for t in call["prompt"][i].tolist() if t != tok.pad_token_id)
+               for call in student_calls for i in range(4)}
+    assert prompts == {tuple(tok(r["prompt"])["input_ids"]) for r in _rows(8)}  # the rows' own prompts, all of them
+    for call, batch in zip(student_calls, seen, strict=True):
+        generated = call["sequences"][:, call["prompt"].shape[1]:]
+        for i in range(4):
+            completion = batch["input_ids"][i][batch["labels"][i] != -100]
+            assert 0 < len(completion) <= 3
+            torch.testing.assert_close(completion, generated[i][: len(completion)])
+    assert (flat_params(trainer.model) - before).abs().max() > 1e-5
+    logged = [r["generated_tokens"] for r in trainer.state.log_history if "generated_tokens" in r]
+    assert logged == [float((b["labels"] != -100).sum()) for b in seen]
+
+
+@pytest.mark.parametrize(
+    ("settings", "match"),
+    [
+        (dict(packing=True, max_length=32), "no dataset sequences to pack"),
+        (dict(padding_free=True, max_length=None), "no dataset sequences to pack"),
+        (dict(completion_only_loss=False), "completion_only_loss=False"),
+        (dict(assistant_only_loss=True), "assistant_only_loss=True"),
+        (dict(dataset_kwargs={"skip_prepare_dataset": False}), "Remove skip_prepare_dataset"),
+        ("formatting_func", "formatting_func"),
+    ],
+)
+def test_distillation_sft_trainer_refuses_what_generation_cannot_honour(tmp_path, settings, match):
+    pytest.importorskip("trl")
+    from hf_distill import DistillationSFTConfig, DistillationSFTTrainer
+
+    tok = _tokenizer()
+    kw = {"formatting_func": lambda row: row["prompt"]} if settings == "formatting_func" else {}
+    run = DistillationSFTConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False, lmbda=1.0,
+                                kd_weight=1.0, task_weight=0.0, **({} if kw else settings))
+    with pytest.raises(ValueError, match=match):
+        DistillationSFTTrainer(model=llama(0), teacher_model=llama(1), args=run, train_dataset=_rows(8),
+                               processing_class=tok, **kw)
