@@ -4,6 +4,8 @@
 #                                       Liger-Kernel, TRL, whole logits and the bare LM-head GEMM (issues #14, #29)
 #      benchmarks/head_profile.py       (step head_profile, not in the default list) each part of the head timed
 #                                       alone and a kernel table, to see where its time goes
+#      benchmarks/llm_throughput_gpu.py (step llm_throughput, not in the default list) off-policy KD of a ~1B
+#                                       student from a ~1B teacher vs student-only SFT, tokens/s (#32 item 5)
 #   2. benchmarks/kd_precision.py       bf16 gradients against float64 at 4,096 x 2,048 x 65,536 (issue #29)
 #   3. the CUDA tests                   tests/test_mixed_precision.py, tests/test_chunked.py on the GPU machine
 #   4. benchmarks/distributed_gpu.sh    ZeRO-3 and FSDP2 through DistillationTrainer.train(), world_size 1 (#13)
@@ -38,6 +40,7 @@ for s in ${STEPS:-causal_lm_gpu kd_precision cuda_tests distributed_gpu}; do
   case $s in
     causal_lm_gpu) step causal_lm_gpu 220 $PY benchmarks/causal_lm_gpu.py --out "$OUT" --chunks ${CHUNKS:-256 512} ;;
     head_profile) step head_profile 150 $PY benchmarks/head_profile.py --out "$OUT" ;;
+    llm_throughput) step llm_throughput 420 $PY benchmarks/llm_throughput_gpu.py --out "$OUT" ;;
     kd_precision) step kd_precision 150 $PY benchmarks/kd_precision.py --device cuda --out "$OUT" ;;
     cuda_tests) step cuda_tests 150 $PY -m pytest -q -p no:cacheprovider -k "cuda or triton" tests/test_mixed_precision.py \
       tests/test_chunked.py ;;
