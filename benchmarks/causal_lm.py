@@ -545,13 +545,13 @@ def main() -> None:
                 p.error(f"--signal-k {a.signal_k} must be one of --signal-ks {a.signal_ks}")
             sec = signal_section(a.signal_teacher, kept, a.signal_steps, 8, ks, a.signal_k, a.warmup)
         elif name == "methods":
-            from causal_lm_methods import DEFAULT, methods_section
+            from causal_lm_methods import DEFAULT_VARIANTS, methods_section
 
             r = json.loads((RUN_DIR / "results.json").read_text())
             sec = methods_section(r["teacher"], r["kept_blocks"], r["train_file"], r["eval_file"],
                                   seeds=a.methods_seeds, steps=a.methods_steps, batch=a.methods_batch,
                                   half=a.methods_half, eval_tokens=a.methods_eval_tokens,
-                                  variants=a.methods_variants.split(",") if a.methods_variants else DEFAULT,
+                                  variants=a.methods_variants.split(",") if a.methods_variants else DEFAULT_VARIANTS,
                                   work=HERE / ".cache" / "methods", threads=a.methods_threads)
         else:
             kept = [int(k) for k in a.trl_kept.split(",")] if a.trl_kept else None

@@ -53,7 +53,7 @@ VARIANTS = {  # name -> (label, DistillationArguments overrides); "xtok_*": the 
     "xtok_aligned": ("other tokenizer: aligned JSD 0.5", {"cross_tokenizer": "aligned", "kd_loss": "jsd",
                                                           "jsd_beta": 0.5}),
 }
-DEFAULT = [v for v in VARIANTS if v != "xtok_uld"]  # ULD: the slowest term here; --methods-variants adds it
+DEFAULT_VARIANTS = [v for v in VARIANTS if v != "xtok_uld"]  # ULD: the slowest term here; --methods-variants adds it
 WINDOW, STRIDE = 128, 64
 
 
