@@ -195,10 +195,12 @@ def run_one(name: str, seed: int, setup: dict, steps: int, batch: int, max_new_t
     result = trainer.train()
     train_s = time.perf_counter() - t0
     logs = [r for r in trainer.state.log_history if "generated_tokens_per_second" in r]
+    kd_logs = [r["loss_kd"] for r in trainer.state.log_history if "loss_kd" in r]  # the run's mean KD term
     with torch.no_grad():
         metrics = evaluate(trainer.model, tok, setup["eval_text"])
     return {"variant": name, "label": label, "seed": seed, "train_s": train_s, "train_loss": result.training_loss,
-            **metrics, **({"generated_tokens_per_second": logs[-1]["generated_tokens_per_second"]} if logs else {})}
+            **metrics, **({"kd_loss": kd_logs[-1]} if kd_logs else {}),
+            **({"generated_tokens_per_second": logs[-1]["generated_tokens_per_second"]} if logs else {})}
 
 
 def methods_section(teacher_path: str, kept: list[int], train_file: str, eval_file: str, *, seeds: int, steps: int,
