@@ -2,7 +2,7 @@
 
     python benchmarks/causal_lm.py                          # all sections
     python benchmarks/causal_lm.py --only memory,trl        # some of them (quality, memory, trl, signal, sft,
-                                                            # onpolicy)
+                                                            # onpolicy, methods)
 
 - quality: teacher, KD student and CE-only student perplexities on held-out text, from `recipes/causal_lm.py`
   with `recipes/configs/causal_lm_wikitext.yaml` (run unless `benchmarks/runs/causal_lm/results.json` exists, or
@@ -25,6 +25,10 @@
   prompt/completion rows and batches (benchmarks/causal_lm_sft.py says how).
 - onpolicy (issue #32): fully on-policy (lmbda = 1) `DistillationTrainer` and `DistillationSFTTrainer` vs TRL 1.16's
   `DistillationTrainer` on the same prompts, greedy by default (benchmarks/causal_lm_onpolicy.py says how).
+- methods (issue #32): the recipe's pruned student trained from its teacher with CE only, forward KL, reverse KL,
+  JSD 0.5, skew KL 0.1, on-policy (lmbda 0.5), seq-KD and, with a tokenizer of its own, CE only, ULD and aligned
+  KD; `--methods-seeds` seeds each, interleaved; held-out bits per character (comparable across tokenizers) and
+  token perplexity, and train time relative to CE only (`benchmarks/causal_lm_methods.py` says how).
 
 Writes `benchmarks/results/causal_lm.{json,md}`; sections not run keep their previous results.
 """
@@ -48,7 +52,7 @@ ROOT = HERE.parent
 RESULTS = HERE / "results"
 RUN_DIR = HERE / "runs" / "causal_lm"
 CONFIG = ROOT / "recipes" / "configs" / "causal_lm_wikitext.yaml"
-SECTIONS = ("quality", "memory", "trl", "signal", "sft", "onpolicy")
+SECTIONS = ("quality", "memory", "trl", "signal", "sft", "onpolicy", "methods")
 VOCABS = (32_000, 128_256)
 DEFAULT = -1  # a memory case run with kd_chunk_size unset: the library default for its vocabulary
 TARGETS = {"chunked_over_naive_peak_128k": 0.35, "ours_over_trl_step_time": 1.0, "ours_over_trl_peak_rss": 1.0,
@@ -482,13 +486,17 @@ def write_report(data: dict) -> None:
             from causal_lm_onpolicy import onpolicy_lines
 
             lines += onpolicy_lines(sec)
+        elif name == "methods":
+            from causal_lm_methods import methods_lines
+
+            lines += methods_lines(sec)
     (RESULTS / "causal_lm.md").write_text("\n".join(lines) + "\n")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", default=",".join(SECTIONS),
-                   help="comma-separated sections: quality, memory, trl, signal, sft, onpolicy")
+                   help="comma-separated sections: quality, memory, trl, signal, sft, onpolicy, methods")
     p.add_argument("--force", action="store_true", help="quality: rerun the recipe even if results exist")
     p.add_argument("--batch", type=int, default=4, help="memory: sequences per step")
     p.add_argument("--seq", type=int, default=1024, help="memory: tokens per sequence")
@@ -513,6 +521,15 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=32, help="onpolicy: tokens generated per completion")
     p.add_argument("--onpolicy-sample", action="store_true",
                    help="onpolicy: sample at T = 1 (no top-k / top-p) instead of greedy decoding")
+    p.add_argument("--methods-seeds", type=int, default=3, help="methods: seeds per variant")
+    p.add_argument("--methods-steps", type=int, default=40, help="methods: steps per run")
+    p.add_argument("--methods-batch", type=int, default=8, help="methods: rows per step")
+    p.add_argument("--methods-half", type=int, default=64,
+                   help="methods: prompt tokens per row (completion: one fewer, then EOS; max_new_tokens)")
+    p.add_argument("--methods-eval-tokens", type=int, default=16_384, help="methods: held-out teacher tokens")
+    p.add_argument("--methods-variants", default=None, help="methods: a subset of the variants, e.g. ce,jsd")
+    p.add_argument("--methods-threads", type=int, default=2,
+                   help="methods: torch threads (1 is faster where other jobs share the cores)")
     p.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
     p.add_argument("--onpolicy-child", help=argparse.SUPPRESS)
     p.add_argument("--sft-child", nargs=7, help=argparse.SUPPRESS)
@@ -581,6 +598,15 @@ def main() -> None:
                 teacher, kept = r["teacher"], kept or r["kept_blocks"]
             sec = onpolicy_section(run_child, a.pairs, a.steps, a.warmup, 8, teacher, kept, a.max_new_tokens,
                                    a.onpolicy_sample)
+        elif name == "methods":
+            from causal_lm_methods import DEFAULT_VARIANTS, methods_section
+
+            r = json.loads((RUN_DIR / "results.json").read_text())
+            sec = methods_section(r["teacher"], r["kept_blocks"], r["train_file"], r["eval_file"],
+                                  seeds=a.methods_seeds, steps=a.methods_steps, batch=a.methods_batch,
+                                  half=a.methods_half, eval_tokens=a.methods_eval_tokens,
+                                  variants=a.methods_variants.split(",") if a.methods_variants else DEFAULT_VARIANTS,
+                                  work=HERE / ".cache" / "methods", threads=a.methods_threads)
         else:
             kept = [int(k) for k in a.trl_kept.split(",")] if a.trl_kept else None
             sec = trl_section(a.pairs, a.steps, a.warmup, 8, a.trl_teacher, kept)

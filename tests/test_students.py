@@ -491,6 +491,21 @@ def test_from_teacher_decoder_copies_layers_norms_head_and_config(family, tmp_pa
         assert torch.equal(full(**batch).logits, teacher(**batch).logits)
 
 
+def test_from_teacher_decoder_generates_with_the_teachers_generation_config():
+    """A decoder student used to get a generation config made from its config: a teacher whose config says
+    use_cache=False (as saved after training) gave a student that generated without a KV cache, and the teacher's
+    stop ids were lost."""
+    teacher = decoder("llama", layers=3, use_cache=False)
+    teacher.generation_config.use_cache = True
+    teacher.generation_config.eos_token_id = [2, 5]
+    teacher.generation_config.max_new_tokens = 7
+    student = from_teacher(teacher, [0, 2])
+    assert student.generation_config.to_dict() == teacher.generation_config.to_dict()
+    assert student.generation_config is not teacher.generation_config
+    assert student.generation_config.use_cache and not student.config.use_cache
+    assert student.generation_config.eos_token_id == [2, 5]
+
+
 def test_from_teacher_decoder_keeps_an_untied_head_untied():
     teacher = decoder("llama", layers=3, tie_word_embeddings=False)
     student = from_teacher(teacher, [1])

@@ -158,8 +158,8 @@ def from_teacher(
     the kept layers).
 
     Encoder-decoder teachers take ``encoder_layers`` and/or ``decoder_layers`` instead of ``layers`` (a stack not
-    named keeps all its blocks; DistilBART keeps the encoder and alternating decoder layers); the student also
-    gets a copy of the teacher's generation config, so it generates with the same settings.
+    named keeps all its blocks; DistilBART keeps the encoder and alternating decoder layers). A student that can
+    generate gets a copy of the teacher's generation config, so it generates with the same settings.
 
     The student is built fresh from the reduced config, exactly as ``from_pretrained`` would build it (so
     per-layer state such as ``layer_idx`` is renumbered and tied weights are tied), then filled from the
@@ -225,6 +225,9 @@ def _from_one_stack(teacher: PreTrainedModel, family: Family, layers: Sequence[i
         state[key] = tensor
     # strict: every student parameter and persistent buffer must come from the teacher, none may be left over.
     student.load_state_dict(state, strict=True)
+    if student.can_generate() and getattr(teacher, "generation_config", None) is not None:
+        # generate as the teacher does (its stop ids, its KV cache even where config.use_cache is off)
+        student.generation_config = copy.deepcopy(teacher.generation_config)
     student.to(teacher.device)
     student.train(teacher.training)
     return student
