@@ -288,6 +288,37 @@ def _blocks(v_s: int, vocab: int, cols: int):
             yield slice(start, min(start + cols, hi))
 
 
+def _backward_start(ctx, grad, h_s, w_s, b_s, spec, targets, kd_rows, ce_rows, chunk: int, no_second: str):
+    """The common start of the loss heads' backward passes (this one and :mod:`hf_distill.losses.sparse_head`):
+    which gradients are wanted, the per-row weights of the two sums' gradients (the upstream gradient, e.g. a loss
+    scale, included), the float32 hidden-state accumulator, the weight and bias gradients, and the width of a
+    vocabulary block (as many logits as a forward chunk). None when no gradient is wanted."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(no_second)
+    want = tuple(ctx.needs_input_grad[:3])
+    if grad is None or not any(want):
+        return None
+    n, v_s = h_s.shape[0], w_s.shape[0]
+    w_kd = (kd_rows.float() * grad[0].float() * (spec.factor / spec.temperature)) if spec is not None else None
+    w_ce = (ce_rows.float() * grad[1].float()) if targets is not None else None
+    grads = (torch.zeros(h_s.shape, dtype=torch.float32, device=h_s.device) if want[0] else None,
+             torch.empty_like(w_s) if want[1] else None, torch.empty_like(b_s) if want[2] else None)
+    cols = max(_MIN_BLOCK_COLUMNS, (chunk * v_s) // max(n, 1) // _MIN_BLOCK_COLUMNS * _MIN_BLOCK_COLUMNS)
+    return want, w_kd, w_ce, grads, cols
+
+
+def _add_block(g: torch.Tensor, block: slice, hs: torch.Tensor, w_s: torch.Tensor, b_s, grads, dtype_s) -> None:
+    """A vocabulary block's logit gradient `g` into the bias, weight and hidden-state gradients `grads`."""
+    grad_h, grad_w, grad_b = grads
+    if grad_b is not None:
+        grad_b[block] = g.sum(0).to(b_s.dtype)
+        g = g.to(dtype_s)
+    if grad_w is not None:  # float32 out, then one rounding (bf16 GEMMs may reduce split-K partials in bf16)
+        grad_w[block].copy_(mm_f32(g.t(), hs))
+    if grad_h is not None:
+        addmm_f32(grad_h, g, w_s[block].to(dtype_s))  # in place
+
+
 class _KDHead(torch.autograd.Function):
     """`[sum of KD over kd rows, sum of CE over ce rows]` of `N` counted rows from hidden states and LM heads.
 
@@ -329,33 +360,23 @@ class _KDHead(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if torch.is_grad_enabled():
-            raise RuntimeError(
-                "The causal-LM loss head (hf_distill.losses.chunked) has no second derivative: its gradient is formed "
-                "in "
-                "closed form. For create_graph=True compute the loss from whole logits (kd_chunk_size unset where "
-                "chunking is impossible, or hf_distill.losses on the model's logits)."
-            )
         h_s, w_s, b_s, h_t, w_t, b_t, t_logits, targets, kd_rows, ce_rows, stats = ctx.saved_tensors
         s_head, t_head, spec, vocab, chunk, dtype_s, dtype_t = ctx.args
-        want_h, want_w, want_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        if grad is None or not (want_h or want_w or want_b):
+        start = _backward_start(
+            ctx, grad, h_s, w_s, b_s, spec, targets, kd_rows, ce_rows, chunk,
+            "The causal-LM loss head (hf_distill.losses.chunked) has no second derivative: its gradient is formed in "
+            "closed form. For create_graph=True compute the loss from whole logits (kd_chunk_size unset where "
+            "chunking is impossible, or hf_distill.losses on the model's logits).")
+        if start is None:
             return (None,) * 15
-        n, v_s = h_s.shape[0], w_s.shape[0]
+        want, w_kd, w_ce, grads, cols = start
         kind = spec.kind if spec is not None else None
         T, beta, alpha = (spec.temperature, spec.beta, spec.alpha) if spec is not None else (1.0, 0.5, 0.1)
-        # per-row weights of the two sums' gradients (the upstream gradient, e.g. a loss scale, included)
-        w_kd = (kd_rows.float() * grad[0].float() * (spec.factor / spec.temperature)) if spec is not None else None
-        w_ce = (ce_rows.float() * grad[1].float()) if targets is not None else None
-        grad_h = torch.zeros(h_s.shape, dtype=torch.float32, device=h_s.device) if want_h else None
-        grad_w = torch.empty_like(w_s) if want_w else None
-        grad_b = torch.empty_like(b_s) if want_b else None
-        cols = max(_MIN_BLOCK_COLUMNS, (chunk * v_s) // max(n, 1) // _MIN_BLOCK_COLUMNS * _MIN_BLOCK_COLUMNS)
         grad_block = _grad_block_fn(h_s.device)
         with torch.autocast(h_s.device.type, enabled=False), torch.no_grad():
             hs = h_s.to(dtype_s)
             ht = h_t.to(dtype_t) if h_t is not None else None
-            for block in _blocks(v_s, vocab, cols):
+            for block in _blocks(w_s.shape[0], vocab, cols):
                 zs = _head_logits(hs, w_s, b_s, s_head, dtype_s, block)
                 zt = None
                 if spec is not None and block.start < vocab:
@@ -363,13 +384,8 @@ class _KDHead(torch.autograd.Function):
                           if t_logits is None else t_logits[:, block].float())
                 g = grad_block(zs, zt, block.start, targets, stats[2], w_ce, stats[0], stats[1], stats[3], w_kd,
                                kind, T, beta, alpha, s_head.scale, s_head.cap,
-                               dtype_s if not want_b else torch.float32)
-                if want_b:
-                    grad_b[block] = g.sum(0).to(b_s.dtype)
-                    g = g.to(dtype_s)
-                if want_w:  # float32 out, then one rounding (bf16 GEMMs may reduce split-K partials in bf16)
-                    grad_w[block].copy_(mm_f32(g.t(), hs))
-                if want_h:
-                    grad_h = addmm_f32(grad_h, g, w_s[block].to(dtype_s))
-        grad_h = grad_h.to(h_s.dtype) if want_h else None
+                               torch.float32 if want[2] else dtype_s)
+                _add_block(g, block, hs, w_s, b_s, grads, dtype_s)
+        grad_h, grad_w, grad_b = grads
+        grad_h = grad_h.to(h_s.dtype) if want[0] else None
         return grad_h, grad_w, grad_b, *(None,) * 12

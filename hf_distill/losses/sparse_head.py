@@ -24,13 +24,12 @@ from torch.utils.checkpoint import checkpoint
 
 from . import divergences as losses
 from .kd_head import (
-    _MIN_BLOCK_COLUMNS,
+    _add_block,
+    _backward_start,
     _blocks,
     _compute_dtype,
     _elementwise,
     _head_logits,
-    addmm_f32,
-    mm_f32,
     row_gradient,
 )
 
@@ -238,44 +237,31 @@ class _SparseKDHead(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if torch.is_grad_enabled():
-            raise RuntimeError(
-                "The causal-LM loss head (hf_distill.losses.sparse_head) has no second derivative: its gradient is "
-                "formed in closed form. For create_graph=True compute the loss from whole logits (hf_distill.losses "
-                "on the model's logits with the (log_probs, indices, log_tail) teacher)."
-            )
         h_s, w_s, b_s, ids, targets, kd_rows, ce_rows, stats, shift_k = ctx.saved_tensors
         s_head, spec, vocab, chunk, dtype_s = ctx.args
-        want_h, want_w, want_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        if grad is None or not (want_h or want_w or want_b):
+        start = _backward_start(
+            ctx, grad, h_s, w_s, b_s, spec, targets, kd_rows, ce_rows, chunk,
+            "The causal-LM loss head (hf_distill.losses.sparse_head) has no second derivative: its gradient is formed "
+            "in closed form. For create_graph=True compute the loss from whole logits (hf_distill.losses on the "
+            "model's logits with the (log_probs, indices, log_tail) teacher).")
+        if start is None:
             return (None,) * 13
-        n, v_s = h_s.shape[0], w_s.shape[0]
+        want, w_kd, w_ce, grads, cols = start
         kind = spec.kind if spec is not None else None
         T, beta, alpha = (spec.temperature, spec.beta, spec.alpha) if spec is not None else (1.0, 0.5, 0.1)
-        w_kd = (kd_rows.float() * grad[0].float() * (spec.factor / spec.temperature)) if spec is not None else None
-        w_ce = (ce_rows.float() * grad[1].float()) if targets is not None else None
-        grad_h = torch.zeros(h_s.shape, dtype=torch.float32, device=h_s.device) if want_h else None
-        grad_w = torch.empty_like(w_s) if want_w else None
-        grad_b = torch.empty_like(b_s) if want_b else None
-        cols = max(_MIN_BLOCK_COLUMNS, (chunk * v_s) // max(n, 1) // _MIN_BLOCK_COLUMNS * _MIN_BLOCK_COLUMNS)
         grad_block = _elementwise(_sparse_grad_block, h_s.device)
         with torch.autocast(h_s.device.type, enabled=False), torch.no_grad():
             hs = h_s.to(dtype_s)
-            for block in _blocks(v_s, vocab, cols):
+            for block in _blocks(w_s.shape[0], vocab, cols):
                 zs = _head_logits(hs, w_s, b_s, s_head, dtype_s, block)
                 shift = (_block_shift(ids, shift_k, stats[3], block)
                          if spec is not None and block.start < vocab else None)
                 g = grad_block(zs, shift, block.start, targets, stats[1], w_ce, stats[0], stats[2], w_kd,
                                kind if shift is not None else None, T, beta, alpha, s_head.scale, s_head.cap,
-                               dtype_s if not want_b else torch.float32)
-                if want_b:
-                    grad_b[block] = g.sum(0).to(b_s.dtype)
-                    g = g.to(dtype_s)
-                if want_w:
-                    grad_w[block] = mm_f32(g.t(), hs).to(w_s.dtype)
-                if want_h:
-                    grad_h = addmm_f32(grad_h, g, w_s[block].to(dtype_s))
-        grad_h = grad_h.to(h_s.dtype) if want_h else None
+                               torch.float32 if want[2] else dtype_s)
+                _add_block(g, block, hs, w_s, b_s, grads, dtype_s)
+        grad_h, grad_w, grad_b = grads
+        grad_h = grad_h.to(h_s.dtype) if want[0] else None
         return grad_h, grad_w, grad_b, *(None,) * 10
 
 
