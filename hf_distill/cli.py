@@ -60,12 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         "plot it links) of a student folder; never checkpoints, optimizer state, projections or training_args.bin. "
         "A folder without README.md gets a card first.")
     push.add_argument("student_dir")
-    push.add_argument("repo_id", help="e.g. my-user/my-tiny-student")
-    push.add_argument("--private", action="store_true", help="create the repo private (if it does not exist)")
-    push.add_argument("--revision", help="branch to push to (created if missing)")
-    push.add_argument("--token", help="Hub token (default: HF_TOKEN or the saved login)")
-    push.add_argument("--endpoint", help="Hub endpoint (default: HF_ENDPOINT or https://huggingface.co)")
-    push.add_argument("--commit_message", default=None)
+    _hub_arguments(push, "e.g. my-user/my-tiny-student")
     report = sub.add_parser(
         "report", help="plot loss components (and accuracy vs parameters across runs)",
         description="Write loss_components.png from trainer_state.json (the folder's or its latest checkpoint's) "
@@ -115,12 +110,17 @@ def _signal_parser(sub: argparse._SubParsersAction) -> None:
         description="Upload the signal's shards, teacher_signal.json and README.md (the dataset card, written "
         "first when missing). Load it back with load_teacher_signal(repo_id).")
     push.add_argument("signal_dir")
-    push.add_argument("repo_id", help="e.g. my-user/my-teacher-signal")
-    push.add_argument("--private", action="store_true", help="create the repo private (if it does not exist)")
-    push.add_argument("--revision", help="branch to push to (created if missing)")
-    push.add_argument("--token", help="Hub token (default: HF_TOKEN or the saved login)")
-    push.add_argument("--endpoint", help="Hub endpoint (default: HF_ENDPOINT or https://huggingface.co)")
-    push.add_argument("--commit_message", default=None)
+    _hub_arguments(push, "e.g. my-user/my-teacher-signal")
+
+
+def _hub_arguments(parser: argparse.ArgumentParser, example: str) -> None:
+    """The arguments every push command takes after its folder."""
+    parser.add_argument("repo_id", help=example)
+    parser.add_argument("--private", action="store_true", help="create the repo private (if it does not exist)")
+    parser.add_argument("--revision", help="branch to push to (created if missing)")
+    parser.add_argument("--token", help="Hub token (default: HF_TOKEN or the saved login)")
+    parser.add_argument("--endpoint", help="Hub endpoint (default: HF_ENDPOINT or https://huggingface.co)")
+    parser.add_argument("--commit_message", default=None)
 
 
 def _recipe_folders() -> tuple[Path, Path]:
