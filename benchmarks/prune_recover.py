@@ -47,8 +47,8 @@ SECTIONS = ("encoder", "decoder")
 CAUSAL_CONFIG = ROOT / "recipes" / "configs" / "causal_lm_wikitext.yaml"
 # Encoder shapes timed at batch 1 (layers, heads, MLP channels). BERT's head size is hidden / heads, so keeping
 # whole 32-channel heads ties the hidden size to the heads: 6 heads = hidden 192.
-ENCODER_SHAPES = {"6L-6H-768": (6, 6, 768), "4L-8H-768": (4, 8, 768), "4L-6H-768": (4, 6, 768),
-                  "3L-12H-1536": (3, 12, 1536)}
+ENCODER_SHAPES = {"6L-12H-768": (6, 12, 768), "6L-8H-768": (6, 8, 768), "6L-6H-768": (6, 6, 768),
+                  "4L-12H-768": (4, 12, 768), "4L-8H-768": (4, 8, 768), "3L-12H-1536": (3, 12, 1536)}
 
 
 def log(msg: str) -> None:
@@ -165,10 +165,10 @@ def encoder_section(a) -> dict:
     t0 = time.time()
     importance = students.width_importance(teacher, calibration)
     importance_s = time.time() - t0
-    shape = tuple(int(x) for x in a.encoder_shape.split(","))
     shapes = dict(ENCODER_SHAPES)
-    shapes.setdefault(f"{shape[0]}L-{shape[1]}H-{shape[2]}", shape)
-    chosen = next(name for name, s in shapes.items() if s == shape)
+    if a.encoder_shape != "auto":
+        shape = tuple(int(x) for x in a.encoder_shape.split(","))
+        shapes.setdefault(f"{shape[0]}L-{shape[1]}H-{shape[2]}", shape)
 
     def prune(s):
         return students.prune_width(teacher, num_layers=s[0], num_attention_heads=s[1], intermediate_size=s[2],
@@ -185,6 +185,11 @@ def encoder_section(a) -> dict:
                          "kept_layers": pruning.layers, "params": measure.count_parameters(model), "speedup_b1": sp,
                          "latency_ratio_b1": 1 / sp}
         log(f"{name}: {latency[name]['params'] / 1e6:.2f} M params, batch-1 speed-up {sp:.2f}x")
+    if a.encoder_shape == "auto":  # the shape whose measured latency ratio is nearest the target
+        chosen = min(latency, key=lambda n: abs(latency[n]["latency_ratio_b1"] - a.latency_target))
+        shape = shapes[chosen]
+    else:
+        chosen = next(name for name, s in shapes.items() if s == shape)
     student, pruning = prune(shape)
     pruned_acc = accuracy(student)
     log(f"pruned {chosen} (teacher blocks {pruning.layers}), no training: {pruned_acc:.2%}")
@@ -204,7 +209,8 @@ def encoder_section(a) -> dict:
         runs[side]["points"].insert(0, {"step": 0, "value": pruned_acc, "train_s": 0.0})
     return {"teacher": {"accuracy": teacher_acc, "params": measure.count_parameters(teacher), "path":
                         os.path.relpath(folder, ROOT), "batch1_ms": teacher_ms, "fine_tune": teacher_info},
-            "shape": chosen, "kept_layers": pruning.layers, "params": measure.count_parameters(student),
+            "shape": chosen, "shape_choice": a.encoder_shape, "latency_target": a.latency_target,
+            "kept_layers": pruning.layers, "params": measure.count_parameters(student),
             "hidden": student.config.hidden_size, "pruned_accuracy": pruned_acc, "latency": latency, "runs": runs,
             "calibration_rows": n_cal, "calibration_tokens": importance.num_tokens, "importance_s": importance_s,
             "train_rows": len(train), "eval_rows": len(valid), "points": points, "quick": a.quick,
@@ -295,9 +301,13 @@ def value_at(run: dict, step: int) -> float:
 def encoder_lines(sec: dict) -> list[str]:
     t, kd, ft = sec["teacher"], sec["runs"]["kd"], sec["runs"]["fine_tune"]
     s = kd["args"]
-    lines = [f"Teacher: `{t['path']}` (quality benchmark, MiniLM-L6 fine-tuned 1 epoch), "
+    origin = " (the quality benchmark's: MiniLM-L6 fine-tuned 1 epoch)" if t.get("fine_tune") else ""
+    how = (f"the timed shape nearest {sec['latency_target']:g} of the teacher's batch-1 latency"
+           if sec.get("shape_choice") == "auto" else "given")
+    lines = [f"Teacher: `{t['path']}`{origin}, "
              f"{t['params'] / 1e6:.2f} M parameters, {t['batch1_ms']:.1f} ms per row at batch 1. Student: "
-             f"`prune_width` to **{sec['shape']}** (hidden {sec['hidden']}, teacher blocks {sec['kept_layers']}), "
+             f"`prune_width` to **{sec['shape']}** ({how}; hidden {sec['hidden']}, teacher blocks "
+             f"{sec['kept_layers']}), "
              f"{sec['params'] / 1e6:.2f} M parameters; importance from {sec['calibration_rows']} training rows "
              f"({sec['calibration_tokens']:,} tokens). {sec['train_rows']:,} training rows in the protocol's order, "
              f"batch {s['per_device_train_batch_size']}, lr {s['learning_rate']:g} constant after "
@@ -416,7 +426,11 @@ def main() -> None:
     p.add_argument("--calibration-batches", type=int, default=16, help="encoder: batches of 32 training rows")
     p.add_argument("--encoder-teacher", default=None,
                    help="encoder: a fine-tuned SST-2 teacher folder (default: the quality benchmark's)")
-    p.add_argument("--encoder-shape", default="6,6,768", help="encoder: layers,heads,MLP channels to train")
+    p.add_argument("--encoder-shape", default="auto",
+                   help="encoder: layers,heads,MLP channels to train, or auto: the timed shape whose batch-1 latency / "
+                   "the teacher's is nearest --latency-target")
+    p.add_argument("--latency-target", type=float, default=0.5,
+                   help="encoder: latency / teacher's for --encoder-shape auto")
     p.add_argument("--encoder-points", default="0,50,100,200,400,800", help="encoder: steps evaluated")
     p.add_argument("--encoder-lr", type=float, default=1e-4)
     p.add_argument("--encoder-warmup", type=int, default=25)
