@@ -298,6 +298,14 @@ def value_at(run: dict, step: int) -> float:
     return next((p["value"] for p in run["points"] if p["step"] == step), float("nan"))
 
 
+def train_time(sec: dict, *sides: tuple[str, dict]) -> str:
+    """Training seconds of each run (evaluations left out), the thread count and the section's wall time."""
+    times = ", ".join(f"{name} {run['points'][-1]['train_s']:.0f} s" for name, run in sides)
+    meta = sec.get("meta") or {}
+    return (f"Training time ({max(sec['points'])} steps each, evaluations left out): {times}; "
+            f"{sec['threads']} torch thread(s); the whole section {meta.get('seconds', 0) / 60:.1f} min.")
+
+
 def encoder_lines(sec: dict) -> list[str]:
     t, kd, ft = sec["teacher"], sec["runs"]["kd"], sec["runs"]["fine_tune"]
     s = kd["args"]
@@ -329,8 +337,7 @@ def encoder_lines(sec: dict) -> list[str]:
         k, f = value_at(kd, step), value_at(ft, step)
         label = f"{step} (pruned, no training)" if step == 0 else str(step)
         lines.append(f"| {label} | {k:.2%} | {f:.2%} | {100 * (k - f):+.2f} pt | {100 * k / t['accuracy']:.1f} |")
-    lines += ["", f"Training time: KD {kd['train_runtime_s']:.0f} s, fine-tuning {ft['train_runtime_s']:.0f} s "
-              f"({max(sec['points'])} steps each, {sec['threads']} threads).", ""]
+    lines += ["", train_time(sec, ("KD", kd), ("fine-tuning", ft)), ""]
     return lines
 
 
@@ -355,8 +362,7 @@ def decoder_lines(sec: dict) -> list[str]:
         k, c = value_at(kd, step), value_at(ce, step)
         label = f"{step} (pruned, no training)" if step == 0 else str(step)
         lines.append(f"| {label} | {k:.2f} | {c:.2f} | {k / c:.3f} | {k / t['perplexity']:.3f} |")
-    lines += ["", f"Training time: KD {kd['train_runtime_s']:.0f} s, CE only {ce['train_runtime_s']:.0f} s "
-              f"({max(sec['points'])} steps each, {sec['threads']} threads).", ""]
+    lines += ["", train_time(sec, ("KD", kd), ("CE only", ce)), ""]
     return lines
 
 
@@ -387,7 +393,9 @@ def plot(data: dict, path: Path) -> None:
             pts = sec["runs"][side]["points"]
             ax.plot([p["step"] for p in pts], [scale * p["value"] for p in pts], marker="o", label=label)
         ax.axhline(ref, color="black", linestyle="--", label="teacher")
-        ax.set_xscale("symlog", linthresh=max(1, min(p for p in sec["points"] if p)))
+        linthresh = max(1, min(p for p in sec["points"] if p))
+        ax.set_xscale("symlog", linthresh=linthresh)
+        ax.set_xlim(-0.3 * linthresh, 1.1 * max(sec["points"]))
         ax.set_xticks(sec["points"], [str(p) for p in sec["points"]])
         ax.set_xlabel("training steps (0 = right after pruning)")
         ax.grid(alpha=0.3)
@@ -420,6 +428,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections: encoder, decoder")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.add_argument("--report-only", action="store_true", help="only rewrite the .md and .png from the .json")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: fewer rows/blocks; results go to benchmarks/.cache/quick/ instead")
     p.add_argument("--repeats", type=int, default=5, help="encoder: interleaved passes of the latency timing")
@@ -455,6 +464,10 @@ def main() -> None:
     folder, stem = (HERE / ".cache" / "quick", "prune_recover") if a.quick else (RESULTS, "prune_recover")
     path = folder / f"{stem}.json"
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}"
+    if a.report_only:
+        write_report(json.loads(path.read_text()), folder, stem)
+        print((folder / f"{stem}.md").read_text())
+        return
     for name in only:
         meta = {"command": " ".join(shlex.quote(x) for x in ["python", "benchmarks/prune_recover.py", *sys.argv[1:]]),
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_before": os.getloadavg()}
