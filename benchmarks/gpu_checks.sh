@@ -43,7 +43,7 @@ for s in ${STEPS:-causal_lm_gpu kd_precision cuda_tests distributed_gpu}; do
     llm_throughput) step llm_throughput 420 $PY benchmarks/llm_throughput_gpu.py --out "$OUT" ;;
     kd_precision) step kd_precision 150 $PY benchmarks/kd_precision.py --device cuda --out "$OUT" ;;
     cuda_tests) step cuda_tests 150 $PY -m pytest -q -p no:cacheprovider -k "cuda or triton" tests/test_mixed_precision.py \
-      tests/test_chunked.py ;;
+      tests/test_chunked.py tests/test_sparse_head.py ;;
     distributed_gpu)
       step distributed_gpu 200 env PYTHON=$PY bash benchmarks/distributed_gpu.sh
       cp benchmarks/results/distributed_gpu.json "$OUT/" 2>/dev/null

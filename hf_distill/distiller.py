@@ -455,12 +455,16 @@ class Distiller(LogitTerms):
             t_kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in t_kwargs.items()}
         # Same autocast as the student (accelerate only wraps the model it prepared), no autograd: plain
         # no_grad, not inference_mode, so the losses may save teacher tensors for backward.
-        autocast = self.accelerator.autocast() if self.accelerator is not None else contextlib.nullcontext()
-        with torch.no_grad(), autocast, contextlib.ExitStack() as stack:
+        with torch.no_grad(), self._autocast(), contextlib.ExitStack() as stack:
             if shared:
                 teacher = stack.enter_context(shared_base_teacher(teacher))
             outputs = forward(teacher, t_kwargs, taps)
         return outputs if device is None else send_teacher_outputs(outputs, student_device)
+
+    def _autocast(self):
+        """The autocast accelerate runs the student's forward in (mixed precision), for what hf_distill computes
+        outside that forward from the same tensors: the teacher, the LM heads of the loss head. None without one."""
+        return self.accelerator.autocast() if self.accelerator is not None else contextlib.nullcontext()
 
     def _extra_teacher_views(self, i: int, inputs: dict[str, Any], cached: dict[str, torch.Tensor]):
         """Logits of teacher i >= 1: its cached column `teacher_logits_<i>` if present, else a forward."""

@@ -74,11 +74,11 @@ class LogitTerms:
             return None
         state = self._student_state(model)
         if state.rebuilds is None:
-            try:
-                with _unsharded(model):
+            try:  # under the forward's autocast (mixed precision): the LM head multiplies in its dtype there too
+                with _unsharded(model), self._autocast():
                     chunked.check_logits_fn(state.inner, state.inner.config.vocab_size, "student")
                 if self.teacher is not None and not self._teacher_rebuilds:
-                    with _unsharded(self.teacher):
+                    with _unsharded(self.teacher), self._autocast():
                         chunked.check_logits_fn(self.teacher, unwrap(self.teacher).config.vocab_size, "teacher")
                     self._teacher_rebuilds = True
                 state.rebuilds = True
@@ -209,8 +209,11 @@ class LogitTerms:
         # dense logits, or a teacher signal's (log_probs, indices, log_tail) (hf_distill.losses.sparse_head)
         teacher = t_logits_fn if t_hidden is not None else (shift(t_logits) if t_logits is not None else None)
         ce_labels = labels[:, 1:] if want_task and labels is not None else None
-        return chunked.chunked_kd_and_ce(chunked.last_hidden(s_out), s_logits_fn, teacher, t_hidden, kd_mask,
-                                         ce_labels, kd_fn, chunk, self._shared_vocab, route=self.route)
+        # Mixed precision: accelerate's autocast covers the models' forwards, not this code; the LM heads multiply in
+        # the dtype they would inside the forward (bf16/fp16 operands, float32 outputs), not in the weights' float32.
+        with self._autocast():
+            return chunked.chunked_kd_and_ce(chunked.last_hidden(s_out), s_logits_fn, teacher, t_hidden, kd_mask,
+                                             ce_labels, kd_fn, chunk, self._shared_vocab, route=self.route)
 
     def _logits_fns(self, model: nn.Module):
         """Hidden states -> logits of the student `model` and of the teacher (hf_distill.losses.chunked)."""

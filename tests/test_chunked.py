@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import VOCAB, args, bert, flat_params, labelled_collate, llama, padded_llama, sft_rows
+from helpers import VOCAB, args, bert, flat_params, labelled_collate, llama, padded_llama, sft_rows, word_tokenizer
 from transformers import (
     CohereConfig,
     CohereForCausalLM,
@@ -614,3 +614,95 @@ def test_every_divergence_has_a_triton_code_and_a_closed_form_gradient():
     for kind in losses.DIVERGENCE_KINDS:
         _, stat = losses.divergence_rows(kind, la, lb, 0.3, 0.2)
         assert chunked.row_gradient(kind, la, lb, stat[:, None], 0.3, 0.2).shape == la.shape
+
+
+# ---------------------------------------------------------------------- mixed precision (bf16=True)
+
+AMP_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                    reason="needs a CUDA device"))]
+
+
+@pytest.mark.parametrize("signal", [False, True], ids=["teacher", "teacher-signal"])
+@pytest.mark.parametrize("device", AMP_DEVICES)
+def test_bf16_mixed_precision_trains_through_the_loss_head(tmp_path, monkeypatch, caplog, device, signal):
+    """bf16=True (accelerate's autocast around the model's forward, float32 weights): the loss head is used, not
+    whole logits, and multiplies in bf16 as the model's own LM head does there (a float32 head would be 10x slower
+    on a GPU). Found on an H200: the check that the logits can be rebuilt ran outside that autocast, so every
+    mixed-precision run fell back to whole logits. The head's KD and CE equal a float64 computation from the same
+    hidden states within bf16's rounding of the operands."""
+    student, teacher = llama(0), llama(1)
+    with torch.no_grad():
+        teacher.lm_head.weight.mul_(8.0)  # a confident teacher: the KD term is far from 0
+    w_s, w_t = student.lm_head.weight.detach().double().clone(), teacher.lm_head.weight.detach().double().clone()
+    rows, tokenizer = sft_rows(8), None
+    if signal:
+        from hf_distill.data.teacher_signal import attach_teacher_signal, create_teacher_signal
+
+        tokenizer = word_tokenizer([f"w{i}" for i in range(VOCAB - 2)])
+        rows = attach_teacher_signal(rows, create_teacher_signal(
+            teacher, rows, tmp_path / "signal", tokenizer=tokenizer, k=VOCAB, batch_size=4, temperature=2.0,
+            progress=False))
+    seen, dtypes = [], set()
+    head_call, mm = chunked.chunked_kd_and_ce, kd_head.mm_f32
+
+    def spy(s_hidden, s_head, teacher_, t_hidden, kd_mask, labels, *a, **k):
+        kd, ce = head_call(s_hidden, s_head, teacher_, t_hidden, kd_mask, labels, *a, **k)
+        seen.append((s_hidden.detach().clone(), None if t_hidden is None else t_hidden.detach().clone(), kd_mask,
+                     labels, float(kd.detach()), float(ce.detach())))
+        return kd, ce
+
+    def spy_mm(a, b):
+        dtypes.add((a.dtype, b.dtype))
+        return mm(a, b)
+
+    import hf_distill.logit_terms as logit_terms
+    from hf_distill.losses import sparse_head
+
+    monkeypatch.setattr(logit_terms.chunked, "chunked_kd_and_ce", spy)
+    monkeypatch.setattr(kd_head, "mm_f32", spy_mm)
+    monkeypatch.setattr(sparse_head, "mm_f32", spy_mm, raising=False)
+    kw = dict(remove_unused_columns=False) if signal else {}
+    trainer = DistillationTrainer(
+        model=student, teacher_model=None if signal else teacher, processing_class=tokenizer if signal else None,
+        args=args(tmp_path, bf16=True, use_cpu=device == "cpu", max_steps=1, kd_loss="jsd", jsd_beta=0.3,
+                  temperature=2.0, task_weight=1.0, **kw),
+        train_dataset=rows, data_collator=labelled_collate)
+    with caplog.at_level("WARNING"):
+        trainer.train()
+    assert not any("computed whole" in r.getMessage() for r in caplog.records)
+    assert trainer.distiller._student_state(trainer.model).rebuilds
+    assert len(seen) == 1 and dtypes and all(d == (torch.bfloat16, torch.bfloat16) for d in dtypes)
+
+    h_s, h_t, kd_mask, labels, kd, ce = seen[0]
+    z_s = h_s[:, :-1].double().cpu() @ w_s.T
+    kd_mask, labels = kd_mask.cpu(), labels.cpu()
+    if signal:  # the signal keeps every id (k = V): the teacher's exact distribution, from its own forward
+        with torch.no_grad():
+            batch = labelled_collate([rows[i] for i in range(8)])
+            z_t = teacher.double()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    else:
+        z_t = h_t[:, :-1].double().cpu() @ w_t.T
+    want_kd = losses.logit_kd_loss("jsd", z_s, z_t, 2.0, mask=kd_mask, beta=0.3)
+    want_ce = F.cross_entropy(z_s.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
+    assert want_kd > 0.05
+    assert kd == pytest.approx(float(want_kd), rel=2e-2)
+    assert ce == pytest.approx(float(want_ce), rel=2e-3)
+
+
+def test_compiled_elementwise_work_survives_many_configurations(monkeypatch):
+    """On a GPU the sparse head's elementwise work is compiled (fullgraph): a graph per divergence, CE or not, ... .
+    Dynamo's default of 8 graphs per function is a hard error there (found by the CUDA tests on an H200): a process
+    training several configurations must not fail. Dynamo's own counting, without inductor (eager backend)."""
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="eager", **kw))
+    kd_head._fused.cache_clear()
+
+    def rows(z, kind: str):
+        return (z * len(kind)).sum()
+
+    fused, z = kd_head._fused(rows), torch.randn(4, 5)
+    try:
+        for i in range(12):  # a new string is a new graph
+            assert float(fused(z, "k" * (i + 1))) == pytest.approx(float(z.sum()) * (i + 1), rel=1e-5)
+    finally:
+        kd_head._fused.cache_clear()

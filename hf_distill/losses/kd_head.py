@@ -214,7 +214,19 @@ def _fused(fn):
 
     if os.environ.get("HF_DISTILL_COMPILE", "1") == "0":
         return fn
-    return torch.compile(fn, dynamic=True, fullgraph=True)
+    compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+
+    @functools.wraps(fn)
+    def run(*args):
+        # A graph per divergence, temperature, CE or not: dynamo's default limit (8 per function) is a hard error
+        # under fullgraph=True, hit by a process that trains several configurations (a sweep, the CUDA tests).
+        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+            return compiled(*args)
+
+    return run
+
+
+_RECOMPILE_LIMIT = 256
 
 
 def _elementwise(fn, device: torch.device):
@@ -338,12 +350,15 @@ class _KDHead(torch.autograd.Function):
         sums = h_s.new_zeros(2, dtype=torch.float32)
         row_stats = _row_stats_fn(h_s.device)
         with torch.autocast(h_s.device.type, enabled=False), torch.no_grad():
+            # float32 weights under autocast: cast once, not once per chunk (a whole LM head's read and write each)
+            ws = w_s.to(dtype_s)
+            wt = w_t[:vocab].to(dtype_t) if w_t is not None and spec is not None and t_logits is None else None
             for start in range(0, n, chunk):
                 rows = slice(start, start + chunk)
-                zs = _head_logits(h_s[rows].to(dtype_s), w_s, b_s, s_head, dtype_s)
+                zs = _head_logits(h_s[rows].to(dtype_s), ws, b_s, s_head, dtype_s)
                 zt = None
                 if spec is not None:
-                    zt = (_head_logits(h_t[rows].to(dtype_t), w_t, b_t, t_head, dtype_t, slice(0, vocab))
+                    zt = (_head_logits(h_t[rows].to(dtype_t), wt, b_t, t_head, dtype_t, slice(0, vocab))
                           if t_logits is None else t_logits[rows, :vocab].float())
                 lse1, ce, lse_a, lse_b, value, stat = row_stats(
                     zs, zt, targets[rows] if targets is not None else None, kind, T, beta, alpha, vocab)

@@ -211,9 +211,10 @@ class _SparseKDHead(torch.autograd.Function):
         sums = h_s.new_zeros(2, dtype=torch.float32)
         row_stats = _elementwise(_sparse_row_stats, h_s.device)
         with torch.autocast(h_s.device.type, enabled=False), torch.no_grad():
+            ws = w_s.to(dtype_s)  # float32 weights under autocast: cast once, not once per chunk
             for start in range(0, n, chunk):
                 rows = slice(start, start + chunk)
-                zs = _head_logits(h_s[rows].to(dtype_s), w_s, b_s, s_head, dtype_s)
+                zs = _head_logits(h_s[rows].to(dtype_s), ws, b_s, s_head, dtype_s)
                 lse1, ce, lse_a, log_q = row_stats(zs, ids[rows] if spec is not None else None,
                                                    targets[rows] if targets is not None else None, T, vocab)
                 if targets is not None:
