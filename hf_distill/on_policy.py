@@ -218,8 +218,9 @@ class OnPolicy:
 def generation_module(model: nn.Module, accelerator: Any = None, shared_base: bool = False) -> Iterator[tuple]:
     """The model to call `generate` on, and extra generate arguments: outside DDP / DeepSpeed / torch.compile
     wrappers but still a PeftModel (its adapters generate; with `shared_base`, the teacher: adapters off), in
-    eval mode, its parameters gathered under ZeRO-3 (`synced_gpus` so that processes finishing early keep up).
-    Every module's train/eval mode is restored on exit."""
+    eval mode, its parameters gathered under ZeRO-3 with its engine's hooks set aside (`zero3_gathered_without_hooks`;
+    `synced_gpus` so that processes finishing early keep stepping). Every module's train/eval mode is restored on
+    exit."""
     module = extract_model_from_parallel(model, keep_torch_compile=False)
     modes = [(m, m.training) for m in module.modules()]
     zero3 = accelerator is not None and teacher_mode(accelerator) == ZERO3_SHARDED
@@ -258,12 +259,12 @@ def zero3_engine(model: nn.Module, module: nn.Module, accelerator: Any) -> Any:
 def zero3_gathered_without_hooks(engine: Any) -> Iterator[None]:
     """The engine's parameters gathered whole, with its ZeRO-3 module hooks removed until the exit.
 
-    `generate` makes one forward per token. With the hooks on, each forward re-gathers and frees the parameters
-    that GatheredParameters already gathered, and from the second step on the coordinator prefetches along the
-    training step's trace, so parameters are still being gathered (ZeroParamStatus.INFLIGHT) when
-    GatheredParameters repartitions them, which DeepSpeed refuses ("Cannot partition a param in flight"). The hooks
-    are registered again on exit and the recorded trace is dropped: the next forward records a fresh one (DeepSpeed
-    before 0.19 kept the stale trace, and its next training forward failed with "pop from an empty deque")."""
+    `generate` makes one forward per token. With the hooks on, each forward also runs the engine's fetch and
+    release, and from the second step on its coordinator prefetches along the training step's trace, so parameters
+    are still being gathered (ZeroParamStatus.INFLIGHT) when GatheredParameters repartitions them, which DeepSpeed
+    refuses ("Cannot partition a param in flight"). The hooks are registered again on exit and the recorded trace
+    is dropped, so the next forward records a fresh one (DeepSpeed releases without deepspeedai/DeepSpeed#8043
+    kept the stale trace: "pop from an empty deque" at the next step)."""
     import deepspeed
 
     offload = getattr(engine.optimizer, "parameter_offload", None) or engine.optimizer  # training / inference engine
