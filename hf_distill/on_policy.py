@@ -218,8 +218,9 @@ class OnPolicy:
 def generation_module(model: nn.Module, accelerator: Any = None, shared_base: bool = False) -> Iterator[tuple]:
     """The model to call `generate` on, and extra generate arguments: outside DDP / DeepSpeed / torch.compile
     wrappers but still a PeftModel (its adapters generate; with `shared_base`, the teacher: adapters off), in
-    eval mode, its parameters gathered under ZeRO-3 (`synced_gpus` so that processes finishing early keep up).
-    Every module's train/eval mode is restored on exit."""
+    eval mode, its parameters gathered under ZeRO-3 with its engine's hooks set aside (`zero3_gathered_without_hooks`;
+    `synced_gpus` so that processes finishing early keep stepping). Every module's train/eval mode is restored on
+    exit."""
     module = extract_model_from_parallel(model, keep_torch_compile=False)
     modes = [(m, m.training) for m in module.modules()]
     zero3 = accelerator is not None and teacher_mode(accelerator) == ZERO3_SHARDED
@@ -227,9 +228,7 @@ def generation_module(model: nn.Module, accelerator: Any = None, shared_base: bo
     try:
         with contextlib.ExitStack() as stack:
             if zero3:
-                import deepspeed
-
-                stack.enter_context(deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None))
+                stack.enter_context(zero3_gathered_without_hooks(zero3_engine(model, module, accelerator)))
             if shared_base:
                 module = stack.enter_context(shared_base_teacher(module))
             module.eval()
@@ -237,6 +236,52 @@ def generation_module(model: nn.Module, accelerator: Any = None, shared_base: bo
     finally:
         for m, mode in modes:
             m.training = mode
+
+
+def zero3_engine(model: nn.Module, module: nn.Module, accelerator: Any) -> Any:
+    """The DeepSpeed engine that runs `module` under ZeRO-3: `model` itself (the teacher's inference engine, or a
+    student passed wrapped), else the engine accelerate prepared for the student (the Trainer passes `self.model`)."""
+    from deepspeed import DeepSpeedEngine
+
+    if isinstance(model, DeepSpeedEngine):
+        return model
+    wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+    if wrapped is not None and wrapped.engine.module is module:
+        return wrapped.engine
+    raise ValueError(
+        "Generating completions (lmbda / seq_kd) under DeepSpeed ZeRO-3 needs the model's DeepSpeed engine (its "
+        "parameter hooks are set aside while it generates), but this model is neither an engine nor the one the "
+        "accelerator prepared. Pass the engine (e.g. trainer.model_wrapped) as `model` to Distiller.start_step."
+    )
+
+
+@contextlib.contextmanager
+def zero3_gathered_without_hooks(engine: Any) -> Iterator[None]:
+    """The engine's parameters gathered whole, with its ZeRO-3 module hooks removed until the exit.
+
+    `generate` makes one forward per token. With the hooks on, each forward also runs the engine's fetch and
+    release, and from the second step on its coordinator prefetches along the training step's trace, so parameters
+    are still being gathered (ZeroParamStatus.INFLIGHT) when GatheredParameters repartitions them, which DeepSpeed
+    refuses ("Cannot partition a param in flight"). The hooks are registered again on exit and the recorded trace
+    is dropped, so the next forward records a fresh one (DeepSpeed releases without deepspeedai/DeepSpeed#8043
+    kept the stale trace: "pop from an empty deque" at the next step)."""
+    import deepspeed
+
+    offload = getattr(engine.optimizer, "parameter_offload", None) or engine.optimizer  # training / inference engine
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        for p in params:  # no module call is in progress: none holds a parameter
+            p.ds_active_sub_modules.clear()
+        for hook in (*offload.forward_hooks, *offload.backward_hooks):
+            hook.remove()
+        offload.forward_hooks, offload.backward_hooks = [], []
+        try:
+            yield
+        finally:
+            offload._register_deepspeed_module(offload.module)
+            coordinator = offload.get_param_coordinator()
+            if not coordinator.is_invalid_trace():
+                coordinator._invalidate_trace()
 
 
 def completion_rows(

@@ -6,7 +6,9 @@ each rank must hold about half of the teacher and of the student, a fresh traine
 checkpoint must end where the run ended, the student's files must hold no projection, and the push from every
 rank must complete (the ZeRO-3 save gathers the shards: a rank skipping it would deadlock the others). FSDP needs a GPU
 (accelerate runs it as DDP on a CPU, which hf_distill.placement.check_engine refuses): see
-benchmarks/distributed_gpu.sh. DeepSpeed is a dev dependency; its first run on a machine JIT-builds a small
+benchmarks/distributed_gpu.sh. A second launch (tests/on_policy_run.py) trains a tiny Llama on completions it
+generates (lmbda) or its teacher generates (seq_kd) under ZeRO-3: they must be the single process's, token for token.
+DeepSpeed is a dev dependency; its first run on a machine JIT-builds a small
 shared-memory op (seconds with a C++ compiler; cached in ~/.cache/torch_extensions).
 """
 
@@ -20,6 +22,7 @@ import sys
 from pathlib import Path
 
 import engine_run
+import on_policy_run
 import pytest
 import torch
 from hub_server import FakeHub
@@ -29,10 +32,14 @@ pytestmark = pytest.mark.distributed
 CONFIGS = Path(__file__).parent / "configs"
 
 
-def test_zero3_on_two_cpu_processes_matches_one_and_pushes(tmp_path):
+def _free_port() -> str:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
+        return str(sock.getsockname()[1])
+
+
+def test_zero3_on_two_cpu_processes_matches_one_and_pushes(tmp_path):
+    port = _free_port()
     root = str(Path(__file__).parents[1])  # this checkout's hf_distill, not an installed one
     with FakeHub() as hub:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": hub.endpoint,
@@ -76,3 +83,38 @@ def test_zero3_on_two_cpu_processes_matches_one_and_pushes(tmp_path):
     files = repo["revisions"]["main"]
     assert "model.safetensors" in files and "README.md" in files
     assert b"teacher" in files["README.md"].lower()
+
+
+def test_zero3_generation_on_two_cpu_processes_matches_one(tmp_path):
+    """lmbda=1 (the student generates) then seq_kd (the teacher generates) under ZeRO-3 on 2 processes, greedy: the
+    completions, losses, logged generated tokens and final student equal one process on the same global batch.
+    Each process's completions stop at their own lengths (synced_gpus keeps the finished one stepping), the
+    parameters are gathered with the engines' hooks set aside (from step 2 on, their prefetch left parameters in
+    flight when GatheredParameters repartitioned them), and the evaluations of the lmbda phase complete."""
+    root = str(Path(__file__).parents[1])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(CONFIGS / "accelerate_zero3_cpu.yaml"), "--main_process_port", _free_port(), on_policy_run.__file__,
+           str(tmp_path / "zero3"), "--per_device_batch", "4",
+           "--deepspeed_config", str(CONFIGS / "zero3_auto_no_optimizer.json")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420)  # a hang never ends
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    zero3 = json.loads((tmp_path / "zero3" / "result.json").read_text())
+    single = on_policy_run.run(tmp_path / "single", per_device_batch=8, steps=3)
+    initial = torch.cat([v.reshape(-1) for _, v in sorted(on_policy_run.llama(0).state_dict().items())])
+    for phase in ("lmbda", "seq_kd"):
+        z, s = zero3[phase], single[phase]
+        assert (z["distributed_type"], z["world_size"], z["steps"]) == ("DEEPSPEED", 2, 3), phase
+        assert len(z["generated"]) == 3 and all(len(rows) == 8 for rows in z["generated"]), phase
+        assert z["generated"] == s["generated"], phase  # token-identical completions of the same prompts
+        assert any(len(set(longest)) > 1 for longest in z["longest"]), phase  # one process stopped first
+        for a, b, rows in zip(z["logs"], s["logs"], z["generated"], strict=True):
+            assert a["generated_tokens"] == b["generated_tokens"] == sum(len(c) for _, c in rows), phase
+            for key in ("loss", "loss_kd", "loss_task", "grad_norm"):
+                assert a[key] == pytest.approx(b[key], rel=1e-5), (phase, key)
+        torch.testing.assert_close(torch.tensor(z["student"]), torch.tensor(s["student"]), atol=1e-5, rtol=0)
+        assert (torch.tensor(s["student"]) - initial).abs().max() > 1e-3  # the student did learn
+    evals = [[(r["step"], r["eval_loss"]) for r in run["lmbda"]["eval_logs"]] for run in (zero3, single)]
+    assert [step for step, _ in evals[0]] == [2, 3]
+    assert [loss for _, loss in evals[0]] == pytest.approx([loss for _, loss in evals[1]], rel=1e-5)

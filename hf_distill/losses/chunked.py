@@ -245,9 +245,10 @@ def _counted_rows(s_hidden, teacher, t_hidden, kd_mask, labels, kd):
 
 
 def _vocab_size(head: LogitsHead) -> int:
+    """The head's output ids; a ZeRO-3 weight is empty outside its module's call (its full shape is `ds_shape`)."""
     module = head.module
     weight = getattr(module, "weight", None)
-    return int(weight.shape[0]) if weight is not None else int(module.out_features)
+    return int(getattr(weight, "ds_shape", weight.shape)[0]) if weight is not None else int(module.out_features)
 
 
 def default_chunk(vocab: int) -> int:

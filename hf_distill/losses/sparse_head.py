@@ -89,8 +89,8 @@ def _counted_rows(s_hidden, teacher: SparseTeacher, kd_mask, labels, kd):
 
 
 def _student_vocab(head: LogitsHead) -> int:
-    weight = getattr(head.module, "weight", None)
-    return int(weight.shape[0]) if weight is not None else int(head.module.out_features)
+    weight = getattr(head.module, "weight", None)  # ZeRO-3: empty outside the module's call, full shape in ds_shape
+    return int(getattr(weight, "ds_shape", weight.shape)[0]) if weight is not None else int(head.module.out_features)
 
 
 def sparse_kd_and_ce(
