@@ -239,6 +239,30 @@ def test_an_output_dir_that_is_not_a_signal_is_refused_untouched(tmp_path):
         _signal(tmp_path / "other", k=VOCAB + 1)
 
 
+def test_bad_run_settings_are_refused_before_anything_is_written(tmp_path):
+    """Each setting the teacher's run cannot honour is one error naming it, before the folder is created: a
+    rows_per_shard of 0 used to write a metadata file that then refused every corrected run ("rows_per_shard
+    differ"), and a float32 dtype on a bfloat16 teacher ran it in bfloat16 while recording float32."""
+    rows = sft_rows(4)
+    cases = [
+        (dict(batch_size=0), "batch_size must be an integer >= 1, got 0"),
+        (dict(rows_per_shard=0), "rows_per_shard must be an integer >= 1, got 0"),
+        (dict(rows_per_shard=-3), "rows_per_shard must be an integer >= 1, got -3"),
+        (dict(dtype="bfloat16"), "dtype='bfloat16': use torch.bfloat16 or torch.float16"),
+        (dict(dtype=torch.int8), "dtype=torch.int8: use torch.bfloat16 or torch.float16"),
+        (dict(dtype=torch.float32, teacher=llama(1).to(torch.bfloat16)),
+         r"dtype=torch.float32, but the teacher's weights are torch.bfloat16.*dtype=None"),
+        (dict(device="meta"), "device=meta, but the teacher's weights are on cpu: move it there first"),
+        (dict(rows=datasets.DatasetDict(train=rows)), r"a DatasetDict \(splits: train\): give one split"),
+        (dict(rows=rows.to_iterable_dataset()), "an IterableDataset: .*give a datasets.Dataset"),
+    ]
+    for kw, match in cases:
+        with pytest.raises(ValueError, match=match):
+            _signal(tmp_path, **kw)
+        assert not (tmp_path / "signal").exists(), kw
+    assert signal_metadata(_signal(tmp_path, rows=rows))["rows_per_shard"] == 4  # the folder is free
+
+
 # ---------------------------------------------------------------------- training from it
 
 
