@@ -3,6 +3,7 @@ checks, and training from it with the loss of the online teacher's top-k + tail.
 
 from __future__ import annotations
 
+import copy
 import json
 
 import datasets
@@ -318,11 +319,19 @@ def test_trains_from_a_streamed_signal(tmp_path):
 
 
 def test_bf16_teacher_forwards(tmp_path):
-    """dtype=torch.bfloat16 runs the teacher under autocast (CPU here): the same positions, a close signal."""
-    rows = sft_rows(4)
-    exact = _signal(tmp_path / "fp32", rows=rows)
-    half = _signal(tmp_path / "bf16", rows=rows, dtype=torch.bfloat16)
+    """dtype=torch.bfloat16 runs the teacher under autocast (CPU here): the same positions, and tails within bf16's
+    rounding of a float64 forward of the same teacher on the same rows, where the float32 signal is far closer (so
+    the bf16 one did run in bf16)."""
+    rows, teacher = sft_rows(4), llama(1)
+    exact = _signal(tmp_path / "fp32", teacher, rows)
+    half = _signal(tmp_path / "bf16", teacher, rows, dtype=torch.bfloat16)
     assert signal_metadata(half)["dtype"] == "torch.bfloat16"
     assert [len(t) for t in half[SIGNAL_TAIL]] == [len(t) for t in exact[SIGNAL_TAIL]]
-    tails = [torch.tensor(sum(s[SIGNAL_TAIL], [])) for s in (exact, half)]
-    assert 0 < (tails[0] - tails[1]).abs().max() < 0.1
+    batch = labelled_collate([rows[i] for i in range(len(rows))])
+    with torch.no_grad():
+        z = copy.deepcopy(teacher).double()(input_ids=batch["input_ids"]).logits[:, :-1]
+    log_p = (z / T).log_softmax(-1)
+    want = log_p.scatter(-1, log_p.topk(K, -1).indices, float("-inf")).logsumexp(-1)
+    want = want[kd_positions(None, batch["labels"], "labels", causal=True)]
+    errors = [(torch.tensor(sum(s[SIGNAL_TAIL], []), dtype=torch.float64) - want).abs().max() for s in (exact, half)]
+    assert errors[0] < 1e-5 and 10 * errors[0] < errors[1] < 1e-3, errors
