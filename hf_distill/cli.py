@@ -98,7 +98,7 @@ def _signal_parser(sub: argparse._SubParsersAction) -> None:
             ("--dtype", ("bfloat16", "float16", "float32"), None, "load the teacher in this dtype and run it "
              "under autocast in it (default: as saved)"),
             ("--device", str, None, "where to run the teacher, e.g. cuda (default: cpu)"),
-            ("--split", str, "train", "the split of a saved DatasetDict"),
+            ("--split", str, None, "the split of a saved DatasetDict (default: train)"),
             ("--teacher_name", str, None, "the teacher's name in the metadata and card (default: the "
              "teacher argument)")):
         choices = kind if isinstance(kind, tuple) else None
@@ -195,17 +195,27 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_rows(path: str, split: str):
+def _load_rows(path: str, split: str | None):
     import datasets
 
     if Path(path).is_dir():
         rows = datasets.load_from_disk(path)
-        return rows[split] if isinstance(rows, datasets.DatasetDict) else rows
+        if not isinstance(rows, datasets.DatasetDict):
+            if split is not None:
+                raise CommandError(f"rows {path!r} holds one Dataset, not a DatasetDict: leave --split out.", code=2)
+            return rows
+        if (split or "train") not in rows:
+            names = ", ".join(rows)
+            raise CommandError(f"rows {path!r} has no split {split or 'train'!r} (splits: {names}): pass --split "
+                               f"{next(iter(rows))}.", code=2)
+        return rows[split or "train"]
     builders = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".arrow": "arrow"}
     builder = builders.get(Path(path).suffix)
     if builder is None or not Path(path).is_file():
         raise CommandError(f"rows {path!r}: give a folder written by Dataset.save_to_disk or a "
                            f"{', '.join(builders)} file of tokenised rows.", code=2)
+    if split is not None:
+        raise CommandError(f"rows {path!r} is one file of rows, not a DatasetDict: leave --split out.", code=2)
     return datasets.load_dataset(builder, data_files=path, split="train")
 
 
@@ -232,7 +242,8 @@ def cmd_signal(args: argparse.Namespace, argv: list[str]) -> int:
     config = _load("teacher", args.teacher, lambda: AutoConfig.from_pretrained(args.teacher))
     vocab = getattr(config, "vocab_size", None)
     check_signal_settings(rows, args.output_dir, k=args.k, temperature=args.temperature,
-                          kd_token_mask=args.kd_token_mask, vocab_size=vocab if isinstance(vocab, int) else None)
+                          kd_token_mask=args.kd_token_mask, vocab_size=vocab if isinstance(vocab, int) else None,
+                          batch_size=args.batch_size, rows_per_shard=args.rows_per_shard)
     where = args.tokenizer or args.teacher
     tokenizer = _load("--tokenizer" if args.tokenizer else "teacher", where,
                       lambda: AutoTokenizer.from_pretrained(where))

@@ -137,6 +137,66 @@ def test_a_budget_no_candidate_meets_names_the_fastest_and_trains_nothing(tmp_pa
     assert not out.exists()
 
 
+def test_bad_inputs_are_refused_before_anything_is_measured(tmp_path, monkeypatch):
+    """Each input auto_student cannot use is one ValueError naming it, before the teacher's units are ranked or a
+    candidate is built: a bad device was a RuntimeError (an AssertionError for CUDA without one) after that work, a
+    NaN budget an error about "nan ms" after timing every candidate, a streamed train set an AttributeError."""
+    import datasets
+
+    def never(*a, **kw):
+        raise AssertionError("nothing may be measured before the inputs are checked")
+
+    monkeypatch.setattr(search_module, "width_importance", never)
+    monkeypatch.setattr(search_module.measure, "latencies", never)
+    stream = token_dataset(24).to_iterable_dataset()
+    cases = [
+        (dict(budget_ms=math.nan), "budget_ms must be a positive, finite number of milliseconds, got nan"),
+        (dict(budget_ms=math.inf), "budget_ms must be a positive, finite number of milliseconds, got inf"),
+        (dict(device="nonsense"), "device='nonsense' is not a device name"),
+        (dict(train_dataset=datasets.DatasetDict(train=token_dataset(24))),
+         r"train_dataset is a DatasetDict \(splits: train\): give one split"),
+        (dict(eval_dataset=datasets.DatasetDict(validation=token_dataset(8))),
+         r"eval_dataset is a DatasetDict \(splits: validation\): give one split"),
+        (dict(train_dataset=stream, args=args(tmp_path, max_steps=-1, num_train_epochs=1)),
+         "train_dataset is an IterableDataset .*set max_steps"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append((dict(device="cuda"), "device='cuda': this machine has no such device"))
+    for kw, match in cases:
+        settings = dict(train_dataset=token_dataset(24), eval_dataset=token_dataset(8, seed=1))
+        settings.update(kw)
+        with pytest.raises(ValueError, match=match):
+            run_with(tmp_path, **settings)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_streamed_train_set_is_calibrated_on_its_first_rows(tmp_path, monkeypatch):
+    """An IterableDataset of training rows (with max_steps) ranks the units on the same first rows as the Dataset."""
+    fixed_latencies(monkeypatch, [0.010, 0.003])
+    seen, real = [], search_module.width_importance
+
+    def spy(model, batches):
+        seen.append([{k: v.clone() for k, v in b.items()} for b in batches])
+        return real(model, batches)
+
+    monkeypatch.setattr(search_module, "width_importance", spy)
+    rows = token_dataset(24)
+    for name, train in (("dataset", rows), ("stream", rows.to_iterable_dataset(num_shards=3))):
+        result = run_with(tmp_path / name, train_dataset=train, eval_dataset=token_dataset(8, seed=1),
+                          candidates=POOL[:1], calibration_rows=10)
+        assert result.rows[0]["final_metric"] is not None
+    assert len(seen) == 2 and len(seen[0]) == len(seen[1]) > 1
+    for a, b in zip(*seen):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def run_with(tmp_path, train_dataset, eval_dataset, **kw):
+    settings = dict(budget_ms=1e6, args=args(tmp_path, max_steps=2), data_collator=collate, proxy_steps=2,
+                    seq_len=12, repeats=2, calibration_rows=8, candidates=POOL[:2], progress=False)
+    settings.update(kw)
+    return auto_student(teacher(), train_dataset, eval_dataset, **settings)
+
+
 # ---------------------------------------------------------------------- what is written
 
 
@@ -238,3 +298,23 @@ def test_cli_budget_error_is_one_line(saved_teacher, tmp_path, capsys):
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
     assert len(err) == 1 and err[0].startswith("error: No candidate meets the budget of 1e-09 ms")
     assert "the fastest, " in err[0] and not out.exists()
+
+
+def test_cli_bad_settings_are_refused_before_the_teacher_loads(saved_teacher, tmp_path, capsys, monkeypatch):
+    """A bad --device or training setting is one error line before the teacher loads (without a teacher folder,
+    the demo's teacher is fine-tuned first: minutes of work the error used to come after)."""
+    import transformers
+
+    loaded = []
+    monkeypatch.setattr(transformers.AutoModelForSequenceClassification, "from_pretrained",
+                        lambda *a, **kw: loaded.append(a))
+    cases = [(["--device", "nonsense"], "device='nonsense' is not a device name"),
+             (["--kd_loss", "bogus"], "kd_loss='bogus' is unknown"),
+             (["--temperature", "0"], "temperature must be > 0")]
+    if not torch.cuda.is_available():
+        cases.append((["--device", "cuda"], "device='cuda': this machine has no such device"))
+    for extra, message in cases:
+        assert main([*cli_args(saved_teacher, tmp_path / "never"), *extra]) == 1, extra
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and err.count("\n") == 1, (extra, err)
+    assert loaded == [] and not (tmp_path / "never").exists()

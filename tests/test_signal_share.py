@@ -226,6 +226,8 @@ def test_cli_signal_create_refuses_bad_settings_before_loading_the_teacher(tmp_p
         ([str(tmp_path / "no-teacher"), rows, "new"], 1, f"teacher {str(tmp_path / 'no-teacher')!r}: could not "
                                                          "load it"),
         ([teacher, rows, "new", "--tokenizer", str(tmp_path / "no-tok")], 1, "--tokenizer"),
+        ([teacher, rows, "new", "--batch_size", "0"], 1, "batch_size must be an integer >= 1, got 0"),
+        ([teacher, rows, "new", "--rows_per_shard", "0"], 1, "rows_per_shard must be an integer >= 1, got 0"),
     ]
     if not torch.cuda.is_available():
         cases.append(([teacher, rows, "new", "--device", "cuda"], 2, "--device cuda: this machine has no such device"))
@@ -237,6 +239,34 @@ def test_cli_signal_create_refuses_bad_settings_before_loading_the_teacher(tmp_p
     assert loaded == [] and not (tmp_path / "new").exists()
     assert (tmp_path / "a_file").read_text() == "mine" and sorted(p.name for p in (tmp_path / "notes").iterdir()) == [
         "todo.txt"]
+
+
+def test_cli_signal_create_reads_the_split_it_is_given(tmp_path, capsys):
+    """A saved DatasetDict: --split picks the rows, "train" by default; a missing split, or --split on a folder
+    of one Dataset (where it would be ignored), is one error line naming --split, before the teacher loads."""
+    teacher, rows = _cli_inputs(tmp_path, capsys)
+    datasets.DatasetDict(validation=sft_rows(4), train=sft_rows(8)).save_to_disk(str(tmp_path / "splits"))
+    datasets.DatasetDict(validation=sft_rows(4)).save_to_disk(str(tmp_path / "no_train"))
+    sft_rows(8).to_parquet(str(tmp_path / "rows.parquet"))
+    capsys.readouterr()
+    base = ["signal", "create", teacher, "--k", str(K), "--temperature", str(T), "--rows_per_shard", "4",
+            "--no_progress"]
+    cases = [
+        ([str(tmp_path / "no_train"), "out"], "has no split 'train' (splits: validation): pass --split validation"),
+        ([str(tmp_path / "splits"), "out", "--split", "test"], "has no split 'test' (splits: validation, train)"),
+        ([rows, "out", "--split", "validation"], "holds one Dataset, not a DatasetDict: leave --split out"),
+        ([str(tmp_path / "rows.parquet"), "out", "--split", "train"], "is one file of rows, not a DatasetDict"),
+    ]
+    for argv, message in cases:
+        assert main([*base[:3], argv[0], str(tmp_path / argv[1]), *base[3:], *argv[2:]]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and err.count("\n") == 1, (argv, err)
+    assert not (tmp_path / "out").exists()
+    for split, n in (("validation", 4), (None, 8)):
+        out = tmp_path / f"signal_{split}"
+        assert main([*base[:3], str(tmp_path / "splits"), str(out), *base[3:],
+                     *(["--split", split] if split else [])]) == 0
+        assert signal_metadata(load_teacher_signal(out))["rows"] == n
 
 
 def test_cli_signal_create_interrupted_then_run_again(tmp_path, capsys, monkeypatch):

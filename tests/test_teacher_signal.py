@@ -3,6 +3,7 @@ checks, and training from it with the loss of the online teacher's top-k + tail.
 
 from __future__ import annotations
 
+import copy
 import json
 
 import datasets
@@ -239,6 +240,30 @@ def test_an_output_dir_that_is_not_a_signal_is_refused_untouched(tmp_path):
         _signal(tmp_path / "other", k=VOCAB + 1)
 
 
+def test_bad_run_settings_are_refused_before_anything_is_written(tmp_path):
+    """Each setting the teacher's run cannot honour is one error naming it, before the folder is created: a
+    rows_per_shard of 0 used to write a metadata file that then refused every corrected run ("rows_per_shard
+    differ"), and a float32 dtype on a bfloat16 teacher ran it in bfloat16 while recording float32."""
+    rows = sft_rows(4)
+    cases = [
+        (dict(batch_size=0), "batch_size must be an integer >= 1, got 0"),
+        (dict(rows_per_shard=0), "rows_per_shard must be an integer >= 1, got 0"),
+        (dict(rows_per_shard=-3), "rows_per_shard must be an integer >= 1, got -3"),
+        (dict(dtype="bfloat16"), "dtype='bfloat16': use torch.bfloat16 or torch.float16"),
+        (dict(dtype=torch.int8), "dtype=torch.int8: use torch.bfloat16 or torch.float16"),
+        (dict(dtype=torch.float32, teacher=llama(1).to(torch.bfloat16)),
+         r"dtype=torch.float32, but the teacher's weights are torch.bfloat16.*dtype=None"),
+        (dict(device="meta"), "device=meta, but the teacher's weights are on cpu: move it there first"),
+        (dict(rows=datasets.DatasetDict(train=rows)), r"a DatasetDict \(splits: train\): give one split"),
+        (dict(rows=rows.to_iterable_dataset()), "an IterableDataset: .*give a datasets.Dataset"),
+    ]
+    for kw, match in cases:
+        with pytest.raises(ValueError, match=match):
+            _signal(tmp_path, **kw)
+        assert not (tmp_path / "signal").exists(), kw
+    assert signal_metadata(_signal(tmp_path, rows=rows))["rows_per_shard"] == 4  # the folder is free
+
+
 # ---------------------------------------------------------------------- training from it
 
 
@@ -294,11 +319,19 @@ def test_trains_from_a_streamed_signal(tmp_path):
 
 
 def test_bf16_teacher_forwards(tmp_path):
-    """dtype=torch.bfloat16 runs the teacher under autocast (CPU here): the same positions, a close signal."""
-    rows = sft_rows(4)
-    exact = _signal(tmp_path / "fp32", rows=rows)
-    half = _signal(tmp_path / "bf16", rows=rows, dtype=torch.bfloat16)
+    """dtype=torch.bfloat16 runs the teacher under autocast (CPU here): the same positions, and tails within bf16's
+    rounding of a float64 forward of the same teacher on the same rows, where the float32 signal is far closer (so
+    the bf16 one did run in bf16)."""
+    rows, teacher = sft_rows(4), llama(1)
+    exact = _signal(tmp_path / "fp32", teacher, rows)
+    half = _signal(tmp_path / "bf16", teacher, rows, dtype=torch.bfloat16)
     assert signal_metadata(half)["dtype"] == "torch.bfloat16"
     assert [len(t) for t in half[SIGNAL_TAIL]] == [len(t) for t in exact[SIGNAL_TAIL]]
-    tails = [torch.tensor(sum(s[SIGNAL_TAIL], [])) for s in (exact, half)]
-    assert 0 < (tails[0] - tails[1]).abs().max() < 0.1
+    batch = labelled_collate([rows[i] for i in range(len(rows))])
+    with torch.no_grad():
+        z = copy.deepcopy(teacher).double()(input_ids=batch["input_ids"]).logits[:, :-1]
+    log_p = (z / T).log_softmax(-1)
+    want = log_p.scatter(-1, log_p.topk(K, -1).indices, float("-inf")).logsumexp(-1)
+    want = want[kd_positions(None, batch["labels"], "labels", causal=True)]
+    errors = [(torch.tensor(sum(s[SIGNAL_TAIL], []), dtype=torch.float64) - want).abs().max() for s in (exact, half)]
+    assert errors[0] < 1e-5 and 10 * errors[0] < errors[1] < 1e-3, errors

@@ -164,7 +164,7 @@ def cmd_auto(args: argparse.Namespace, argv: list[str]) -> int:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from ..arguments import DistillationArguments
-    from .search import auto_student, check_output_dir
+    from .search import auto_student, check_device, check_output_dir
     from .space import Candidate
 
     check_output_dir(Path(args.output_dir), args.overwrite_output_dir)  # before any teacher is loaded or trained
@@ -178,6 +178,15 @@ def cmd_auto(args: argparse.Namespace, argv: list[str]) -> int:
 
         datasets.disable_progress_bars()
         hf_logging.disable_progress_bar()
+    # Everything that needs no teacher is checked first: without a teacher folder the demo's is fine-tuned (minutes).
+    on_cpu = check_device(args.device).type == "cpu"
+    run_args = DistillationArguments(
+        output_dir=args.output_dir, num_train_epochs=args.num_train_epochs, max_steps=args.max_steps,
+        learning_rate=args.learning_rate, per_device_train_batch_size=args.per_device_train_batch_size,
+        per_device_eval_batch_size=64, weight_decay=0.0, lr_scheduler_type="linear", warmup_steps=0,
+        max_grad_norm=1.0, seed=args.seed, bf16=args.bf16, use_cpu=on_cpu, save_strategy="no", logging_steps=25,
+        report_to="none", disable_tqdm=args.no_progress, kd_loss=args.kd_loss, temperature=args.temperature,
+        kd_weight=args.kd_weight, task_weight=args.task_weight)
     candidates = None
     if args.candidates:
         try:
@@ -201,14 +210,6 @@ def cmd_auto(args: argparse.Namespace, argv: list[str]) -> int:
         return rows.rename_column(args.label_column, "labels") if args.label_column != "labels" else rows
 
     train, valid = encode(args.train_file, args.train_rows), encode(args.validation_file, args.validation_rows)
-    on_cpu = torch.device(args.device).type == "cpu"
-    run_args = DistillationArguments(
-        output_dir=args.output_dir, num_train_epochs=args.num_train_epochs, max_steps=args.max_steps,
-        learning_rate=args.learning_rate, per_device_train_batch_size=args.per_device_train_batch_size,
-        per_device_eval_batch_size=64, weight_decay=0.0, lr_scheduler_type="linear", warmup_steps=0,
-        max_grad_norm=1.0, seed=args.seed, bf16=args.bf16, use_cpu=on_cpu, save_strategy="no", logging_steps=25,
-        report_to="none", disable_tqdm=args.no_progress, kd_loss=args.kd_loss, temperature=args.temperature,
-        kd_weight=args.kd_weight, task_weight=args.task_weight)
     result = auto_student(
         teacher, train, valid, budget_ms=args.budget_ms, args=run_args, processing_class=tokenizer,
         device=args.device, batch_size=args.batch_size, seq_len=args.seq_len or args.max_length,

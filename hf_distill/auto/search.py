@@ -25,6 +25,8 @@ from __future__ import annotations
 import dataclasses
 import gc
 import inspect
+import itertools
+import math
 import os
 import shutil
 import tempfile
@@ -111,18 +113,57 @@ def fixed_input(dataset: Any, batch_size: int, seq_len: int) -> dict[str, torch.
 
 def calibration_batches(teacher: PreTrainedModel, dataset: Any, collator: Callable, rows: int,
                         batch_size: int) -> list[dict[str, Any]]:
-    """The first ``rows`` training rows as model inputs (no labels) for width importance."""
+    """The first ``rows`` training rows (of a Dataset, or read from a stream) as model inputs (no labels) for width
+    importance."""
+    import datasets
+
     names = _forward_names(teacher) - {"labels"}
-    columns = [c for c in dataset.column_names if c in names]
+    if isinstance(dataset, datasets.Dataset):
+        first = dataset.select(range(min(rows, len(dataset)))).to_list()
+    else:  # an IterableDataset (or any iterable of row dicts): its first rows, as the Dataset's
+        first = [dict(row) for row in itertools.islice(iter(dataset), rows)]
+    columns = [c for c in (first[0] if first else {}) if c in names]
     if "input_ids" not in columns:
         raise ValueError("auto_student ranks the teacher's units on training rows: train_dataset needs an "
                          "input_ids column (tokenised text).")
-    subset = dataset.select(range(min(rows, len(dataset)))).select_columns(columns)
+    subset = [{c: row[c] for c in columns} for row in first]
     batches = []
     for start in range(0, len(subset), batch_size):
-        batch = collator(subset.select(range(start, min(start + batch_size, len(subset)))).to_list())
+        batch = collator(subset[start : start + batch_size])
         batches.append({k: v for k, v in batch.items() if k in names})
     return batches
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    """`device` as a torch.device, refused (one ValueError naming it) when it is not one this machine has: checked
+    before the teacher is loaded or measured, not when the first model is moved there."""
+    try:
+        found = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device={device!r} is not a device name: use e.g. 'cpu', 'cuda' or 'cuda:1'.") from None
+    if found.type == "cpu":
+        return found
+    accelerator = getattr(torch, found.type, None)
+    available = accelerator is not None and hasattr(accelerator, "is_available") and accelerator.is_available()
+    count = accelerator.device_count() if available and hasattr(accelerator, "device_count") else None
+    if not available or (found.index is not None and count is not None and found.index >= count):
+        raise ValueError(f"device={device!r}: this machine has no such device (torch {torch.__version__}); use "
+                         "'cpu', or run where that device is.")
+    return found
+
+
+def _check_data(train_dataset: Any, eval_dataset: Any, args: DistillationArguments) -> None:
+    """Refuse data the search cannot use before anything is measured: a DatasetDict (which split?) and a training
+    stream without max_steps (the full run could not count its epochs, after every proxy run had trained)."""
+    import datasets
+
+    for name, data in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+        if isinstance(data, datasets.DatasetDict | datasets.IterableDatasetDict):
+            raise ValueError(f"{name} is a DatasetDict (splits: {', '.join(data)}): give one split, e.g. "
+                             f"{name}=rows[{next(iter(data), 'train')!r}].")
+    if isinstance(train_dataset, datasets.IterableDataset) and args.max_steps <= 0:
+        raise ValueError("train_dataset is an IterableDataset (no length), so the full run cannot count epochs: set "
+                         "max_steps in args (the proxy runs take proxy_steps), or give a datasets.Dataset.")
 
 
 def rank(rows: list[dict[str, Any]], greater_is_better: bool = True) -> list[dict[str, Any]]:
@@ -182,12 +223,15 @@ def auto_student(
     """
     if not isinstance(teacher, PreTrainedModel):
         raise TypeError(f"teacher must be a transformers PreTrainedModel, got {type(teacher).__name__}.")
-    if isinstance(budget_ms, bool) or not isinstance(budget_ms, (int, float)) or budget_ms <= 0:
-        raise ValueError(f"budget_ms must be a positive number of milliseconds, got {budget_ms!r}.")
+    if isinstance(budget_ms, bool) or not isinstance(budget_ms, (int, float)) or not 0 < budget_ms < math.inf:
+        raise ValueError(f"budget_ms must be a positive, finite number of milliseconds, got {budget_ms!r}.")
     for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("proxy_steps", proxy_steps),
                         ("top_n", top_n), ("calibration_rows", calibration_rows), ("repeats", repeats)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}.")
+    device = check_device(device)
+    _check_data(train_dataset, eval_dataset, args)
+    timed = fixed_input(eval_dataset, batch_size, seq_len)  # refused here, not after the candidates are built
     if data_collator is None:
         if processing_class is None:
             raise ValueError("auto_student needs data_collator= (or processing_class= a tokenizer, padded with "
@@ -219,9 +263,8 @@ def auto_student(
             teacher, train_dataset, data_collator, calibration_rows, args.per_device_eval_batch_size))
     built = [c.build(teacher, importance, seed) for c in tqdm(pool, desc="Building candidates", disable=not progress)]
     params = [measure.count_parameters(m) for m in built]
-    device = torch.device(device)
     home = next(teacher.parameters()).device
-    batch = {k: v.to(device) for k, v in fixed_input(eval_dataset, batch_size, seq_len).items()}
+    batch = {k: v.to(device) for k, v in timed.items()}
     models = [teacher.to(device), *(m.to(device) for m in built)]
     with tqdm(total=repeats, desc="Measuring latency", unit="round", disable=not progress) as bar:
         seconds = measure.latencies(models, [batch], repeats, on_round=bar.update)

@@ -61,6 +61,8 @@ from ..teacher import student_tokenizer
 from .cache import _attach
 from .cache_key import _dataset_digest, teacher_fingerprint
 from .collators import SIGNAL_PREFIX
+from .signal_checks import META_FILE as _META_FILE
+from .signal_checks import check_signal_run, check_signal_settings
 
 __all__ = [
     "SIGNAL_ROW",
@@ -85,9 +87,7 @@ SIGNAL_TAIL = f"{SIGNAL_PREFIX}_tail"
 SIGNAL_ROW = f"{SIGNAL_PREFIX}_row"
 SIGNAL_FORMAT = 1  # bump when the layout changes: an old signal is then refused, never misread
 _MARKER = "hf_distill.data.teacher_signal "
-_META_FILE = "teacher_signal.json"
 _ID_BITS, _VALUE_BITS = 17, 15
-_MODES = ("labels", "attention")
 
 
 # ---------------------------------------------------------------------- hashes
@@ -143,8 +143,9 @@ def create_teacher_signal(
             the same.
         batch_size: rows per teacher forward (the signal does not depend on it); rows_per_shard: rows per file (the
             unit of resumption).
-        dtype: run the teacher under autocast in this dtype (e.g. torch.bfloat16, on CPU or GPU); None: as it is.
-        device: where to run the teacher (default: where its parameters are).
+        dtype: run the teacher under autocast in this dtype (torch.bfloat16 or torch.float16, on CPU or GPU);
+            torch.float32 or None: as it is (float32 is refused for a teacher loaded in lower precision).
+        device: where the teacher runs, which must hold its weights (default: where its parameters are).
         teacher_name: recorded as the teacher's name (default: its `name_or_path`).
         command: how the signal was made, for its dataset card (the CLI gives its command line; default: this
             call, written as Python).
@@ -154,7 +155,8 @@ def create_teacher_signal(
     if not isinstance(vocab, int):
         raise ValueError("The teacher has no config.vocab_size: give a transformers causal-LM teacher.")
     check_signal_settings(dataset, output_dir, k=k, temperature=temperature, kd_token_mask=kd_token_mask,
-                          vocab_size=vocab)
+                          vocab_size=vocab, batch_size=batch_size, rows_per_shard=rows_per_shard)
+    run_on = check_signal_run(teacher, dtype, device)
     columns = [c for c in ("input_ids", "attention_mask", "labels") if c in dataset.column_names]
     name = teacher_name or getattr(inner, "name_or_path", None) or getattr(inner.config, "_name_or_path", "") or ""
     import hf_distill
@@ -174,7 +176,6 @@ def create_teacher_signal(
     (folder / _META_FILE).write_text(json.dumps({**meta, "complete": False}, indent=2) + "\n")
     shards = [(s, min(s + rows_per_shard, len(dataset))) for s in range(0, len(dataset), rows_per_shard)]
     todo = [i for i, (s, e) in enumerate(shards) if not _shard_ok(_shard_path(folder, i), e - s)]
-    run_on = torch.device(device) if device is not None else next(teacher.parameters()).device
     pad_id = getattr(tokenizer, "pad_token_id", None) or 0
     source = dataset.select_columns(columns).with_format(None)
     was_training = teacher.training
@@ -202,35 +203,6 @@ def create_teacher_signal(
     meta["payload_bytes_per_token"] = round(payload / max(positions, 1), 2)
     (folder / _META_FILE).write_text(json.dumps({**meta, "complete": True}, indent=2) + "\n")
     return load_teacher_signal(folder)
-
-
-def check_signal_settings(dataset: Any, output_dir: str | os.PathLike, *, k: Any, temperature: Any,
-                          kd_token_mask: str, vocab_size: int | None) -> None:
-    """Refuse settings `create_teacher_signal` cannot use, each naming the fix; cheap, so the command line runs it
-    before loading the teacher's weights (`vocab_size`: the teacher config's, None to skip that check)."""
-    if kd_token_mask not in _MODES:
-        raise ValueError(f"kd_token_mask={kd_token_mask!r}: use 'labels' or 'attention' (the trainer's rule).")
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"k must be an integer >= 1, got {k!r}.")
-    if vocab_size is not None and k > vocab_size:
-        raise ValueError(f"k={k} exceeds the teacher's vocabulary ({vocab_size} ids): choose k <= {vocab_size}.")
-    if not (isinstance(temperature, int | float) and 0 < float(temperature) < float("inf")):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}.")
-    if not isinstance(dataset, datasets.Dataset) or len(dataset) == 0:
-        raise ValueError("dataset must be a non-empty datasets.Dataset of tokenised rows.")
-    needed = ("input_ids", "labels") if kd_token_mask == "labels" else ("input_ids",)
-    missing = [c for c in needed if c not in dataset.column_names]
-    if missing:
-        raise ValueError(f"The dataset has no {missing} column (columns: {dataset.column_names}); "
-                         "kd_token_mask='labels' needs `labels` (-100 where not learnt), or use 'attention'.")
-    folder = Path(output_dir)
-    if folder.is_file():
-        raise ValueError(f"output_dir {str(output_dir)!r} is a file: give a new folder (or this signal's, to resume).")
-    others = sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) if folder.is_dir() else []
-    if others and not (folder / _META_FILE).is_file():  # not overwritten, not mixed with a signal's files
-        raise ValueError(f"{folder} is not empty and holds no teacher signal ({_META_FILE} is missing; it holds "
-                         f"{', '.join(others[:3])}{', ...' if len(others) > 3 else ''}): choose a new or empty "
-                         "output_dir.")
 
 
 def _signal_table(teacher, rows: dict[str, list], meta: dict, pad_id: int, device, dtype) -> pa.Table:
