@@ -44,7 +44,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -69,29 +68,6 @@ def rss_mb() -> float:
 
 def peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
-def step_clock(times: list[float]):
-    """A TrainerCallback appending each step's seconds (from its on_step_begin to its on_step_end) to `times`: the
-    same clock on every side of a comparison."""
-    from transformers import TrainerCallback
-
-    class Clock(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            times.append(time.perf_counter() - self.t0)
-
-    return Clock()
-
-
-def cpu_train_args(name: str, steps: int, batch: int, **extra: Any) -> dict[str, Any]:
-    """The Trainer arguments every side of a timed comparison shares (`extra` adds or overrides): `steps` steps of
-    `batch` rows at a constant lr on the CPU, seed 0, nothing saved or reported, no loader workers."""
-    return {"output_dir": f"/tmp/hf_distill_causal_{name}", "max_steps": steps, "per_device_train_batch_size": batch,
-            "learning_rate": 1e-4, "lr_scheduler_type": "constant", "save_strategy": "no", "report_to": "none",
-            "use_cpu": True, "seed": 0, "disable_tqdm": True, "dataloader_num_workers": 0, **extra}
 
 
 def child_env() -> dict[str, str]:
@@ -225,7 +201,7 @@ def trl_child(side: str, teacher_path: str, kept: list[int], blocks: int, batch:
     text = (ROOT.parent / "shared" / "data" / "wikitext2" / "wiki.valid.raw").read_text(encoding="utf-8")
     train = make_blocks(text, tok, 128, blocks)
     times: list[float] = []
-    common = cpu_train_args(f"trl_{side}", steps, batch, logging_steps=10_000)
+    common = sections.cpu_train_args(f"trl_{side}", steps, batch, logging_steps=10_000)
     if side == "ours":
         from hf_distill import DistillationArguments, DistillationTrainer
 
@@ -233,14 +209,14 @@ def trl_child(side: str, teacher_path: str, kept: list[int], blocks: int, batch:
                                      **common)
         trainer = DistillationTrainer(model=student, teacher_model=teacher, args=args, train_dataset=train,
                                       data_collator=default_data_collator, processing_class=tok,
-                                      callbacks=[step_clock(times)])
+                                      callbacks=[sections.step_clock(times)])
     else:
         from trl.experimental.gkd import GKDConfig, GKDTrainer
 
         args = GKDConfig(lmbda=0.0, beta=0.5, temperature=1.0, seq_kd=False, max_length=128, **common)
         trainer = GKDTrainer(model=student, teacher_model=teacher, args=args, train_dataset=train,
                              data_collator=default_data_collator, processing_class=tok,
-                             callbacks=[step_clock(times)])
+                             callbacks=[sections.step_clock(times)])
     before = rss_mb()
     out = trainer.train()
     return {"side": side, "step_s": statistics.median(times[warmup:]), "times": times,

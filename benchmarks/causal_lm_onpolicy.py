@@ -52,8 +52,9 @@ def onpolicy_child(side: str, teacher_path: str, kept: list[int], batch: int, st
     from hf_distill import students
 
     sys.path.insert(0, str(HERE))
-    from causal_lm import cpu_train_args, peak_mb, rss_mb
+    from causal_lm import peak_mb, rss_mb
     from causal_lm_sft import text_rows
+    from sections import cpu_train_args
 
     torch.set_num_threads(2)
     tok = AutoTokenizer.from_pretrained(teacher_path)

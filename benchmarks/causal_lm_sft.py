@@ -60,7 +60,8 @@ def sft_child(side: str, teacher_path: str, kept: list[int], n_rows: int, batch:
     from hf_distill import students
 
     sys.path.insert(0, str(HERE))
-    from causal_lm import cpu_train_args, peak_mb, rss_mb, step_clock
+    from causal_lm import peak_mb, rss_mb
+    from sections import cpu_train_args, step_clock
 
     torch.set_num_threads(2)
     tok = AutoTokenizer.from_pretrained(teacher_path)

@@ -1,6 +1,7 @@
 """What the benchmarks made of named sections (causal_lm.py, prune_recover.py) share: the record of how a section
 was run (command, date, load average before and after, seconds), the machine line, and each section's heading in
-the Markdown report, so that every results file states its conditions the same way."""
+the Markdown report, so that every results file states its conditions the same way; and what every side of
+causal_lm.py's timed trainer comparisons (trl, sft, onpolicy) shares: the step clock and the CPU Trainer arguments."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import shlex
 import sys
 import time
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 
 def machine() -> str:
@@ -39,3 +41,26 @@ def sections_with_headings(data: dict, names: Iterable[str], minutes: bool = Fal
         took = f"{meta.get('seconds', 0) / 60:.1f} min, " if minutes else ""
         yield name, sec, [f"## {name}", "", f"Command: `{meta.get('command')}`, {meta.get('date')}, {took}load "
                           f"before / after: {meta.get('load_before')} / {meta.get('load_after')}.", ""]
+
+
+def step_clock(times: list[float]):
+    """A TrainerCallback appending each step's seconds (from its on_step_begin to its on_step_end) to `times`: the
+    same clock on every side of a comparison."""
+    from transformers import TrainerCallback
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            times.append(time.perf_counter() - self.t0)
+
+    return Clock()
+
+
+def cpu_train_args(name: str, steps: int, batch: int, **extra: Any) -> dict[str, Any]:
+    """The Trainer arguments every side of a timed comparison shares (`extra` adds or overrides): `steps` steps of
+    `batch` rows at a constant lr on the CPU, seed 0, nothing saved or reported, no loader workers."""
+    return {"output_dir": f"/tmp/hf_distill_causal_{name}", "max_steps": steps, "per_device_train_batch_size": batch,
+            "learning_rate": 1e-4, "lr_scheduler_type": "constant", "save_strategy": "no", "report_to": "none",
+            "use_cpu": True, "seed": 0, "disable_tqdm": True, "dataloader_num_workers": 0, **extra}
