@@ -38,9 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
-import shlex
 import statistics
 import subprocess
 import sys
@@ -48,6 +46,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import sections  # noqa: E402  (how a section ran, the report's section headings)
+
 ROOT = HERE.parent
 RESULTS = HERE / "results"
 RUN_DIR = HERE / "runs" / "causal_lm"
@@ -186,7 +187,7 @@ def memory(batch: int, seq: int, cases: list[tuple[int, int | None]], previous: 
 def trl_child(side: str, teacher_path: str, kept: list[int], blocks: int, batch: int, steps: int, warmup: int) -> dict:
     """Train the pruned student `steps` steps with one side's trainer; per-step times from a callback."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, default_data_collator
+    from transformers import AutoModelForCausalLM, AutoTokenizer, default_data_collator
 
     sys.path.insert(0, str(ROOT / "recipes"))
     from causal_lm import blocks as make_blocks
@@ -200,30 +201,22 @@ def trl_child(side: str, teacher_path: str, kept: list[int], blocks: int, batch:
     text = (ROOT.parent / "shared" / "data" / "wikitext2" / "wiki.valid.raw").read_text(encoding="utf-8")
     train = make_blocks(text, tok, 128, blocks)
     times: list[float] = []
-
-    class Clock(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            times.append(time.perf_counter() - self.t0)
-
-    common = dict(output_dir=f"/tmp/hf_distill_causal_trl_{side}", max_steps=steps, per_device_train_batch_size=batch,
-                  learning_rate=1e-4, lr_scheduler_type="constant", logging_steps=10_000, save_strategy="no",
-                  report_to="none", use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0)
+    common = sections.cpu_train_args(f"trl_{side}", steps, batch, logging_steps=10_000)
     if side == "ours":
         from hf_distill import DistillationArguments, DistillationTrainer
 
         args = DistillationArguments(kd_loss="jsd", jsd_beta=0.5, temperature=1.0, kd_weight=1.0, task_weight=0.0,
                                      **common)
         trainer = DistillationTrainer(model=student, teacher_model=teacher, args=args, train_dataset=train,
-                                      data_collator=default_data_collator, processing_class=tok, callbacks=[Clock()])
+                                      data_collator=default_data_collator, processing_class=tok,
+                                      callbacks=[sections.step_clock(times)])
     else:
         from trl.experimental.gkd import GKDConfig, GKDTrainer
 
         args = GKDConfig(lmbda=0.0, beta=0.5, temperature=1.0, seq_kd=False, max_length=128, **common)
         trainer = GKDTrainer(model=student, teacher_model=teacher, args=args, train_dataset=train,
-                             data_collator=default_data_collator, processing_class=tok, callbacks=[Clock()])
+                             data_collator=default_data_collator, processing_class=tok,
+                             callbacks=[sections.step_clock(times)])
     before = rss_mb()
     out = trainer.train()
     return {"side": side, "step_s": statistics.median(times[warmup:]), "times": times,
@@ -430,13 +423,8 @@ def write_report(data: dict) -> None:
     (RESULTS / "causal_lm.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
     lines = ["# Causal-LM distillation (issue #14)", "",
              f"Written by `benchmarks/causal_lm.py`; see its docstring for the method. Machine: {data['machine']}.", ""]
-    for name in SECTIONS:
-        sec = data.get(name)
-        if not sec:
-            continue
-        meta = sec.get("meta") or {}
-        lines += [f"## {name}", "", f"Command: `{meta.get('command')}`, {meta.get('date')}, load before / "
-                  f"after: {meta.get('load_before')} / {meta.get('load_after')}.", ""]
+    for name, sec, heading in sections.sections_with_headings(data, SECTIONS):
+        lines += heading
         if name == "quality":
             lines += ["| model | params | held-out perplexity |", "| --- | ---: | ---: |",
                       f"| teacher | {sec['teacher_params']:,} | {sec['teacher_perplexity']:.2f} |",
@@ -491,6 +479,50 @@ def write_report(data: dict) -> None:
 
             lines += methods_lines(sec)
     (RESULTS / "causal_lm.md").write_text("\n".join(lines) + "\n")
+
+
+def run_section(name: str, a: argparse.Namespace, p: argparse.ArgumentParser, data: dict) -> dict:
+    """The results of one section, run as the command line `a` says (`data`: the results file so far)."""
+    if name == "quality":
+        return quality(a.force)
+    if name == "memory":
+        cases = [(int(v), int(c) or None) for v, c in (x.split(":") for x in a.cases.split(","))]
+        return memory(a.batch, a.seq, cases, data.get("memory"))
+    if name == "signal":
+        kept = [int(k) for k in a.signal_kept.split(",")] if a.signal_kept else None
+        ks = [int(k) for k in a.signal_ks.split(",")]
+        if a.signal_k not in ks:
+            p.error(f"--signal-k {a.signal_k} must be one of --signal-ks {a.signal_ks}")
+        return signal_section(a.signal_teacher, kept, a.signal_steps, 8, ks, a.signal_k, a.warmup)
+    if name == "sft":
+        from causal_lm_sft import sft_section
+
+        teacher, kept = a.sft_teacher, [int(k) for k in a.sft_kept.split(",")] if a.sft_kept else None
+        if teacher is None:
+            r = json.loads((RUN_DIR / "results.json").read_text())
+            teacher, kept = r["teacher"], kept or r["kept_blocks"]
+        return sft_section(run_child, a.pairs, a.steps, a.warmup, 8, teacher, kept)
+    if name == "onpolicy":
+        from causal_lm_onpolicy import onpolicy_section
+
+        teacher = a.onpolicy_teacher
+        kept = [int(k) for k in a.onpolicy_kept.split(",")] if a.onpolicy_kept else None
+        if teacher is None:
+            r = json.loads((RUN_DIR / "results.json").read_text())
+            teacher, kept = r["teacher"], kept or r["kept_blocks"]
+        return onpolicy_section(run_child, a.pairs, a.steps, a.warmup, 8, teacher, kept, a.max_new_tokens,
+                                a.onpolicy_sample)
+    if name == "methods":
+        from causal_lm_methods import DEFAULT_VARIANTS, methods_section
+
+        r = json.loads((RUN_DIR / "results.json").read_text())
+        return methods_section(r["teacher"], r["kept_blocks"], r["train_file"], r["eval_file"],
+                               seeds=a.methods_seeds, steps=a.methods_steps, batch=a.methods_batch,
+                               half=a.methods_half, eval_tokens=a.methods_eval_tokens,
+                               variants=a.methods_variants.split(",") if a.methods_variants else DEFAULT_VARIANTS,
+                               work=HERE / ".cache" / "methods", threads=a.methods_threads)
+    kept = [int(k) for k in a.trl_kept.split(",")] if a.trl_kept else None  # trl
+    return trl_section(a.pairs, a.steps, a.warmup, 8, a.trl_teacher, kept)
 
 
 def main() -> None:
@@ -564,53 +596,11 @@ def main() -> None:
         p.error(f"--only: unknown section(s) {', '.join(unknown)}; known: {', '.join(SECTIONS)}")
     path = RESULTS / "causal_lm.json"
     data = json.loads(path.read_text()) if path.is_file() else {}
-    data["machine"] = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}"
+    data["machine"] = sections.machine()
     for name in only:
-        meta = {"command": " ".join(shlex.quote(x) for x in ["python", "benchmarks/causal_lm.py", *sys.argv[1:]]),
-                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_before": os.getloadavg()}
-        t0 = time.time()
-        if name == "quality":
-            sec = quality(a.force)
-        elif name == "memory":
-            cases = [(int(v), int(c) or None) for v, c in (x.split(":") for x in a.cases.split(","))]
-            sec = memory(a.batch, a.seq, cases, data.get("memory"))
-        elif name == "signal":
-            kept = [int(k) for k in a.signal_kept.split(",")] if a.signal_kept else None
-            ks = [int(k) for k in a.signal_ks.split(",")]
-            if a.signal_k not in ks:
-                p.error(f"--signal-k {a.signal_k} must be one of --signal-ks {a.signal_ks}")
-            sec = signal_section(a.signal_teacher, kept, a.signal_steps, 8, ks, a.signal_k, a.warmup)
-        elif name == "sft":
-            from causal_lm_sft import sft_section
-
-            teacher, kept = a.sft_teacher, [int(k) for k in a.sft_kept.split(",")] if a.sft_kept else None
-            if teacher is None:
-                r = json.loads((RUN_DIR / "results.json").read_text())
-                teacher, kept = r["teacher"], kept or r["kept_blocks"]
-            sec = sft_section(run_child, a.pairs, a.steps, a.warmup, 8, teacher, kept)
-        elif name == "onpolicy":
-            from causal_lm_onpolicy import onpolicy_section
-
-            teacher = a.onpolicy_teacher
-            kept = [int(k) for k in a.onpolicy_kept.split(",")] if a.onpolicy_kept else None
-            if teacher is None:
-                r = json.loads((RUN_DIR / "results.json").read_text())
-                teacher, kept = r["teacher"], kept or r["kept_blocks"]
-            sec = onpolicy_section(run_child, a.pairs, a.steps, a.warmup, 8, teacher, kept, a.max_new_tokens,
-                                   a.onpolicy_sample)
-        elif name == "methods":
-            from causal_lm_methods import DEFAULT_VARIANTS, methods_section
-
-            r = json.loads((RUN_DIR / "results.json").read_text())
-            sec = methods_section(r["teacher"], r["kept_blocks"], r["train_file"], r["eval_file"],
-                                  seeds=a.methods_seeds, steps=a.methods_steps, batch=a.methods_batch,
-                                  half=a.methods_half, eval_tokens=a.methods_eval_tokens,
-                                  variants=a.methods_variants.split(",") if a.methods_variants else DEFAULT_VARIANTS,
-                                  work=HERE / ".cache" / "methods", threads=a.methods_threads)
-        else:
-            kept = [int(k) for k in a.trl_kept.split(",")] if a.trl_kept else None
-            sec = trl_section(a.pairs, a.steps, a.warmup, 8, a.trl_teacher, kept)
-        sec["meta"] = {**meta, "load_after": os.getloadavg(), "seconds": time.time() - t0}
+        with sections.section_record("benchmarks/causal_lm.py") as meta:
+            sec = run_section(name, a, p, data)
+        sec["meta"] = meta
         # Re-read: another invocation (another section) may have written the file meanwhile.
         data = {**(json.loads(path.read_text()) if path.is_file() else {}), "machine": data["machine"], name: sec}
         write_report(data)

@@ -54,6 +54,7 @@ def onpolicy_child(side: str, teacher_path: str, kept: list[int], batch: int, st
     sys.path.insert(0, str(HERE))
     from causal_lm import peak_mb, rss_mb
     from causal_lm_sft import text_rows
+    from sections import cpu_train_args
 
     torch.set_num_threads(2)
     tok = AutoTokenizer.from_pretrained(teacher_path)
@@ -90,10 +91,7 @@ def onpolicy_child(side: str, teacher_path: str, kept: list[int], batch: int, st
             times.append(now - self.last)
             self.last = now
 
-    common = dict(output_dir=f"/tmp/hf_distill_causal_onpolicy_{side}", max_steps=steps,
-                  per_device_train_batch_size=batch, learning_rate=1e-4, lr_scheduler_type="constant",
-                  logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0, disable_tqdm=True,
-                  dataloader_num_workers=0, bf16=False, gradient_checkpointing=False)
+    common = cpu_train_args(f"onpolicy_{side}", steps, batch, logging_steps=1, bf16=False, gradient_checkpointing=False)
     ours = dict(kd_loss="jsd", jsd_beta=0.5, temperature=1.0, kd_weight=1.0, task_weight=0.0, lmbda=1.0,
                 max_new_tokens=max_new_tokens, generation_temperature=1.0 if sample else 0.0,
                 train_sampling_strategy="sequential")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -56,12 +55,13 @@ def sft_child(side: str, teacher_path: str, kept: list[int], n_rows: int, batch:
               warmup: int) -> dict[str, Any]:
     """Train the pruned student `steps` steps with one side's trainer; per-step times and tokens from callbacks."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hf_distill import students
 
     sys.path.insert(0, str(HERE))
     from causal_lm import peak_mb, rss_mb
+    from sections import cpu_train_args, step_clock
 
     torch.set_num_threads(2)
     tok = AutoTokenizer.from_pretrained(teacher_path)
@@ -69,25 +69,15 @@ def sft_child(side: str, teacher_path: str, kept: list[int], n_rows: int, batch:
     student = students.from_teacher(teacher, kept)
     rows = sft_rows(tok, n_rows)
     times: list[float] = []
-
-    class Clock(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            times.append(time.perf_counter() - self.t0)
-
-    common = dict(output_dir=f"/tmp/hf_distill_causal_sft_{side}", max_steps=steps, per_device_train_batch_size=batch,
-                  learning_rate=1e-4, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
-                  report_to="none", use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0, bf16=False,
-                  gradient_checkpointing=False, max_length=PACKED_LENGTH if side == "ours_packed" else 128)
+    common = cpu_train_args(f"sft_{side}", steps, batch, logging_steps=1, bf16=False, gradient_checkpointing=False,
+                            max_length=PACKED_LENGTH if side == "ours_packed" else 128)
     if side.startswith("ours"):
         from hf_distill import DistillationSFTConfig, DistillationSFTTrainer
 
         args = DistillationSFTConfig(kd_loss="jsd", jsd_beta=0.5, temperature=1.0, kd_weight=1.0, task_weight=0.0,
                                      packing=side == "ours_packed", **common)
         trainer = DistillationSFTTrainer(model=student, teacher_model=teacher, args=args, train_dataset=rows,
-                                         processing_class=tok, callbacks=[Clock()])
+                                         processing_class=tok, callbacks=[step_clock(times)])
     else:
         from trl.experimental.gkd import GKDConfig, GKDTrainer
         from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
@@ -95,7 +85,7 @@ def sft_child(side: str, teacher_path: str, kept: list[int], n_rows: int, batch:
         args = GKDConfig(lmbda=0.0, beta=0.5, temperature=1.0, seq_kd=False, **common)
         trainer = GKDTrainer(model=student, teacher_model=teacher, args=args, train_dataset=rows,
                              data_collator=DataCollatorForLanguageModeling(pad_token_id=tok.pad_token_id),
-                             processing_class=tok, callbacks=[Clock()])
+                             processing_class=tok, callbacks=[step_clock(times)])
     tokens = [int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel()
               for b, _ in zip(trainer.get_train_dataloader(), range(steps), strict=False)]
     before = rss_mb()

@@ -33,13 +33,14 @@ import importlib.util
 import json
 import math
 import os
-import platform
-import shlex
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import sections  # noqa: E402  (how a section ran, the report's section headings)
+
 ROOT = HERE.parent
 RESULTS = HERE / "results"
 WORK = HERE / "runs" / "prune_recover"
@@ -298,6 +299,15 @@ def value_at(run: dict, step: int) -> float:
     return next((p["value"] for p in run["points"] if p["step"] == step), float("nan"))
 
 
+def curve_rows(sec: dict, kd: dict, other: dict, cells) -> list[str]:
+    """One table row per step point: its label, then `cells(KD value, other run's value)` (the point's columns)."""
+    rows = []
+    for step in sec["points"]:
+        label = f"{step} (pruned, no training)" if step == 0 else str(step)
+        rows.append(f"| {label} | {cells(value_at(kd, step), value_at(other, step))} |")
+    return rows
+
+
 def train_time(sec: dict, *sides: tuple[str, dict]) -> str:
     """Training seconds of each run (evaluations left out), the thread count and the section's wall time."""
     times = ", ".join(f"{name} {run['points'][-1]['train_s']:.0f} s" for name, run in sides)
@@ -333,10 +343,8 @@ def encoder_lines(sec: dict) -> list[str]:
     lines += ["", "| steps | KD accuracy | fine-tuning accuracy | KD - fine-tuning | KD % of teacher |",
               "| ---: | ---: | ---: | ---: | ---: |",
               f"| teacher | {t['accuracy']:.2%} | | | 100.0 |"]
-    for step in sec["points"]:
-        k, f = value_at(kd, step), value_at(ft, step)
-        label = f"{step} (pruned, no training)" if step == 0 else str(step)
-        lines.append(f"| {label} | {k:.2%} | {f:.2%} | {100 * (k - f):+.2f} pt | {100 * k / t['accuracy']:.1f} |")
+    lines += curve_rows(sec, kd, ft, lambda k, f: f"{k:.2%} | {f:.2%} | {100 * (k - f):+.2f} pt | "
+                        f"{100 * k / t['accuracy']:.1f}")
     lines += ["", train_time(sec, ("KD", kd), ("fine-tuning", ft)), ""]
     return lines
 
@@ -358,10 +366,7 @@ def decoder_lines(sec: dict) -> list[str]:
              f"{sec['eval_blocks']} blocks of wiki.test.raw.", "",
              "| steps | KD perplexity | CE-only perplexity | KD / CE-only | KD / teacher |",
              "| ---: | ---: | ---: | ---: | ---: |", f"| teacher | {t['perplexity']:.2f} | | | 1.000 |"]
-    for step in sec["points"]:
-        k, c = value_at(kd, step), value_at(ce, step)
-        label = f"{step} (pruned, no training)" if step == 0 else str(step)
-        lines.append(f"| {label} | {k:.2f} | {c:.2f} | {k / c:.3f} | {k / t['perplexity']:.3f} |")
+    lines += curve_rows(sec, kd, ce, lambda k, c: f"{k:.2f} | {c:.2f} | {k / c:.3f} | {k / t['perplexity']:.3f}")
     lines += ["", train_time(sec, ("KD", kd), ("CE only", ce)), ""]
     return lines
 
@@ -411,15 +416,8 @@ def write_report(data: dict, folder: Path, stem: str) -> None:
     lines = ["# Pruning + distillation recovery (issue #33 items 3 and 4)", "",
              f"Written by `benchmarks/prune_recover.py`; see its docstring for the method. Machine: {data['machine']}.",
              ""]
-    for name in SECTIONS:
-        sec = data.get(name)
-        if not sec:
-            continue
-        meta = sec.get("meta") or {}
-        lines += [f"## {name}", "", f"Command: `{meta.get('command')}`, {meta.get('date')}, "
-                  f"{meta.get('seconds', 0) / 60:.1f} min, load before / after: {meta.get('load_before')} / "
-                  f"{meta.get('load_after')}.", ""]
-        lines += encoder_lines(sec) if name == "encoder" else decoder_lines(sec)
+    for name, sec, heading in sections.sections_with_headings(data, SECTIONS, minutes=True):
+        lines += heading + (encoder_lines(sec) if name == "encoder" else decoder_lines(sec))
     (folder / f"{stem}.md").write_text("\n".join(lines) + "\n")
     plot(data, folder / f"{stem}.png")
 
@@ -463,17 +461,15 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     folder, stem = (HERE / ".cache" / "quick", "prune_recover") if a.quick else (RESULTS, "prune_recover")
     path = folder / f"{stem}.json"
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}"
+    machine = sections.machine()
     if a.report_only:
         write_report(json.loads(path.read_text()), folder, stem)
         print((folder / f"{stem}.md").read_text())
         return
     for name in only:
-        meta = {"command": " ".join(shlex.quote(x) for x in ["python", "benchmarks/prune_recover.py", *sys.argv[1:]]),
-                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_before": os.getloadavg()}
-        t0 = time.time()
-        sec = encoder_section(a) if name == "encoder" else decoder_section(a)
-        sec["meta"] = {**meta, "load_after": os.getloadavg(), "seconds": time.time() - t0}
+        with sections.section_record("benchmarks/prune_recover.py") as meta:
+            sec = encoder_section(a) if name == "encoder" else decoder_section(a)
+        sec["meta"] = meta
         data = {**(json.loads(path.read_text()) if path.is_file() else {}), "machine": machine, name: sec}
         write_report(data, folder, stem)
     print((folder / f"{stem}.md").read_text())

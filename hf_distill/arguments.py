@@ -314,112 +314,9 @@ class DistillationArguments(TrainingArguments):
         return cls(**values, **distillation)
 
     def _validate_distillation(self) -> None:
-        if self.temperature is not None and not self.temperature > 0:
-            raise ValueError(
-                f"DistillationArguments.temperature must be > 0, got {self.temperature}. "
-                "Use 1.0 for plain softmax; 2-8 is usual for distillation."
-            )
-        if self.kd_loss not in KD_LOSS_KINDS:
-            raise ValueError(
-                f"DistillationArguments.kd_loss={self.kd_loss!r} is unknown. Known: {', '.join(KD_LOSS_KINDS)}."
-            )
-        if self.jsd_beta is not None and not (
-            isinstance(self.jsd_beta, int | float) and not isinstance(self.jsd_beta, bool) and 0.0 <= self.jsd_beta <= 1
-        ):
-            raise ValueError(
-                f"DistillationArguments.jsd_beta must be in [0, 1] (0 = forward KL, 1 = reverse KL), got "
-                f"{self.jsd_beta!r}."
-            )
-        if self.jsd_beta is not None and self.kd_loss != "jsd":
-            raise ValueError(
-                f"DistillationArguments.jsd_beta={self.jsd_beta} does nothing with kd_loss={self.kd_loss!r}: beta is "
-                "the mixture weight of kd_loss='jsd' only. Set kd_loss='jsd' (beta 0 = 'kl', 1 = 'reverse_kl'), or "
-                "leave jsd_beta unset."
-            )
-        if self.skew_alpha is not None:
-            if self.kd_loss not in SKEW_KINDS:
-                raise ValueError(
-                    f"DistillationArguments.skew_alpha={self.skew_alpha!r} is used by kd_loss='skew_kl' or "
-                    f"'skew_reverse_kl' only, but kd_loss={self.kd_loss!r}. Unset skew_alpha, or choose a skew kd_loss."
-                )
-            if isinstance(self.skew_alpha, bool) or not (
-                isinstance(self.skew_alpha, int | float) and 0.0 <= self.skew_alpha < 1.0
-            ):
-                raise ValueError(f"DistillationArguments.skew_alpha must be in [0, 1), got {self.skew_alpha!r}.")
-        if self.kd_chunk_size is not None and (isinstance(self.kd_chunk_size, bool) or self.kd_chunk_size <= 0):
-            raise ValueError(
-                f"DistillationArguments.kd_chunk_size must be a positive number of tokens, got {self.kd_chunk_size!r}. "
-                "Leave it unset for the default."
-            )
-        if self.projection not in PROJECTION_KINDS:
-            raise ValueError(
-                f"DistillationArguments.projection={self.projection!r} is unknown. "
-                f"Known: {', '.join(PROJECTION_KINDS)}."
-            )
-        if self.kd_token_mask is not None and self.kd_token_mask not in KD_TOKEN_MASKS:
-            raise ValueError(
-                f"DistillationArguments.kd_token_mask={self.kd_token_mask!r} is unknown. "
-                f"Known: {', '.join(KD_TOKEN_MASKS)}."
-            )
-        if self.multi_teacher is not None and self.multi_teacher not in MULTI_TEACHER_MODES:
-            raise ValueError(
-                f"DistillationArguments.multi_teacher={self.multi_teacher!r} is unknown. "
-                f"Known: {', '.join(MULTI_TEACHER_MODES)}."
-            )
-        self._validate_cross_tokenizer()
-        from .on_policy import validate_generation_arguments
+        from .argument_checks import validate_distillation
 
-        validate_generation_arguments(self)
-        if self.teacher_weights is not None and any(w < 0 for w in self.teacher_weights):
-            raise ValueError(f"DistillationArguments.teacher_weights must be >= 0, got {self.teacher_weights}.")
-        for name in ("kd_weight", "task_weight"):
-            if getattr(self, name) < 0:
-                raise ValueError(
-                    f"DistillationArguments.{name} must be >= 0, got {getattr(self, name)}. "
-                    "Set it to 0 to disable that term."
-                )
-        if self.projection_lr is not None and self.projection_lr <= 0:
-            raise ValueError(f"DistillationArguments.projection_lr must be > 0, got {self.projection_lr}.")
-        # Normalise the terms once: strings from the command line become plain dicts, so the arguments
-        # stay JSON-serialisable (TensorBoard hparams, model cards) and parsing errors surface here.
-        # None (no terms given or from the preset) stays None; an explicit empty list stays [] so that
-        # dataclasses.replace does not read it as "not given" and bring a preset's terms back.
-        terms = parse_terms(self.distill_terms or [])
-        self.distill_terms = None if self.distill_terms is None else [t.to_dict() for t in terms]
-        if self.kd_weight == 0 and self.task_weight == 0 and not any(t.weight > 0 for t in terms):
-            raise ValueError(
-                "All loss weights are zero (kd_weight, task_weight and every distill_terms weight): "
-                "nothing would be trained. Set kd_weight > 0 for logit distillation."
-            )
-
-    def _validate_cross_tokenizer(self) -> None:
-        """Refuse `cross_tokenizer` values, and settings beside it, that would do nothing or could not be honoured
-        (the student's head and the teachers are checked by the Distiller)."""
-        method = self.cross_tokenizer
-        if method is None:
-            return
-        if method not in CROSS_TOKENIZER_METHODS:
-            raise ValueError(
-                f"DistillationArguments.cross_tokenizer={method!r} is unknown. Known: "
-                f"{', '.join(CROSS_TOKENIZER_METHODS)}, or leave it unset for one shared tokenizer."
-            )
-        why = None
-        if self.kd_weight == 0:
-            why = "kd_weight=0 turns the KD term off, and cross_tokenizer only changes that term. Set kd_weight > 0"
-        elif self.distill_terms:
-            why = ("distill_terms compare features position by position, but the two tokenizations have different "
-                   "positions. Remove distill_terms (logit KD only)")
-        elif self.kd_chunk_size is not None:
-            why = ("the chunked loss head (kd_chunk_size) compares two logits of one vocabulary at the same positions. "
-                   "Leave kd_chunk_size unset")
-        elif method == "uld" and self.kd_loss != "kl":
-            why = (f"ULD is its own distance (sorted probabilities), so kd_loss={self.kd_loss!r} would do nothing. "
-                   "Leave kd_loss unset, or use cross_tokenizer='aligned', which compares with kd_loss")
-        elif method == "aligned" and self.kd_loss == "mse":
-            why = ("kd_loss='mse' compares raw logits, not the distributions renormalised over the shared "
-                   "vocabulary. Choose a divergence (kl, reverse_kl, jsd, ...)")
-        if why is not None:
-            raise ValueError(f"DistillationArguments.cross_tokenizer={method!r} cannot be used here: {why}.")
+        validate_distillation(self)
 
     def resolve_head_defaults(self, causal: bool, token_level: bool = True) -> dict[str, Any]:
         """Fill the fields of `HEAD_DEFAULTS` that neither the user nor the preset gave, for the student's head, and
@@ -487,18 +384,32 @@ class DistillationArguments(TrainingArguments):
         }
 
 
-def as_distillation_arguments(args: TrainingArguments, who: str = "DistillationTrainer") -> DistillationArguments:
-    """`args` unchanged if they are DistillationArguments; plain TrainingArguments upgraded (every field kept,
-    distillation defaults) with a warning that says which loss the run will use."""
-    if isinstance(args, DistillationArguments):
+def as_distillation_arguments(
+    args: TrainingArguments | None,
+    who: str = "DistillationTrainer",
+    cls: type[DistillationArguments] | None = None,
+    accepts: str = "TrainingArguments",
+    noted: tuple[str, ...] = (),
+) -> DistillationArguments:
+    """`args` as `cls` (DistillationArguments or a trainer's subclass of it): unchanged if they already are, its
+    defaults for None, and other TrainingArguments upgraded (every field kept, distillation defaults) with a warning
+    that says which loss the run will use, so that swapping the trainer class is all a script has to change.
+
+    `accepts` names the plain arguments `who` takes (for the error), `noted` fields of theirs the warning repeats
+    (e.g. `packing`) so the log shows they survived the upgrade."""
+    cls = DistillationArguments if cls is None else cls
+    if args is None:
+        return cls(output_dir="trainer_output")
+    if isinstance(args, cls):
         return args
     if not isinstance(args, TrainingArguments):
-        raise TypeError(f"{who} needs DistillationArguments (or TrainingArguments), got {type(args).__name__}.")
-    upgraded = DistillationArguments.from_training_arguments(args)
+        raise TypeError(f"{who} needs {cls.__name__} (or {accepts}), got {type(args).__name__}.")
+    upgraded = cls.from_training_arguments(args)
     settings = ", ".join(f"{name}={getattr(upgraded, name)!r}" for name in PRESET_DEFAULTS)
+    kept = f" ({', '.join(f'{name}={getattr(upgraded, name)!r}' for name in noted)})" if noted else ""
     logger.warning(
-        f"{who} got {type(args).__name__}; upgraded them to DistillationArguments with every field kept and the "
+        f"{who} got {type(args).__name__}; upgraded them to {cls.__name__} with every field kept{kept} and the "
         f"distillation defaults ({settings}; temperature and kd_token_mask by the student's head, see "
-        "DistillationArguments). Pass DistillationArguments to choose the loss."
+        f"DistillationArguments). Pass {cls.__name__} to choose the loss."
     )
     return upgraded

@@ -25,7 +25,7 @@ import torch
 from accelerate.utils import DistributedType, extract_model_from_parallel
 from torch import nn
 
-from .data.collators import TEACHER_PREFIX
+from .data.collators import TEACHER_PREFIX, require_tensors
 from .placement import ZERO3_SHARDED, teacher_input_device, teacher_mode
 from .teacher import shared_base_teacher
 
@@ -310,13 +310,9 @@ def completion_rows(
 
 
 def _check_batch(batch: dict[str, Any]) -> None:
-    missing = [k for k in PROMPT_KEYS if not isinstance(batch.get(k), torch.Tensor)]
-    if missing:
-        raise ValueError(
-            f"Generating completions (lmbda / seq_kd) needs the prompts in every training batch ({', '.join(missing)} "
-            f"missing; the batch has {sorted(batch)}). Collate prompt + completion or messages rows with "
-            "hf_distill.data.prompts.PromptCompletionCollator."
-        )
+    require_tensors(batch, PROMPT_KEYS, "Generating completions (lmbda / seq_kd) needs the prompts",
+                    "Collate prompt + completion or messages rows with "
+                    "hf_distill.data.prompts.PromptCompletionCollator.")
     if bool((batch[PROMPT_MASK][:, -1] == 0).any()):
         raise ValueError(f"{PROMPT_IDS} must be left-padded (generation continues each row from its last column).")
     cached = [k for k in batch if k.startswith(TEACHER_PREFIX)]

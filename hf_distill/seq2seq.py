@@ -30,13 +30,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, TrainingArguments
-from transformers.utils import logging
+from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
 
-from .arguments import PRESET_DEFAULTS, DistillationArguments
+from .arguments import DistillationArguments, as_distillation_arguments
 from .trainer import DistillationMixin
-
-logger = logging.get_logger(__name__)
 
 __all__ = ["DistillationSeq2SeqArguments", "DistillationSeq2SeqTrainer"]
 
@@ -58,7 +55,8 @@ class DistillationSeq2SeqTrainer(DistillationMixin, Seq2SeqTrainer):
     """
 
     def _distillation_arguments(self, args: Any) -> DistillationSeq2SeqArguments:
-        return _as_seq2seq_arguments(args)
+        return as_distillation_arguments(args, "DistillationSeq2SeqTrainer", DistillationSeq2SeqArguments,
+                                         "Seq2SeqTrainingArguments", noted=("predict_with_generate",))
 
     def prediction_step(
         self,
@@ -80,23 +78,3 @@ class DistillationSeq2SeqTrainer(DistillationMixin, Seq2SeqTrainer):
             with torch.no_grad(), self.compute_loss_context_manager():
                 loss = self.compute_loss(model, self._prepare_inputs(dict(inputs))).detach().mean()
         return loss, tokens, labels
-
-
-def _as_seq2seq_arguments(args: TrainingArguments | None) -> DistillationSeq2SeqArguments:
-    if args is None:
-        return DistillationSeq2SeqArguments(output_dir="trainer_output")
-    if isinstance(args, DistillationSeq2SeqArguments):
-        return args
-    if not isinstance(args, TrainingArguments):
-        raise TypeError(
-            f"DistillationSeq2SeqTrainer needs DistillationSeq2SeqArguments (or Seq2SeqTrainingArguments), got "
-            f"{type(args).__name__}."
-        )
-    upgraded = DistillationSeq2SeqArguments.from_training_arguments(args)
-    settings = ", ".join(f"{name}={getattr(upgraded, name)!r}" for name in PRESET_DEFAULTS)
-    logger.warning(
-        f"DistillationSeq2SeqTrainer got {type(args).__name__}; upgraded them to DistillationSeq2SeqArguments with "
-        f"every field kept (predict_with_generate={upgraded.predict_with_generate}) and the distillation settings "
-        f"{settings}. Pass DistillationSeq2SeqArguments to choose them."
-    )
-    return upgraded

@@ -119,8 +119,6 @@ class DistillationMixin(ProjectionTraining):
 
     def _distillation_arguments(self, args: Any) -> DistillationArguments:
         """The arguments as DistillationArguments (plain TrainingArguments are upgraded, every field kept)."""
-        if args is None:
-            return DistillationArguments(output_dir="trainer_output")
         return as_distillation_arguments(args, type(self).__name__)
 
     # What the distiller owns, readable from the trainer as before.

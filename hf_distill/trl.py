@@ -54,9 +54,8 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import Trainer, TrainingArguments
-from transformers.utils import logging
 
-from .arguments import PRESET_DEFAULTS, DistillationArguments
+from .arguments import DistillationArguments, as_distillation_arguments
 from .data.collators import TeacherOutputsCollator
 from .data.prompts import PromptCompletionCollator
 from .trainer import DistillationMixin
@@ -68,8 +67,6 @@ except ImportError as err:  # the optional extra is missing (tests/test_trl_sft.
         "hf_distill.trl (DistillationSFTTrainer, DistillationSFTConfig) needs TRL, which is not installed: "
         "pip install 'hf-distill[trl]' (trl>=1.16)."
     ) from err
-
-logger = logging.get_logger(__name__)
 
 __all__ = ["DistillationSFTConfig", "DistillationSFTTrainer"]
 
@@ -212,21 +209,8 @@ class DistillationSFTTrainer(DistillationMixin, SFTTrainer):
             self.data_collator = TeacherOutputsCollator(PromptCompletionCollator(tokenizer, self.args.max_length))
 
     def _distillation_arguments(self, args: Any) -> DistillationSFTConfig:
-        if args is None:
-            return DistillationSFTConfig(output_dir="trainer_output")
-        if isinstance(args, DistillationSFTConfig):
-            return args
-        if not isinstance(args, TrainingArguments):
-            raise TypeError(f"DistillationSFTTrainer needs DistillationSFTConfig (or SFTConfig), got "
-                            f"{type(args).__name__}.")
-        upgraded = DistillationSFTConfig.from_training_arguments(args)
-        settings = ", ".join(f"{name}={getattr(upgraded, name)!r}" for name in PRESET_DEFAULTS)
-        logger.warning(
-            f"DistillationSFTTrainer got {type(args).__name__}; upgraded them to DistillationSFTConfig with every "
-            f"field kept (packing={upgraded.packing}) and the distillation settings {settings}. Pass "
-            "DistillationSFTConfig to choose them."
-        )
-        return upgraded
+        return as_distillation_arguments(args, "DistillationSFTTrainer", DistillationSFTConfig, "SFTConfig",
+                                         noted=("packing",))
 
     def compute_loss(
         self,

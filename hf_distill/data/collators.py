@@ -28,6 +28,16 @@ def _to_tensor(value: Any) -> torch.Tensor:
     return value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
 
 
+def require_tensors(batch: dict[str, Any], keys: tuple[str, ...], needs: str, fix: str) -> None:
+    """Refuse a batch without the tensors `keys`: `needs` says what needs them, `fix` which collator builds them
+    (a batch from another collator would otherwise fail later with a bare KeyError)."""
+    missing = [k for k in keys if not isinstance(batch.get(k), torch.Tensor)]
+    if missing:
+        raise ValueError(
+            f"{needs} in every batch, but this one has no {', '.join(missing)} (its keys: {sorted(batch)}). {fix}"
+        )
+
+
 def pad_stack(values: list[torch.Tensor], length: int | None, side: str = "right", fill: float = 0.0) -> torch.Tensor:
     """Stack per-example tensors; those with a sequence dimension are padded along it to `length`."""
     if all(v.shape == values[0].shape for v in values) and (values[0].dim() < 2 or length is None):

@@ -27,7 +27,8 @@ The metadata (teacher name and weight fingerprint, vocabulary hash, k, temperatu
 command that made it) is kept in the Dataset's `info.description` (which `save_to_disk`/`load_from_disk`, `select`,
 `concatenate_datasets` keep; `streamed` keeps it in an IterableDataset) and in `teacher_signal.json` next to the
 shards. The trainer refuses a signal whose vocabulary, temperature, kd_token_mask or rows differ from the run's
-(`check_teacher_signal`); hf_distill.data.signal_rescale changes the temperature where that is exact.
+(`check_teacher_signal`, in hf_distill.data.signal_format with the hashes and the metadata, all importable from here
+too); hf_distill.data.signal_rescale changes the temperature where that is exact.
 
 Writing is resumable: rows are written in shards of `rows_per_shard` (each renamed into place when complete); run
 the same call again after an interruption and the finished shards are kept. hf_distill.data.signal_hub pushes a
@@ -39,7 +40,6 @@ chunk at a time, never whole) wherever a dense teacher would.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import re
@@ -57,12 +57,22 @@ from tqdm.auto import tqdm
 
 from ..features.taps import unwrap
 from ..losses.normalise import kd_positions
-from ..teacher import student_tokenizer
-from .cache import _attach
 from .cache_key import _dataset_digest, teacher_fingerprint
-from .collators import SIGNAL_PREFIX
 from .signal_checks import META_FILE as _META_FILE
 from .signal_checks import check_signal_run, check_signal_settings
+from .signal_format import (
+    _MARKER,
+    SIGNAL_FORMAT,
+    SIGNAL_ROW,
+    SIGNAL_TAIL,
+    SIGNAL_TOPK,
+    SIGNAL_VALUES,
+    attach_teacher_signal,
+    check_teacher_signal,
+    row_hash,
+    signal_metadata,
+    vocabulary_hash,
+)
 
 __all__ = [
     "SIGNAL_ROW",
@@ -81,33 +91,7 @@ __all__ = [
     "vocabulary_hash",
 ]
 
-SIGNAL_TOPK = f"{SIGNAL_PREFIX}_topk"
-SIGNAL_VALUES = f"{SIGNAL_PREFIX}_values"
-SIGNAL_TAIL = f"{SIGNAL_PREFIX}_tail"
-SIGNAL_ROW = f"{SIGNAL_PREFIX}_row"
-SIGNAL_FORMAT = 1  # bump when the layout changes: an old signal is then refused, never misread
-_MARKER = "hf_distill.data.teacher_signal "
 _ID_BITS, _VALUE_BITS = 17, 15
-
-
-# ---------------------------------------------------------------------- hashes
-
-
-def vocabulary_hash(tokenizer: Any) -> str:
-    """blake2b of the tokenizer's (token, id) pairs, added tokens included: equal for tokenizers that map every
-    string to the same ids. A processor is hashed by the tokenizer it holds (`.tokenizer`)."""
-    inner = student_tokenizer(tokenizer)
-    if inner is None:
-        raise ValueError(f"A tokenizer with get_vocab() (or a processor holding one as .tokenizer) is needed to hash "
-                         f"the vocabulary, got {type(tokenizer).__name__}.")
-    pairs = sorted(inner.get_vocab().items(), key=lambda kv: (kv[1], kv[0]))
-    return hashlib.blake2b(json.dumps(pairs).encode(), digest_size=16).hexdigest()
-
-
-def row_hash(input_ids: Any) -> int:
-    """A signed 64-bit hash of one row's token ids (as int64, so the stored integer type does not matter)."""
-    data = np.asarray(input_ids, dtype=np.int64).tobytes()
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
 
 
 # ---------------------------------------------------------------------- creating the signal
@@ -364,87 +348,6 @@ def streamed(dataset: datasets.Dataset, num_shards: int = 1) -> datasets.Iterabl
     stream = dataset.with_format(None).to_iterable_dataset(num_shards=num_shards)  # rows as Python lists
     stream.info.description = dataset.info.description
     return stream
-
-
-def signal_metadata(dataset: Any) -> dict[str, Any] | None:
-    """The signal's metadata recorded in a dataset's info (the signal itself, or rows joined with it)."""
-    info = getattr(dataset, "info", None)
-    for line in (getattr(info, "description", None) or "").splitlines():
-        if line.startswith(_MARKER):
-            return json.loads(line[len(_MARKER) :])
-    return None
-
-
-def attach_teacher_signal(rows: datasets.Dataset, signal: datasets.Dataset) -> datasets.Dataset:
-    """`rows` with the signal's columns added side by side, after checking that every row is the one the signal
-    was made from (its `input_ids` hash). Stream the result with `streamed(...)`."""
-    if len(rows) != len(signal):
-        raise ValueError(f"The rows ({len(rows)}) and the teacher signal ({len(signal)} rows) differ in length: "
-                         "give the rows the signal was created from, in the same order.")
-    _check_rows(rows, signal[SIGNAL_ROW], "rows")
-    return _attach(rows, signal)
-
-
-def _check_rows(rows: datasets.Dataset, hashes: list[int], which: str) -> None:
-    ids = rows.select_columns(["input_ids"]).with_format(None)
-    for start in range(0, len(rows), 4096):
-        for i, (r, h) in enumerate(zip(ids[start : start + 4096]["input_ids"], hashes[start : start + 4096],
-                                       strict=True)):
-            if row_hash(r) != int(h):
-                raise ValueError(
-                    f"Row {start + i} of the {which} ({len(r)} tokens) is not the row the teacher signal was made "
-                    "from (its input_ids hash differs): the rows were changed, reordered or retokenised. Join the "
-                    "signal with the rows it was created from (attach_teacher_signal), or create it again."
-                )
-
-
-def check_teacher_signal(
-    dataset: Any, which: str, *, temperature: float, kd_token_mask: str, tokenizer: Any, causal: bool
-) -> None:
-    """Refuse, before training, a signal that does not fit the run: another vocabulary, temperature or
-    kd_token_mask, rows that are not the signal's, a student that is not a causal LM."""
-    from .teacher_columns import first_row
-
-    if dataset is None:
-        return
-    names, first = first_row(dataset, needed=False)
-    if not any(n.startswith(SIGNAL_PREFIX) for n in names):
-        return
-    meta = signal_metadata(dataset)
-    if meta is None:
-        raise ValueError(f"The {which} dataset carries teacher_signal columns but not the signal's metadata: join "
-                         "the rows with the signal through attach_teacher_signal(rows, load_teacher_signal(path)).")
-    if meta.get("format") != SIGNAL_FORMAT:
-        raise ValueError(f"The teacher signal has format {meta.get('format')}, this hf_distill reads format "
-                         f"{SIGNAL_FORMAT}: create the signal again with this version.")
-    if not causal:
-        raise ValueError("A teacher signal holds a causal-LM teacher's next-token distributions: the student must be "
-                         "a causal LM.")
-    if float(temperature) != meta["temperature"]:
-        raise ValueError(f"The teacher signal was made at temperature {meta['temperature']}, but the run's "
-                         f"temperature is {temperature}: set DistillationArguments(temperature={meta['temperature']})"
-                         ", create the signal at the run's temperature, or (exact only for a signal without tail "
-                         "mass, e.g. k = the vocabulary) rescale it with "
-                         "hf_distill.data.signal_rescale.rescale_teacher_signal(signal, temperature).")
-    if kd_token_mask != meta["kd_token_mask"]:
-        raise ValueError(f"The teacher signal holds the positions of kd_token_mask={meta['kd_token_mask']!r}, but "
-                         f"the run counts kd_token_mask={kd_token_mask!r}: set kd_token_mask="
-                         f"{meta['kd_token_mask']!r} or create the signal with the run's.")
-    if tokenizer is None:
-        raise ValueError("Training from a teacher signal needs the student's tokenizer (processing_class=...) to "
-                         "check that its vocabulary is the one the signal's ids refer to.")
-    if vocabulary_hash(tokenizer) != meta["vocab_hash"]:
-        raise ValueError(f"The student's tokenizer has another vocabulary than the teacher signal's (made with "
-                         f"{meta['teacher'] or 'its teacher'}'s tokenizer, vocabulary hash {meta['vocab_hash']}): its "
-                         "ids would mean other tokens. Use a student that shares the teacher's tokenizer.")
-    missing = [c for c in ("input_ids", SIGNAL_ROW, SIGNAL_TAIL, SIGNAL_TOPK) if c not in names]
-    if missing:
-        raise ValueError(f"The {which} dataset lacks {missing}: join the rows with attach_teacher_signal.")
-    if isinstance(dataset, datasets.Dataset):
-        _check_rows(dataset, dataset.select_columns([SIGNAL_ROW]).with_format(None)[SIGNAL_ROW], f"{which} dataset")
-    elif first:
-        _check_rows(datasets.Dataset.from_list([{"input_ids": list(first["input_ids"])}]), [first[SIGNAL_ROW]],
-                    f"{which} dataset")
 
 
 # ---------------------------------------------------------------------- the teacher of a batch

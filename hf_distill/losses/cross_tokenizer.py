@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..data.collators import require_tensors
 from .divergences import logit_kd_loss
 from .normalise import kd_positions
 
@@ -45,14 +46,9 @@ METHODS = ("uld", "aligned")
 
 
 def _need(batch: dict[str, Any], keys: tuple[str, ...], method: str) -> None:
-    missing = [k for k in keys if not isinstance(batch.get(k), torch.Tensor)]
-    if missing:
-        raise ValueError(
-            f"cross_tokenizer={method!r} needs the teacher's own tokenization in every batch, but this one has no "
-            f"{', '.join(missing)} (its keys: {sorted(batch)}). Use hf_distill.data.cross_tokenizer."
-            "CrossTokenizerCollator(student_tokenizer, teacher_tokenizer) as the data collator (with "
-            "remove_unused_columns=False, so that the text column reaches it)."
-        )
+    require_tensors(batch, keys, f"cross_tokenizer={method!r} needs the teacher's own tokenization",
+                    "Use hf_distill.data.cross_tokenizer.CrossTokenizerCollator(student_tokenizer, teacher_tokenizer) "
+                    "as the data collator (with remove_unused_columns=False, so that the text column reaches it).")
 
 
 def teacher_inputs(batch: dict[str, Any], method: str) -> dict[str, torch.Tensor]:

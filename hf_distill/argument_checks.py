@@ -1,0 +1,135 @@
+"""The checks of `DistillationArguments`' distillation fields, run by its `__post_init__`.
+
+Why a module of its own: the fields and their help (hf_distill.arguments) are what a user reads; these are the
+refusals, each naming the field and the fix, so a bad value fails when the arguments are built, long before the
+first training step. The generation fields (`lmbda`, `seq_kd`, ...) are checked by
+`hf_distill.on_policy.validate_generation_arguments`, next to the code that generates; the student's head and the
+teachers, which the arguments do not know, by the Distiller.
+"""
+
+from __future__ import annotations
+
+from .arguments import (
+    CROSS_TOKENIZER_METHODS,
+    KD_LOSS_KINDS,
+    KD_TOKEN_MASKS,
+    MULTI_TEACHER_MODES,
+    PROJECTION_KINDS,
+    SKEW_KINDS,
+    DistillationArguments,
+)
+from .losses.terms import parse_terms
+from .on_policy import validate_generation_arguments
+
+__all__ = ["validate_cross_tokenizer", "validate_distillation"]
+
+
+def validate_distillation(args: DistillationArguments) -> None:
+    """Refuse bad distillation fields, each with the field and the fix (`DistillationArguments.__post_init__`), and
+    normalise `distill_terms` to plain dicts."""
+    if args.temperature is not None and not args.temperature > 0:
+        raise ValueError(
+            f"DistillationArguments.temperature must be > 0, got {args.temperature}. "
+            "Use 1.0 for plain softmax; 2-8 is usual for distillation."
+        )
+    if args.kd_loss not in KD_LOSS_KINDS:
+        raise ValueError(
+            f"DistillationArguments.kd_loss={args.kd_loss!r} is unknown. Known: {', '.join(KD_LOSS_KINDS)}."
+        )
+    if args.jsd_beta is not None and not (
+        isinstance(args.jsd_beta, int | float) and not isinstance(args.jsd_beta, bool) and 0.0 <= args.jsd_beta <= 1
+    ):
+        raise ValueError(
+            f"DistillationArguments.jsd_beta must be in [0, 1] (0 = forward KL, 1 = reverse KL), got "
+            f"{args.jsd_beta!r}."
+        )
+    if args.jsd_beta is not None and args.kd_loss != "jsd":
+        raise ValueError(
+            f"DistillationArguments.jsd_beta={args.jsd_beta} does nothing with kd_loss={args.kd_loss!r}: beta is "
+            "the mixture weight of kd_loss='jsd' only. Set kd_loss='jsd' (beta 0 = 'kl', 1 = 'reverse_kl'), or "
+            "leave jsd_beta unset."
+        )
+    if args.skew_alpha is not None:
+        if args.kd_loss not in SKEW_KINDS:
+            raise ValueError(
+                f"DistillationArguments.skew_alpha={args.skew_alpha!r} is used by kd_loss='skew_kl' or "
+                f"'skew_reverse_kl' only, but kd_loss={args.kd_loss!r}. Unset skew_alpha, or choose a skew kd_loss."
+            )
+        if isinstance(args.skew_alpha, bool) or not (
+            isinstance(args.skew_alpha, int | float) and 0.0 <= args.skew_alpha < 1.0
+        ):
+            raise ValueError(f"DistillationArguments.skew_alpha must be in [0, 1), got {args.skew_alpha!r}.")
+    if args.kd_chunk_size is not None and (isinstance(args.kd_chunk_size, bool) or args.kd_chunk_size <= 0):
+        raise ValueError(
+            f"DistillationArguments.kd_chunk_size must be a positive number of tokens, got {args.kd_chunk_size!r}. "
+            "Leave it unset for the default."
+        )
+    if args.projection not in PROJECTION_KINDS:
+        raise ValueError(
+            f"DistillationArguments.projection={args.projection!r} is unknown. "
+            f"Known: {', '.join(PROJECTION_KINDS)}."
+        )
+    if args.kd_token_mask is not None and args.kd_token_mask not in KD_TOKEN_MASKS:
+        raise ValueError(
+            f"DistillationArguments.kd_token_mask={args.kd_token_mask!r} is unknown. "
+            f"Known: {', '.join(KD_TOKEN_MASKS)}."
+        )
+    if args.multi_teacher is not None and args.multi_teacher not in MULTI_TEACHER_MODES:
+        raise ValueError(
+            f"DistillationArguments.multi_teacher={args.multi_teacher!r} is unknown. "
+            f"Known: {', '.join(MULTI_TEACHER_MODES)}."
+        )
+    validate_cross_tokenizer(args)
+    validate_generation_arguments(args)
+    if args.teacher_weights is not None and any(w < 0 for w in args.teacher_weights):
+        raise ValueError(f"DistillationArguments.teacher_weights must be >= 0, got {args.teacher_weights}.")
+    for name in ("kd_weight", "task_weight"):
+        if getattr(args, name) < 0:
+            raise ValueError(
+                f"DistillationArguments.{name} must be >= 0, got {getattr(args, name)}. "
+                "Set it to 0 to disable that term."
+            )
+    if args.projection_lr is not None and args.projection_lr <= 0:
+        raise ValueError(f"DistillationArguments.projection_lr must be > 0, got {args.projection_lr}.")
+    # Normalise the terms once: strings from the command line become plain dicts, so the arguments
+    # stay JSON-serialisable (TensorBoard hparams, model cards) and parsing errors surface here.
+    # None (no terms given or from the preset) stays None; an explicit empty list stays [] so that
+    # dataclasses.replace does not read it as "not given" and bring a preset's terms back.
+    terms = parse_terms(args.distill_terms or [])
+    args.distill_terms = None if args.distill_terms is None else [t.to_dict() for t in terms]
+    if args.kd_weight == 0 and args.task_weight == 0 and not any(t.weight > 0 for t in terms):
+        raise ValueError(
+            "All loss weights are zero (kd_weight, task_weight and every distill_terms weight): "
+            "nothing would be trained. Set kd_weight > 0 for logit distillation."
+        )
+
+
+def validate_cross_tokenizer(args: DistillationArguments) -> None:
+    """Refuse `cross_tokenizer` values, and settings beside it, that would do nothing or could not be honoured
+    (the student's head and the teachers are checked by the Distiller)."""
+    method = args.cross_tokenizer
+    if method is None:
+        return
+    if method not in CROSS_TOKENIZER_METHODS:
+        raise ValueError(
+            f"DistillationArguments.cross_tokenizer={method!r} is unknown. Known: "
+            f"{', '.join(CROSS_TOKENIZER_METHODS)}, or leave it unset for one shared tokenizer."
+        )
+    why = None
+    if args.kd_weight == 0:
+        why = "kd_weight=0 turns the KD term off, and cross_tokenizer only changes that term. Set kd_weight > 0"
+    elif args.distill_terms:
+        why = ("distill_terms compare features position by position, but the two tokenizations have different "
+               "positions. Remove distill_terms (logit KD only)")
+    elif args.kd_chunk_size is not None:
+        why = ("the chunked loss head (kd_chunk_size) compares two logits of one vocabulary at the same positions. "
+               "Leave kd_chunk_size unset")
+    elif method == "uld" and args.kd_loss != "kl":
+        why = (f"ULD is its own distance (sorted probabilities), so kd_loss={args.kd_loss!r} would do nothing. "
+               "Leave kd_loss unset, or use cross_tokenizer='aligned', which compares with kd_loss")
+    elif method == "aligned" and args.kd_loss == "mse":
+        why = ("kd_loss='mse' compares raw logits, not the distributions renormalised over the shared "
+               "vocabulary. Choose a divergence (kl, reverse_kl, jsd, ...)")
+    if why is not None:
+        raise ValueError(f"DistillationArguments.cross_tokenizer={method!r} cannot be used here: {why}.")
+
