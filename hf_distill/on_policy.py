@@ -192,7 +192,8 @@ class OnPolicy:
     def _generate(self, model: nn.Module, batch: dict[str, Any], accelerator: Any, shared: bool) -> torch.Tensor:
         ids, mask = batch[PROMPT_IDS], batch[PROMPT_MASK]
         autocast = accelerator.autocast() if accelerator is not None else contextlib.nullcontext()
-        with generation_module(model, accelerator, shared) as (module, extra), torch.no_grad(), autocast:
+        with generation_module(model, accelerator, shared) as (module, extra), torch.no_grad(), autocast, \
+                default_generation_config(module):
             device = teacher_input_device(module)
             start = time.perf_counter()
             out = module.generate(input_ids=ids if device is None else ids.to(device),
@@ -284,6 +285,25 @@ def zero3_gathered_without_hooks(engine: Any) -> Iterator[None]:
                 coordinator._invalidate_trace()
 
 
+@contextlib.contextmanager
+def default_generation_config(module: nn.Module) -> Iterator[None]:
+    """`generate` fills every setting it is not given from the model's `generation_config` (a checkpoint's
+    repetition_penalty, no_repeat_ngram_size, min_new_tokens, suppress_tokens, num_beams, ...), which would change
+    what is generated: for the duration, every model inside `module` holds transformers' defaults instead, so the
+    completions follow the model's own distribution and `OnPolicy.generation_kwargs` alone. Restored on exit."""
+    from transformers import GenerationConfig
+
+    own = [(m, m.generation_config) for m in module.modules()
+           if isinstance(vars(m).get("generation_config"), GenerationConfig)]
+    try:
+        for m, _ in own:
+            m.generation_config = GenerationConfig()
+        yield
+    finally:
+        for m, config in own:
+            m.generation_config = config
+
+
 def completion_rows(
     prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sequences: torch.Tensor, stop_ids: list[int], pad_id: int,
     label_name: str = "labels",
@@ -325,5 +345,5 @@ def _check_batch(batch: dict[str, Any]) -> None:
         )
 
 
-__all__ = ["PROMPT_KEYS", "OnPolicy", "check_on_policy", "completion_rows", "generation_module",
-           "validate_generation_arguments"]
+__all__ = ["PROMPT_KEYS", "OnPolicy", "check_on_policy", "completion_rows", "default_generation_config",
+           "generation_module", "validate_generation_arguments"]

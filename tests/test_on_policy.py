@@ -442,3 +442,30 @@ def test_distillation_sft_trainer_refuses_what_generation_cannot_honour(tmp_path
     with pytest.raises(ValueError, match=match):
         DistillationSFTTrainer(model=llama(0), teacher_model=llama(1), args=run, train_dataset=_rows(8),
                                processing_class=tok, **kw)
+
+
+def test_generation_ignores_the_models_generation_config(tmp_path):
+    """A checkpoint's generation_config.json (repetition_penalty, no_repeat_ngram_size, suppress_tokens, num_beams,
+    ...) would change what `generate` produces: the completions are the model's own greedy ones all the same, and
+    the model's generation_config is left as it was."""
+    tok = _tokenizer()
+    batch = PromptCompletionCollator(tok)(list(_rows(4, seed=2)))
+    greedy = dict(input_ids=batch[PROMPT_IDS], attention_mask=batch[PROMPT_MASK], max_new_tokens=5, do_sample=False,
+                  pad_token_id=1, eos_token_id=None)
+    width = batch[PROMPT_IDS].shape[1]
+    plain = llama(0).generate(**greedy)[:, width:]
+    student = llama(0)
+    config = student.generation_config
+    config.suppress_tokens = plain[:, 0].tolist()  # each row's first greedy token
+    config.no_repeat_ngram_size, config.repetition_penalty, config.num_beams = 1, 3.0, 2
+    assert not torch.equal(student.generate(**greedy)[:, width:], plain)  # the settings do change generate
+    run = args(tmp_path, lmbda=1.0, generation_temperature=0.0, max_new_tokens=5, stop_token_ids=[0], kd_weight=1.0,
+               task_weight=0.0)
+    distiller = Distiller(student, run, llama(1), processing_class=tok)
+    distiller.start_step([batch], model=student)
+    for i in range(4):
+        completion = batch["input_ids"][i][batch["labels"][i] != -100]
+        stop = plain[i].tolist().index(0) + 1 if 0 in plain[i].tolist() else 5
+        assert completion.tolist() == plain[i, :stop].tolist()
+    assert student.generation_config is config and config.suppress_tokens == plain[:, 0].tolist()
+    assert config.num_beams == 2 and config.repetition_penalty == 3.0
