@@ -292,8 +292,12 @@ class DistillationMixin(ProjectionTraining):
         """`prediction_step` with the teacher as the model (the student is not run)."""
         from transformers.trainer_pt_utils import nested_detach
 
-        inputs = self._prepare_inputs({k: v for k, v in inputs.items() if not k.startswith(TEACHER_PREFIX)})
         names = self.label_names
+        if self.args.cross_tokenizer:  # the teacher reads its own tokenization (hf_distill.losses.cross_tokenizer)
+            from .losses.cross_tokenizer import teacher_batch
+
+            inputs = teacher_batch(inputs, self.args.cross_tokenizer, names)
+        inputs = self._prepare_inputs({k: v for k, v in inputs.items() if not k.startswith(TEACHER_PREFIX)})
         has_labels = bool(names) and all(inputs.get(k) is not None for k in names)
         labels = nested_detach(tuple(inputs[k] for k in names)) if has_labels else None
         labels = labels[0] if labels is not None and len(labels) == 1 else labels

@@ -271,6 +271,29 @@ def test_two_accumulated_micro_batches_equal_one_batch_of_both(tmp_path, tokeniz
     assert counts[0] != counts[1]
 
 
+def test_evaluate_teacher_reads_the_teachers_own_tokenization(tmp_path, tokenizers_pair):
+    """The teacher's metrics (model card) come from its own tokens: its loss on `teacher_input_ids` and
+    `teacher_labels`, not on the student's ids, which mean other tokens to it."""
+    from datasets import Dataset
+
+    s_tok, t_tok = tokenizers_pair
+    student, teacher = _models(s_tok, t_tok)
+    collate = CrossTokenizerCollator(s_tok, t_tok)
+    data = Dataset.from_list(_rows())
+    trainer = DistillationTrainer(model=student, teacher_model=teacher, train_dataset=data, eval_dataset=data,
+                                  args=_run_args(tmp_path, "uld", per_device_eval_batch_size=4),
+                                  processing_class=s_tok, teacher_processing_class=t_tok, data_collator=collate)
+    got = trainer.evaluate_teacher()["teacher_loss"]
+    batch = collate(list(data))
+    with torch.no_grad():
+        own = teacher(input_ids=batch["teacher_input_ids"], attention_mask=batch["teacher_attention_mask"],
+                      labels=batch["teacher_labels"]).loss
+        on_student_ids = teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                 labels=batch["labels"]).loss
+    assert abs(float(own) - float(on_student_ids)) > 0.05  # the two readings differ, so the check below can fail
+    assert got == pytest.approx(float(own), rel=1e-5)
+
+
 # ---------------------------------------------------------------------- refusals
 
 

@@ -57,6 +57,15 @@ def teacher_inputs(batch: dict[str, Any], method: str) -> dict[str, torch.Tensor
     return {"input_ids": batch["teacher_input_ids"], "attention_mask": batch["teacher_attention_mask"]}
 
 
+def teacher_batch(batch: dict[str, Any], method: str, label_names: list[str]) -> dict[str, torch.Tensor]:
+    """The batch as the teacher reads it on its own (its evaluation, `evaluate_teacher`): its tokenization, with
+    `teacher_labels` under the label name, where the batch has them."""
+    own = teacher_inputs(batch, method)
+    if len(label_names) == 1 and isinstance(batch.get("teacher_labels"), torch.Tensor):
+        own[label_names[0]] = batch["teacher_labels"]
+    return own
+
+
 def distilled_positions(batch: dict[str, Any], label_name: str, mode: str, method: str):
     """The student's and the teacher's distilled logit positions, (B, T_s - 1) and (B, T_t - 1) booleans: each side's
     `kd_token_mask` positions (the next token is counted) of its own tokenization."""
@@ -156,4 +165,5 @@ def cross_tokenizer_kd(
     return logit_kd_loss(kind, s[:, s_ids], t[:, t_ids], temperature, beta=beta, alpha=alpha)
 
 
-__all__ = ["METHODS", "count", "cross_tokenizer_kd", "pairs", "shared_vocabulary", "teacher_inputs", "uld_distance"]
+__all__ = ["METHODS", "count", "cross_tokenizer_kd", "pairs", "shared_vocabulary", "teacher_batch", "teacher_inputs",
+           "uld_distance"]
