@@ -34,6 +34,14 @@ What the distillation means for SFT's data paths:
   `skip_prepare_dataset=False` (SFT's preparation, which those act on, does not run). Another collator gets SFT's
   prepared rows as configured and must add the left-padded prompts (`prompt_input_ids`) itself.
 
+* `cross_tokenizer` with `hf_distill.data.cross_tokenizer.CrossTokenizerCollator` (given, or built from
+  `processing_class`, `teacher_processing_class`, `max_length` and `dataset_text_field` when no `data_collator` is
+  given): the collator tokenizes each row's raw text with both tokenizers, so the trainer sets
+  `dataset_kwargs["skip_prepare_dataset"]` (SFT would append the student's EOS string to the text the teacher
+  reads). Refused there: packing, `eval_packing`, `formatting_func`, `completion_only_loss=False`,
+  `assistant_only_loss=True`, `skip_prepare_dataset=False`, and a given collator whose `max_length` or
+  `text_column` is not the config's `max_length` or `dataset_text_field`.
+
 Refused, each with the fix: `packing_strategy="wrapped"` (it keeps no sequence boundaries), `loss_type="dft"`,
 packing without a teacher model (packing keeps only `input_ids` and `labels`, so cached teacher columns are lost),
 and with padding-free rows: `cross_tokenizer`, intermediate terms other than `hidden_mse`, `cosine_loss` and
@@ -57,6 +65,7 @@ from transformers import Trainer, TrainingArguments
 
 from .arguments import DistillationArguments, as_distillation_arguments
 from .data.collators import TeacherOutputsCollator
+from .data.cross_tokenizer import CrossTokenizerCollator
 from .data.prompts import PromptCompletionCollator
 from .trainer import DistillationMixin
 
@@ -146,6 +155,28 @@ def check_sft_arguments(args: DistillationSFTConfig, teacher_model: Any) -> None
         )
 
 
+def _skip_preparation(args: DistillationSFTConfig, formatting_func: Any, what: str, fix: str, other: str,
+                      covers: str, rows: str) -> None:
+    """Refuse the SFT settings that act through SFT's dataset preparation, then have SFT skip it: the raw rows go to
+    the collator (`fix` says which and why, `other` the alternative to skip_prepare_dataset=False, `covers` what the
+    loss then covers, `rows` the rows the collator reads)."""
+    kwargs = dict(args.dataset_kwargs or {})
+    if kwargs.get("skip_prepare_dataset", True) is False:
+        raise ValueError(
+            f"dataset_kwargs={{'skip_prepare_dataset': False}} with {what}: {fix}. Remove skip_prepare_dataset from "
+            f"dataset_kwargs (it is set for you), or {other}."
+        )
+    given = [name for name, bad in (("formatting_func", formatting_func is not None),
+                                     ("completion_only_loss=False", args.completion_only_loss is False),
+                                     ("assistant_only_loss=True", args.assistant_only_loss)) if bad]
+    if given:
+        raise ValueError(
+            f"{', '.join(given)} with {what}: {fix}, and the loss covers {covers}. Remove {', '.join(given)}; give "
+            f"{rows} rows."
+        )
+    args.dataset_kwargs = {**kwargs, "skip_prepare_dataset": True}
+
+
 def prepare_generation(args: DistillationSFTConfig, data_collator: Any, formatting_func: Any) -> bool:
     """With `lmbda` > 0 or `seq_kd`: refuse the SFT settings generation cannot honour, and have SFT hand the raw rows
     to `PromptCompletionCollator` (module docstring). Returns whether the trainer must build that collator."""
@@ -160,23 +191,50 @@ def prepare_generation(args: DistillationSFTConfig, data_collator: Any, formatti
         )
     if data_collator is not None and not isinstance(data_collator, PromptCompletionCollator):
         return False  # SFT prepares the rows as configured; the collator must add the prompts (checked per batch)
-    kwargs = dict(args.dataset_kwargs or {})
-    fix = ("the raw rows go to PromptCompletionCollator (its labels: the completion, or the last assistant "
-           "message), so SFT's dataset preparation does not run")
-    if kwargs.get("skip_prepare_dataset", True) is False:
+    _skip_preparation(
+        args, formatting_func, what,
+        "the raw rows go to PromptCompletionCollator (its labels: the completion, or the last assistant message), so "
+        "SFT's dataset preparation does not run",
+        "give a data_collator that adds prompt_input_ids to SFT's rows", "the (generated) completion only",
+        "prompt/completion or messages")
+    return data_collator is None
+
+
+def prepare_cross_tokenizer(args: DistillationSFTConfig, data_collator: Any, formatting_func: Any,
+                            teacher_processing_class: Any) -> bool:
+    """With `cross_tokenizer` and `CrossTokenizerCollator` (given, or built when no collator is): SFT's preparation
+    (the student's EOS appended to the text, its tokenization, labels and truncation) is not what the collator
+    reads, which tokenizes each row's raw text with both tokenizers. Refuse the SFT settings that act only there, or
+    that the collator would not honour, and skip it. Returns whether the trainer must build the collator."""
+    if not args.cross_tokenizer or (data_collator is not None
+                                    and not isinstance(data_collator, CrossTokenizerCollator)):
+        return False  # another collator reads SFT's prepared rows and must add the teacher's tokens itself
+    what = f"cross_tokenizer={args.cross_tokenizer!r}"
+    if args.eval_packing:
+        raise ValueError(f"eval_packing with {what}: the teacher reads its own tokenization of each row, which SFT "
+                         "does not pack. Set eval_packing=False.")
+    if data_collator is None and teacher_processing_class is None:
         raise ValueError(
-            f"dataset_kwargs={{'skip_prepare_dataset': False}} with {what}: {fix}. Remove skip_prepare_dataset from "
-            "dataset_kwargs (it is set for you), or give a data_collator that adds prompt_input_ids to SFT's rows."
+            f"{what} with DistillationSFTTrainer and no data_collator: the trainer builds CrossTokenizerCollator from "
+            "both tokenizers, so give teacher_processing_class=<the teacher's tokenizer> (or data_collator="
+            "CrossTokenizerCollator(student_tokenizer, teacher_tokenizer, max_length=...))."
         )
-    given = [name for name, bad in (("formatting_func", formatting_func is not None),
-                                     ("completion_only_loss=False", args.completion_only_loss is False),
-                                     ("assistant_only_loss=True", args.assistant_only_loss)) if bad]
-    if given:
-        raise ValueError(
-            f"{', '.join(given)} with {what}: {fix}, and the loss covers the (generated) completion only. Remove "
-            f"{', '.join(given)}; give prompt/completion or messages rows."
-        )
-    args.dataset_kwargs = {**kwargs, "skip_prepare_dataset": True}
+    collator = data_collator
+    for name, ours, sft in (("max_length", "max_length", args.max_length),
+                            ("dataset_text_field", "text_column", args.dataset_text_field)):
+        if collator is not None and getattr(collator, ours) != sft:
+            raise ValueError(
+                f"{name}={sft!r} in the config, but the CrossTokenizerCollator's {ours} is "
+                f"{getattr(collator, ours)!r}: with {what} the collator tokenizes the rows, not SFT, so the config's "
+                f"{name} would be ignored. Give CrossTokenizerCollator(..., {ours}={sft!r}), or set "
+                f"{name}={getattr(collator, ours)!r} in the config."
+            )
+    _skip_preparation(
+        args, formatting_func, what,
+        "the raw rows go to CrossTokenizerCollator, which tokenizes each row's text with both tokenizers, so SFT's "
+        "dataset preparation does not run",
+        "give a data_collator that adds the teacher's tokenization (teacher_input_ids, ...) to SFT's rows",
+        "every token of a text row, the completion of a prompt/completion row", "text or prompt/completion")
     return data_collator is None
 
 
@@ -202,11 +260,20 @@ class DistillationSFTTrainer(DistillationMixin, SFTTrainer):
         check_sft_arguments(args, teacher_model)  # before SFTTrainer tokenizes and packs the datasets
         collator = trainer_args[0] if trainer_args else trainer_kwargs.get("data_collator")
         build = prepare_generation(args, collator, trainer_kwargs.get("formatting_func"))
+        build_cross = prepare_cross_tokenizer(args, collator, trainer_kwargs.get("formatting_func"),
+                                              teacher_processing_class)
         super().__init__(model, args, *trainer_args, teacher_model=teacher_model,
                          teacher_processing_class=teacher_processing_class, **trainer_kwargs)
-        if build:  # after SFTTrainer, which may load the processing class from the model's name
-            tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        # after SFTTrainer, which may load the processing class from the model's name
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        if build:
             self.data_collator = TeacherOutputsCollator(PromptCompletionCollator(tokenizer, self.args.max_length))
+        if build_cross:
+            t_tokenizer = teacher_processing_class
+            t_tokenizer = t_tokenizer[0] if isinstance(t_tokenizer, list | tuple) else t_tokenizer
+            self.data_collator = TeacherOutputsCollator(CrossTokenizerCollator(
+                tokenizer, getattr(t_tokenizer, "tokenizer", t_tokenizer), text_column=self.args.dataset_text_field,
+                max_length=self.args.max_length))
 
     def _distillation_arguments(self, args: Any) -> DistillationSFTConfig:
         return as_distillation_arguments(args, "DistillationSFTTrainer", DistillationSFTConfig, "SFTConfig",

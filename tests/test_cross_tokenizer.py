@@ -294,6 +294,89 @@ def test_evaluate_teacher_reads_the_teachers_own_tokenization(tmp_path, tokenize
     assert got == pytest.approx(float(own), rel=1e-5)
 
 
+def _sft_setup(tokenizers_pair):
+    """Copies of the pair with an EOS token each (TRL's SFT appends it), the models sized to them, and prompt +
+    completion rows."""
+    from datasets import Dataset
+
+    s_tok, t_tok = (copy.deepcopy(t) for t in tokenizers_pair)
+    s_tok.add_special_tokens({"eos_token": "</s>"})
+    t_tok.add_special_tokens({"eos_token": "[SEP]"})
+    texts = [r["text"] or r["prompt"] + r["completion"] for r in _rows()]
+    rows = Dataset.from_list([{"prompt": t[:20], "completion": t[20:]} for t in texts])
+    return s_tok, t_tok, *_models(s_tok, t_tok), rows
+
+
+def _sft_config(tmp_path, **kw):
+    from hf_distill import DistillationSFTConfig
+
+    base = dict(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, report_to=[], use_cpu=True,
+                save_strategy="no", bf16=False, gradient_checkpointing=False, cross_tokenizer="uld", kd_weight=1.0,
+                task_weight=0.5, logging_steps=1, disable_tqdm=True, dataloader_num_workers=0, max_length=64)
+    return DistillationSFTConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["given", "built"])
+def test_distillation_sft_trainer_gives_the_raw_text_to_both_tokenizers(tmp_path, tokenizers_pair, given):
+    """SFT's dataset preparation (the student's EOS appended to the text, the student's tokenization, its labels and
+    truncation) is not what the collator reads: the trainer skips it, and every training batch is exactly
+    CrossTokenizerCollator's on the dataset's own rows (the collator built from the two tokenizers when not given)."""
+    pytest.importorskip("trl")
+    from hf_distill import DistillationSFTTrainer
+
+    s_tok, t_tok, student, teacher, rows = _sft_setup(tokenizers_pair)
+    collate = CrossTokenizerCollator(s_tok, t_tok, max_length=64)
+    extra = {"data_collator": collate} if given else {}
+    trainer = DistillationSFTTrainer(model=student, teacher_model=teacher, args=_sft_config(tmp_path),
+                                     train_dataset=rows, processing_class=s_tok, teacher_processing_class=t_tok,
+                                     **extra)
+    seen, original = [], trainer.distiller.compute_loss
+
+    def compute_loss(model, inputs, **kw):
+        seen.append({k: v.clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)})
+        return original(model, inputs, **kw)
+
+    trainer.distiller.compute_loss = compute_loss
+    trainer.train()
+    want = collate(list(rows))
+    key = lambda batch, i: tuple(batch["input_ids"][i][batch["attention_mask"][i] == 1].tolist())  # noqa: E731
+    order = {key(want, i): i for i in range(4)}
+    got = seen[0]
+    assert sorted(order) == sorted(key(got, i) for i in range(4))
+    for i in range(4):
+        j = order[key(got, i)]
+        for name in ("labels", "teacher_input_ids", "teacher_labels", "teacher_positions"):
+            assert got[name][i].tolist() == want[name][j].tolist(), name
+    assert any(h.get("loss_kd", 0) > 0 for h in trainer.state.log_history)
+
+
+@pytest.mark.parametrize(("settings", "match"), [
+    (dict(completion_only_loss=False), "completion_only_loss=False"),
+    (dict(assistant_only_loss=True), "assistant_only_loss=True"),
+    (dict(dataset_kwargs={"skip_prepare_dataset": False}), "Remove skip_prepare_dataset"),
+    (dict(eval_packing=True), "eval_packing"),
+    ("formatting_func", "formatting_func"),
+    (dict(max_length=32), "max_length=32"),
+    (dict(dataset_text_field="body"), "dataset_text_field='body'"),
+    ("no teacher tokenizer", "teacher_processing_class"),
+])
+def test_distillation_sft_trainer_refuses_sft_settings_cross_tokenizer_ignores(tmp_path, tokenizers_pair, settings,
+                                                                               match):
+    pytest.importorskip("trl")
+    from hf_distill import DistillationSFTTrainer
+
+    s_tok, t_tok, student, teacher, rows = _sft_setup(tokenizers_pair)
+    kw = {"data_collator": CrossTokenizerCollator(s_tok, t_tok, max_length=64), "teacher_processing_class": t_tok}
+    if settings == "formatting_func":
+        kw["formatting_func"] = lambda row: row["prompt"]
+    if settings == "no teacher tokenizer":
+        kw = {}
+    config = _sft_config(tmp_path, **(settings if isinstance(settings, dict) else {}))
+    with pytest.raises(ValueError, match=match):
+        DistillationSFTTrainer(model=student, teacher_model=teacher, args=config, train_dataset=rows,
+                               processing_class=s_tok, **kw)
+
+
 # ---------------------------------------------------------------------- refusals
 
 
