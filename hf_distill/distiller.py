@@ -50,7 +50,7 @@ from .logit_terms import LogitTerms, forward_params, student_shape
 from .losses import chunked, cross_tokenizer
 from .losses.intermediate import IntermediateDistiller
 from .losses.normalise import COUNT_KINDS, StepCounts, batch_counts, decoder_positions
-from .on_policy import PROMPT_KEYS, OnPolicy, check_on_policy
+from .on_policy import PROMPT_KEYS, OnPolicy, check_on_policy, check_step
 from .placement import place_teacher, teacher_input_device
 from .teacher import (
     check_cross_tokenizer,
@@ -261,10 +261,11 @@ class Distiller(LogitTerms, TeacherRuns):
     def start_step(self, batches: list[dict[str, Any]], model: nn.Module | None = None) -> None:
         """Count one optimizer step's micro-batches, so token-level terms are means over the whole step, across
         processes (hf_distill.losses.normalise). Loops that accumulate gradients call it before the step's first
-        micro-batch; without it each call is a mean over its own batch. With `lmbda` / `seq_kd`, given the student
-        `model`, it first replaces the completions of the micro-batches the coin picks by generated ones (in place,
-        hf_distill.on_policy), so that the counts are the generated rows'."""
-        if self.on_policy is not None and model is not None:
+        micro-batch; without it each call is a mean over its own batch. With `lmbda` / `seq_kd` (then the student
+        `model` is required), it first replaces the completions of the micro-batches the coin picks by generated
+        ones (in place, hf_distill.on_policy), so that the counts are the generated rows'."""
+        if self.on_policy is not None or self.args.generates:
+            check_step(self.on_policy, self.args, model)
             self.on_policy.prepare(batches, model, self)
         counts = sum((self._counts(b) for b in batches), torch.zeros(len(COUNT_KINDS), dtype=torch.float64))
         processes = self._processes() if self.args.average_tokens_across_devices else 1

@@ -119,6 +119,23 @@ def check_on_policy(args: Any, *, causal: bool, n_teachers: int, accelerator: An
         )
 
 
+def check_step(on_policy: OnPolicy | None, args: Any, model: nn.Module | None) -> None:
+    """Refuse a step that would quietly keep the dataset's completions although `lmbda` / `seq_kd` ask for generated
+    ones (Distiller.start_step): no student to generate with, or generation switched on after set-up (a callback)."""
+    if on_policy is None:
+        what = f"lmbda={args.lmbda}" if args.lmbda > 0 else "seq_kd=True"
+        raise ValueError(
+            f"DistillationArguments.{what} was set after the trainer (Distiller) was built, with lmbda=0 and "
+            "seq_kd=False (by a callback?): generation is checked and set up when it is built. Build it with lmbda > 0 "
+            "or seq_kd=True; a callback may then change lmbda within [0, 1]."
+        )
+    if model is None:
+        raise ValueError(
+            "lmbda / seq_kd generate each micro-batch's completions with the student: call "
+            "distiller.start_step(batches, model=student), or the dataset's completions would be trained on."
+        )
+
+
 class OnPolicy:
     """Who completes each micro-batch's prompts, the generation itself, and what it produced since the last log.
 
@@ -345,5 +362,5 @@ def _check_batch(batch: dict[str, Any]) -> None:
         )
 
 
-__all__ = ["PROMPT_KEYS", "OnPolicy", "check_on_policy", "completion_rows", "default_generation_config",
+__all__ = ["PROMPT_KEYS", "OnPolicy", "check_on_policy", "check_step", "completion_rows", "default_generation_config",
            "generation_module", "validate_generation_arguments"]

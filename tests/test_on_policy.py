@@ -469,3 +469,23 @@ def test_generation_ignores_the_models_generation_config(tmp_path):
         assert completion.tolist() == plain[i, :stop].tolist()
     assert student.generation_config is config and config.suppress_tokens == plain[:, 0].tolist()
     assert config.num_beams == 2 and config.repetition_penalty == 3.0
+
+
+def test_start_step_refuses_to_skip_generation_silently(tmp_path):
+    """Two ways a step would quietly train on the dataset's completions: a plain loop that calls start_step without
+    the student (nothing to generate with), and a callback that raises lmbda from 0 after the distiller was built
+    (generation was never set up)."""
+    tok = _tokenizer()
+    batch = PromptCompletionCollator(tok)(list(_rows(2)))
+    distiller = Distiller(llama(0), args(tmp_path, lmbda=1.0), llama(1), processing_class=tok)
+    with pytest.raises(ValueError, match="start_step\\(batches, model=student\\)"):
+        distiller.start_step([dict(batch)])
+    run = args(tmp_path, lmbda=0.0)
+    distiller = Distiller(llama(0), run, llama(1), processing_class=tok)
+    distiller.start_step([dict(batch)], model=llama(0))  # off-policy: nothing to generate
+    run.lmbda = 0.5  # as a callback would
+    with pytest.raises(ValueError, match="lmbda=0.5 was set after"):
+        distiller.start_step([dict(batch)], model=llama(0))
+    run.lmbda, run.seq_kd = 0.0, True
+    with pytest.raises(ValueError, match="seq_kd=True was set after"):
+        distiller.start_step([dict(batch)], model=llama(0))
