@@ -26,8 +26,9 @@ class PromptCompletionCollator:
 
     Args:
         tokenizer: the student's tokenizer (a chat template for conversational rows, a pad token).
-        max_length: the longest training row; longer completions are cut (the prompt is kept whole; a prompt that
-            does not fit is refused). None: no limit.
+        max_length: the longest dataset row; longer completions are cut (the prompt is kept whole; a prompt that
+            does not fit is refused). None: no limit. A generated row (lmbda / seq_kd) is its prompt plus up to
+            `max_new_tokens`, which this does not bound.
 
     Give it as `data_collator`; the trainer keeps the text columns it reads (`dataset_columns`).
     """
