@@ -258,15 +258,17 @@ class Distiller(LogitTerms, TeacherRuns):
 
     # ------------------------------------------------------------------ the loss
 
-    def start_step(self, batches: list[dict[str, Any]], model: nn.Module | None = None) -> None:
+    def start_step(self, batches: list[dict[str, Any]], model: nn.Module | None = None,
+                   step: int | None = None) -> None:
         """Count one optimizer step's micro-batches, so token-level terms are means over the whole step, across
         processes (hf_distill.losses.normalise). Loops that accumulate gradients call it before the step's first
         micro-batch; without it each call is a mean over its own batch. With `lmbda` / `seq_kd` (then the student
         `model` is required), it first replaces the completions of the micro-batches the coin picks by generated
-        ones (in place, hf_distill.on_policy), so that the counts are the generated rows'."""
+        ones (in place, hf_distill.on_policy), so that the counts are the generated rows'. `step`: the optimizer
+        step's number (the coin's input; the Trainer passes `global_step`, so a resumed run draws the same)."""
         if self.on_policy is not None or self.args.generates:
             check_step(self.on_policy, self.args, model)
-            self.on_policy.prepare(batches, model, self)
+            self.on_policy.prepare(batches, model, self, step)
         counts = sum((self._counts(b) for b in batches), torch.zeros(len(COUNT_KINDS), dtype=torch.float64))
         processes = self._processes() if self.args.average_tokens_across_devices else 1
         if processes > 1:

@@ -3,8 +3,9 @@
 GKD (Agarwal et al. 2024) trains the student on its own samples, where its mistakes are; sequence-level KD (Kim &
 Rush 2016) on the teacher's. `OnPolicy` decides, per micro-batch, who completes its prompts: the student with
 probability `lmbda`, else the teacher when `seq_kd`, else nobody (the dataset's completion is kept), as TRL's GKD
-does. The coin comes from a generator seeded with `seed`, so it falls the same way on every process: under ZeRO-3
-every process must take part in the gathered generation.
+does. The coin of micro-batch i of optimizer step s is a function of (`seed`, s, i) alone (:func:`coin`), so it
+falls the same way on every process (under ZeRO-3 every process must take part in the gathered generation) and a
+run resumed from a checkpoint draws what the uninterrupted run drew.
 
 Completions are generated when an optimizer step's micro-batches are fetched (`Distiller.start_step(batches,
 model=...)`, which the trainer's `get_batch_samples` calls), with that step's weights, and before the step's
@@ -164,15 +165,15 @@ class OnPolicy:
                 "neither the tokenizer (processing_class) nor the student's config has one. Set "
                 "tokenizer.pad_token (e.g. to its eos_token) and pass it as processing_class."
             )
-        self._coin = torch.Generator().manual_seed(int(args.seed))
+        self._seed, self._steps = int(args.seed), 0
         self.tokens = 0
         self.seconds = 0.0
 
-    def source(self) -> str | None:
-        """Who completes the next micro-batch: "student" (probability lmbda), else "teacher" with seq_kd, else
-        None (the dataset's completion). No coin is drawn when lmbda is 0 or 1."""
+    def source(self, step: int, micro: int) -> str | None:
+        """Who completes micro-batch `micro` of optimizer step `step`: "student" (probability lmbda), else "teacher"
+        with seq_kd, else None (the dataset's completion)."""
         lmbda = float(self.args.lmbda)
-        if lmbda >= 1 or (lmbda > 0 and torch.rand((), generator=self._coin).item() < lmbda):
+        if lmbda >= 1 or (lmbda > 0 and coin(self._seed, step, micro) < lmbda):
             return "student"
         return "teacher" if self.args.seq_kd else None
 
@@ -191,10 +192,15 @@ class OnPolicy:
             kwargs.update(temperature=temperature, top_p=1.0 if args.top_p is None else float(args.top_p), top_k=0)
         return kwargs
 
-    def prepare(self, batches: list[dict[str, Any]], student: nn.Module, distiller: Any) -> None:
-        """Complete, in place, the prompts of the micro-batches the coin gives to the student or the teacher."""
-        for batch in batches:
-            who = self.source()
+    def prepare(self, batches: list[dict[str, Any]], student: nn.Module, distiller: Any,
+                step: int | None = None) -> None:
+        """Complete, in place, the prompts of the micro-batches the coin gives to the student or the teacher.
+        `step`: the optimizer step these batches make (the Trainer's `global_step`, restored on resume); None counts
+        the calls (a plain loop)."""
+        step = self._steps if step is None else int(step)
+        self._steps = step + 1
+        for micro, batch in enumerate(batches):
+            who = self.source(step, micro)
             if who is None:
                 continue
             _check_batch(batch)
@@ -230,6 +236,13 @@ class OnPolicy:
         tokens, seconds = values.tolist()
         self.tokens, self.seconds = 0, 0.0
         return {"generated_tokens": tokens, "generated_tokens_per_second": tokens / (seconds / processes)}
+
+
+def coin(seed: int, step: int, micro: int) -> float:
+    """A uniform draw in [0, 1) for micro-batch `micro` of optimizer step `step`, from a generator seeded with the
+    three: no state to carry across processes or checkpoints."""
+    mixed = ((int(seed) * 1_000_003 + int(step)) * 1_009 + int(micro)) % (2**63 - 1)
+    return float(torch.rand((), generator=torch.Generator().manual_seed(mixed)))
 
 
 @contextlib.contextmanager

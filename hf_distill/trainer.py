@@ -151,7 +151,8 @@ class DistillationMixin(ProjectionTraining):
         """The Trainer's prefetch of one optimizer step's micro-batches: the distiller counts their tokens, so that
         token-level terms are means over the whole step (hf_distill.losses.normalise)."""
         batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
-        self.distiller.start_step(batch_samples, model=self.model)  # lmbda / seq_kd: generated first (on_policy)
+        # lmbda / seq_kd: generated first (on_policy); the step number draws the coin, so a resumed run draws the same
+        self.distiller.start_step(batch_samples, model=self.model, step=self.state.global_step)
         if self.distiller.on_policy is not None and num_items_in_batch is not None:  # counted on the new labels
             num_items_in_batch = self._get_num_items_in_batch(batch_samples, device)
         return batch_samples, num_items_in_batch

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from accelerate.utils import DistributedType
 from helpers import VOCAB, args, bert, flat_params, labelled_collate, llama, word_tokenizer
 
-from hf_distill import DistillationArguments, DistillationTrainer, losses
+from hf_distill import DistillationArguments, DistillationTrainer, losses, on_policy
 from hf_distill.data.prompts import PromptCompletionCollator
 from hf_distill.distiller import Distiller
 from hf_distill.losses.normalise import kd_positions
@@ -130,9 +130,46 @@ def test_lmbda_coin_is_seeded_and_mixes_with_seq_kd(tmp_path):
     trainer = _trainer(tmp_path, student, teacher, _rows(8), lmbda=0.5, seq_kd=True, max_new_tokens=2, max_steps=6,
                        per_device_train_batch_size=2, generation_temperature=0.7, top_p=0.9)
     trainer.train()
-    coin = torch.Generator().manual_seed(0)
-    want = sum(torch.rand((), generator=coin).item() < 0.5 for _ in range(6))
+    want = sum(on_policy.coin(0, step, 0) < 0.5 for step in range(6))  # one micro-batch per step
     assert len(student_calls) == want and len(teacher_calls) == 6 - want and 0 < want < 6
+
+
+def test_lmbda_coin_is_a_function_of_seed_step_and_micro_batch():
+    draws = [on_policy.coin(0, step, micro) for step in range(50) for micro in range(4)]
+    assert len(set(draws)) == len(draws) and all(0 <= d < 1 for d in draws)
+    assert 0.35 < sum(d < 0.5 for d in draws) / len(draws) < 0.65  # 200 draws: a fair coin lands here (p > 0.9999)
+    assert draws[:4] == [on_policy.coin(0, 0, m) for m in range(4)]
+    assert [on_policy.coin(1, 0, m) for m in range(4)] != draws[:4]
+
+
+def test_resumed_run_draws_the_uninterrupted_runs_coins(tmp_path):
+    """0 < lmbda < 1 with gradient accumulation: a run resumed from checkpoint-3 of 6 generates with the same models
+    at the same micro-batches as the uninterrupted run (the coin is drawn from the step number, which the checkpoint
+    restores), and ends with the same weights. Greedy: the completions themselves are deterministic."""
+    def tagged(model, who, log):
+        original = model.generate
+
+        def generate(*a, **kw):
+            log.append((who, kw["input_ids"].tolist()))
+            return original(*a, **kw)
+
+        model.generate = generate
+        return model
+
+    def run(resume=None):
+        log = []
+        trainer = _trainer(tmp_path, tagged(llama(0), "student", log), tagged(llama(1), "teacher", log), _rows(24),
+                           lmbda=0.5, seq_kd=True, max_new_tokens=2, max_steps=6, per_device_train_batch_size=2,
+                           gradient_accumulation_steps=2, generation_temperature=0.0, save_strategy="steps",
+                           save_steps=3, learning_rate=1e-2)
+        trainer.train(resume_from_checkpoint=resume)
+        return log, flat_params(trainer.model)
+
+    full_log, full = run()
+    resumed_log, resumed = run(resume=str(tmp_path / "out" / "checkpoint-3"))
+    assert len(full_log) == 12 and 0 < sum(who == "student" for who, _ in full_log) < 12
+    assert resumed_log == full_log[6:]  # steps 4-6: the same prompts, completed by the same model
+    torch.testing.assert_close(resumed, full, atol=1e-6, rtol=0)
 
 
 def test_lmbda_0_is_todays_run(tmp_path):
