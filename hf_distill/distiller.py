@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -177,6 +177,9 @@ class Distiller(LogitTerms, TeacherRuns):
         self._chunk = self._chunk_size(student)
         self.teacher_params = forward_params(self.teacher) if self.teacher is not None else set()
         self.tracker = ComponentTracker()
+        # Called after each loss with (model, student outputs, inputs, from_hidden): the outputs hold the last hidden
+        # states instead of logits when the causal-LM loss head ran (hf_distill.trl logs SFT's token metrics from it).
+        self.student_hook: Callable[[nn.Module, Any, dict[str, Any], bool], None] | None = None
         self.check_dataset(train_dataset)
 
     # ------------------------------------------------------------------ set-up
@@ -334,6 +337,8 @@ class Distiller(LogitTerms, TeacherRuns):
         loss = sum(weights[k] * v for k, v in components.items())
         if model.training:
             self.tracker.add(components)
+        if self.student_hook is not None:
+            self.student_hook(model, s_out, inputs, chunks is not None)
         return (loss, self._predictions(s_out, distill)) if return_outputs else loss
 
     def _counts(self, inputs: dict[str, Any]) -> torch.Tensor:

@@ -55,6 +55,7 @@ This module needs TRL (`pip install 'hf-distill[trl]'`); `hf_distill.Distillatio
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,6 +68,9 @@ from .arguments import DistillationArguments, as_distillation_arguments
 from .data.collators import TeacherOutputsCollator
 from .data.cross_tokenizer import CrossTokenizerCollator
 from .data.prompts import PromptCompletionCollator
+from .features import heads as heads_mod
+from .features.taps import unwrap
+from .losses import chunked
 from .trainer import DistillationMixin
 
 try:
@@ -238,6 +242,10 @@ def prepare_cross_tokenizer(args: DistillationSFTConfig, data_collator: Any, for
     return data_collator is None
 
 
+def _float(logits: torch.Tensor) -> torch.Tensor:
+    return logits.float()
+
+
 class DistillationSFTTrainer(DistillationMixin, SFTTrainer):
     """TRL's `SFTTrainer` + a frozen teacher: SFT's data handling (chat templates, `messages` and prompt/completion
     rows, completion- and assistant-only labels, packing) and `DistillationTrainer`'s loss, checkpoints and card.
@@ -274,6 +282,7 @@ class DistillationSFTTrainer(DistillationMixin, SFTTrainer):
             self.data_collator = TeacherOutputsCollator(CrossTokenizerCollator(
                 tokenizer, getattr(t_tokenizer, "tokenizer", t_tokenizer), text_column=self.args.dataset_text_field,
                 max_length=self.args.max_length))
+        self.distiller.student_hook = self._token_metrics
 
     def _distillation_arguments(self, args: Any) -> DistillationSFTConfig:
         return as_distillation_arguments(args, "DistillationSFTTrainer", DistillationSFTConfig, "SFTConfig",
@@ -286,15 +295,60 @@ class DistillationSFTTrainer(DistillationMixin, SFTTrainer):
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
     ):
-        """The distillation loss (Distiller); SFT's `num_tokens` is counted as SFTTrainer counts it."""
-        if model.training:
-            mask = inputs.get("attention_mask")
-            local = mask.sum() if mask is not None else torch.tensor(inputs["input_ids"].numel())
+        """The distillation loss (Distiller), with the metrics SFTTrainer's own `compute_loss` adds: `num_tokens` here,
+        counted as SFTTrainer counts it, and `entropy`, `mean_token_accuracy` (and a MoE student's `aux_loss`) from
+        the student's outputs (`_token_metrics`, which the Distiller calls)."""
+        mode = "train" if self.model.training else "eval"
+        if mode == "train":
+            if "attention_mask" in inputs:
+                local = inputs["attention_mask"].sum()
+            elif "position_ids" in inputs:  # padding-free rows: SFTTrainer counts the (one) row's length
+                local = torch.tensor(inputs["position_ids"].size(1))
+            else:
+                local = torch.tensor(inputs["input_ids"].numel())
             tokens = self.accelerator.gather_for_metrics(local.to(self.accelerator.device)).sum().item()
             self._total_train_tokens += tokens // self._tp_size
-            self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
+        self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
         return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                     num_items_in_batch=num_items_in_batch)
+
+    @torch.no_grad()
+    def _token_metrics(self, model: nn.Module, outputs: Any, inputs: dict[str, Any], from_hidden: bool) -> None:
+        """SFTTrainer's `entropy` and `mean_token_accuracy`: the mean entropy of the student's next-token
+        distribution and the share of positions whose label is its most likely token (the first of tied ones), over
+        the positions whose next-token label is not -100 (SFT's completion, assistant or packed labels), summed
+        across processes before dividing, 0.0 without such a position. From the logits, or, where the causal-LM loss
+        head ran (`from_hidden`), from the last hidden states through the LM head in token chunks of float32 logits
+        under the forward's autocast. Rows are taken `kd_chunk_size` (else the loss head's default) at a time: no
+        second `(N, V)` tensor."""
+        labels = inputs.get("labels")
+        if labels is None:  # nothing to count (SFT's batches always have labels)
+            return
+        mode = "train" if self.model.training else "eval"
+        labels = labels[:, 1:]
+        mask = labels != -100
+        if from_hidden:
+            rows, head = chunked.last_hidden(outputs), chunked.logits_fn(model)
+            project, context = head.float32, self.accelerator.autocast()
+        else:
+            rows, project, context = heads_mod._logits(outputs), _float, contextlib.nullcontext()
+        where = mask.nonzero()
+        entropy = torch.zeros((), device=labels.device)
+        correct = torch.zeros((), dtype=torch.long, device=labels.device)
+        step = self.args.kd_chunk_size or chunked.default_chunk(unwrap(model).config.vocab_size)
+        with context:
+            for part in where.split(step):
+                z = project(rows[part[:, 0], part[:, 1]])
+                entropy += torch.special.entr(z.softmax(-1)).sum().to(entropy.device)
+                correct += (z.argmax(-1).to(labels.device) == labels[part[:, 0], part[:, 1]]).sum()
+        gather = self.accelerator.gather_for_metrics
+        num_valid = gather(mask.sum()).sum()
+        entropy, correct = gather(entropy).sum(), gather(correct).sum()
+        self._metrics[mode]["entropy"].append((entropy / num_valid).item() if num_valid > 0 else 0.0)
+        self._metrics[mode]["mean_token_accuracy"].append((correct / num_valid).item() if num_valid > 0 else 0.0)
+        aux = outputs.get("aux_loss") if isinstance(outputs, dict) else getattr(outputs, "aux_loss", None)
+        if self.aux_loss_enabled and aux is not None:  # a MoE student's load-balancing loss, as SFTTrainer logs it
+            self._metrics[mode]["aux_loss"].append(gather(aux.detach()).mean().item())
 
     def prediction_step(
         self,
