@@ -47,8 +47,12 @@ packing without a teacher model (packing keeps only `input_ids` and `labels`, so
 and with padding-free rows: `cross_tokenizer`, intermediate terms other than `hidden_mse`, `cosine_loss` and
 `incremental_mse` (the others compare attention or whole rows, which a packed row mixes), and a packed evaluation
 set evaluated with the teacher when training is not padding-free (SFT's collator would pad each packed row as one
-sequence). SFT's `entropy` and `mean_token_accuracy` metrics come from its own fused loss, which the distillation
-loss replaces; `num_tokens` is still logged.
+sequence).
+
+Logged as SFTTrainer logs them (same definitions, tokens and averaging): `num_tokens`, and `entropy` and
+`mean_token_accuracy` over the positions SFT's loss counts, from the student's logits, or where the causal-LM loss
+head ran (training: no logits) from one more no-grad pass over its last hidden states through the LM head, in token
+chunks, under the forward's autocast (`DistillationSFTTrainer._token_metrics`; `benchmarks/sft_metrics_cost.py`).
 
 This module needs TRL (`pip install 'hf-distill[trl]'`); `hf_distill.DistillationSFTTrainer` imports it on first use.
 """

@@ -245,10 +245,112 @@ def test_packed_training_runs_and_logs(tmp_path):
     trainer.train()
     assert (flat_params(trainer.model) - flat_params(student)).abs().max() > 1e-5
     logged = trainer.state.log_history[0]
-    assert {"loss_kd", "loss_task", "num_tokens"} <= set(logged) and logged["num_tokens"] > 0
+    assert {"loss_kd", "loss_task", "num_tokens", "entropy", "mean_token_accuracy"} <= set(logged)
+    assert logged["num_tokens"] > 0
     metrics = trainer.evaluate()
     # padding-free: each evaluation batch of 2 packed rows is one flattened row
     assert metrics["eval_rows"] == math.ceil(len(trainer.eval_dataset) / 2) and metrics["eval_loss"] > 0
+
+
+def _fitted(student, tok, steps: int = 8):
+    """The student after a few Adam steps on the conversations: its top token is right on some labels and wrong on
+    others, so that `mean_token_accuracy` is neither 0 nor 1 (a random tiny model's is ~0)."""
+    student = copy.deepcopy(student).train()
+    ids = [torch.tensor(tok.apply_chat_template(_messages(c), tokenize=True, return_dict=True)["input_ids"])
+           for c in CONVERSATIONS]
+    opt = torch.optim.Adam(student.parameters(), lr=1e-2)
+    for _ in range(steps):
+        for row in ids:
+            student(input_ids=row[None], labels=row[None]).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return student.eval()
+
+
+SFT_METRICS = ("entropy", "mean_token_accuracy", "num_tokens")
+
+
+def _sft_logs(tmp_path, student, teacher, tok, kind: str, trainer_kw: dict, sft_kw: dict):
+    """Two logged steps (learning_rate=0: both trainers see the same weights throughout) and an evaluation of
+    DistillationSFTTrainer and of plain trl.SFTTrainer on the same student, rows, batches and seed; with which loss
+    path computed each of ours (the Distiller's `student_hook` flag: hidden states through the loss head, or
+    logits)."""
+    from trl import SFTConfig, SFTTrainer
+
+    from hf_distill import DistillationSFTTrainer
+
+    common = dict(max_steps=2, per_device_train_batch_size=2, per_device_eval_batch_size=2, learning_rate=0.0,
+                  **sft_kw)
+    ours = DistillationSFTTrainer(model=copy.deepcopy(student), teacher_model=teacher, train_dataset=_rows(kind),
+                                  args=_config(tmp_path, "ours", **common, **trainer_kw), eval_dataset=_rows(kind),
+                                  processing_class=tok)
+    paths, hook = [], ours.distiller.student_hook
+
+    def record(model, outputs, inputs, from_hidden):
+        paths.append((model.training, from_hidden))
+        if hook is not None:
+            hook(model, outputs, inputs, from_hidden)
+
+    ours.distiller.student_hook = record
+    theirs = SFTTrainer(model=copy.deepcopy(student), train_dataset=_rows(kind), eval_dataset=_rows(kind),
+                        args=SFTConfig(**{f.name: getattr(ours.args, f.name) for f in dataclasses.fields(SFTConfig)
+                                          if f.init and f.name not in ("output_dir", "logging_dir")},
+                                       output_dir=str(tmp_path / "theirs")),
+                        processing_class=tok)
+    logs = []
+    for trainer in (ours, theirs):
+        trainer.train()
+        logs.append([*(h for h in trainer.state.log_history if "loss" in h), trainer.evaluate()])
+    return logs, paths
+
+
+@needs_trl
+@pytest.mark.parametrize(
+    ("kind", "trainer_kw", "sft_kw", "head"),
+    [
+        # the causal-LM loss head, 3 tokens per chunk (the metrics' chunks too), assistant turns only
+        ("messages", dict(kd_chunk_size=3), dict(assistant_only_loss=True), True),
+        # packed (padding-free) rows: -100 on each sequence's first label, so no metric crosses a boundary
+        ("messages", dict(eval_with_teacher=True), dict(assistant_only_loss=True, packing=True, max_length=36), True),
+        ("prompt_completion", {}, {}, True),  # the completion only
+        ("messages", dict(kd_loss="mse"), dict(assistant_only_loss=True), False),  # mse: whole logits in training
+    ],
+    ids=["head-assistant", "head-packed", "head-completion", "logits-assistant"],
+)
+def test_sft_metrics_equal_sft_trainers(tmp_path, kind, trainer_kw, sft_kw, head):
+    """SFTTrainer's own metrics, as it logs them in training and evaluation (entropy, mean_token_accuracy,
+    num_tokens), equal plain trl.SFTTrainer's on the same student and data: from the hidden states through the
+    loss head (chunked) in training where it runs, from the logits otherwise and in evaluation."""
+    tok = _tokenizer()
+    student, teacher = _pair(len(tok))
+    (ours, theirs), paths = _sft_logs(tmp_path, _fitted(student, tok), teacher, tok, kind, trainer_kw, sft_kw)
+    assert len(ours) == len(theirs) == 3
+    for step, (got, want) in enumerate(zip(ours, theirs, strict=True)):
+        prefix = "eval_" if step == 2 else ""
+        for name in SFT_METRICS:
+            assert got[prefix + name] == pytest.approx(want[prefix + name], rel=1e-5, abs=1e-6), (step, name)
+    accuracies = [log[("eval_" if i == 2 else "") + "mean_token_accuracy"] for i, log in enumerate(ours)]
+    assert all(0 < a < 1 for a in accuracies), accuracies  # a metric that can tell right from wrong
+    assert ours[1]["num_tokens"] > ours[0]["num_tokens"] > 0 and ours[2]["eval_num_tokens"] == ours[1]["num_tokens"]
+    assert {hidden for training, hidden in paths if training} == {head}
+    assert {hidden for training, hidden in paths if not training} == {False}
+
+
+@needs_trl
+def test_sft_metrics_under_mixed_precision(tmp_path):
+    """bf16 autocast (CPU): the loss head's metrics (float32 logits from the bf16 LM head, under the forward's
+    autocast) are SFTTrainer's, whose fused head rounds each logit to bf16, within that rounding."""
+    tok = _tokenizer()
+    student, teacher = _pair(len(tok))
+    (ours, theirs), paths = _sft_logs(tmp_path, _fitted(student, tok), teacher, tok, "messages", dict(bf16=True),
+                                      dict(assistant_only_loss=True))
+    assert {hidden for training, hidden in paths if training} == {True}
+    for step, (got, want) in enumerate(zip(ours, theirs, strict=True)):
+        prefix = "eval_" if step == 2 else ""
+        assert got[prefix + "entropy"] == pytest.approx(want[prefix + "entropy"], rel=1e-3)
+        accuracy = want[prefix + "mean_token_accuracy"]
+        assert got[prefix + "mean_token_accuracy"] == pytest.approx(accuracy, abs=0.05)  # one argmax flipped at most
+        assert got[prefix + "num_tokens"] == want[prefix + "num_tokens"]
 
 
 @needs_trl
