@@ -354,6 +354,30 @@ def test_sft_metrics_under_mixed_precision(tmp_path):
 
 
 @needs_trl
+@pytest.mark.parametrize("kd_loss", ["kl", "mse"], ids=["head", "logits"])
+def test_moe_student_logs_sft_aux_loss(tmp_path, kd_loss):
+    """A Mixture-of-Experts student with a router loss coefficient: SFTTrainer also logs its load-balancing loss
+    (`aux_loss`, `eval_aux_loss`); ours equal it, on the loss head and on whole logits."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    tok = _tokenizer()
+    _, teacher = _pair(len(tok))
+    torch.manual_seed(0)
+    student = MixtralForCausalLM(MixtralConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02,
+        max_position_embeddings=64))
+    (ours, theirs), paths = _sft_logs(tmp_path, student, teacher, tok, "messages", dict(kd_loss=kd_loss),
+                                      dict(assistant_only_loss=True))
+    assert {hidden for training, hidden in paths if training} == {kd_loss == "kl"}
+    for step, (got, want) in enumerate(zip(ours, theirs, strict=True)):
+        prefix = "eval_" if step == 2 else ""
+        assert want[prefix + "aux_loss"] > 0
+        for name in (*SFT_METRICS, "aux_loss"):
+            assert got[prefix + name] == pytest.approx(want[prefix + name], rel=1e-5, abs=1e-6), (step, name)
+
+
+@needs_trl
 @pytest.mark.parametrize(
     ("kw", "match"),
     [
