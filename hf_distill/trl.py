@@ -341,10 +341,10 @@ class DistillationSFTTrainer(DistillationMixin, SFTTrainer):
         correct = torch.zeros((), dtype=torch.long, device=labels.device)
         step = self.args.kd_chunk_size or chunked.default_chunk(unwrap(model).config.vocab_size)
         with context:
-            for part in where.split(step):
-                z = project(rows[part[:, 0], part[:, 1]])
+            for part in where.split(step):  # (a model split across devices has its rows on its last device)
+                z = project(rows[tuple(part.to(rows.device).T)])
                 entropy += torch.special.entr(z.softmax(-1)).sum().to(entropy.device)
-                correct += (z.argmax(-1).to(labels.device) == labels[part[:, 0], part[:, 1]]).sum()
+                correct += (z.argmax(-1).to(labels.device) == labels[tuple(part.T)]).sum()
         gather = self.accelerator.gather_for_metrics
         num_valid = gather(mask.sum()).sum()
         entropy, correct = gather(entropy).sum(), gather(correct).sum()
