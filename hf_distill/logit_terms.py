@@ -212,8 +212,25 @@ class LogitTerms:
         # Mixed precision: accelerate's autocast covers the models' forwards, not this code; the LM heads multiply in
         # the dtype they would inside the forward (bf16/fp16 operands, float32 outputs), not in the weights' float32.
         with self._autocast():
-            return chunked.chunked_kd_and_ce(chunked.last_hidden(s_out), s_logits_fn, teacher, t_hidden, kd_mask,
-                                             ce_labels, kd_fn, chunk, self._shared_vocab, route=self.route)
+            kd, ce = chunked.chunked_kd_and_ce(chunked.last_hidden(s_out), s_logits_fn, teacher, t_hidden, kd_mask,
+                                               ce_labels, kd_fn, chunk, self._shared_vocab, route=self.route)
+        return kd, (self._with_router_loss(model, s_out, ce) if ce is not None else None)
+
+    def _with_router_loss(self, model: nn.Module, s_out, ce: torch.Tensor) -> torch.Tensor:
+        """The task loss as the model's own: a mixture-of-experts student with `output_router_logits` adds its
+        load-balancing loss (`router_aux_loss_coef * aux_loss`) to the cross-entropy, which the loss head computed
+        without it (the student ran without labels)."""
+        aux = s_out.get("aux_loss") if isinstance(s_out, dict) else getattr(s_out, "aux_loss", None)
+        if aux is None:
+            return ce
+        inner = self._student_state(model).inner
+        coef = getattr(inner, "router_aux_loss_coef", getattr(inner.config, "router_aux_loss_coef", None))
+        if coef is None:
+            raise ValueError(
+                f"The student ({type(inner).__name__}) returns an aux_loss but no router_aux_loss_coef, so hf_distill "
+                "cannot add it to the task loss as the model would: set config.output_router_logits=False, or give "
+                "the model a router_aux_loss_coef.")
+        return ce + float(coef) * aux.float().to(ce.device)
 
     def _logits_fns(self, model: nn.Module):
         """Hidden states -> logits of the student `model` and of the teacher (hf_distill.losses.chunked)."""

@@ -189,6 +189,40 @@ def test_trainer_loss_head_equals_whole_logits_with_accumulation(tmp_path, tied)
             assert a[key] == pytest.approx(b[key], rel=1e-5), key
 
 
+def test_moe_students_router_loss_is_in_the_task_term_on_the_loss_head(tmp_path):
+    """A mixture-of-experts student with `output_router_logits`: its own loss is CE + router_aux_loss_coef * aux_loss.
+    The loss head runs it without labels, so the load-balancing term must be added back: same weights and logged
+    terms as whole logits (the model's own loss). Found by comparing with TRL's SFTTrainer (the term was missing)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    def moe():
+        torch.manual_seed(0)
+        return MixtralForCausalLM(MixtralConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.1,
+            output_router_logits=True, max_position_embeddings=64))
+
+    runs = []
+    for whole in (False, True):
+        trainer = DistillationTrainer(
+            model=moe(), teacher_model=llama(1),
+            args=args(tmp_path / str(whole), max_steps=2, per_device_train_batch_size=2,
+                      gradient_accumulation_steps=2, optim="sgd", learning_rate=0.5, kd_loss="jsd",
+                      kd_weight=0.6, task_weight=0.4),
+            train_dataset=sft_rows(8), data_collator=labelled_collate)
+        if whole:
+            trainer.distiller._chunk = None
+        trainer.train()
+        runs.append(trainer)
+    head, whole = runs
+    assert head.distiller._student_state(head.model).rebuilds
+    torch.testing.assert_close(flat_params(head.model), flat_params(whole.model), atol=1e-6, rtol=0)
+    logs = [[r for r in t.state.log_history if "loss" in r] for t in runs]
+    for a, b in zip(*logs, strict=True):
+        for key in ("loss", "loss_kd", "loss_task"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5), key
+
+
 def _run(tmp_path, student, teacher, **kw):
     trainer = DistillationTrainer(model=student, teacher_model=teacher,
                                   args=args(tmp_path, max_steps=1, per_device_train_batch_size=8, optim="sgd",
