@@ -30,6 +30,7 @@ from . import divergences as losses
 #: The divergences with a closed-form logit gradient here (`kd_loss` values); all but `soft_ce` are times `T**2`.
 DIVERGENCES = losses.DIVERGENCE_KINDS
 
+
 # ---------------------------------------------------------------------------------------------- float32-output GEMMs
 
 
@@ -190,7 +191,6 @@ def dense_kd(kind: str, temperature: float, beta: float = 0.5, alpha: float = 0.
     return KDSpec(kind, float(temperature), float(beta), float(alpha))
 
 
-
 def vocab_size(head: LogitsHead) -> int:
     """The number of ids an LM head scores (its weight's rows; `out_features` for a head without one)."""
     weight = getattr(head.module, "weight", None)
@@ -245,24 +245,25 @@ def _module_chunk(s_head: LogitsHead, kd_sum: KDSum | None, h, kd_part, ce_part,
     return torch.stack([kd_value, ce_value])
 
 
-def module_sums(s_head: LogitsHead, kd_sum: KDSum | None, counted: Counted, teacher: tuple, chunk: int
-                ) -> torch.Tensor:
+def module_sums(s_head: LogitsHead, kd_sum: KDSum | None, counted: Counted, teacher: tuple,
+                chunk: int) -> torch.Tensor:
     """The module route (engines, wrapped heads): `[KD sum, CE sum]` over the counted rows, each chunk of `chunk`
     tokens through the head's module call inside a checkpoint, so the engines' parameter hooks run and only one
     chunk's logits are alive. `teacher`: the head's per-row teacher parts (Nones without a KD), sliced with the rows."""
     one_chunk = functools.partial(_module_chunk, s_head, kd_sum)
     s_rows = counted.hidden
+    rest = (counted.is_kd, counted.is_ce, counted.targets, *teacher)
     total = s_rows.new_zeros(2, dtype=torch.float32)
     for start in range(0, s_rows.shape[0], chunk):
         part = slice(start, start + chunk)
-        rest = (counted.is_kd, counted.is_ce, counted.targets, *teacher)
         total = total + checkpoint(one_chunk, s_rows[part], *(None if x is None else x[part] for x in rest),
                                    use_reentrant=False)
     return total
 
 
 def head_means(s_hidden: torch.Tensor, counted: Counted, kd: KDSpec | None, labels: torch.Tensor | None, route: str,
-               direct_ok: bool, needs: str, direct: Callable[[], torch.Tensor], module: Callable[[], torch.Tensor]):
+               direct_ok: bool, needs: str, direct: Callable[[], torch.Tensor],
+               module: Callable[[], torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The entry points' ending: the route (`"auto"`: direct where `direct_ok`), the two sums from `direct()` or
     `module()` (zeros still attached to `s_hidden`'s graph where no row counts), and their means over the rows each
     term counts: `(kd, ce)`, each None when not asked for."""

@@ -105,15 +105,27 @@ def _grad_block(zs: torch.Tensor, zt: torch.Tensor | None, start: int, targets: 
     """d loss / d raw logits of a vocabulary block (columns `start...` of every row), in the GEMM dtype: the CE's
     `softmax - onehot` and the divergence's closed form (:func:`row_gradient`), each times its row weight, through
     the family's post-processing. Elementwise only: one fused kernel under `torch.compile` on GPUs."""
+    g = _ce_grad(zs, start, targets, lse1, w_ce)
+    if zt is not None:
+        la = (zs / temperature if temperature != 1.0 else zs) - lse_a[:, None]
+        lb = (zt / temperature if temperature != 1.0 else zt) - lse_b[:, None]
+        g = g + row_gradient(kind, la, lb, stat[:, None], beta, alpha) * w_kd[:, None]
+    return _post_grad(g, zs, scale, cap, dtype)
+
+
+def _ce_grad(zs: torch.Tensor, start: int, targets: torch.Tensor | None, lse1: torch.Tensor | None,
+             w_ce: torch.Tensor | None) -> torch.Tensor:
+    """A gradient block's start (both heads): zeros, plus the CE's `softmax - onehot` times its row weight."""
     g = torch.zeros_like(zs)
     if targets is not None:
         cols = torch.arange(start, start + zs.shape[1], device=zs.device)
         onehot = (targets[:, None] == cols[None, :]).to(zs.dtype)
         g = g + (torch.exp(zs - lse1[:, None]) - onehot) * w_ce[:, None]
-    if zt is not None:
-        la = (zs / temperature if temperature != 1.0 else zs) - lse_a[:, None]
-        lb = (zt / temperature if temperature != 1.0 else zt) - lse_b[:, None]
-        g = g + row_gradient(kind, la, lb, stat[:, None], beta, alpha) * w_kd[:, None]
+    return g
+
+
+def _post_grad(g: torch.Tensor, zs: torch.Tensor, scale: float, cap: float | None, dtype: torch.dtype) -> torch.Tensor:
+    """A gradient block's end (both heads): through the family's post-processing (soft cap, scale), in `dtype`."""
     if cap is not None:
         g = g * (1 - (zs / cap) ** 2)
     if scale != 1.0:

@@ -24,8 +24,17 @@ import functools
 import torch
 
 from . import divergences as losses
-from .head_common import KDSpec, LogitsHead, _compute_dtype, counted_rows, head_means, module_sums, vocab_size
-from .kd_head import _backward_walk, _elementwise, _forward_chunks, _spec_args, row_gradient
+from .head_common import (
+    Counted,
+    KDSpec,
+    LogitsHead,
+    _compute_dtype,
+    counted_rows,
+    head_means,
+    module_sums,
+    vocab_size,
+)
+from .kd_head import _backward_walk, _ce_grad, _elementwise, _forward_chunks, _post_grad, _spec_args, row_gradient
 
 SparseTeacher = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """`(log_probs (..., k), indices (..., k), log_tail (...))`: the teacher's top-k log-probabilities at T, their ids
@@ -61,7 +70,7 @@ def _check_teacher(teacher, s_hidden: torch.Tensor) -> SparseTeacher:
     return log_probs, ids, log_tail
 
 
-def _teacher_rows(teacher: SparseTeacher, counted, kd: KDSpec | None):
+def _teacher_rows(teacher: SparseTeacher, counted: Counted, kd: KDSpec | None):
     """The teacher's three parts at the counted rows (:func:`hf_distill.losses.head_common.counted_rows`); rows the
     KD does not count get the ids 0..k-1 (any distinct valid ids: their teacher is replaced by the student itself)."""
     if kd is None:
@@ -152,20 +161,13 @@ def _sparse_grad_block(zs: torch.Tensor, shift: torch.Tensor | None, start: int,
                        stat: torch.Tensor | None, w_kd: torch.Tensor | None, kind: str | None, temperature: float,
                        beta: float, alpha: float, scale: float, cap: float | None, dtype: torch.dtype) -> torch.Tensor:
     """d loss / d raw logits of a vocabulary block: the CE's `softmax - onehot` and the divergence's dense closed form
-    against `log P = log Q + shift`, each times its row weight, through the family's post-processing."""
-    g = torch.zeros_like(zs)
-    if targets is not None:
-        cols = torch.arange(start, start + zs.shape[1], device=zs.device)
-        onehot = (targets[:, None] == cols[None, :]).to(zs.dtype)
-        g = g + (torch.exp(zs - lse1[:, None]) - onehot) * w_ce[:, None]
+    against `log P = log Q + shift`, each times its row weight, through the family's post-processing (the CE's part
+    and the post-processing are the dense head's: :func:`hf_distill.losses.kd_head._ce_grad`, `_post_grad`)."""
+    g = _ce_grad(zs, start, targets, lse1, w_ce)
     if shift is not None:
         la = (zs / temperature if temperature != 1.0 else zs) - lse_a[:, None]
         g = g + row_gradient(kind, la, la + shift, stat[:, None], beta, alpha) * w_kd[:, None]
-    if cap is not None:
-        g = g * (1 - (zs / cap) ** 2)
-    if scale != 1.0:
-        g = g * scale
-    return g.to(dtype)
+    return _post_grad(g, zs, scale, cap, dtype)
 
 
 class _SparseKDHead(torch.autograd.Function):
