@@ -8,7 +8,7 @@ Precision. Near agreement (student ~ teacher, where every KD run ends up) the di
 two near-equal distributions, is as small as the rounding of a bf16 logit: logits that come out of a bf16 GEMM
 rounded to bf16 give gradients 8-40% off a float64 computation on the same inputs (issue #29; TRL 1.16's kernel
 comment says the same of its own: rounding "biases training"). Every logit here comes out of its GEMM in float32
-(:func:`.kd_head.mm_f32`: bf16/fp16 operands, float32 accumulation and output), so the only roundings left are the
+(:func:`.head_common.mm_f32`: bf16/fp16 operands, float32 accumulation and output), so the only roundings left are the
 gradients' own casts to the parameters' dtype, ~0.2% in bf16 (`benchmarks/kd_precision.py`).
 
 One path, two ways to reach the LM heads:
@@ -30,6 +30,12 @@ One path, two ways to reach the LM heads:
 
 Both give the same loss and gradients (tested: 1e-6 in float32, and both within the float64 bound in bf16).
 
+Where the pieces live (a one-way import graph: chunked -> sparse_head -> kd_head -> head_common): this module is the
+public entry point and re-exports :class:`LogitsHead`, :class:`KDSpec` and :func:`dense_kd`;
+:mod:`.head_common` holds what both heads share (float32-output GEMMs, those objects, the counted rows, the module
+route's chunks, the route's choice and the means); :mod:`.kd_head` the dense head's autograd function and the token
+and vocabulary walks both autograd functions run; :mod:`.sparse_head` what a top-k + tail teacher changes.
+
 Logits are rebuilt from the last hidden state by the model's output embedding plus the post-processing some
 families apply (`final_logit_softcapping`: Gemma-2/3; `logit_scale`: Cohere; `logits_scaling`: Granite);
 :func:`check_logits_fn` verifies the rebuild against the model's own logits, so an unknown post-processing is
@@ -40,64 +46,41 @@ from __future__ import annotations
 
 import functools
 import inspect
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from ..features.taps import unwrap
-from . import divergences as losses
 from . import sparse_head
-from .kd_head import (  # noqa: F401 - re-exported: `chunked.row_gradient`, `chunked._fused`, ... (tests, benchmarks)
+from .head_common import (  # noqa: F401 - LogitsHead, KDSpec, dense_kd, ...: re-exported (the public module)
     DIVERGENCES,
+    KDSpec,
+    LogitsHead,
+    addmm_f32,
+    counted_rows,
+    dense_kd,
+    float32_logits,
+    head_means,
+    mm_f32,
+    module_sums,
+    vocab_size,
+)
+from .kd_head import (  # noqa: F401 - re-exported: `chunked.row_gradient`, `chunked._fused`, ... (tests, benchmarks)
     _fused,
     _KDHead,
     _LinearF32,
     _row_stats,
-    addmm_f32,
-    float32_logits,
-    mm_f32,
     row_gradient,
 )
 
 NO_LOGITS = "logits_to_keep"
 
+# The public names: the loss head's objects (defined in head_common, below both heads) are this module's API too.
+__all__ = ["KDSpec", "LogitsHead", "check_logits_fn", "chunked_kd_and_ce", "default_chunk", "dense_kd",
+           "hidden_only_kwargs", "last_hidden", "logits_fn", "supports_hidden_only"]
+
 
 # ---------------------------------------------------------------------------------------------- the LM heads
-
-
-@dataclass
-class LogitsHead:
-    """A model's hidden states -> logits: its output embedding, then the family's post-processing
-    (`z = scale * (h W^T + b)`, then `cap * tanh(z / cap)` when the family soft-caps). Calling it computes the
-    logits as the model does (its own dtype); the loss head reads `weight`/`bias` (direct) or calls `module`."""
-
-    module: nn.Module
-    scale: float = 1.0
-    cap: float | None = None
-
-    @property
-    def direct(self) -> bool:
-        """A plain `nn.Linear` (no adapter or wrapper of its own): its weight can be read directly."""
-        return type(self.module).forward is nn.Linear.forward and isinstance(self.module, nn.Linear)
-
-    def post(self, z: torch.Tensor) -> torch.Tensor:
-        if self.scale != 1.0:
-            z = z * self.scale
-        if self.cap is not None:
-            z = torch.tanh(z / self.cap) * self.cap
-        return z
-
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.post(self.module(hidden))
-
-    def float32(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The logits in float32, through the module call (engines' hooks run) with float32-output linears."""
-        with float32_logits():
-            z = self.module(hidden)
-        return self.post(z.float())
 
 
 def supports_hidden_only(model: nn.Module) -> bool:
@@ -155,100 +138,22 @@ def last_hidden(out) -> torch.Tensor:
     return hidden[-1]
 
 
-# ---------------------------------------------------------------------------------------------- divergences
+# ---------------------------------------------------------------------------------------------- the module route
 
 
-@dataclass(frozen=True)
-class KDSpec:
-    """A logit KD objective on `(n, V)` rows: `kind` (one of :data:`DIVERGENCES`, or `mse`), its temperature and
-    its mixture weight (`beta` for `jsd`, `alpha` for the skew divergences). Called on dense rows it returns their
-    mean divergence through :func:`hf_distill.losses.logit_kd_loss` (the module path's loss math)."""
-
-    kind: str
-    temperature: float = 1.0
-    beta: float = 0.5
-    alpha: float = 0.1
-
-    def __call__(self, s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return losses.logit_kd_loss(self.kind, s, t, self.temperature, beta=self.beta, alpha=self.alpha)
-
-    @property
-    def factor(self) -> float:
-        """The constant in front of the divergence: `T**2` (Hinton et al.), none for soft CE (TinyBERT)."""
-        return 1.0 if self.kind == "soft_ce" else self.temperature**2
-
-
-def dense_kd(kind: str, temperature: float, beta: float = 0.5, alpha: float = 0.1) -> KDSpec:
-    """The logit KD objective named `kind` on `(n, V)` rows (mean over rows). `jsd` at beta 0 is the forward KL and
-    at beta 1 the reverse KL (GKD's convention, as :func:`hf_distill.losses.generalized_jsd`); the mixture formula
-    itself is identically 0 there, so those two are named by the KL they are."""
-    if kind not in (*DIVERGENCES, "mse"):
-        raise ValueError(f"unknown logit KD kind {kind!r}; known kinds: {', '.join(sorted((*DIVERGENCES, 'mse')))}")
-    if kind == "jsd" and float(beta) in (0.0, 1.0):
-        kind = "kl" if float(beta) == 0.0 else "reverse_kl"
-    return KDSpec(kind, float(temperature), float(beta), float(alpha))
-
-
-# ---------------------------------------------------------------------------------------------- the module path
-
-
-def _chunk_sums(s_head: LogitsHead, teacher, from_hidden: bool, kd: KDSpec | None, vocab, h, t_part, kd_part,
-                ce_part, y):
-    """`[KD sum, CE sum]` of one chunk of rows through the heads' module calls (float32 logits)."""
-    z = s_head.float32(h)
-    kd_sum = z.new_zeros(())
-    ce_sum = z.new_zeros(())
-    if kd is not None and bool(kd_part.any()):
-        with torch.no_grad():
-            tz = teacher.float32(t_part) if from_hidden else t_part.float()
-            tz = tz[:, :vocab] if vocab is not None else tz
-        zk = z[:, :vocab] if vocab is not None else z
-        every = bool(kd_part.all())  # the usual case: no (n, V) copies of both sides
-        kd_sum = kd(zk if every else zk[kd_part], tz if every else tz[kd_part]) * kd_part.sum()
-    if y is not None and bool(ce_part.any()):
-        every = bool(ce_part.all())
-        ce_sum = F.cross_entropy(z if every else z[ce_part], y if every else y[ce_part], reduction="sum")
-    return torch.stack([kd_sum, ce_sum])
-
-
-def _module_sums(s_rows, s_head, t_source, teacher, from_hidden, is_kd, is_ce, targets, kd, chunk, vocab):
-    one_chunk = functools.partial(_chunk_sums, s_head, teacher, from_hidden, kd, vocab)
-    total = s_rows.new_zeros(2, dtype=torch.float32)
-    for start in range(0, s_rows.shape[0], chunk):
-        part = slice(start, start + chunk)
-        rest = tuple(None if x is None else x[part] for x in (t_source, is_kd, is_ce, targets))
-        total = total + checkpoint(one_chunk, s_rows[part], *rest, use_reentrant=False)
-    return total
+def _dense_kd_sum(teacher, from_hidden: bool, kd: KDSpec, vocab: int | None, z: torch.Tensor, kd_part,
+                  t_part) -> torch.Tensor:
+    """The KD sum of one module-route chunk (:func:`.head_common.module_sums`) against a dense teacher: its head's
+    float32 logits (from its hidden states, by its module call) or its cached logits."""
+    with torch.no_grad():
+        tz = teacher.float32(t_part) if from_hidden else t_part.float()
+        tz = tz[:, :vocab] if vocab is not None else tz
+    zk = z[:, :vocab] if vocab is not None else z
+    every = bool(kd_part.all())  # the usual case: no (n, V) copies of both sides
+    return kd(zk if every else zk[kd_part], tz if every else tz[kd_part]) * kd_part.sum()
 
 
 # ---------------------------------------------------------------------------------------------- entry point
-
-
-def _counted_rows(s_hidden, teacher, t_hidden, kd_mask, labels, kd):
-    """The positions either term counts, gathered once: student states, teacher source, which term counts each
-    row, the next-token targets, and the two counts."""
-    s = s_hidden[:, :-1]
-    b, t = s.shape[:2]
-    kd_rows = torch.ones(b, t, dtype=torch.bool, device=s.device) if kd_mask is None else kd_mask.bool()
-    ce_rows = labels != -100 if labels is not None else torch.zeros_like(kd_rows)
-    if kd is None:
-        kd_rows = torch.zeros_like(kd_rows)
-    rows = kd_rows | ce_rows
-    t_source = None
-    if kd is not None:
-        t_source = t_hidden[:, :-1][rows] if t_hidden is not None else teacher[rows]
-    is_kd, is_ce = kd_rows[rows], ce_rows[rows]
-    targets = labels[rows] if labels is not None else None
-    if targets is not None:
-        targets = torch.where(is_ce, targets, 0)  # rows counted for KD only: any valid id, weighted 0
-    return s[rows], t_source, is_kd, is_ce, targets, int(is_kd.sum()), int(is_ce.sum())
-
-
-def _vocab_size(head: LogitsHead) -> int:
-    """The head's output ids; a ZeRO-3 weight is empty outside its module's call (its full shape is `ds_shape`)."""
-    module = head.module
-    weight = getattr(module, "weight", None)
-    return int(getattr(weight, "ds_shape", weight.shape)[0]) if weight is not None else int(module.out_features)
 
 
 def default_chunk(vocab: int) -> int:
@@ -287,35 +192,30 @@ def chunked_kd_and_ce(
     if isinstance(teacher, tuple | list):  # a (log_probs, indices, log_tail) signal: losses.sparse_head
         return sparse_head.sparse_kd_and_ce(s_hidden, student_head, teacher, kd_mask, labels, kd, chunk_size, vocab,
                                             route)
-    s_rows, t_source, is_kd, is_ce, targets, n_kd, n_ce = _counted_rows(s_hidden, teacher, t_hidden, kd_mask,
-                                                                         labels, kd)
+    counted = counted_rows(s_hidden, kd_mask, labels, kd)
     from_hidden = t_hidden is not None
     t_head = teacher if from_hidden else None
+    t_source = None
+    if kd is not None:
+        t_source = t_hidden[:, :-1][counted.rows] if from_hidden else teacher[counted.rows]
     if kd is not None and vocab is None:
-        sizes = {_vocab_size(student_head), _vocab_size(t_head) if from_hidden else teacher.shape[-1]}
+        sizes = {vocab_size(student_head), vocab_size(t_head) if from_hidden else teacher.shape[-1]}
         if len(sizes) > 1:
             raise ValueError(f"The student's and teacher's vocabularies differ in size ({sorted(sizes)}): pass "
                              "vocab=<the number of ids they share> (padded vocabularies of one tokenizer).")
-    if route == "auto":
-        route = "direct" if student_head.direct and (t_head is None or t_head.direct) else "module"
-    if s_rows.shape[0] == 0:
-        total = s_hidden.sum().float() * 0 + s_hidden.new_zeros(2, dtype=torch.float32)
-    elif route == "direct":
-        if not student_head.direct or (t_head is not None and not t_head.direct):
-            raise ValueError("route='direct' needs plain nn.Linear LM heads")
+
+    def direct():
         v = vocab if vocab is not None else student_head.module.weight.shape[0]
-        w_s, b_s = student_head.module.weight, student_head.module.bias
         w_t = t_head.module.weight if t_head is not None else None
         b_t = t_head.module.bias if t_head is not None else None
-        total = _KDHead.apply(
-            s_rows, w_s, b_s, t_source if from_hidden else None, w_t, b_t,
-            None if (from_hidden or kd is None) else t_source, targets if labels is not None else None,
-            is_kd, is_ce, student_head, t_head, kd, v, chunk_size)
-    elif route == "module":
-        total = _module_sums(s_rows, student_head, t_source, teacher, from_hidden, is_kd, is_ce,
-                             targets if labels is not None else None, kd, chunk_size, vocab)
-    else:
-        raise ValueError(f"route must be 'auto', 'direct' or 'module', got {route!r}")
-    kd_value = total[0] / max(n_kd, 1) if kd is not None else None
-    ce_value = total[1] / max(n_ce, 1) if labels is not None else None
-    return kd_value, ce_value
+        return _KDHead.apply(
+            counted.hidden, student_head.module.weight, student_head.module.bias, t_source if from_hidden else None,
+            w_t, b_t, None if (from_hidden or kd is None) else t_source, counted.targets, counted.is_kd,
+            counted.is_ce, student_head, t_head, kd, v, chunk_size)
+
+    def module():
+        kd_sum = functools.partial(_dense_kd_sum, teacher, from_hidden, kd, vocab) if kd is not None else None
+        return module_sums(student_head, kd_sum, counted, (t_source,), chunk_size)
+
+    direct_ok = student_head.direct and (t_head is None or t_head.direct)
+    return head_means(s_hidden, counted, kd, labels, route, direct_ok, "plain nn.Linear LM heads", direct, module)

@@ -1,127 +1,43 @@
 """The direct route of the causal-LM loss head (:mod:`hf_distill.losses.chunked`): :class:`_KDHead`, the autograd
-function that reads each LM head's weight, and the row math it runs on.
+function that reads each LM head's weight, the row math it runs on, and the token-chunk and vocabulary-block walks it
+shares with the sparse head (:mod:`hf_distill.losses.sparse_head`), so each head states only its teacher's part.
 
-- float32-output GEMMs (:func:`mm_f32`, :func:`addmm_f32`, :class:`_LinearF32` and the :class:`float32_logits` mode
-  the module route uses): every logit comes out of its GEMM in float32, never rounded to bf16/fp16 on the way out.
 - the forward's row statistics (:func:`_row_stats`) and the backward's closed-form logit gradient per vocabulary
   block (:func:`_grad_block`, :func:`row_gradient`): on CUDA the Triton kernels of
   :mod:`hf_distill.losses.triton_head` (`HF_DISTILL_TRITON=0`: these functions compiled by `torch.compile`;
   `HF_DISTILL_COMPILE=0`: plain PyTorch), on the CPU these functions walked in cache-sized slices of rows.
+- the walks both heads' autograd functions run (:func:`_forward_chunks`, :func:`_backward_walk`): the student's
+  logits a token chunk (forward) or a vocabulary block (backward) at a time, from the float32-output GEMMs of
+  :mod:`hf_distill.losses.head_common`, the CE's part and the gradients' accumulation; the head adds its KD's part.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from . import divergences as losses
+from .head_common import (  # noqa: F401 - re-exported: `kd_head.mm_f32`, ... (tests, benchmarks)
+    DIVERGENCES,
+    KDSpec,
+    LogitsHead,
+    _compute_dtype,
+    _LinearF32,
+    addmm_f32,
+    float32_logits,
+    mm_f32,
+)
 
-if TYPE_CHECKING:
-    from .chunked import KDSpec, LogitsHead
+_NO_SECOND_DERIVATIVE = (
+    "The causal-LM loss head (hf_distill.losses.chunked) has no second derivative: its gradient is formed in closed "
+    "form. For create_graph=True compute the loss from whole logits (kd_chunk_size unset where chunking is "
+    "impossible, or hf_distill.losses on the model's logits).")
 
-#: The divergences with a closed-form logit gradient here (`kd_loss` values); all but `soft_ce` are times `T**2`.
-DIVERGENCES = losses.DIVERGENCE_KINDS
 # Logit elements per block of the backward's vocabulary walk, at least: the forward's chunk holds
 # `chunk_size * V` of them, and the backward's blocks are sized to hold as many (N rows x a slice of V).
 _MIN_BLOCK_COLUMNS = 128
-
-
-# ---------------------------------------------------------------------------------------------- float32-output GEMMs
-
-
-@functools.cache
-def _cuda_out_dtype() -> bool:
-    """Whether this torch has `torch.mm(..., out_dtype=float32)` for bf16/fp16 CUDA operands (torch >= 2.8)."""
-    try:
-        a = torch.ones(16, 16, device="cuda", dtype=torch.bfloat16)
-        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
-    except (TypeError, RuntimeError, NotImplementedError):
-        return False
-
-
-def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """`a @ b` with float32 output: low-precision operands are multiplied exactly and summed in float32, never
-    rounded to their own dtype on the way out. CUDA: one low-precision GEMM with a float32 output; elsewhere the
-    operands are upcast (a bf16 or fp16 product is exact in float32, so the result is the same). Not
-    differentiable on CUDA (`out_dtype` has no derivative): :class:`_LinearF32` is the differentiable form."""
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and a.dtype == b.dtype and _cuda_out_dtype():
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return torch.mm(a.float(), b.float())
-
-
-@functools.cache
-def _cuda_addmm_out_dtype() -> bool:
-    """Whether this torch adds a bf16/fp16 CUDA product into a float32 accumulator in place,
-    `torch.addmm(c32, a, b, out_dtype=float32, out=c32)` (the GEMM's epilogue reads and writes `c32`: no copy of it)."""
-    try:
-        a = torch.ones(16, 16, device="cuda", dtype=torch.bfloat16)
-        c = torch.ones(16, 16, device="cuda")
-        out = torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
-        return out.data_ptr() == c.data_ptr() and bool((c == 17).all())
-    except (TypeError, RuntimeError, NotImplementedError):
-        return False
-
-
-def addmm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """`acc += a @ b` into a float32 accumulator, the product as in :func:`mm_f32` (on CUDA the addition happens in
-    the GEMM's epilogue, in place). Not differentiable: used where gradients are formed by hand."""
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and a.dtype == b.dtype and _cuda_addmm_out_dtype():
-        return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    return acc.add_(mm_f32(a, b))
-
-
-def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
-    """The dtype the model's own `F.linear(x, weight)` would multiply in: autocast's, else the weight's."""
-    device = x.device.type
-    if torch.is_autocast_enabled(device):
-        return torch.get_autocast_dtype(device)
-    return weight.dtype
-
-
-class _LinearF32(torch.autograd.Function):
-    """`F.linear` with float32 output and float32-accumulated gradients, operands in the linear's compute dtype."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        dtype = _compute_dtype(x, weight)
-        with torch.autocast(x.device.type, enabled=False):
-            flat = x.reshape(-1, x.shape[-1]).to(dtype)
-            out = mm_f32(flat, weight.to(dtype).t())
-            if bias is not None:
-                out += bias.float()
-        ctx.save_for_backward(x, weight)
-        ctx.dtype, ctx.has_bias = dtype, bias is not None
-        return out.reshape(*x.shape[:-1], out.shape[-1])
-
-    @staticmethod
-    def backward(ctx, grad):
-        if torch.is_grad_enabled():
-            raise RuntimeError("hf_distill's float32-output linear has no second derivative.")
-        x, weight = ctx.saved_tensors
-        g = grad.reshape(-1, grad.shape[-1]).to(ctx.dtype)
-        flat = x.reshape(-1, x.shape[-1]).to(ctx.dtype)
-        w = weight.to(ctx.dtype)
-        gx = mm_f32(g, w).to(x.dtype).reshape(x.shape) if ctx.needs_input_grad[0] else None
-        gw = mm_f32(g.t(), flat).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        gb = grad.reshape(-1, grad.shape[-1]).float().sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return gx, gw, gb
-
-
-class float32_logits(TorchFunctionMode):  # noqa: N801 (used as a context manager, like torch.no_grad)
-    """Within it, every `F.linear` computes its output in float32 from operands in its usual dtype (:func:`mm_f32`).
-    Used around an LM head's module call, so an engine's parameter hooks still run."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear:
-            x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            return _LinearF32.apply(x, weight, bias)
-        return func(*args, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------- row math
@@ -189,15 +105,27 @@ def _grad_block(zs: torch.Tensor, zt: torch.Tensor | None, start: int, targets: 
     """d loss / d raw logits of a vocabulary block (columns `start...` of every row), in the GEMM dtype: the CE's
     `softmax - onehot` and the divergence's closed form (:func:`row_gradient`), each times its row weight, through
     the family's post-processing. Elementwise only: one fused kernel under `torch.compile` on GPUs."""
+    g = _ce_grad(zs, start, targets, lse1, w_ce)
+    if zt is not None:
+        la = (zs / temperature if temperature != 1.0 else zs) - lse_a[:, None]
+        lb = (zt / temperature if temperature != 1.0 else zt) - lse_b[:, None]
+        g = g + row_gradient(kind, la, lb, stat[:, None], beta, alpha) * w_kd[:, None]
+    return _post_grad(g, zs, scale, cap, dtype)
+
+
+def _ce_grad(zs: torch.Tensor, start: int, targets: torch.Tensor | None, lse1: torch.Tensor | None,
+             w_ce: torch.Tensor | None) -> torch.Tensor:
+    """A gradient block's start (both heads): zeros, plus the CE's `softmax - onehot` times its row weight."""
     g = torch.zeros_like(zs)
     if targets is not None:
         cols = torch.arange(start, start + zs.shape[1], device=zs.device)
         onehot = (targets[:, None] == cols[None, :]).to(zs.dtype)
         g = g + (torch.exp(zs - lse1[:, None]) - onehot) * w_ce[:, None]
-    if zt is not None:
-        la = (zs / temperature if temperature != 1.0 else zs) - lse_a[:, None]
-        lb = (zt / temperature if temperature != 1.0 else zt) - lse_b[:, None]
-        g = g + row_gradient(kind, la, lb, stat[:, None], beta, alpha) * w_kd[:, None]
+    return g
+
+
+def _post_grad(g: torch.Tensor, zs: torch.Tensor, scale: float, cap: float | None, dtype: torch.dtype) -> torch.Tensor:
+    """A gradient block's end (both heads): through the family's post-processing (soft cap, scale), in `dtype`."""
     if cap is not None:
         g = g * (1 - (zs / cap) ** 2)
     if scale != 1.0:
@@ -331,6 +259,50 @@ def _add_block(g: torch.Tensor, block: slice, hs: torch.Tensor, w_s: torch.Tenso
         addmm_f32(grad_h, g, w_s[block].to(dtype_s))  # in place
 
 
+def _spec_args(spec: KDSpec | None) -> tuple[str | None, float, float, float]:
+    """`(kind, temperature, beta, alpha)` of a KD objective; without one, no kind and neutral values."""
+    return (spec.kind, spec.temperature, spec.beta, spec.alpha) if spec is not None else (None, 1.0, 0.5, 0.1)
+
+
+def _forward_chunks(h_s: torch.Tensor, w_s: torch.Tensor, b_s, s_head: LogitsHead, dtype_s: torch.dtype, chunk: int,
+                    targets, ce_rows, lse1: torch.Tensor, sums: torch.Tensor,
+                    chunk_stats: Callable[[slice, torch.Tensor], tuple]) -> None:
+    """The forward's walk of both heads: token chunks of `chunk` rows (every column of a row), each chunk's student
+    logits in float32, then `chunk_stats(rows, zs)`, the head's row statistics: it keeps its KD's own and returns the
+    CE's normaliser and CE per row, kept here (`lse1[rows]`, their sum over the CE's rows into `sums[1]`)."""
+    with torch.autocast(h_s.device.type, enabled=False), torch.no_grad():
+        ws = w_s.to(dtype_s)  # float32 weights under autocast: cast once, not once per chunk
+        for start in range(0, h_s.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            zs = _head_logits(h_s[rows].to(dtype_s), ws, b_s, s_head, dtype_s)
+            lse_1, ce = chunk_stats(rows, zs)
+            if targets is not None:
+                lse1[rows] = lse_1
+                sums[1] += torch.where(ce_rows[rows], ce, 0.0).sum()
+
+
+def _backward_walk(ctx, grad, h_s: torch.Tensor, w_s: torch.Tensor, b_s, s_head: LogitsHead, spec: KDSpec | None,
+                   targets, kd_rows, ce_rows, vocab: int, chunk: int, dtype_s: torch.dtype, no_second: str,
+                   block_grad: Callable[..., torch.Tensor]) -> tuple:
+    """The backward's walk of both heads: vocabulary blocks (every row; :func:`_backward_start` sizes them), each
+    block's student logits recomputed in float32, `block_grad(block, zs, w_kd, w_ce, dtype)` its logit gradient (the
+    head's closed form, in `dtype`), added into the gradients (:func:`_add_block`). Returns the autograd function's
+    gradients: those of its first three inputs `h_s`, `w_s`, `b_s` (None where not wanted), None for the rest."""
+    rest = (None,) * (len(ctx.needs_input_grad) - 3)
+    start = _backward_start(ctx, grad, h_s, w_s, b_s, spec, targets, kd_rows, ce_rows, chunk, no_second)
+    if start is None:
+        return None, None, None, *rest
+    want, w_kd, w_ce, grads, cols = start
+    with torch.autocast(h_s.device.type, enabled=False), torch.no_grad():
+        hs = h_s.to(dtype_s)
+        for block in _blocks(w_s.shape[0], vocab, cols):
+            zs = _head_logits(hs, w_s, b_s, s_head, dtype_s, block)
+            g = block_grad(block, zs, w_kd, w_ce, torch.float32 if want[2] else dtype_s)
+            _add_block(g, block, hs, w_s, b_s, grads, dtype_s)
+    grad_h, grad_w, grad_b = grads
+    return grad_h.to(h_s.dtype) if want[0] else None, grad_w, grad_b, *rest
+
+
 class _KDHead(torch.autograd.Function):
     """`[sum of KD over kd rows, sum of CE over ce rows]` of `N` counted rows from hidden states and LM heads.
 
@@ -341,33 +313,28 @@ class _KDHead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_s, w_s, b_s, h_t, w_t, b_t, t_logits, targets, kd_rows, ce_rows,
                 s_head: LogitsHead, t_head: LogitsHead | None, spec: KDSpec | None, vocab: int, chunk: int):
-        n = h_s.shape[0]
         dtype_s = _compute_dtype(h_s, w_s)
         dtype_t = _compute_dtype(h_t, w_t) if h_t is not None else None
-        kind = spec.kind if spec is not None else None
-        T, beta, alpha = (spec.temperature, spec.beta, spec.alpha) if spec is not None else (1.0, 0.5, 0.1)
-        stats = h_s.new_zeros(4, n, dtype=torch.float32)  # lse_s(T), lse_t(T), lse_s(1), divergence statistic
+        kind, T, beta, alpha = _spec_args(spec)
+        stats = h_s.new_zeros(4, h_s.shape[0], dtype=torch.float32)  # lse_s(T), lse_t(T), lse_s(1), statistic
         sums = h_s.new_zeros(2, dtype=torch.float32)
         row_stats = _row_stats_fn(h_s.device)
-        with torch.autocast(h_s.device.type, enabled=False), torch.no_grad():
-            # float32 weights under autocast: cast once, not once per chunk (a whole LM head's read and write each)
-            ws = w_s.to(dtype_s)
-            wt = w_t[:vocab].to(dtype_t) if w_t is not None and spec is not None and t_logits is None else None
-            for start in range(0, n, chunk):
-                rows = slice(start, start + chunk)
-                zs = _head_logits(h_s[rows].to(dtype_s), ws, b_s, s_head, dtype_s)
-                zt = None
-                if spec is not None:
-                    zt = (_head_logits(h_t[rows].to(dtype_t), wt, b_t, t_head, dtype_t, slice(0, vocab))
-                          if t_logits is None else t_logits[rows, :vocab].float())
-                lse1, ce, lse_a, lse_b, value, stat = row_stats(
-                    zs, zt, targets[rows] if targets is not None else None, kind, T, beta, alpha, vocab)
-                if targets is not None:
-                    stats[2, rows] = lse1
-                    sums[1] += torch.where(ce_rows[rows], ce, 0.0).sum()
-                if spec is not None:
-                    stats[0, rows], stats[1, rows], stats[3, rows] = lse_a, lse_b, stat
-                    sums[0] += torch.where(kd_rows[rows], value, 0.0).sum() * spec.factor
+        # the teacher's float32 weights under autocast: cast once, not once per chunk
+        wt = w_t[:vocab].to(dtype_t) if w_t is not None and spec is not None and t_logits is None else None
+
+        def chunk_stats(rows: slice, zs: torch.Tensor):
+            zt = None
+            if spec is not None:
+                zt = (_head_logits(h_t[rows].to(dtype_t), wt, b_t, t_head, dtype_t, slice(0, vocab))
+                      if t_logits is None else t_logits[rows, :vocab].float())
+            lse1, ce, lse_a, lse_b, value, stat = row_stats(
+                zs, zt, targets[rows] if targets is not None else None, kind, T, beta, alpha, vocab)
+            if spec is not None:
+                stats[0, rows], stats[1, rows], stats[3, rows] = lse_a, lse_b, stat
+                sums[0] += torch.where(kd_rows[rows], value, 0.0).sum() * spec.factor
+            return lse1, ce
+
+        _forward_chunks(h_s, w_s, b_s, s_head, dtype_s, chunk, targets, ce_rows, stats[2], sums, chunk_stats)
         ctx.save_for_backward(h_s, w_s, b_s, h_t, w_t, b_t, t_logits, targets, kd_rows, ce_rows, stats)
         ctx.args = (s_head, t_head, spec, vocab, chunk, dtype_s, dtype_t)
         ctx.set_materialize_grads(False)
@@ -377,30 +344,17 @@ class _KDHead(torch.autograd.Function):
     def backward(ctx, grad):
         h_s, w_s, b_s, h_t, w_t, b_t, t_logits, targets, kd_rows, ce_rows, stats = ctx.saved_tensors
         s_head, t_head, spec, vocab, chunk, dtype_s, dtype_t = ctx.args
-        start = _backward_start(
-            ctx, grad, h_s, w_s, b_s, spec, targets, kd_rows, ce_rows, chunk,
-            "The causal-LM loss head (hf_distill.losses.chunked) has no second derivative: its gradient is formed in "
-            "closed form. For create_graph=True compute the loss from whole logits (kd_chunk_size unset where "
-            "chunking is impossible, or hf_distill.losses on the model's logits).")
-        if start is None:
-            return (None,) * 15
-        want, w_kd, w_ce, grads, cols = start
-        kind = spec.kind if spec is not None else None
-        T, beta, alpha = (spec.temperature, spec.beta, spec.alpha) if spec is not None else (1.0, 0.5, 0.1)
+        kind, T, beta, alpha = _spec_args(spec)
         grad_block = _grad_block_fn(h_s.device)
-        with torch.autocast(h_s.device.type, enabled=False), torch.no_grad():
-            hs = h_s.to(dtype_s)
-            ht = h_t.to(dtype_t) if h_t is not None else None
-            for block in _blocks(w_s.shape[0], vocab, cols):
-                zs = _head_logits(hs, w_s, b_s, s_head, dtype_s, block)
-                zt = None
-                if spec is not None and block.start < vocab:
-                    zt = (_head_logits(ht, w_t, b_t, t_head, dtype_t, block)
-                          if t_logits is None else t_logits[:, block].float())
-                g = grad_block(zs, zt, block.start, targets, stats[2], w_ce, stats[0], stats[1], stats[3], w_kd,
-                               kind, T, beta, alpha, s_head.scale, s_head.cap,
-                               torch.float32 if want[2] else dtype_s)
-                _add_block(g, block, hs, w_s, b_s, grads, dtype_s)
-        grad_h, grad_w, grad_b = grads
-        grad_h = grad_h.to(h_s.dtype) if want[0] else None
-        return grad_h, grad_w, grad_b, *(None,) * 12
+        ht = h_t.to(dtype_t) if h_t is not None else None
+
+        def block_grad(block: slice, zs: torch.Tensor, w_kd, w_ce, dtype: torch.dtype):
+            zt = None
+            if spec is not None and block.start < vocab:
+                zt = (_head_logits(ht, w_t, b_t, t_head, dtype_t, block)
+                      if t_logits is None else t_logits[:, block].float())
+            return grad_block(zs, zt, block.start, targets, stats[2], w_ce, stats[0], stats[1], stats[3], w_kd,
+                              kind, T, beta, alpha, s_head.scale, s_head.cap, dtype)
+
+        return _backward_walk(ctx, grad, h_s, w_s, b_s, s_head, spec, targets, kd_rows, ce_rows, vocab, chunk,
+                              dtype_s, _NO_SECOND_DERIVATIVE, block_grad)

@@ -5,7 +5,10 @@ The divergence is the one :mod:`hf_distill.losses` defines for a `(log_probs, in
 sides are distributions over k + 1 outcomes (the k ids and "every other id"), the student's from its full softmax at
 T; every kind of :func:`hf_distill.losses.divergence_rows` is a true divergence of that coarsening (0 at agreement,
 no clamping). Same memory shape as the dense head (:class:`hf_distill.losses.kd_head._KDHead`): the student's logits
-exist a token chunk at a time (forward) or a vocabulary block at a time (backward), from float32-output GEMMs.
+exist a token chunk at a time (forward) or a vocabulary block at a time (backward), from float32-output GEMMs. The
+frame is the dense head's (the counted rows, the routes and the means: :mod:`hf_distill.losses.head_common`; the two
+walks: :mod:`hf_distill.losses.kd_head`); this module states only what a sparse teacher changes: its rows, its row
+statistics and gradient blocks, and its KD sum on the module route.
 
 The gradient in closed form: with `Q` the student's softmax at T, `q_o` its mass on outcome o and `p_o` the
 teacher's, `dL/da_v = Q_v (g_o(v) - sum_o q_o g_o)` where `g_o = dL/dq_o` depends on `p_o / q_o` only. That is the
@@ -16,29 +19,31 @@ columns that fall in the block get their own (a scatter); the row statistic come
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
 
 import torch
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from . import divergences as losses
-from .kd_head import (
-    _add_block,
-    _backward_start,
-    _blocks,
+from .head_common import (
+    Counted,
+    KDSpec,
+    LogitsHead,
     _compute_dtype,
-    _elementwise,
-    _head_logits,
-    row_gradient,
+    counted_rows,
+    head_means,
+    module_sums,
+    vocab_size,
 )
-
-if TYPE_CHECKING:
-    from .chunked import KDSpec, LogitsHead
+from .kd_head import _backward_walk, _ce_grad, _elementwise, _forward_chunks, _post_grad, _spec_args, row_gradient
 
 SparseTeacher = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """`(log_probs (..., k), indices (..., k), log_tail (...))`: the teacher's top-k log-probabilities at T, their ids
 and the log of the mass of every other id (:func:`hf_distill.losses.topk_with_tail`, an offline teacher signal)."""
+
+_NO_SECOND_DERIVATIVE = (
+    "The causal-LM loss head (hf_distill.losses.sparse_head) has no second derivative: its gradient is formed in "
+    "closed form. For create_graph=True compute the loss from whole logits (hf_distill.losses on the model's logits "
+    "with the (log_probs, indices, log_tail) teacher).")
 
 
 def _check_teacher(teacher, s_hidden: torch.Tensor) -> SparseTeacher:
@@ -65,32 +70,16 @@ def _check_teacher(teacher, s_hidden: torch.Tensor) -> SparseTeacher:
     return log_probs, ids, log_tail
 
 
-def _counted_rows(s_hidden, teacher: SparseTeacher, kd_mask, labels, kd):
-    """As :func:`hf_distill.losses.chunked._counted_rows`, with the three parts of the teacher gathered; rows the KD
-    does not count get the ids 0..k-1 (any distinct valid ids: their teacher is replaced by the student itself)."""
-    s = s_hidden[:, :-1]
-    b, t = s.shape[:2]
-    kd_rows = torch.ones(b, t, dtype=torch.bool, device=s.device) if kd_mask is None else kd_mask.bool()
-    ce_rows = labels != -100 if labels is not None else torch.zeros_like(kd_rows)
+def _teacher_rows(teacher: SparseTeacher, counted: Counted, kd: KDSpec | None):
+    """The teacher's three parts at the counted rows (:func:`hf_distill.losses.head_common.counted_rows`); rows the
+    KD does not count get the ids 0..k-1 (any distinct valid ids: their teacher is replaced by the student itself)."""
     if kd is None:
-        kd_rows = torch.zeros_like(kd_rows)
-    rows = kd_rows | ce_rows
-    is_kd, is_ce = kd_rows[rows], ce_rows[rows]
-    parts = None
-    if kd is not None:
-        log_probs, ids, log_tail = (x.to(s.device)[rows] for x in teacher)
-        k = ids.shape[-1]
-        ids = torch.where(is_kd[:, None], ids.long(), torch.arange(k, device=s.device))
-        parts = (log_probs.float(), ids, log_tail.float())
-    targets = labels[rows] if labels is not None else None
-    if targets is not None:
-        targets = torch.where(is_ce, targets, 0)  # rows counted for KD only: any valid id, weighted 0
-    return s[rows], parts, is_kd, is_ce, targets, int(is_kd.sum()), int(is_ce.sum())
-
-
-def _student_vocab(head: LogitsHead) -> int:
-    weight = getattr(head.module, "weight", None)  # ZeRO-3: empty outside the module's call, full shape in ds_shape
-    return int(getattr(weight, "ds_shape", weight.shape)[0]) if weight is not None else int(head.module.out_features)
+        return None
+    device = counted.hidden.device
+    log_probs, ids, log_tail = (x.to(device)[counted.rows] for x in teacher)
+    k = ids.shape[-1]
+    ids = torch.where(counted.is_kd[:, None], ids.long(), torch.arange(k, device=device))
+    return log_probs.float(), ids, log_tail.float()
 
 
 def sparse_kd_and_ce(
@@ -108,36 +97,31 @@ def sparse_kd_and_ce(
     indices, log_tail)` of shapes `(B, T-1, k)`, `(B, T-1, k)`, `(B, T-1)`, aligned with `kd_mask`. The student's
     distribution is its softmax at T over its first `vocab` ids (default: all of them), which the ids must index."""
     teacher = _check_teacher(teacher, s_hidden)
-    s_rows, parts, is_kd, is_ce, targets, n_kd, n_ce = _counted_rows(s_hidden, teacher, kd_mask, labels, kd)
-    v = vocab if vocab is not None else _student_vocab(student_head)
+    counted = counted_rows(s_hidden, kd_mask, labels, kd)
+    parts = _teacher_rows(teacher, counted, kd)
+    v = vocab if vocab is not None else vocab_size(student_head)
     if parts is not None:
         k = parts[1].shape[-1]
         if not 0 < k <= v:
             raise ValueError(f"The sparse teacher keeps k={k} ids per position, but the KD compares {v} ids: need "
                              "0 < k <= vocab.")
-        counted = parts[1][is_kd]
-        if counted.numel() and (int(counted.min()) < 0 or int(counted.max()) >= v):
+        checked = parts[1][counted.is_kd]
+        if checked.numel() and (int(checked.min()) < 0 or int(checked.max()) >= v):
             raise ValueError(f"The sparse teacher's ids must lie in [0, {v}) (the student's compared vocabulary), got "
-                             f"[{int(counted.min())}, {int(counted.max())}]: a signal of another vocabulary?")
-    if route == "auto":
-        route = "direct" if student_head.direct else "module"
-    if s_rows.shape[0] == 0:
-        total = s_hidden.sum().float() * 0 + s_hidden.new_zeros(2, dtype=torch.float32)
-    elif route == "direct":
-        if not student_head.direct:
-            raise ValueError("route='direct' needs a plain nn.Linear LM head")
-        log_probs, ids, log_tail = parts if parts is not None else (None, None, None)
-        total = _SparseKDHead.apply(s_rows, student_head.module.weight, student_head.module.bias, log_probs, ids,
-                                    log_tail, targets if labels is not None else None, is_kd, is_ce, student_head, kd,
-                                    v, chunk_size)
-    elif route == "module":
-        total = _module_sums(s_rows, student_head, parts, is_kd, is_ce, targets if labels is not None else None, kd,
-                             chunk_size, v)
-    else:
-        raise ValueError(f"route must be 'auto', 'direct' or 'module', got {route!r}")
-    kd_value = total[0] / max(n_kd, 1) if kd is not None else None
-    ce_value = total[1] / max(n_ce, 1) if labels is not None else None
-    return kd_value, ce_value
+                             f"[{int(checked.min())}, {int(checked.max())}]: a signal of another vocabulary?")
+    log_probs, ids, log_tail = parts if parts is not None else (None, None, None)
+
+    def direct():
+        return _SparseKDHead.apply(counted.hidden, student_head.module.weight, student_head.module.bias, log_probs,
+                                   ids, log_tail, counted.targets, counted.is_kd, counted.is_ce, student_head, kd, v,
+                                   chunk_size)
+
+    def module():
+        kd_sum = functools.partial(_module_kd_sum, kd, v) if kd is not None else None
+        return module_sums(student_head, kd_sum, counted, (log_probs, ids, log_tail), chunk_size)
+
+    return head_means(s_hidden, counted, kd, labels, route, student_head.direct, "a plain nn.Linear LM head", direct,
+                      module)
 
 
 # ---------------------------------------------------------------------------------------------- the row math
@@ -177,60 +161,50 @@ def _sparse_grad_block(zs: torch.Tensor, shift: torch.Tensor | None, start: int,
                        stat: torch.Tensor | None, w_kd: torch.Tensor | None, kind: str | None, temperature: float,
                        beta: float, alpha: float, scale: float, cap: float | None, dtype: torch.dtype) -> torch.Tensor:
     """d loss / d raw logits of a vocabulary block: the CE's `softmax - onehot` and the divergence's dense closed form
-    against `log P = log Q + shift`, each times its row weight, through the family's post-processing."""
-    g = torch.zeros_like(zs)
-    if targets is not None:
-        cols = torch.arange(start, start + zs.shape[1], device=zs.device)
-        onehot = (targets[:, None] == cols[None, :]).to(zs.dtype)
-        g = g + (torch.exp(zs - lse1[:, None]) - onehot) * w_ce[:, None]
+    against `log P = log Q + shift`, each times its row weight, through the family's post-processing (the CE's part
+    and the post-processing are the dense head's: :func:`hf_distill.losses.kd_head._ce_grad`, `_post_grad`)."""
+    g = _ce_grad(zs, start, targets, lse1, w_ce)
     if shift is not None:
         la = (zs / temperature if temperature != 1.0 else zs) - lse_a[:, None]
         g = g + row_gradient(kind, la, la + shift, stat[:, None], beta, alpha) * w_kd[:, None]
-    if cap is not None:
-        g = g * (1 - (zs / cap) ** 2)
-    if scale != 1.0:
-        g = g * scale
-    return g.to(dtype)
+    return _post_grad(g, zs, scale, cap, dtype)
 
 
 class _SparseKDHead(torch.autograd.Function):
     """`[sum of KD over kd rows, sum of CE over ce rows]` of `N` counted rows from hidden states, the student's LM
     head and a sparse teacher. Forward: token chunks, keeping per row the student's log-normalisers (T and 1), the
     divergence's statistic and the k + 1 shifts `log p_o - log q_o`. Backward: vocabulary blocks, the block's logits
-    recomputed and its gradient formed in closed form (see the module docstring)."""
+    recomputed and its gradient formed in closed form (see the module docstring). Both walks are the dense head's
+    (:func:`hf_distill.losses.kd_head._forward_chunks`, :func:`hf_distill.losses.kd_head._backward_walk`)."""
 
     @staticmethod
     def forward(ctx, h_s, w_s, b_s, log_p, ids, log_tail, targets, kd_rows, ce_rows, s_head: LogitsHead,
                 spec: KDSpec | None, vocab: int, chunk: int):
         n = h_s.shape[0]
         dtype_s = _compute_dtype(h_s, w_s)
-        kind = spec.kind if spec is not None else None
-        T, beta, alpha = (spec.temperature, spec.beta, spec.alpha) if spec is not None else (1.0, 0.5, 0.1)
+        kind, T, beta, alpha = _spec_args(spec)
         stats = h_s.new_zeros(4, n, dtype=torch.float32)  # lse_s(T), lse_s(1), divergence statistic, tail shift
         shift_k = h_s.new_zeros(n, ids.shape[1], dtype=torch.float32) if spec is not None else None
         sums = h_s.new_zeros(2, dtype=torch.float32)
         row_stats = _elementwise(_sparse_row_stats, h_s.device)
-        with torch.autocast(h_s.device.type, enabled=False), torch.no_grad():
-            ws = w_s.to(dtype_s)  # float32 weights under autocast: cast once, not once per chunk
-            for start in range(0, n, chunk):
-                rows = slice(start, start + chunk)
-                zs = _head_logits(h_s[rows].to(dtype_s), ws, b_s, s_head, dtype_s)
-                lse1, ce, lse_a, log_q = row_stats(zs, ids[rows] if spec is not None else None,
-                                                   targets[rows] if targets is not None else None, T, vocab)
-                if targets is not None:
-                    stats[1, rows] = lse1
-                    sums[1] += torch.where(ce_rows[rows], ce, 0.0).sum()
-                if spec is not None:
-                    counted = kd_rows[rows]
-                    log_p_c = torch.cat([log_p[rows], log_tail[rows, None]], -1)
-                    # rows the KD does not count compare the student with itself: value 0, no gradient
-                    log_p_c = torch.where(counted[:, None], log_p_c, log_q)
-                    value, stat = losses.divergence_rows(kind, log_q, log_p_c, beta, alpha)
-                    sums[0] += torch.where(counted, value, 0.0).sum() * spec.factor
-                    # an outcome without student mass (no tail columns): its columns have Q = 0, no shift needed
-                    shift = torch.where(log_q == float("-inf"), 0.0, log_p_c - log_q)
-                    stats[0, rows], stats[2, rows], stats[3, rows] = lse_a, stat, shift[:, -1]
-                    shift_k[rows] = shift[:, :-1]
+
+        def chunk_stats(rows: slice, zs: torch.Tensor):
+            lse1, ce, lse_a, log_q = row_stats(zs, ids[rows] if spec is not None else None,
+                                               targets[rows] if targets is not None else None, T, vocab)
+            if spec is not None:
+                counted = kd_rows[rows]
+                log_p_c = torch.cat([log_p[rows], log_tail[rows, None]], -1)
+                # rows the KD does not count compare the student with itself: value 0, no gradient
+                log_p_c = torch.where(counted[:, None], log_p_c, log_q)
+                value, stat = losses.divergence_rows(kind, log_q, log_p_c, beta, alpha)
+                sums[0] += torch.where(counted, value, 0.0).sum() * spec.factor
+                # an outcome without student mass (no tail columns): its columns have Q = 0, no shift needed
+                shift = torch.where(log_q == float("-inf"), 0.0, log_p_c - log_q)
+                stats[0, rows], stats[2, rows], stats[3, rows] = lse_a, stat, shift[:, -1]
+                shift_k[rows] = shift[:, :-1]
+            return lse1, ce
+
+        _forward_chunks(h_s, w_s, b_s, s_head, dtype_s, chunk, targets, ce_rows, stats[1], sums, chunk_stats)
         ctx.save_for_backward(h_s, w_s, b_s, ids, targets, kd_rows, ce_rows, stats, shift_k)
         ctx.args = (s_head, spec, vocab, chunk, dtype_s)
         ctx.set_materialize_grads(False)
@@ -240,60 +214,27 @@ class _SparseKDHead(torch.autograd.Function):
     def backward(ctx, grad):
         h_s, w_s, b_s, ids, targets, kd_rows, ce_rows, stats, shift_k = ctx.saved_tensors
         s_head, spec, vocab, chunk, dtype_s = ctx.args
-        start = _backward_start(
-            ctx, grad, h_s, w_s, b_s, spec, targets, kd_rows, ce_rows, chunk,
-            "The causal-LM loss head (hf_distill.losses.sparse_head) has no second derivative: its gradient is formed "
-            "in closed form. For create_graph=True compute the loss from whole logits (hf_distill.losses on the "
-            "model's logits with the (log_probs, indices, log_tail) teacher).")
-        if start is None:
-            return (None,) * 13
-        want, w_kd, w_ce, grads, cols = start
-        kind = spec.kind if spec is not None else None
-        T, beta, alpha = (spec.temperature, spec.beta, spec.alpha) if spec is not None else (1.0, 0.5, 0.1)
+        kind, T, beta, alpha = _spec_args(spec)
         grad_block = _elementwise(_sparse_grad_block, h_s.device)
-        with torch.autocast(h_s.device.type, enabled=False), torch.no_grad():
-            hs = h_s.to(dtype_s)
-            for block in _blocks(w_s.shape[0], vocab, cols):
-                zs = _head_logits(hs, w_s, b_s, s_head, dtype_s, block)
-                shift = (_block_shift(ids, shift_k, stats[3], block)
-                         if spec is not None and block.start < vocab else None)
-                g = grad_block(zs, shift, block.start, targets, stats[1], w_ce, stats[0], stats[2], w_kd,
-                               kind if shift is not None else None, T, beta, alpha, s_head.scale, s_head.cap,
-                               torch.float32 if want[2] else dtype_s)
-                _add_block(g, block, hs, w_s, b_s, grads, dtype_s)
-        grad_h, grad_w, grad_b = grads
-        grad_h = grad_h.to(h_s.dtype) if want[0] else None
-        return grad_h, grad_w, grad_b, *(None,) * 10
+
+        def block_grad(block: slice, zs: torch.Tensor, w_kd, w_ce, dtype: torch.dtype):
+            shift = _block_shift(ids, shift_k, stats[3], block) if spec is not None and block.start < vocab else None
+            return grad_block(zs, shift, block.start, targets, stats[1], w_ce, stats[0], stats[2], w_kd,
+                              kind if shift is not None else None, T, beta, alpha, s_head.scale, s_head.cap, dtype)
+
+        return _backward_walk(ctx, grad, h_s, w_s, b_s, s_head, spec, targets, kd_rows, ce_rows, vocab, chunk,
+                              dtype_s, _NO_SECOND_DERIVATIVE, block_grad)
 
 
 # ---------------------------------------------------------------------------------------------- the module route
 
 
-def _module_chunk(s_head: LogitsHead, kd: KDSpec | None, vocab: int, h, log_p, ids, log_tail, kd_part, ce_part, y):
-    """`[KD sum, CE sum]` of one chunk of rows through the head's module call (float32 logits), by autograd through
+def _module_kd_sum(kd: KDSpec, vocab: int, z: torch.Tensor, kd_part, log_p, ids, log_tail) -> torch.Tensor:
+    """The KD sum of one module-route chunk (:func:`hf_distill.losses.head_common.module_sums`), by autograd through
     the direct route's row math (the tail as the logsumexp of the other columns, which stays finite where
     `1 - sum of the top k` rounds to 0 in float32)."""
-    z = s_head.float32(h)
-    kd_sum, ce_sum = z.new_zeros(()), z.new_zeros(())
-    if kd is not None and bool(kd_part.any()):
-        _, _, _, log_q = _sparse_row_stats(z[kd_part], ids[kd_part], None, kd.temperature, vocab)
-        log_p_c = torch.cat([log_p[kd_part], log_tail[kd_part, None]], -1)
-        if ids.shape[-1] == vocab:  # the ids are the whole vocabulary: no tail outcome (its -inf on both sides
-            log_q, log_p_c = log_q[:, :-1], log_p_c[:, :-1]  # would put NaN into autograd's mixtures)
-        kd_sum = losses.divergence_rows(kd.kind, log_q, log_p_c, kd.beta, kd.alpha)[0].sum() * kd.factor
-    if y is not None and bool(ce_part.any()):
-        ce_sum = F.cross_entropy(z[ce_part], y[ce_part], reduction="sum")
-    return torch.stack([kd_sum, ce_sum])
-
-
-def _module_sums(s_rows, s_head, parts, is_kd, is_ce, targets, kd, chunk, vocab):
-    """Engines and wrapped heads (:mod:`hf_distill.losses.chunked`'s module route): each chunk of tokens through the
-    head's module call inside a checkpoint, so the engines' parameter hooks run."""
-    total = s_rows.new_zeros(2, dtype=torch.float32)
-    for start in range(0, s_rows.shape[0], chunk):
-        part = slice(start, start + chunk)
-        teacher = tuple(x[part] for x in parts) if parts is not None else (None, None, None)
-        y = targets[part] if targets is not None else None
-        total = total + checkpoint(_module_chunk, s_head, kd, vocab, s_rows[part], *teacher, is_kd[part],
-                                   is_ce[part], y, use_reentrant=False)
-    return total
+    _, _, _, log_q = _sparse_row_stats(z[kd_part], ids[kd_part], None, kd.temperature, vocab)
+    log_p_c = torch.cat([log_p[kd_part], log_tail[kd_part, None]], -1)
+    if ids.shape[-1] == vocab:  # the ids are the whole vocabulary: no tail outcome (its -inf on both sides
+        log_q, log_p_c = log_q[:, :-1], log_p_c[:, :-1]  # would put NaN into autograd's mixtures)
+    return losses.divergence_rows(kd.kind, log_q, log_p_c, kd.beta, kd.alpha)[0].sum() * kd.factor
