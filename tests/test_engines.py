@@ -8,6 +8,8 @@ rank must complete (the ZeRO-3 save gathers the shards: a rank skipping it would
 (accelerate runs it as DDP on a CPU, which hf_distill.placement.check_engine refuses): see
 benchmarks/distributed_gpu.sh. A second launch (tests/on_policy_run.py) trains a tiny Llama on completions it
 generates (lmbda) or its teacher generates (seq_kd) under ZeRO-3: they must be the single process's, token for token.
+Off-policy causal-LM KD runs under DDP, FSDP1 and FSDP2 (torchrun; FSDP on CPU through engine_run.fsdp_on_cpu, a
+test-only shim) and must equal one process: through the loss head under DDP, with whole logits under FSDP.
 DeepSpeed is a dev dependency; its first run on a machine JIT-builds a small
 shared-memory op (seconds with a C++ compiler; cached in ~/.cache/torch_extensions).
 """
