@@ -53,6 +53,11 @@ class LogitTerms:
             why = "label_smoothing_factor or compute_loss_func needs the student's full logits"
         elif self.args.kd_loss == "mse" and self.args.kd_weight > 0:
             why = "kd_loss='mse' compares raw logits, which the chunked loss head does not keep"
+        elif str(getattr(getattr(self, "accelerator", None), "distributed_type", "")).endswith("FSDP"):
+            # FSDP1 keeps the root unit's parameters (the LM head among them) sharded outside the model's forward;
+            # accelerate's FSDP2 shards the final norm and the LM head as one unit, which the head's own call after
+            # the forward reshards before the norm's backward (tests/engine_run.py --causal_lm: a segfault).
+            why = "under FSDP the LM head is sharded outside the model's forward (use DDP or DeepSpeed ZeRO-3 for it)"
         elif not chunked.supports_hidden_only(student) or (
             self.teacher is not None and not chunked.supports_hidden_only(self.teacher)
         ):
@@ -276,7 +281,16 @@ def student_shape(model: nn.Module) -> tuple[str, int | None, int | None]:
     """The facts the trainer's checks read from the student: its class (hence head), vocabulary and label count."""
     inner = unwrap(model)
     vocab = getattr(getattr(inner, "config", None), "vocab_size", None)
-    return type(inner).__name__, vocab, heads_mod.num_labels(inner)
+    return _model_class(inner).__name__, vocab, heads_mod.num_labels(inner)
+
+
+def _model_class(model: nn.Module) -> type:
+    """The model's own class: FSDP2's `fully_shard` swaps it for a subclass `FSDP<Name>(FSDPModule, <Name>)`."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without distributed
+        return type(model)
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
 
 
 def plain_task_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

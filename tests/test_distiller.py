@@ -138,3 +138,26 @@ def test_the_mixin_gives_trl_sft_trainer_the_same_distillation(tmp_path):
     assert set(sft.tracker.pop_means()) == {"kd", "task"}
     sft.train()
     assert "loss_kd" in sft.state.log_history[0]
+
+
+def test_fsdp_computes_causal_lm_logits_whole_and_refuses_a_chunk_size(tmp_path, caplog):
+    """Under FSDP the LM head is sharded outside the model's forward (FSDP1: the root unit; accelerate's FSDP2:
+    one unit with the final norm, resharded by the head's own call before the norm's backward): the causal-LM loss
+    head is not used there (tests/test_engines.py runs both engines with whole logits), and a kd_chunk_size asking
+    for it is refused."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    student = llama(seed=0)
+    distiller = Distiller(student, args(tmp_path, kd_loss="jsd"), teacher_model=llama(seed=1))
+    assert distiller._chunk_size(student) is not None  # one process: the loss head
+    distiller.accelerator = SimpleNamespace(distributed_type=DistributedType.FSDP)
+    with caplog.at_level("WARNING"):
+        assert distiller._chunk_size(student) is None
+    assert "computed whole" in caplog.text and "FSDP" in caplog.text
+    distiller.args.kd_chunk_size = 64
+    with pytest.raises(ValueError, match=r"kd_chunk_size=64 cannot be honoured: under FSDP the LM head is sharded"):
+        distiller._chunk_size(student)
+    distiller.accelerator = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED)
+    assert distiller._chunk_size(student) == 64  # ZeRO-3 gathers the head in its own call: the loss head

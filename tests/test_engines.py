@@ -8,6 +8,8 @@ rank must complete (the ZeRO-3 save gathers the shards: a rank skipping it would
 (accelerate runs it as DDP on a CPU, which hf_distill.placement.check_engine refuses): see
 benchmarks/distributed_gpu.sh. A second launch (tests/on_policy_run.py) trains a tiny Llama on completions it
 generates (lmbda) or its teacher generates (seq_kd) under ZeRO-3: they must be the single process's, token for token.
+Off-policy causal-LM KD runs under DDP, FSDP1 and FSDP2 (torchrun; FSDP on CPU through engine_run.fsdp_on_cpu, a
+test-only shim) and must equal one process: through the loss head under DDP, with whole logits under FSDP.
 DeepSpeed is a dev dependency; its first run on a machine JIT-builds a small
 shared-memory op (seconds with a C++ compiler; cached in ~/.cache/torch_extensions).
 """
@@ -118,3 +120,38 @@ def test_zero3_generation_on_two_cpu_processes_matches_one(tmp_path):
     evals = [[(r["step"], r["eval_loss"]) for r in run["lmbda"]["eval_logs"]] for run in (zero3, single)]
     assert [step for step, _ in evals[0]] == [2, 3]
     assert [loss for _, loss in evals[0]] == pytest.approx([loss for _, loss in evals[1]], rel=1e-5)
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp1", "fsdp2"])
+def test_causal_lm_on_two_cpu_processes_matches_one(tmp_path, engine):
+    """Off-policy causal-LM KD (a tiny Llama: JSD + CE on completion tokens, SGD) on 2 processes equals one process
+    on the same global batch. DDP goes through the loss head (hf_distill.losses.chunked); FSDP1 and FSDP2 compute
+    whole logits with a warning, as hf_distill chooses there (the LM head is sharded outside the model's forward).
+    FSDP runs on CPU processes by engine_run.fsdp_on_cpu (accelerate turns FSDP on only on accelerators)."""
+    root = str(Path(__file__).parents[1])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _free_port(),
+           engine_run.__file__, str(tmp_path / engine), "--engine", engine, "--per_device_batch", "4", "--causal_lm",
+           *(["--fsdp_on_cpu"] if engine != "ddp" else [])]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run = json.loads((tmp_path / engine / "result.json").read_text())
+    single = engine_run.run(tmp_path / "single", "ddp", per_device_batch=8, steps=3, causal_lm=True)
+    fsdp = engine != "ddp"
+    assert (run["distributed_type"], run["world_size"], run["steps"]) == ("FSDP" if fsdp else "MULTI_CPU", 2, 3)
+    assert run["wrapped_type"] == {"ddp": "DistributedDataParallel", "fsdp1": "FullyShardedDataParallel",
+                                   "fsdp2": "FSDPLlamaForCausalLM"}[engine]
+    whole = [w for w in run["warnings"] if "computed whole" in w]
+    assert single["loss_head"] is True and not any("computed whole" in w for w in single["warnings"])
+    if fsdp:
+        assert run["loss_head"] is None and len(whole) == 1 and "FSDP" in whole[0]
+    else:
+        assert run["loss_head"] is True and not whole
+    assert run["student_keys"] == single["student_keys"]
+    torch.testing.assert_close(torch.tensor(run["student"]), torch.tensor(single["student"]), atol=1e-5, rtol=0)
+    initial = torch.cat([v.reshape(-1) for _, v in sorted(on_policy_run.llama(0).state_dict().items())])
+    assert (torch.tensor(single["student"]) - initial).abs().max() > 1e-3  # the student did learn
+    for a, b in zip(run["logs"], single["logs"], strict=True):
+        for key in ("loss", "loss_kd", "loss_task", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5), key
