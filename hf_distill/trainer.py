@@ -144,7 +144,8 @@ class DistillationMixin(ProjectionTraining):
                                            num_items_in_batch=num_items_in_batch)
 
     def _loss_head_route(self) -> str:
-        """DeepSpeed and FSDP gather the LM heads' parameters inside the heads' own calls: call them as modules."""
+        """DeepSpeed gathers the LM heads' parameters inside the heads' own calls: call them as modules. (Under FSDP
+        the causal-LM logits are computed whole, LogitTerms._chunk_size; "module" keeps any other use safe.)"""
         return "module" if (self.is_deepspeed_enabled or self.is_fsdp_enabled) else "auto"
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
