@@ -23,7 +23,8 @@ One path, two ways to reach the LM heads:
   backward) against the three of a bare student head; no `(N, V)` tensor; the gradient is taken in the backward,
   so the loss may be weighted, scaled (fp16's GradScaler) or combined after the call like any other tensor.
 - **module** (DeepSpeed ZeRO-3, and heads that are not a plain `nn.Linear`, e.g. a LoRA-wrapped head; under FSDP
-  the trainer computes whole logits instead, docs/guides/engines.md): the engines gather parameters and reduce gradients inside the head module's own call, so the head is called as a
+  the trainer computes whole logits instead, docs/guides/engines.md): the engines gather parameters and reduce
+  gradients inside the head module's own call, so the head is called as a
   module, a chunk of tokens at a time inside a checkpoint, with its linear layers computed by :func:`mm_f32`
   (a `TorchFunctionMode` for the duration of the call). The loss math is the dense one of :mod:`hf_distill.losses`.
   Weight gradients then accumulate over token chunks in the engine's gradient dtype.
