@@ -576,6 +576,62 @@ def test_triton_kernels_equal_the_pytorch_reference(tmp_path):
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
 
 
+_TRITON_HEAD_CHECK = """
+import torch
+from hf_distill import losses
+from hf_distill.losses import chunked, triton_head
+
+calls = []
+for name in ("row_stats", "grad_block"):
+    kernel = getattr(triton_head, name)
+    setattr(triton_head, name, lambda *a, _k=kernel, **kw: calls.append(1) or _k(*a, **kw))
+triton_head.available = lambda device: True  # the CUDA path, its kernels in Triton's interpreter on a CPU
+g = torch.Generator().manual_seed(0)
+h = torch.randn(2, 40, 16, generator=g)
+s_head, t_head = torch.nn.Linear(16, 300, bias=False), torch.nn.Linear(16, 300, bias=False)
+with torch.no_grad():
+    s_head.weight.copy_(torch.randn(300, 16, generator=g) * 0.8)
+    t_head.weight.copy_(s_head.weight + 0.3 * torch.randn(300, 16, generator=g))
+h_t = h + 0.1 * torch.randn(h.shape, generator=g)
+labels = torch.randint(0, 300, (2, 39), generator=g)
+for kind in ("kl", "jsd", "skew_reverse_kl", "tvd"):
+    x = h.clone().requires_grad_(True)
+    s_head.weight.grad = None
+    kd, ce = chunked.chunked_kd_and_ce(x, chunked.LogitsHead(s_head), chunked.LogitsHead(t_head), h_t, None,
+                                       labels, chunked.dense_kd(kind, 2.0, 0.3, 0.2), chunk_size=16)
+    (0.6 * kd + 0.4 * ce).backward()
+    x64 = h.double().requires_grad_(True)
+    w64 = s_head.weight.detach().double().requires_grad_(True)
+    z = (x64 @ w64.T)[:, :-1]
+    z_t = (h_t.double() @ t_head.weight.detach().double().T)[:, :-1]
+    kd64 = losses.logit_kd_loss(kind, z, z_t, 2.0, beta=0.3, alpha=0.2)
+    ce64 = torch.nn.functional.cross_entropy(z.reshape(-1, 300), labels.reshape(-1))
+    (0.6 * kd64 + 0.4 * ce64).backward()
+    assert abs(float(kd) - float(kd64)) <= 1e-5 * abs(float(kd64)) + 1e-7, (kind, float(kd), float(kd64))
+    for got, want in ((x.grad, x64.grad), (s_head.weight.grad, w64.grad)):
+        assert float((got.double() - want).norm() / want.norm()) < 1e-5, kind
+assert len(calls) >= 8
+print("ok")
+"""
+
+
+def test_loss_head_through_the_triton_kernels_equals_float64(tmp_path):
+    """The whole CUDA walk of the loss head (token chunks through the row-statistics kernel, vocabulary blocks
+    through the gradient kernel) against float64 whole logits: on a CPU in Triton's interpreter, so that a change to
+    the head's walk is checked without a GPU (runs where triton is installed)."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "check_head.py"
+    script.write_text(_TRITON_HEAD_CHECK)
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+
+
 @pytest.mark.parametrize("kind", ["jsd", "skew_reverse_kl"])
 def test_cpu_row_slices_give_the_same_loss_and_gradients(monkeypatch, kind):
     """On the CPU the elementwise work runs over slices of rows (temporaries of cache size): slicing changes
