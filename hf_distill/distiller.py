@@ -295,6 +295,8 @@ class Distiller(LogitTerms, TeacherRuns):
             inputs = {**inputs, "use_cache": False}
         distill = model.training or self.args.eval_with_teacher
         step_mean = model.training and self._step.take()  # token-level means rescaled to the optimizer step's
+        if model.training and not step_mean and self.on_policy is not None and self.args.generates:
+            check_step(self.on_policy, self.args, None)  # no start_step: nothing generated this batch's completions
         local = self._counts({**inputs, **cached}) if step_mean else None
         if self.intermediate is not None:  # re-read every step, like kd_weight, so callbacks can change them
             self.intermediate.set_weights(self.args.distill_terms)

@@ -526,3 +526,19 @@ def test_start_step_refuses_to_skip_generation_silently(tmp_path):
     run.lmbda, run.seq_kd = 0.0, True
     with pytest.raises(ValueError, match="seq_kd=True was set after"):
         distiller.start_step([dict(batch)], model=llama(0))
+
+
+def test_a_training_loss_without_start_step_refuses_to_keep_the_completions(tmp_path):
+    """A plain loop that never calls start_step: with lmbda / seq_kd, compute_loss in training would train on the
+    dataset's completions (nothing generated them) and quietly ignore lmbda. Refused; evaluation (no generation
+    asked) and a step that start_step prepared still compute."""
+    tok = _tokenizer()
+    batch = PromptCompletionCollator(tok)(list(_rows(2)))
+    student = llama(0).train()
+    distiller = Distiller(student, args(tmp_path, lmbda=1.0, max_new_tokens=3), llama(1), processing_class=tok)
+    with pytest.raises(ValueError, match="start_step\\(batches, model=student\\)"):
+        distiller.compute_loss(student, dict(batch))
+    prepared = dict(batch)
+    distiller.start_step([prepared], model=student)
+    assert torch.isfinite(distiller.compute_loss(student, prepared))
+    assert torch.isfinite(distiller.compute_loss(student.eval(), dict(batch)))
