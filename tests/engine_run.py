@@ -115,11 +115,13 @@ def projection_values(trainer: DistillationTrainer) -> list[float]:
 
 
 def causal_lm_trainer(out: Path, engine: str, per_device_batch: int, steps: int, use_cpu: bool,
-                      deepspeed_config: str | None, learning_rate: float) -> DistillationTrainer:
+                      deepspeed_config: str | None, learning_rate: float,
+                      kd_chunk_size: int | None = None) -> DistillationTrainer:
     """A tiny Llama distilled from another (off-policy: the dataset's completions): JSD + CE on completion tokens."""
     a = args(out, per_device_train_batch_size=per_device_batch, max_steps=steps, optim="sgd",
              learning_rate=learning_rate, use_cpu=use_cpu, kd_loss="jsd", kd_weight=0.7, task_weight=0.3,
-             kd_token_mask="labels", **engine_kwargs(engine, deepspeed_config, "LlamaDecoderLayer", use_cpu))
+             kd_token_mask="labels", kd_chunk_size=kd_chunk_size,
+             **engine_kwargs(engine, deepspeed_config, "LlamaDecoderLayer", use_cpu))
     tok = tokenizer()
     return DistillationTrainer(model=llama(0), teacher_model=llama(1), args=a, train_dataset=rows(8 * steps),
                                data_collator=PromptCompletionCollator(tok), processing_class=tok)
@@ -127,9 +129,10 @@ def causal_lm_trainer(out: Path, engine: str, per_device_batch: int, steps: int,
 
 def make_trainer(out: Path, engine: str, per_device_batch: int, steps: int, use_cpu: bool,
                  deepspeed_config: str | None, width: int, student_width: int | None, save_steps: int | None,
-                 learning_rate: float = 0.5, causal_lm: bool = False):
+                 learning_rate: float = 0.5, causal_lm: bool = False, kd_chunk_size: int | None = None):
     if causal_lm:
-        return causal_lm_trainer(out, engine, per_device_batch, steps, use_cpu, deepspeed_config, learning_rate)
+        return causal_lm_trainer(out, engine, per_device_batch, steps, use_cpu, deepspeed_config, learning_rate,
+                                 kd_chunk_size)
     a = args(
         out,
         per_device_train_batch_size=per_device_batch,
@@ -153,14 +156,15 @@ def make_trainer(out: Path, engine: str, per_device_batch: int, steps: int, use_
 def run(out: Path, engine: str, per_device_batch: int, steps: int, use_cpu: bool = True,
         deepspeed_config: str | None = None, push_to: str | None = None, width: int = 32,
         student_width: int | None = None, resume_check: bool = False, learning_rate: float = 0.5,
-        causal_lm: bool = False) -> dict:
+        causal_lm: bool = False, kd_chunk_size: int | None = None) -> dict:
     setup = (engine, per_device_batch, steps, use_cpu, deepspeed_config, width, student_width)
+    kw = {"learning_rate": learning_rate, "causal_lm": causal_lm, "kd_chunk_size": kd_chunk_size}
     last_save = steps - 1  # the resumed trainer runs the last step again
     warnings = _Warnings()
     logging.getLogger("hf_distill").addHandler(warnings)
     try:
         trainer = make_trainer(out, *setup, save_steps=last_save if resume_check else None,
-                               learning_rate=learning_rate, causal_lm=causal_lm)
+                               **kw)
         start = time.perf_counter()
         trainer.train()
         wall = time.perf_counter() - start
@@ -171,7 +175,7 @@ def run(out: Path, engine: str, per_device_batch: int, steps: int, use_cpu: bool
     projections = projection_values(trainer)
     resumed = {}
     if resume_check:  # a fresh trainer (new engine) continues from checkpoint-<steps - 1> to the same last step
-        again = make_trainer(out, *setup, save_steps=None, learning_rate=learning_rate, causal_lm=causal_lm)
+        again = make_trainer(out, *setup, save_steps=None, **kw)
         again.train(resume_from_checkpoint=str(out / "out" / f"checkpoint-{last_save}"))
         again_state = acc.get_state_dict(again.model_wrapped)
         resumed = {
@@ -231,6 +235,7 @@ if __name__ == "__main__":
     p.add_argument("--resume_check", action="store_true", help="checkpoint at step 2, then resume a fresh trainer")
     p.add_argument("--learning_rate", type=float, default=0.5, help="0.5 suits the SGD of the comparisons")
     p.add_argument("--causal_lm", action="store_true", help="a tiny Llama through the causal-LM loss head")
+    p.add_argument("--kd_chunk_size", type=int, default=None, help="--causal_lm: the loss head's tokens per chunk")
     p.add_argument("--fsdp_on_cpu", action="store_true", help="FSDP on CPU processes (gloo): see fsdp_on_cpu()")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
@@ -239,5 +244,5 @@ if __name__ == "__main__":
         fsdp_on_cpu()
     run(a.out, a.engine, a.per_device_batch, a.steps, not a.gpu, a.deepspeed_config, a.push_to,
         student_width=a.student_width, resume_check=a.resume_check, learning_rate=a.learning_rate,
-        causal_lm=a.causal_lm)
+        causal_lm=a.causal_lm, kd_chunk_size=a.kd_chunk_size)
     leave_distributed_run()
