@@ -20,6 +20,7 @@ from .features.heads import Head
 from .features.taps import unwrap
 from .losses import chunked, cross_tokenizer
 from .losses.normalise import kd_positions, seq2seq_kd_positions
+from .placement import _zero_stage
 from .teacher import check_padding_mass, padding_mass
 
 logger = logging.get_logger(__name__)
@@ -57,7 +58,13 @@ class LogitTerms:
             # FSDP1 keeps the root unit's parameters (the LM head among them) sharded outside the model's forward;
             # accelerate's FSDP2 shards the final norm and the LM head as one unit, which the head's own call after
             # the forward reshards before the norm's backward (tests/engine_run.py --causal_lm: a segfault).
-            why = "under FSDP the LM head is sharded outside the model's forward (use DDP or DeepSpeed ZeRO-3 for it)"
+            why = "under FSDP the LM head is sharded outside the model's forward (use DDP for it)"
+        elif _zero3_processes(getattr(self, "accelerator", None)) > 1:
+            # Each call of a ZeRO-3 LM head gathers it across processes; the head calls it once per token chunk, and
+            # processes whose batches give different numbers of chunks wait for each other (a hang, 2 CPU processes
+            # at kd_chunk_size=2). One process (world size 1) has no one to wait for.
+            why = ("under DeepSpeed ZeRO-3 with several processes each call of the LM head is a collective gather, and "
+                   "processes with different numbers of token chunks would wait for each other forever")
         elif not chunked.supports_hidden_only(student) or (
             self.teacher is not None and not chunked.supports_hidden_only(self.teacher)
         ):
@@ -318,3 +325,11 @@ def _unsharded(model: nn.Module):
     if isinstance(model, FullyShardedDataParallel):
         return FullyShardedDataParallel.summon_full_params(model, writeback=False)
     return contextlib.nullcontext()
+
+
+def _zero3_processes(accelerator: Any) -> int:
+    """The number of processes of a DeepSpeed ZeRO-3 run, else 0."""
+    if accelerator is None or not str(getattr(accelerator, "distributed_type", "")).endswith("DEEPSPEED"):
+        return 0
+    processes = int(getattr(accelerator, "num_processes", 1))
+    return processes if processes > 1 and _zero_stage(accelerator) == 3 else 0

@@ -161,3 +161,31 @@ def test_fsdp_computes_causal_lm_logits_whole_and_refuses_a_chunk_size(tmp_path,
         distiller._chunk_size(student)
     distiller.accelerator = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED)
     assert distiller._chunk_size(student) == 64  # ZeRO-3 gathers the head in its own call: the loss head
+
+
+def test_zero3_with_several_processes_computes_causal_lm_logits_whole(tmp_path, caplog):
+    """Under ZeRO-3 every call of the LM head is a collective gather; the loss head calls it once per token chunk,
+    and processes with different numbers of chunks hung (2 CPU processes, kd_chunk_size=2, tests/engine_run.py
+    --engine zero3 --causal_lm --kd_chunk_size 2). With several processes the logits are computed whole (one
+    warning) and a kd_chunk_size is refused; one process keeps the loss head, as does ZeRO-2."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    def deepspeed(stage, processes):
+        config = {"zero_optimization": {"stage": stage}}
+        return SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, num_processes=processes,
+                               state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(deepspeed_config=config)))
+
+    student = llama(seed=0)
+    distiller = Distiller(student, args(tmp_path, kd_loss="jsd"), teacher_model=llama(seed=1))
+    for stage, processes in ((3, 1), (2, 2)):
+        distiller.accelerator = deepspeed(stage, processes)
+        assert distiller._chunk_size(student) is not None
+    distiller.accelerator = deepspeed(3, 2)
+    with caplog.at_level("WARNING"):
+        assert distiller._chunk_size(student) is None
+    assert "computed whole" in caplog.text and "ZeRO-3 with several processes" in caplog.text
+    distiller.args.kd_chunk_size = 64
+    with pytest.raises(ValueError, match=r"kd_chunk_size=64 cannot be honoured: under DeepSpeed ZeRO-3 with several"):
+        distiller._chunk_size(student)
