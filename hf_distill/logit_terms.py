@@ -20,7 +20,7 @@ from .features.heads import Head
 from .features.taps import unwrap
 from .losses import chunked, cross_tokenizer
 from .losses.normalise import kd_positions, seq2seq_kd_positions
-from .placement import _zero_stage
+from .placement import ZERO3_SHARDED, teacher_mode
 from .teacher import check_padding_mass, padding_mass
 
 logger = logging.get_logger(__name__)
@@ -328,8 +328,6 @@ def _unsharded(model: nn.Module):
 
 
 def _zero3_processes(accelerator: Any) -> int:
-    """The number of processes of a DeepSpeed ZeRO-3 run, else 0."""
-    if accelerator is None or not str(getattr(accelerator, "distributed_type", "")).endswith("DEEPSPEED"):
-        return 0
-    processes = int(getattr(accelerator, "num_processes", 1))
-    return processes if processes > 1 and _zero_stage(accelerator) == 3 else 0
+    """The number of processes of a DeepSpeed ZeRO-3 run (placement's rule, as the teacher's), else 0."""
+    processes = int(getattr(accelerator, "num_processes", 1)) if accelerator is not None else 1
+    return processes if processes > 1 and teacher_mode(accelerator) == ZERO3_SHARDED else 0
