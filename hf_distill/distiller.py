@@ -5,8 +5,10 @@ the heads and the loss. It keeps nothing of the student but what the arguments w
 it computes a loss for is the one it is given at each call (`compute_loss(model, inputs)`), because the Trainer swaps
 (`model_init`), wraps (DDP, DeepSpeed, FSDP) and compiles (`torch_compile`) the student after it was built.
 
-Its logit terms are hf_distill.logit_terms, its teacher side (cached columns or a teacher forward per batch)
-hf_distill.distiller_teachers.
+It is composed of: the teacher side (hf_distill.teacher_sources: cached columns or the teacher models, one typed
+result per batch), the KD paths (hf_distill.kd_paths: whole logits, the causal-LM loss head, the sparse signal head,
+cross-tokenizer; one chosen per model), the task loss (hf_distill.task_loss) and the intermediate terms
+(hf_distill.losses.intermediate).
 
 `DistillationTrainer` (or any Trainer class with `DistillationMixin`) builds one and calls it from its own
 `compute_loss`; a plain PyTorch or accelerate loop builds one itself:
@@ -30,28 +32,28 @@ from torch import nn
 from transformers.utils import find_labels, logging
 
 from .arguments import DistillationArguments
-from .data.cache import TOPK_VALUES_COLUMN, cached_teacher_info
+from .data.cache import cached_teacher_info
 from .data.collators import TEACHER_PREFIX
 from .data.teacher_columns import check_teacher_columns
 from .data.teacher_signal import check_teacher_signal
-from .distiller_teachers import TeacherRuns
 from .features import heads as heads_mod
 from .features.heads import (
     TOKEN_LEVEL,
     Head,
     check_kd_loss,
-    head_logits,
     runtime_head,
     static_head,
     with_decoder_inputs,
 )
 from .features.taps import forward, unwrap
-from .logit_terms import LogitTerms, forward_params, student_shape
-from .losses import chunked, cross_tokenizer
+from .kd_paths import KDPath, KDPaths, PathBatch, PathContext
+from .losses import cross_tokenizer
 from .losses.intermediate import IntermediateDistiller
 from .losses.normalise import COUNT_KINDS, StepCounts, batch_counts, decoder_positions
+from .model_inputs import forward_params, student_shape
 from .on_policy import PROMPT_KEYS, OnPolicy, check_on_policy, check_step
 from .placement import place_teacher, teacher_input_device
+from .task_loss import TaskLoss
 from .teacher import (
     check_cross_tokenizer,
     load_teacher,
@@ -60,12 +62,13 @@ from .teacher import (
     teacher_weights,
     validate_pair,
 )
+from .teacher_sources import CachedColumns, LocalTeachers, TeacherSide
 from .tracking import ComponentTracker
 
 logger = logging.get_logger(__name__)
 
 
-class Distiller(LogitTerms, TeacherRuns):
+class Distiller:
     """Teachers, terms, heads and the loss of one distillation.
 
     Args:
@@ -103,7 +106,7 @@ class Distiller(LogitTerms, TeacherRuns):
     ) -> None:
         if not isinstance(args, DistillationArguments):
             raise TypeError(f"Distiller needs DistillationArguments, got {type(args).__name__}.")
-        self.args, self.accelerator, self.route = args, accelerator, route
+        self.args, self.accelerator = args, accelerator
         self.label_smoother, self.compute_loss_func = label_smoother, compute_loss_func
         self.processing_class = processing_class  # the student's tokenizer (a teacher signal's vocabulary check)
         if label_names is None:
@@ -151,11 +154,10 @@ class Distiller(LogitTerms, TeacherRuns):
             validate_pair(student, t, args, tokenizer=processing_class, teacher_tokenizer=tok, source=src)
             for t, tok, src in zip(self.teachers, t_tokenizers, sources, strict=True)
         ]
-        self._shared_vocab = min((v for v in shared_vocab if v is not None), default=None)
+        shared_vocab = min((v for v in shared_vocab if v is not None), default=None)
         # cross_tokenizer="aligned": the (student ids, teacher ids) of the tokens both vocabularies hold
-        self._cross_vocab = check_cross_tokenizer(args.cross_tokenizer, student, self.teachers, self.shared_base,
-                                                  processing_class, t_tokenizers, sources)
-        self._padding_checked: set[int] = set()  # teachers whose extra vocabulary ids were measured (padding)
+        cross_vocab = check_cross_tokenizer(args.cross_tokenizer, student, self.teachers, self.shared_base,
+                                            processing_class, t_tokenizers, sources)
         if len(self.teachers) > 1 and args.kd_weight > 0 and args.kd_loss == "mse" and args.multi_teacher != "losses":
             raise ValueError(
                 "multi_teacher='probs' averages probability distributions, which kd_loss='mse' does not use. "
@@ -166,21 +168,48 @@ class Distiller(LogitTerms, TeacherRuns):
         self._causal = self._head is Head.CAUSAL_LM
         self._student_shape = student_shape(student)
         self._student_cache: _StudentState | None = None
-        self._teacher_rebuilds = False  # the teacher's logits were rebuilt from its hidden states (checked once)
-        # The label tensor of token-level heads (counted positions, `kd_token_mask="labels"`).
-        self._token_labels = self.label_names[0] if len(self.label_names) == 1 else "labels"
         self._step = StepCounts()
         if args.kd_weight > 0:
             check_kd_loss(self._head, args.kd_loss)
             for t in self.teachers:
                 check_kd_loss(static_head(t), args.kd_loss, "the teacher")
-        self._chunk = self._chunk_size(student)
-        self.teacher_params = forward_params(self.teacher) if self.teacher is not None else set()
+        self.settings = args  # what the loss reads at each call (callbacks change it while training)
+        # The parts: the task loss, the teacher side (cached columns first, else the teacher models), the KD paths.
+        self.task = TaskLoss(self.settings, self.label_names, args.label_names is not None, label_smoother,
+                             compute_loss_func, self._step, self._processes, args.average_tokens_across_devices)
+        self._token_labels = self.task.label_name
+        self.teacher_side = TeacherSide(
+            CachedColumns(self.settings, self._token_labels, self.intermediate),
+            LocalTeachers(self.teachers, self.shared_base, self.label_names, self._head, accelerator),
+            self.settings, self.intermediate)
+        self.paths = KDPaths(PathContext(args, self.settings, self._head, self.teacher_side, self.teacher_weights,
+                                         self.task, shared_vocab, cross_vocab, accelerator, route), student)
         self.tracker = ComponentTracker()
         # Called after each loss with (model, student outputs, inputs, from_hidden): the outputs hold the last hidden
         # states instead of logits when the causal-LM loss head ran (hf_distill.trl logs SFT's token metrics from it).
         self.student_hook: Callable[[nn.Module, Any, dict[str, Any], bool], None] | None = None
         self.check_dataset(train_dataset)
+
+    @property
+    def route(self) -> str:
+        """How the causal-LM loss head calls the LM heads: "module" under DeepSpeed/FSDP (the trainer sets it), else
+        "auto"."""
+        return self.paths.context.route
+
+    @route.setter
+    def route(self, value: str) -> None:
+        self.paths.context.route = value
+
+    @property
+    def teacher_params(self) -> set[str]:
+        """The inputs the (first) teacher's forward names."""
+        return self.teacher_side.models.params
+
+    def run_teacher(self, teacher: nn.Module, inputs: dict[str, Any], taps=None, labels: bool = False,
+                    hidden_only: bool = False):
+        """One teacher forward on the student's batch: only the inputs its forward names, without gradients, under
+        the student's autocast, on the teacher's devices; returns (outputs, features)."""
+        return self.teacher_side.models.run(teacher, inputs, taps, labels=labels, hidden_only=hidden_only)
 
     # ------------------------------------------------------------------ set-up
 
@@ -271,7 +300,8 @@ class Distiller(LogitTerms, TeacherRuns):
         step's number (the coin's input; the Trainer passes `global_step`, so a resumed run draws the same)."""
         if self.on_policy is not None or self.args.generates:
             check_step(self.on_policy, self.args, model)
-            self.on_policy.prepare(batches, model, self, step)
+            self.on_policy.prepare(batches, model, step, teacher=self.teacher, shared_base=self.shared_base,
+                                   accelerator=self.accelerator, label_name=self._token_labels)
         counts = sum((self._counts(b) for b in batches), torch.zeros(len(COUNT_KINDS), dtype=torch.float64))
         processes = self._processes() if self.args.average_tokens_across_devices else 1
         if processes > 1:
@@ -283,47 +313,45 @@ class Distiller(LogitTerms, TeacherRuns):
     ):
         """The weighted sum of the task loss, logit KD and the intermediate terms for `model` on one batch, and with
         `return_outputs` the student's outputs (as `Trainer.compute_loss`). In training mode, or in evaluation with
-        `eval_with_teacher`, the teacher runs; otherwise it is the student's task loss alone."""
+        `eval_with_teacher`, the teacher runs; otherwise it is the student's task loss alone.
+
+        Top to bottom: the batch, its KD path, the teacher's outputs, the student's forward, the path's loss, the
+        intermediate terms, the weights."""
+        # The batch: cached teacher columns apart, the model as the Trainer prepared it (not the one it was built with)
         cached = {k: inputs.pop(k) for k in list(inputs) if k.startswith(TEACHER_PREFIX)}
         for key in PROMPT_KEYS:  # the prompts generation reads (hf_distill.data.prompts): never a model input
             inputs.pop(key, None)
-        student = self._student_state(model)  # the model as the Trainer prepared it, not the one it was built with
+        student = self._student_state(model)
         if self._head is Head.SEQ2SEQ_LM:  # teacher and student read the same decoder inputs
             inputs = with_decoder_inputs(model, inputs, self._token_labels)
         if isinstance(inputs.get("position_ids"), torch.Tensor) and "use_cache" not in inputs:
             # Packed (padding-free) rows: transformers keeps their sequences apart only without a KV cache.
             inputs = {**inputs, "use_cache": False}
-        distill = model.training or self.args.eval_with_teacher
+        distill = model.training or self.settings.eval_with_teacher
         step_mean = model.training and self._step.take()  # token-level means rescaled to the optimizer step's
         if model.training and not step_mean and self.on_policy is not None and self.args.generates:
             check_step(self.on_policy, self.args, None)  # no start_step: nothing generated this batch's completions
         local = self._counts({**inputs, **cached}) if step_mean else None
         if self.intermediate is not None:  # re-read every step, like kd_weight, so callbacks can change them
-            self.intermediate.set_weights(self.args.distill_terms)
-        want_task, own_task = self._task_wanted(model, inputs, distill)
-        # Teacher first (its forward would evict the student's activations from the CPU caches, benchmarks/speed.py);
-        # a causal LM in training takes its logits a chunk of tokens at a time (hf_distill.losses.chunked).
-        sparse = TOPK_VALUES_COLUMN in cached  # top-k renormalised (no tail): whole logits; a signal has its own head
-        chunks = self._chunk_for(model) if (model.training and distill and not sparse) else None
-        teacher = self._teacher_outputs(inputs, cached, hidden_only=chunks is not None) if distill else None
-        s_out, s_feats, head = self._student_forward(model, student, inputs, distill, chunks,
-                                                     want_task and not own_task and chunks is None)
+            self.intermediate.set_weights(self.settings.distill_terms)
+        want_task, own_task = self.task.wanted(model, inputs, distill)
+        # Its KD path, chosen once per model, form of the teacher's logits and pass (hf_distill.kd_paths)
+        path = self.paths.choose(student, model, self.teacher_side.form(cached), model.training and distill)
+        # Teacher first (its forward would evict the student's activations from the CPU caches, benchmarks/speed.py)
+        teacher = None
+        if distill:
+            teacher = self.teacher_side.outputs(path.teacher_inputs(inputs, cached), cached, path.request)
+        s_out, s_feats, head = self._student_forward(model, student, inputs, distill, path,
+                                                     want_task and not own_task and path.whole_logits)
+        kd, task = path.loss(PathBatch(model, student.inner, s_out, head, teacher, inputs, cached, want_task,
+                                       lambda: self.task.loss(s_out, inputs, head, num_items_in_batch, step_mean)))
         components: dict[str, torch.Tensor] = {}
         weights: dict[str, float] = {}
-        if chunks is not None:
-            kd, task = self._chunked_terms(model, s_out, teacher, inputs, want_task, chunks)
-        else:
-            task = self._task_loss(s_out, inputs, head, num_items_in_batch, step_mean) if want_task else None
-            kd = None
-            if teacher is not None and teacher.views and self.args.cross_tokenizer:
-                kd = self._cross_tokenizer_kd(head_logits(s_out, head)[0], teacher.views[0][0], {**inputs, **cached})
-            elif teacher is not None and teacher.views:
-                kd = self._kd_loss(head, head_logits(s_out, head), teacher.views, inputs)
         if task is not None:
             components["task"], weights["task"] = self._scaled(task, "labels", head, local, s_out), (
-                self.args.task_weight if distill else 1.0)
+                self.settings.task_weight if distill else 1.0)
         if kd is not None:
-            components["kd"], weights["kd"] = self._scaled(kd, "kd", head, local, s_out), self.args.kd_weight
+            components["kd"], weights["kd"] = self._scaled(kd, "kd", head, local, s_out), self.settings.kd_weight
         if distill and self.intermediate is not None:
             components.update(self._intermediate_terms(s_feats, teacher.features, inputs, local))
             weights.update(self.intermediate.weights())
@@ -340,49 +368,33 @@ class Distiller(LogitTerms, TeacherRuns):
         if model.training:
             self.tracker.add(components)
         if self.student_hook is not None:
-            self.student_hook(model, s_out, inputs, chunks is not None)
+            self.student_hook(model, s_out, inputs, not path.whole_logits)
         return (loss, self._predictions(s_out, distill)) if return_outputs else loss
 
     def _counts(self, inputs: dict[str, Any]) -> torch.Tensor:
-        counts = batch_counts(inputs, self._token_labels, self.args.kd_token_mask, self._causal,
+        counts = batch_counts(inputs, self._token_labels, self.settings.kd_token_mask, self._causal,
                               self._head is Head.SEQ2SEQ_LM)
         if self.args.cross_tokenizer:  # the KD term counts the paired positions of the two tokenizations
             counts[COUNT_KINDS.index("kd")] = cross_tokenizer.count(
-                self.args.cross_tokenizer, inputs, self._token_labels, self.args.kd_token_mask)
+                self.args.cross_tokenizer, inputs, self._token_labels, self.settings.kd_token_mask)
         return counts
 
-    def _task_wanted(self, model: nn.Module, inputs: dict[str, Any], distill: bool) -> tuple[bool, bool]:
-        """Whether the task loss is computed (in training when task_weight > 0, in evaluation always) and whether it
-        is computed here from the outputs (label smoothing or compute_loss_func, as in `Trainer.compute_loss`)
-        rather than by the student from `labels`."""
-        names = self.label_names
-        has_labels = bool(names) and all(inputs.get(n) is not None for n in names)
-        if model.training and self.args.task_weight > 0 and self.args.label_names is not None and not has_labels:
-            missing = [n for n in names if inputs.get(n) is None]
-            raise ValueError(
-                f"label_names={names} but the training batch has no {missing} (its keys: {sorted(inputs)}), so the "
-                "task term (task_weight > 0) cannot be computed. Name the batch's label keys in label_names, or set "
-                "task_weight=0 to train on the teacher alone."
-            )
-        own_task = (self.label_smoother is not None or self.compute_loss_func is not None) and "labels" in inputs
-        return has_labels and (not distill or self.args.task_weight > 0), own_task
-
-    def _student_forward(self, model, student: _StudentState, inputs, distill: bool, chunks, with_labels: bool):
+    def _student_forward(self, model, student: _StudentState, inputs, distill: bool, path: KDPath,
+                         with_labels: bool):
         kwargs = {k: v for k, v in inputs.items() if student.accepts(k) and (k not in self.label_names or with_labels)}
-        if chunks is not None:
-            kwargs = chunked.hidden_only_kwargs(kwargs)
+        kwargs = path.student_kwargs(kwargs)
         taps = self.intermediate.student_taps if (distill and self.intermediate) else None
         s_out, s_feats = forward(model, kwargs, taps)
-        head = Head.CAUSAL_LM if chunks is not None else runtime_head(
+        head = Head.CAUSAL_LM if not path.whole_logits else runtime_head(
             model, heads_mod._logits(s_out) if student.head is None else None, inputs.get(self._token_labels)
         )
-        if distill and self.args.kd_weight > 0:
-            check_kd_loss(head, self.args.kd_loss)
+        if distill and self.settings.kd_weight > 0:
+            check_kd_loss(head, self.settings.kd_loss)
         return s_out, s_feats, head
 
     def _scaled(self, value: torch.Tensor, kind: str, head: Head, local, s_out) -> torch.Tensor:
         """A token-level term as its share of the optimizer step's mean (hf_distill.losses.normalise)."""
-        if local is None or head not in TOKEN_LEVEL or (kind == "labels" and self.compute_loss_func):
+        if local is None or head not in TOKEN_LEVEL or (kind == "labels" and self.task.compute_loss_func):
             return value
         count = float(local[COUNT_KINDS.index(kind)])
         if kind == "labels" and count == 0:  # no counted label: adds nothing (a model's own mean over none is NaN)
@@ -419,7 +431,7 @@ class _StudentState:
     params: set[str]  # the inputs its forward names
     head: Head | None = None
     rebuilds: bool | None = None  # its logits are rebuilt exactly from its hidden states (checked on first use)
-    logits_fns: tuple | None = None  # hidden -> logits of it and of the teacher (chunked causal-LM loss)
+    paths: dict = dataclasses.field(default_factory=dict)  # its KD path per (teacher form, training pass)
 
     def __post_init__(self) -> None:
         self.head = static_head(self.inner)

@@ -28,8 +28,8 @@ from .data.collators import TEACHER_PREFIX, KeepTeacherColumnsCollator, TeacherO
 from .distiller import Distiller
 from .features import heads as heads_mod
 from .features.taps import unwrap
-from .logit_terms import plain_task_loss
 from .placement import check_engine, check_fsdp2_wrap
+from .task_loss import plain_task_loss
 from .trainer_projections import PROJECTIONS_ATTR, PROJECTIONS_FILE, ProjectionTraining, _ClearProjectionGradients
 
 logger = logging.get_logger(__name__)
@@ -145,7 +145,8 @@ class DistillationMixin(ProjectionTraining):
 
     def _loss_head_route(self) -> str:
         """DeepSpeed gathers the LM heads' parameters inside the heads' own calls: call them as modules. (Under FSDP
-        the causal-LM logits are computed whole, LogitTerms._chunk_size; "module" keeps any other use safe.)"""
+        the causal-LM logits are computed whole, hf_distill.kd_paths.loss_head.chunk_size; "module" keeps any other
+        use safe.)"""
         return "module" if (self.is_deepspeed_enabled or self.is_fsdp_enabled) else "auto"
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
