@@ -53,6 +53,7 @@ from .losses.normalise import COUNT_KINDS, StepCounts, batch_counts, decoder_pos
 from .model_inputs import forward_params, student_shape
 from .on_policy import PROMPT_KEYS, OnPolicy, check_on_policy, check_step
 from .placement import place_teacher, teacher_input_device
+from .settings import DistillSettings
 from .task_loss import TaskLoss
 from .teacher import (
     check_cross_tokenizer,
@@ -74,7 +75,8 @@ class Distiller:
     Args:
         student: the student as it is when the run is set up (validated against the teachers and arguments; the
             loss itself runs on the model each call is given).
-        args: `DistillationArguments` (read at every call, so callbacks may change weights and temperature).
+        args: `DistillationArguments`, validated once; the loss reads the run's `settings` built from them
+            (hf_distill.settings: what schedules and stages change while training).
         teacher_model: as `DistillationTrainer`'s: a model, a folder or Hub id, a list of them, the student itself
             (a PEFT model: self-distillation with adapters off), or None when the rows carry cached teacher outputs.
         processing_class: the student's tokenizer, to compare vocabularies.
@@ -117,7 +119,8 @@ class Distiller:
         sources = [str(t) if isinstance(t, str | os.PathLike) else None for t in teachers]  # their tokenizers too
         teachers = [load_teacher(str(t), like=student) if isinstance(t, str | os.PathLike) else t for t in teachers]
         t_tokenizers = per_teacher(teacher_processing_class, len(teachers))
-        self._check_arguments(student, len(teachers))
+        # What the loss reads at each call and what callbacks change while training (hf_distill.settings)
+        self.settings = self._check_arguments(student, len(teachers))
         check_on_policy(args, causal=static_head(student) is Head.CAUSAL_LM, n_teachers=len(teachers),
                         accelerator=accelerator, train_dataset=train_dataset)
         # lmbda / seq_kd: who completes each micro-batch's prompts, and the generation (hf_distill.on_policy)
@@ -134,7 +137,7 @@ class Distiller:
         ]
         self.teacher = self.teachers[0] if self.teachers else None
         self.intermediate: IntermediateDistiller | None = None
-        if args.terms:
+        if self.settings.terms:
             # Without a teacher, its shape (layers, width) comes from the hidden states cached in the dataset.
             source = self.teacher if self.teacher is not None else cached_teacher_info(train_dataset)
             if source is None:
@@ -142,7 +145,8 @@ class Distiller:
                     "distill_terms need teacher features, so teacher_model must be given "
                     "(or a train dataset with cached teacher hidden states from hf_distill.cache)."
                 )
-            self.intermediate = IntermediateDistiller(args.terms, student, source, args.projection, seed=args.seed)
+            self.intermediate = IntermediateDistiller(self.settings.terms, student, source, args.projection,
+                                                      seed=args.seed)
             if self.intermediate.projections is not None:
                 self.intermediate.projections.to(_device(student, accelerator))
         if args.projection_lr is not None and self.projections is None:
@@ -173,7 +177,6 @@ class Distiller:
             check_kd_loss(self._head, args.kd_loss)
             for t in self.teachers:
                 check_kd_loss(static_head(t), args.kd_loss, "the teacher")
-        self.settings = args  # what the loss reads at each call (callbacks change it while training)
         # The parts: the task loss, the teacher side (cached columns first, else the teacher models), the KD paths.
         self.task = TaskLoss(self.settings, self.label_names, args.label_names is not None, label_smoother,
                              compute_loss_func, self._step, self._processes, args.average_tokens_across_devices)
@@ -219,10 +222,10 @@ class Distiller:
         teacher.requires_grad_(False).eval()
         return teacher if teacher_input_device(teacher) is not None else teacher.to(_device(student, None))
 
-    def _check_arguments(self, student: nn.Module, n_teachers: int) -> None:
-        """Fill the arguments whose default depends on the student's head (`resolve_head_defaults`: T = 1 and the
-        completion tokens for a causal LM) and refuse the ones given that would do nothing for this student and
-        these teachers."""
+    def _check_arguments(self, student: nn.Module, n_teachers: int) -> DistillSettings:
+        """The run's loss settings: the arguments with the defaults that depend on the student's head (T = 1 and the
+        completion tokens for a causal LM, hf_distill.settings); arguments given that would do nothing for this
+        student and these teachers are refused."""
         head = static_head(student)
         sequence_level = head in (Head.SEQUENCE, Head.MULTI_LABEL, Head.REGRESSION, Head.QUESTION_ANSWERING)
         if sequence_level and self.args.given("kd_token_mask"):
@@ -237,20 +240,22 @@ class Distiller:
                         f"{name}={getattr(self.args, name)!r} does nothing with {n_teachers or 'no'} teacher model: it "
                         "weighs or combines several teachers (teacher_model=[...]). Remove it."
                     )
-        filled = self.args.resolve_head_defaults(causal=head is Head.CAUSAL_LM, token_level=not sequence_level)
-        if filled:
+        settings = DistillSettings(self.args, causal=head is Head.CAUSAL_LM, token_level=not sequence_level)
+        if settings.filled:
             logger.info(
                 "Not given, so set for a %s student: %s (see DistillationArguments).",
                 "causal-LM" if head is Head.CAUSAL_LM else "non-causal",
-                ", ".join(f"{k}={v!r}" for k, v in filled.items()),
+                ", ".join(f"{k}={v!r}" for k, v in settings.filled.items()),
             )
+        return settings
 
     def check_dataset(self, dataset: Any, which: str = "train") -> None:
         """Refuse cached teacher columns the run cannot use (hf_distill.data.teacher_columns)."""
-        check_teacher_columns(dataset, which, head=self._head, teacher=self.teacher, kd_weight=self.args.kd_weight,
-                              kd_loss=self.args.kd_loss, num_labels=self._student_shape[2],
+        check_teacher_columns(dataset, which, head=self._head, teacher=self.teacher, kd_weight=self.settings.kd_weight,
+                              kd_loss=self.settings.kd_loss, num_labels=self._student_shape[2],
                               intermediate=self.intermediate)
-        check_teacher_signal(dataset, which, temperature=self.args.temperature, kd_token_mask=self.args.kd_token_mask,
+        check_teacher_signal(dataset, which, temperature=self.settings.temperature,
+                             kd_token_mask=self.settings.kd_token_mask,
                              tokenizer=self.processing_class, causal=self._causal)
 
     @property

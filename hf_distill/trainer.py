@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import PreTrainedModel, Trainer
+from transformers.trainer_callback import CallbackHandler
 from transformers.utils import logging
 
 from .arguments import DistillationArguments, as_distillation_arguments
@@ -108,6 +109,8 @@ class DistillationMixin(ProjectionTraining):
             label_names=self.label_names or [], accelerator=self.accelerator, label_smoother=self.label_smoother,
             compute_loss_func=self.compute_loss_func, route=self._loss_head_route(),
         )
+        # Every callback event gets the run's loss settings (schedules and stages change the loss through them)
+        self.callback_handler = _SettingsCallbackHandler(self.callback_handler, self.distiller.settings)
         if self._projections() is not None and not self._projections_in_engine():
             self.add_callback(_ClearProjectionGradients(self._projections()))
         self._check_projection_optimizer()
@@ -128,6 +131,8 @@ class DistillationMixin(ProjectionTraining):
     shared_base = property(lambda self: self.distiller.shared_base, doc="The teacher is the student's PEFT base.")
     intermediate = property(lambda self: self.distiller.intermediate, doc="The intermediate-layer terms, or None.")
     tracker = property(lambda self: self.distiller.tracker, doc="The loss components since the last log.")
+    settings = property(lambda self: self.distiller.settings,
+                        doc="The run's loss settings (hf_distill.settings): what schedules and stages change.")
 
     # ------------------------------------------------------------------ the loss
 
@@ -384,3 +389,16 @@ class DistillationMixin(ProjectionTraining):
 class DistillationTrainer(DistillationMixin, Trainer):
     """`Trainer` + a frozen teacher. Swap the class, keep everything else (arguments: `DistillationMixin`)."""
 
+
+class _SettingsCallbackHandler(CallbackHandler):
+    """The Trainer's callback handler, passing the run's loss settings to every event as `distill_settings` (as it
+    passes `model` and `optimizer`): callbacks hold nothing of the trainer and may be rebuilt from saved state."""
+
+    def __init__(self, handler: CallbackHandler, settings: Any) -> None:
+        self.__dict__.update(handler.__dict__)
+        self.distill_settings = settings
+
+    def call_event(self, event, args, state, control, **kwargs):
+        if event == "on_train_begin":  # arguments set since the trainer was built (a hyperparameter-search trial)
+            self.distill_settings.follow(args)
+        return super().call_event(event, args, state, control, distill_settings=self.distill_settings, **kwargs)

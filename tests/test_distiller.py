@@ -129,7 +129,7 @@ def test_the_mixin_gives_trl_sft_trainer_the_same_distillation(tmp_path):
     assert prompt_masked.any() and (batch["labels"] != -100).any()  # completion-only labels from SFT's collator
     plain = DistillationTrainer(model=copy.deepcopy(student), teacher_model=copy.deepcopy(teacher),
                                 args=args(tmp_path / "plain", kd_loss="jsd"), train_dataset=rows)
-    assert sft.args.kd_token_mask == plain.args.kd_token_mask == "labels"  # KD on the completion tokens
+    assert sft.settings.kd_token_mask == plain.settings.kd_token_mask == "labels"  # KD on the completion tokens
     sft.model.train()
     plain.model.train()
     keep = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "labels")}
