@@ -22,7 +22,6 @@ cross-tokenizer; one chosen per model), the task loss (hf_distill.task_loss) and
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -50,7 +49,7 @@ from .kd_paths import KDPath, KDPaths, PathBatch, PathContext
 from .losses import cross_tokenizer
 from .losses.intermediate import IntermediateDistiller
 from .losses.normalise import COUNT_KINDS, StepCounts, batch_counts, decoder_positions
-from .model_inputs import forward_params, student_shape
+from .model_inputs import StudentState, check_same_kind, forward_params, student_shape
 from .on_policy import PROMPT_KEYS, OnPolicy, check_on_policy, check_step
 from .placement import place_teacher, teacher_input_device
 from .settings import DistillSettings
@@ -120,7 +119,7 @@ class Distiller:
         teachers = [load_teacher(str(t), like=student) if isinstance(t, str | os.PathLike) else t for t in teachers]
         t_tokenizers = per_teacher(teacher_processing_class, len(teachers))
         # What the loss reads at each call and what callbacks change while training (hf_distill.settings)
-        self.settings = self._check_arguments(student, len(teachers))
+        self.settings = DistillSettings.for_student(args, static_head(student), len(teachers))
         check_on_policy(args, causal=static_head(student) is Head.CAUSAL_LM, n_teachers=len(teachers),
                         accelerator=accelerator, train_dataset=train_dataset)
         # lmbda / seq_kd: who completes each micro-batch's prompts, and the generation (hf_distill.on_policy)
@@ -171,7 +170,7 @@ class Distiller:
         self._head = static_head(student)
         self._causal = self._head is Head.CAUSAL_LM
         self._student_shape = student_shape(student)
-        self._student_cache: _StudentState | None = None
+        self._student_cache: StudentState | None = None
         self._step = StepCounts()
         if args.kd_weight > 0:
             check_kd_loss(self._head, args.kd_loss)
@@ -222,33 +221,6 @@ class Distiller:
         teacher.requires_grad_(False).eval()
         return teacher if teacher_input_device(teacher) is not None else teacher.to(_device(student, None))
 
-    def _check_arguments(self, student: nn.Module, n_teachers: int) -> DistillSettings:
-        """The run's loss settings: the arguments with the defaults that depend on the student's head (T = 1 and the
-        completion tokens for a causal LM, hf_distill.settings); arguments given that would do nothing for this
-        student and these teachers are refused."""
-        head = static_head(student)
-        sequence_level = head in (Head.SEQUENCE, Head.MULTI_LABEL, Head.REGRESSION, Head.QUESTION_ANSWERING)
-        if sequence_level and self.args.given("kd_token_mask"):
-            raise ValueError(
-                f"kd_token_mask={self.args.kd_token_mask!r} does nothing for this student ({head.value}): it selects "
-                "the positions of token-level logits (token classification, masked or causal LM). Leave it unset."
-            )
-        if n_teachers < 2:
-            for name in ("teacher_weights", "multi_teacher"):
-                if getattr(self.args, name) is not None:
-                    raise ValueError(
-                        f"{name}={getattr(self.args, name)!r} does nothing with {n_teachers or 'no'} teacher model: it "
-                        "weighs or combines several teachers (teacher_model=[...]). Remove it."
-                    )
-        settings = DistillSettings(self.args, causal=head is Head.CAUSAL_LM, token_level=not sequence_level)
-        if settings.filled:
-            logger.info(
-                "Not given, so set for a %s student: %s (see DistillationArguments).",
-                "causal-LM" if head is Head.CAUSAL_LM else "non-causal",
-                ", ".join(f"{k}={v!r}" for k, v in settings.filled.items()),
-            )
-        return settings
-
     def check_dataset(self, dataset: Any, which: str = "train") -> None:
         """Refuse cached teacher columns the run cannot use (hf_distill.data.teacher_columns)."""
         check_teacher_columns(dataset, which, head=self._head, teacher=self.teacher, kd_weight=self.settings.kd_weight,
@@ -269,19 +241,13 @@ class Distiller:
 
     # ------------------------------------------------------------------ the model it is given
 
-    def _student_state(self, model: nn.Module) -> _StudentState:
+    def _student_state(self, model: nn.Module) -> StudentState:
         """What the loss needs from the student it is given (head, forward arguments, LM head), resolved once per
         model. A model of another kind or shape than the one the arguments were validated against is refused."""
         inner = unwrap(model)
         if self._student_cache is not None and self._student_cache.inner is inner:
             return self._student_cache
-        shape = student_shape(inner)
-        if shape != self._student_shape:
-            raise ValueError(
-                f"The model to train ({type(inner).__name__}: {_describe(shape)}) is not the kind of model this "
-                f"trainer was built with and validated against ({_describe(self._student_shape)}). model_init must "
-                "return students with one head, vocabulary and label set; build one trainer per kind of student."
-            )
+        check_same_kind(inner, self._student_shape)
         if self.teachers and shares_parameters(self.teachers[0], inner) != self.shared_base:
             raise ValueError(
                 "The model to train shares its parameters with the teacher differently from the model the trainer "
@@ -290,7 +256,7 @@ class Distiller:
             )
         if self.intermediate is not None:
             self.intermediate.bind_student(inner)
-        self._student_cache = _StudentState(inner, forward_params(inner))
+        self._student_cache = StudentState(inner, forward_params(inner))
         return self._student_cache
 
     # ------------------------------------------------------------------ the loss
@@ -332,7 +298,7 @@ class Distiller:
         if isinstance(inputs.get("position_ids"), torch.Tensor) and "use_cache" not in inputs:
             # Packed (padding-free) rows: transformers keeps their sequences apart only without a KV cache.
             inputs = {**inputs, "use_cache": False}
-        distill = model.training or self.settings.eval_with_teacher
+        distill = model.training or self.args.eval_with_teacher
         step_mean = model.training and self._step.take()  # token-level means rescaled to the optimizer step's
         if model.training and not step_mean and self.on_policy is not None and self.args.generates:
             check_step(self.on_policy, self.args, None)  # no start_step: nothing generated this batch's completions
@@ -384,7 +350,7 @@ class Distiller:
                 self.args.cross_tokenizer, inputs, self._token_labels, self.settings.kd_token_mask)
         return counts
 
-    def _student_forward(self, model, student: _StudentState, inputs, distill: bool, path: KDPath,
+    def _student_forward(self, model, student: StudentState, inputs, distill: bool, path: KDPath,
                          with_labels: bool):
         kwargs = {k: v for k, v in inputs.items() if student.accepts(k) and (k not in self.label_names or with_labels)}
         kwargs = path.student_kwargs(kwargs)
@@ -428,32 +394,10 @@ class Distiller:
         return self.accelerator.num_processes if self.accelerator is not None else 1
 
 
-@dataclasses.dataclass
-class _StudentState:
-    """What compute_loss reads from one student model (`Distiller._student_state`)."""
-
-    inner: nn.Module  # unwrapped: no compile, DDP/engine or PEFT wrapper
-    params: set[str]  # the inputs its forward names
-    head: Head | None = None
-    rebuilds: bool | None = None  # its logits are rebuilt exactly from its hidden states (checked on first use)
-    paths: dict = dataclasses.field(default_factory=dict)  # its KD path per (teacher form, training pass)
-
-    def __post_init__(self) -> None:
-        self.head = static_head(self.inner)
-
-    def accepts(self, name: str) -> bool:
-        return name in self.params or "**" in self.params
-
-
 def _device(student: nn.Module, accelerator: Any) -> torch.device:
     if accelerator is not None:
         return accelerator.device
     return next((p.device for p in student.parameters()), torch.device("cpu"))
-
-
-def _describe(shape: tuple[str, int | None, int | None]) -> str:
-    name, vocab, labels = shape
-    return f"{name}, vocabulary {vocab}, {labels} labels"
 
 
 def _zero_like_graph(out: Any) -> torch.Tensor:

@@ -18,8 +18,13 @@ import copy
 import dataclasses
 from typing import Any
 
+from transformers.utils import logging
+
 from .arguments import DEFAULT_SKEW_ALPHA, HEAD_DEFAULTS, JSD_BETA_DEFAULT, KD_LOSS_KINDS, SETTINGS_FIELDS
+from .features.heads import Head
 from .losses.terms import DistillTerm, parse_terms
+
+logger = logging.get_logger(__name__)
 
 SCALAR_FIELDS = ("temperature", "kd_weight", "task_weight")
 TERM_PREFIX = "term:"
@@ -43,10 +48,35 @@ class DistillSettings:
             setattr(self, "_" + name, value)
         self._kd_loss, self._kd_weight, self._task_weight = args.kd_loss, args.kd_weight, args.task_weight
         self.jsd_beta, self.skew_alpha = args.jsd_beta, args.skew_alpha
-        self.eval_with_teacher = args.eval_with_teacher
         # The terms, parsed once (as dicts: IntermediateDistiller.set_weights compares them each step).
         self.distill_terms: list[dict] | None = copy.deepcopy(args.distill_terms)
         self._terms = parse_terms(self.distill_terms or [])
+
+    @classmethod
+    def for_student(cls, args: Any, head: Head | None, n_teachers: int) -> DistillSettings:
+        """The settings of a run of this student (its head) and these teachers: the head defaults filled (logged),
+        and arguments given that would do nothing for them refused."""
+        sequence_level = head in (Head.SEQUENCE, Head.MULTI_LABEL, Head.REGRESSION, Head.QUESTION_ANSWERING)
+        if sequence_level and args.given("kd_token_mask"):
+            raise ValueError(
+                f"kd_token_mask={args.kd_token_mask!r} does nothing for this student ({head.value}): it selects "
+                "the positions of token-level logits (token classification, masked or causal LM). Leave it unset."
+            )
+        if n_teachers < 2:
+            for name in ("teacher_weights", "multi_teacher"):
+                if getattr(args, name) is not None:
+                    raise ValueError(
+                        f"{name}={getattr(args, name)!r} does nothing with {n_teachers or 'no'} teacher model: it "
+                        "weighs or combines several teachers (teacher_model=[...]). Remove it."
+                    )
+        settings = cls(args, causal=head is Head.CAUSAL_LM, token_level=not sequence_level)
+        if settings.filled:
+            logger.info(
+                "Not given, so set for a %s student: %s (see DistillationArguments).",
+                "causal-LM" if head is Head.CAUSAL_LM else "non-causal",
+                ", ".join(f"{k}={v!r}" for k, v in settings.filled.items()),
+            )
+        return settings
 
     temperature = property(lambda self: self._temperature)
     kd_token_mask = property(lambda self: self._kd_token_mask)
