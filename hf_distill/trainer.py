@@ -103,7 +103,9 @@ class DistillationMixin(ProjectionTraining):
         self._evaluating_teacher = False  # prediction_step runs the teacher (evaluate_teacher)
         check_engine(self.args, self.accelerator)  # an FSDP/DeepSpeed request accelerate ignored (CPU): refused
         check_fsdp2_wrap(self.model, self.accelerator)  # an FSDP2 wrap accelerate would crash on: refused
-        if self.args.generates:  # the first rows and the models' positions, before the teacher loads (issue #39)
+        # lmbda / seq_kd: the first rows and the models' positions, before the teacher loads (issue #39); another
+        # head is refused by the Distiller, with the message that says so
+        if self.args.generates and heads_mod.static_head(self.model) is heads_mod.Head.CAUSAL_LM:
             teachers = teacher_model if isinstance(teacher_model, list | tuple) else [teacher_model]
             check_generation_data(self.args, self._prompt_collator(), self.train_dataset, self.model,
                                   [t for t in teachers if t is not None])
