@@ -241,7 +241,9 @@ class DistillationArguments(TrainingArguments):
         default=None,
         metadata={
             "help": "Generation (lmbda > 0 or seq_kd): the most tokens generated per completion. Unset: 128 (TRL's "
-            "GKD). Must be > 0; refused when nothing is generated."
+            "GKD). Must be > 0; refused when nothing is generated, and where a prompt plus max_new_tokens would not "
+            "fit the positions (max_position_embeddings) of the student or a teacher (checked on the first rows "
+            "when the trainer is built, then on each generated batch)."
         },
     )
     generation_temperature: float | None = field(
