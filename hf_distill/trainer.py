@@ -25,6 +25,7 @@ from transformers.utils import logging
 
 from .arguments import DistillationArguments, as_distillation_arguments
 from .data.collators import TEACHER_PREFIX, KeepTeacherColumnsCollator, TeacherOutputsCollator
+from .data.prompts import check_generation_data
 from .distiller import Distiller
 from .features import heads as heads_mod
 from .features.taps import unwrap
@@ -102,6 +103,12 @@ class DistillationMixin(ProjectionTraining):
         self._evaluating_teacher = False  # prediction_step runs the teacher (evaluate_teacher)
         check_engine(self.args, self.accelerator)  # an FSDP/DeepSpeed request accelerate ignored (CPU): refused
         check_fsdp2_wrap(self.model, self.accelerator)  # an FSDP2 wrap accelerate would crash on: refused
+        # lmbda / seq_kd: the first rows and the models' positions, before the teacher loads (issue #39); another
+        # head is refused by the Distiller, with the message that says so
+        if self.args.generates and heads_mod.static_head(self.model) is heads_mod.Head.CAUSAL_LM:
+            teachers = teacher_model if isinstance(teacher_model, list | tuple) else [teacher_model]
+            check_generation_data(self.args, self._prompt_collator(), self.train_dataset, self.model,
+                                  [t for t in teachers if t is not None])
         self.distiller = Distiller(
             self.model, self.args, teacher_model, processing_class=self.processing_class,
             teacher_processing_class=teacher_processing_class, train_dataset=self.train_dataset,
@@ -120,6 +127,10 @@ class DistillationMixin(ProjectionTraining):
     def _distillation_arguments(self, args: Any) -> DistillationArguments:
         """The arguments as DistillationArguments (plain TrainingArguments are upgraded, every field kept)."""
         return as_distillation_arguments(args, type(self).__name__)
+
+    def _prompt_collator(self) -> Any:
+        """The collator the training rows will go through, as the set-up checks of generation read it."""
+        return getattr(self.data_collator, "base", self.data_collator)
 
     # What the distiller owns, readable from the trainer as before.
     teacher = property(lambda self: self.distiller.teacher, doc="The first teacher (None with cached outputs only).")

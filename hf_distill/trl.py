@@ -274,6 +274,7 @@ class DistillationSFTTrainer(DistillationMixin, SFTTrainer):
         build = prepare_generation(args, collator, trainer_kwargs.get("formatting_func"))
         build_cross = prepare_cross_tokenizer(args, collator, trainer_kwargs.get("formatting_func"),
                                               teacher_processing_class)
+        self._builds_prompt_collator = build  # read by _prompt_collator, inside super().__init__
         super().__init__(model, args, *trainer_args, teacher_model=teacher_model,
                          teacher_processing_class=teacher_processing_class, **trainer_kwargs)
         # after SFTTrainer, which may load the processing class from the model's name
@@ -287,6 +288,14 @@ class DistillationSFTTrainer(DistillationMixin, SFTTrainer):
                 tokenizer, getattr(t_tokenizer, "tokenizer", t_tokenizer), text_column=self.args.dataset_text_field,
                 max_length=self.args.max_length))
         self.distiller.student_hook = self._token_metrics
+
+    def _prompt_collator(self) -> Any:
+        """The PromptCompletionCollator this trainer builds once SFTTrainer is set up (the set-up checks of generation
+        read the first rows with it before the teacher loads), else the collator given."""
+        if getattr(self, "_builds_prompt_collator", False):
+            return PromptCompletionCollator(getattr(self.processing_class, "tokenizer", self.processing_class),
+                                            self.args.max_length)
+        return super()._prompt_collator()
 
     def _distillation_arguments(self, args: Any) -> DistillationSFTConfig:
         return as_distillation_arguments(args, "DistillationSFTTrainer", DistillationSFTConfig, "SFTConfig",
