@@ -345,7 +345,7 @@ def methods_lines(sec: dict) -> list[str]:
         ratio = f"{r['perplexity_over_ce']:.3f}" if "perplexity_over_ce" in r else ""
         lines.append(f"| {r['label']} | {r['seeds']} | {ppl} | {ratio} | {b:.4f} ± {bs:.4f} | {w:.1f} ± {ws:.1f} | "
                      f"{t:.1f} ± {ts:.1f} | {r['time_over_ce']:.2f} |")
-    checks = sec.get("baseline_over_untrained", {})
+    checks = sec.get("baseline_over_untrained") or baseline_over_untrained(sm, refs)  # (older results: computed)
     if checks:
         lines += ["", "Baselines: " + "; ".join(
             f"{'other tokenizer: ' if name.startswith('xtok') else ''}CE only / the student before training "
