@@ -203,7 +203,13 @@ def check_cross_tokenizer(
             f"{missing} is unknown. Pass processing_class=<student tokenizer> and "
             "teacher_processing_class=<teacher tokenizer>."
         )
-    return shared_vocabulary(s_tok, t_tok)
+    shared = shared_vocabulary(s_tok, t_tok)
+    n, s_size, t_size = len(shared[0]), len(s_tok.get_vocab()), len(t_tok.get_vocab())
+    logger.info(
+        f"cross_tokenizer='aligned': the tokenizers share {n} token strings ({n / s_size:.1%} of the student's "
+        f"{s_size}, {n / t_size:.1%} of the teacher's {t_size}); the KD term compares the two distributions on "
+        "those only. Identical strings can still mean different things (docs/guides/causal-lm.md).")
+    return shared
 
 
 def _shared_vocabulary(s_cfg, t_cfg, t_tokenizer, tokenizer) -> int:

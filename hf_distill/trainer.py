@@ -174,6 +174,8 @@ class DistillationMixin(ProjectionTraining):
     def train(self, *args: Any, **kwargs: Any):
         # Components of compute_loss calls made before training (by hand, in train mode) are not the run's.
         self.distiller.tracker.reset()
+        if self.distiller.pairing is not None:
+            self.distiller.pairing.reset()
         try:
             with self._projections_attached():
                 return super().train(*args, **kwargs)
@@ -186,6 +188,8 @@ class DistillationMixin(ProjectionTraining):
         if "loss" in logs and self.distiller.tracker:
             for name, value in self.distiller.tracker.pop_means(self.accelerator).items():
                 logs[f"loss_{name}"] = value
+        if "loss" in logs and self.distiller.pairing is not None:  # cross_tokenizer: xtok_paired_share
+            logs.update(self.distiller.pairing.log_values(self.accelerator))
         if "loss" in logs and self.distiller.on_policy is not None:  # generated_tokens(_per_second)
             logs.update(self.distiller.on_policy.log_values(self.accelerator))
         if "loss" in logs:

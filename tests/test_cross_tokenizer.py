@@ -271,6 +271,44 @@ def test_two_accumulated_micro_batches_equal_one_batch_of_both(tmp_path, tokeniz
     assert counts[0] != counts[1]
 
 
+@pytest.mark.parametrize("method", ["uld", "aligned"])
+def test_the_paired_share_is_logged_per_window_over_every_accumulated_micro_batch(tmp_path, tokenizers_pair, method):
+    """`xtok_paired_share` (issue 39, case 12): the window's paired positions over its distilled student positions,
+    summed over the four accumulated one-row micro-batches before dividing (not a mean of the rows' shares)."""
+    from datasets import Dataset
+
+    s_tok, t_tok = tokenizers_pair
+    student, teacher = _models(s_tok, t_tok)
+    rows = _rows(4)
+    trainer = DistillationTrainer(model=student, teacher_model=teacher, train_dataset=Dataset.from_list(rows),
+                                  args=_run_args(tmp_path, method, per_device_train_batch_size=1,
+                                                 gradient_accumulation_steps=4, logging_steps=1),
+                                  processing_class=s_tok, teacher_processing_class=t_tok,
+                                  data_collator=CrossTokenizerCollator(s_tok, t_tok))
+    trainer.train()
+    logged = next(h for h in trainer.state.log_history if "loss" in h)
+    collate = CrossTokenizerCollator(s_tok, t_tok)
+    paired = [xt.count(method, collate([row])) for row in rows]
+    distilled = [int(xt.distilled_positions(collate([row]), "labels", "labels", method)[0].sum()) for row in rows]
+    share = sum(paired) / sum(distilled)
+    assert 0 < share < 1 and logged["xtok_paired_share"] == pytest.approx(share, rel=1e-9)
+    mean_of_shares = sum(p / d for p, d in zip(paired, distilled, strict=True)) / len(rows)
+    assert abs(mean_of_shares - share) > 1e-3  # so a per-batch mean would have been caught
+
+
+def test_the_shared_vocabulary_size_is_logged_once_at_construction(tmp_path, tokenizers_pair, caplog):
+    import logging
+
+    s_tok, t_tok = tokenizers_pair
+    student, teacher = _models(s_tok, t_tok)
+    with caplog.at_level(logging.INFO, logger="hf_distill"):
+        Distiller(student, _run_args(tmp_path, "aligned"), teacher_model=teacher, processing_class=s_tok,
+                  teacher_processing_class=t_tok)
+    n = len(xt.shared_vocabulary(s_tok, t_tok)[0])
+    lines = [r.getMessage() for r in caplog.records if "share" in r.getMessage() and "token strings" in r.getMessage()]
+    assert len(lines) == 1 and f"share {n} token strings" in lines[0] and f"student's {len(s_tok)}" in lines[0]
+
+
 def test_evaluate_teacher_reads_the_teachers_own_tokenization(tmp_path, tokenizers_pair):
     """The teacher's metrics (model card) come from its own tokens: its loss on `teacher_input_ids` and
     `teacher_labels`, not on the student's ids, which mean other tokens to it."""
