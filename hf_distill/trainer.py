@@ -25,6 +25,7 @@ from transformers.utils import logging
 
 from .arguments import DistillationArguments, as_distillation_arguments
 from .data.collators import TEACHER_PREFIX, KeepTeacherColumnsCollator, TeacherOutputsCollator
+from .data.cross_tokenizer import check_first_rows
 from .distiller import Distiller
 from .features import heads as heads_mod
 from .features.taps import unwrap
@@ -112,6 +113,7 @@ class DistillationMixin(ProjectionTraining):
             self.add_callback(_ClearProjectionGradients(self._projections()))
         self._check_projection_optimizer()
         self.data_collator = TeacherOutputsCollator(self.data_collator)
+        check_first_rows(self.data_collator, self.train_dataset, self.eval_dataset)  # cross_tokenizer's chat rows
         if self.args.eval_with_teacher and self.eval_dataset is not None:
             evals = self.eval_dataset if isinstance(self.eval_dataset, dict) else {"eval": self.eval_dataset}
             for name, data in evals.items():

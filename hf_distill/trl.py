@@ -36,7 +36,9 @@ What the distillation means for SFT's data paths:
 
 * `cross_tokenizer` with `hf_distill.data.cross_tokenizer.CrossTokenizerCollator` (given, or built from
   `processing_class`, `teacher_processing_class`, `max_length` and `dataset_text_field` when no `data_collator` is
-  given): the collator tokenizes each row's raw text with both tokenizers, so the trainer sets
+  given): the collator tokenizes each row's raw text with both tokenizers (`messages` and conversational
+  prompt/completion rows rendered by each tokenizer's own chat template, counted as SFT counts them: every token,
+  or the completion; both tokenizers need a chat template, checked on the first rows), so the trainer sets
   `dataset_kwargs["skip_prepare_dataset"]` (SFT would append the student's EOS string to the text the teacher
   reads). Refused there: packing, `eval_packing`, `formatting_func`, `completion_only_loss=False`,
   `assistant_only_loss=True`, `skip_prepare_dataset=False`, and a given collator whose `max_length` or
@@ -70,7 +72,7 @@ from transformers import Trainer, TrainingArguments
 
 from .arguments import DistillationArguments, as_distillation_arguments
 from .data.collators import TeacherOutputsCollator
-from .data.cross_tokenizer import CrossTokenizerCollator
+from .data.cross_tokenizer import CrossTokenizerCollator, check_first_rows
 from .data.prompts import PromptCompletionCollator
 from .features import heads as heads_mod
 from .features.taps import unwrap
@@ -242,7 +244,8 @@ def prepare_cross_tokenizer(args: DistillationSFTConfig, data_collator: Any, for
         "the raw rows go to CrossTokenizerCollator, which tokenizes each row's text with both tokenizers, so SFT's "
         "dataset preparation does not run",
         "give a data_collator that adds the teacher's tokenization (teacher_input_ids, ...) to SFT's rows",
-        "every token of a text row, the completion of a prompt/completion row", "text or prompt/completion")
+        "every token of a text or messages row, the completion of a prompt/completion row",
+        "text, messages or prompt/completion")
     return data_collator is None
 
 
@@ -286,6 +289,7 @@ class DistillationSFTTrainer(DistillationMixin, SFTTrainer):
             self.data_collator = TeacherOutputsCollator(CrossTokenizerCollator(
                 tokenizer, getattr(t_tokenizer, "tokenizer", t_tokenizer), text_column=self.args.dataset_text_field,
                 max_length=self.args.max_length))
+            check_first_rows(self.data_collator, self.train_dataset, self.eval_dataset)  # chat rows: both templates
         self.distiller.student_hook = self._token_metrics
 
     def _distillation_arguments(self, args: Any) -> DistillationSFTConfig:

@@ -111,6 +111,78 @@ def test_the_collator_tokenizes_one_text_twice_and_aligns_it():
         collate([{"input_ids": [1, 2]}])
 
 
+# ---------------------------------------------------------------------- chat rows (issue 39, case 5)
+
+STUDENT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}USER {{ m['content'] }} END "
+                    "{% else %}ASSISTANT {{ m['content'] }} END {% endif %}{% endfor %}"
+                    "{% if add_generation_prompt %}ASSISTANT {% endif %}")
+TEACHER_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}HUMAN {{ m['content'] }}\n"
+                    "{% else %}BOT {{ m['content'] }} STOP\n{% endif %}{% endfor %}"
+                    "{% if add_generation_prompt %}BOT {% endif %}")
+
+
+def _chat_tokenizers(student_template=STUDENT_TEMPLATE, teacher_template=TEACHER_TEMPLATE):
+    student = _hand_tokenizer(["<pad>", "[UNK]", "USER", "ASSISTANT", "END", "un", "##happy", "cats", "sat"], "<pad>")
+    teacher = _hand_tokenizer(["[PAD]", "[UNK]", "HUMAN", "BOT", "STOP", "unh", "##appy", "cat", "##s", "s", "##at"],
+                              "[PAD]")
+    student.chat_template, teacher.chat_template = student_template, teacher_template
+    return student, teacher
+
+
+CHAT = [{"role": "user", "content": "unhappy cats"}, {"role": "assistant", "content": "cats sat"}]
+
+
+def test_chat_rows_are_rendered_by_each_sides_template_and_aligned_on_the_conversation():
+    """`messages` and conversational prompt/completion rows: each side renders its own template
+    ("USER unhappy cats END ASSISTANT cats sat END " / "HUMAN unhappy cats\nBOT cats sat STOP\n"), tokenizes it
+    without adding special tokens, and labels what SFT counts (every token; the completion). Positions pair where
+    both have read the same conversation: inside the contents, and at each turn's header (ASSISTANT / BOT, which
+    predict the reply's first token); never the template's other words."""
+    student, teacher = _chat_tokenizers()
+    collate = CrossTokenizerCollator(student, teacher)
+    batch = collate([{"messages": CHAT}, {"prompt": CHAT[:1], "completion": CHAT[1:]}])
+    # student: USER un ##happy cats END ASSISTANT cats sat END; teacher: HUMAN unh ##appy cat ##s BOT cat ##s s ##at STOP
+    s_ids, t_ids = [2, 5, 6, 7, 4, 3, 7, 8, 4], [2, 5, 6, 7, 8, 3, 7, 8, 9, 10, 4]
+    assert batch["input_ids"].tolist() == [s_ids, s_ids] and batch["teacher_input_ids"].tolist() == [t_ids, t_ids]
+    assert batch["labels"].tolist() == [s_ids, [-100] * 6 + s_ids[6:]]  # the completion after "... ASSISTANT"
+    assert batch["teacher_labels"].tolist() == [t_ids, [-100] * 6 + t_ids[6:]]  # after "... BOT"
+    assert batch["teacher_positions"].tolist() == [[0, -1, 2, 4, -1, 5, 7, 9, -1]] * 2
+    # the completion row distils the reply's three student predictions: its first token (after the headers), "sat"
+    # (after "cats" / "cat"+"s") and the turn's end (after "sat" / "s"+"at")
+    rows, s_pos, t_pos = xt.pairs("aligned", batch)
+    assert [(s, t) for r, s, t in zip(rows.tolist(), s_pos.tolist(), t_pos.tolist(), strict=True) if r == 1] == [
+        (5, 5), (6, 7), (7, 9)]
+
+
+def test_a_chat_template_that_trims_is_followed_and_one_that_rewrites_is_refused():
+    trimming = STUDENT_TEMPLATE.replace("m['content'] }}", "m['content'] | trim }}")
+    student, teacher = _chat_tokenizers(student_template=trimming)
+    padded = [{"role": "user", "content": "  unhappy cats "}, {"role": "assistant", "content": "cats sat"}]
+    assert CrossTokenizerCollator(student, teacher)([{"messages": padded}])["teacher_positions"].tolist() == [
+        [0, -1, 2, 4, -1, 5, 7, 9, -1]]
+    student, teacher = _chat_tokenizers(teacher_template=TEACHER_TEMPLATE.replace("m['content'] }}",
+                                                                                  "m['content'] | upper }}"))
+    with pytest.raises(ValueError, match="teacher's tokenizer's chat template changes the messages' contents"):
+        CrossTokenizerCollator(student, teacher)([{"messages": CHAT}])
+
+
+@pytest.mark.parametrize("side", ["student", "teacher"])
+def test_chat_rows_with_a_tokenizer_without_a_chat_template_are_refused_when_the_trainer_is_built(tmp_path, side):
+    """Refused at construction (the first rows are read), in one line naming the side and the fix; not the late
+    "No columns ... match" of the Trainer's column removal, nor a failure inside the first training step."""
+    from datasets import Dataset
+
+    student_tok, teacher_tok = _chat_tokenizers()
+    (student_tok if side == "student" else teacher_tok).chat_template = None
+    student = decoder("llama", layers=1, seed=0, vocab_size=len(student_tok), max_position_embeddings=32)
+    teacher = decoder("llama", layers=1, seed=1, vocab_size=len(teacher_tok), max_position_embeddings=32)
+    with pytest.raises(ValueError, match=f"the {side}'s tokenizer has none. Set its chat_template") as caught:
+        DistillationTrainer(model=student, teacher_model=teacher, args=_run_args(tmp_path, "uld"),
+                            train_dataset=Dataset.from_list([{"messages": CHAT}] * 2), processing_class=student_tok,
+                            data_collator=CrossTokenizerCollator(student_tok, teacher_tok))
+    assert "\n" not in str(caught.value)
+
+
 # ---------------------------------------------------------------------- the losses against float64 references
 
 
