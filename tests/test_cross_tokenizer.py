@@ -141,7 +141,8 @@ def test_chat_rows_are_rendered_by_each_sides_template_and_aligned_on_the_conver
     student, teacher = _chat_tokenizers()
     collate = CrossTokenizerCollator(student, teacher)
     batch = collate([{"messages": CHAT}, {"prompt": CHAT[:1], "completion": CHAT[1:]}])
-    # student: USER un ##happy cats END ASSISTANT cats sat END; teacher: HUMAN unh ##appy cat ##s BOT cat ##s s ##at STOP
+    # student: USER un ##happy cats END ASSISTANT cats sat END
+    # teacher: HUMAN unh ##appy cat ##s BOT cat ##s s ##at STOP
     s_ids, t_ids = [2, 5, 6, 7, 4, 3, 7, 8, 4], [2, 5, 6, 7, 8, 3, 7, 8, 9, 10, 4]
     assert batch["input_ids"].tolist() == [s_ids, s_ids] and batch["teacher_input_ids"].tolist() == [t_ids, t_ids]
     assert batch["labels"].tolist() == [s_ids, [-100] * 6 + s_ids[6:]]  # the completion after "... ASSISTANT"
@@ -458,6 +459,60 @@ def test_distillation_sft_trainer_gives_the_raw_text_to_both_tokenizers(tmp_path
         for name in ("labels", "teacher_input_ids", "teacher_labels", "teacher_positions"):
             assert got[name][i].tolist() == want[name][j].tolist(), name
     assert any(h.get("loss_kd", 0) > 0 for h in trainer.state.log_history)
+
+
+@pytest.mark.parametrize("kind", ["messages", "prompt/completion"])
+def test_distillation_sft_trainer_distils_chat_rows_across_tokenizers(tmp_path, tokenizers_pair, kind):
+    """`messages` (and conversational prompt/completion) rows through DistillationSFTTrainer with the collator it
+    builds: every batch is CrossTokenizerCollator's on the rows (each side's own chat template), the KD term trains,
+    and the paired share is logged. Before, such rows failed in the first step (or the Trainer's column removal)."""
+    pytest.importorskip("trl")
+    from datasets import Dataset
+
+    from hf_distill import DistillationSFTTrainer
+
+    s_tok, t_tok, student, teacher, _ = _sft_setup(tokenizers_pair)
+    s_tok.chat_template, t_tok.chat_template = STUDENT_TEMPLATE, TEACHER_TEMPLATE
+    texts = [r["text"] or r["prompt"] + r["completion"] for r in _rows()]
+    chats = [[{"role": "user", "content": t[:20]}, {"role": "assistant", "content": t[20:]}] for t in texts]
+    rows = Dataset.from_list([{"messages": c} for c in chats] if kind == "messages" else
+                             [{"prompt": c[:1], "completion": c[1:]} for c in chats])
+    trainer = DistillationSFTTrainer(model=student, teacher_model=teacher, args=_sft_config(tmp_path),
+                                     train_dataset=rows, processing_class=s_tok, teacher_processing_class=t_tok)
+    seen, original = [], trainer.distiller.compute_loss
+
+    def compute_loss(model, inputs, **kw):
+        seen.append({k: v.clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)})
+        return original(model, inputs, **kw)
+
+    trainer.distiller.compute_loss = compute_loss
+    trainer.train()
+    want = CrossTokenizerCollator(s_tok, t_tok, max_length=64)(list(rows))
+    key = lambda batch, i: tuple(batch["input_ids"][i][batch["attention_mask"][i] == 1].tolist())  # noqa: E731
+    order = {key(want, i): i for i in range(4)}
+    got = seen[0]
+    assert sorted(order) == sorted(key(got, i) for i in range(4))
+    for i in range(4):
+        j = order[key(got, i)]
+        for name in ("labels", "teacher_input_ids", "teacher_labels", "teacher_positions"):
+            assert got[name][i].tolist() == want[name][j].tolist(), name
+    assert (want["teacher_positions"] >= 0).any()
+    logged = next(h for h in trainer.state.log_history if "loss" in h)
+    assert logged["loss_kd"] > 0 and 0 < logged["xtok_paired_share"] <= 1
+
+
+def test_distillation_sft_trainer_refuses_chat_rows_without_the_teachers_chat_template(tmp_path, tokenizers_pair):
+    pytest.importorskip("trl")
+    from datasets import Dataset
+
+    from hf_distill import DistillationSFTTrainer
+
+    s_tok, t_tok, student, teacher, _ = _sft_setup(tokenizers_pair)
+    s_tok.chat_template = STUDENT_TEMPLATE  # the teacher's tokenizer has none
+    rows = Dataset.from_list([{"messages": CHAT}] * 4)
+    with pytest.raises(ValueError, match="the teacher's tokenizer has none"):
+        DistillationSFTTrainer(model=student, teacher_model=teacher, args=_sft_config(tmp_path), train_dataset=rows,
+                               processing_class=s_tok, teacher_processing_class=t_tok)
 
 
 @pytest.mark.parametrize(("settings", "match"), [
