@@ -167,6 +167,28 @@ def test_a_chat_template_that_trims_is_followed_and_one_that_rewrites_is_refused
         CrossTokenizerCollator(student, teacher)([{"messages": CHAT}])
 
 
+def test_assistant_only_loss_learns_each_sides_generation_blocks():
+    """SFT's `assistant_only_loss`: each side learns the tokens its own template's {% generation %} blocks cover (the
+    reply and its turn end: "cats sat END" / "cat s s at STOP"); text rows and templates without the markers are
+    refused in one line naming the fix."""
+    marked = [STUDENT_TEMPLATE.replace("ASSISTANT {{ m['content'] }} END ",
+                                       "ASSISTANT {% generation %}{{ m['content'] }} END{% endgeneration %} "),
+              TEACHER_TEMPLATE.replace("BOT {{ m['content'] }} STOP",
+                                       "BOT {% generation %}{{ m['content'] }} STOP{% endgeneration %}")]
+    assert marked != [STUDENT_TEMPLATE, TEACHER_TEMPLATE]
+    student, teacher = _chat_tokenizers(*marked)
+    collate = CrossTokenizerCollator(student, teacher, assistant_only_loss=True)
+    batch = collate([{"messages": CHAT}, {"prompt": CHAT[:1], "completion": CHAT[1:]}])
+    s_ids, t_ids = [2, 5, 6, 7, 4, 3, 7, 8, 4], [2, 5, 6, 7, 8, 3, 7, 8, 9, 10, 4]
+    assert batch["labels"].tolist() == [[-100] * 6 + s_ids[6:]] * 2
+    assert batch["teacher_labels"].tolist() == [[-100] * 6 + t_ids[6:]] * 2
+    with pytest.raises(ValueError, match="a row is a text row"):
+        collate([{"text": "unhappy cats"}])
+    student, teacher = _chat_tokenizers(marked[0], TEACHER_TEMPLATE)
+    with pytest.raises(ValueError, match=r"the teacher's tokenizer's chat template marks no assistant token"):
+        CrossTokenizerCollator(student, teacher, assistant_only_loss=True)([{"messages": CHAT}])
+
+
 @pytest.mark.parametrize("side", ["student", "teacher"])
 def test_chat_rows_with_a_tokenizer_without_a_chat_template_are_refused_when_the_trainer_is_built(tmp_path, side):
     """Refused at construction (the first rows are read), in one line naming the side and the fix; not the late
@@ -499,6 +521,38 @@ def test_distillation_sft_trainer_distils_chat_rows_across_tokenizers(tmp_path, 
     assert (want["teacher_positions"] >= 0).any()
     logged = next(h for h in trainer.state.log_history if "loss" in h)
     assert logged["loss_kd"] > 0 and 0 < logged["xtok_paired_share"] <= 1
+
+
+def test_distillation_sft_trainer_honours_assistant_only_loss_on_chat_rows_across_tokenizers(tmp_path,
+                                                                                             tokenizers_pair):
+    """assistant_only_loss=True (refused with cross_tokenizer before): the collator the trainer builds learns each
+    side's assistant turns; a given collator set otherwise is refused."""
+    pytest.importorskip("trl")
+    from datasets import Dataset
+
+    from hf_distill import DistillationSFTTrainer
+
+    s_tok, t_tok, student, teacher, _ = _sft_setup(tokenizers_pair)
+    s_tok.chat_template = STUDENT_TEMPLATE.replace(
+        "ASSISTANT {{ m['content'] }} END ", "ASSISTANT {% generation %}{{ m['content'] }} END{% endgeneration %} ")
+    t_tok.chat_template = TEACHER_TEMPLATE.replace(
+        "BOT {{ m['content'] }} STOP", "BOT {% generation %}{{ m['content'] }} STOP{% endgeneration %}")
+    texts = [r["text"] or r["prompt"] + r["completion"] for r in _rows()]
+    rows = Dataset.from_list([{"messages": [{"role": "user", "content": t[:20]}, {"role": "assistant",
+                                                                               "content": t[20:]}]} for t in texts])
+    config = _sft_config(tmp_path, assistant_only_loss=True)
+    trainer = DistillationSFTTrainer(model=copy.deepcopy(student), teacher_model=teacher, args=config,
+                                     train_dataset=rows, processing_class=s_tok, teacher_processing_class=t_tok)
+    base = trainer.data_collator.base
+    assert isinstance(base, CrossTokenizerCollator) and base.assistant_only_loss
+    batch = base(list(rows))
+    assert ((batch["labels"] != -100).sum(1) < batch["attention_mask"].sum(1)).all()  # the user turns not learnt
+    trainer.train()
+    assert next(h for h in trainer.state.log_history if "loss" in h)["loss_kd"] > 0
+    with pytest.raises(ValueError, match="CrossTokenizerCollator's assistant_only_loss is False"):
+        DistillationSFTTrainer(model=copy.deepcopy(student), teacher_model=teacher, args=config, train_dataset=rows,
+                               processing_class=s_tok, teacher_processing_class=t_tok,
+                               data_collator=CrossTokenizerCollator(s_tok, t_tok, max_length=64))
 
 
 def test_distillation_sft_trainer_refuses_chat_rows_without_the_teachers_chat_template(tmp_path, tokenizers_pair):

@@ -141,7 +141,9 @@ class CrossTokenizerCollator:
     and `chat_template_kwargs` columns passed on, as SFT passes them) and tokenizes the result without adding
     special tokens (the template writes them, as `apply_chat_template` does); the positions are aligned in
     conversation coordinates (module docstring). Both tokenizers need a chat template then: `check_rows` refuses
-    rows it cannot render before training.
+    rows it cannot render before training. With `assistant_only_loss=True` (chat rows only) each side learns only
+    the tokens its template's `{% generation %}` blocks cover (and, for prompt/completion rows, in the completion),
+    as SFT's `assistant_only_loss`.
 
     Output: `input_ids`, `attention_mask`, `labels` (the student's), `teacher_input_ids`, `teacher_attention_mask`,
     `teacher_labels`, and `teacher_positions` (B, student length): the teacher position aligned with each student
@@ -158,6 +160,7 @@ class CrossTokenizerCollator:
         max_length: int | None = None,
         add_special_tokens: bool = True,
         messages_column: str = "messages",
+        assistant_only_loss: bool = False,
     ) -> None:
         for name, tok in (("tokenizer", tokenizer), ("teacher_tokenizer", teacher_tokenizer)):
             if not getattr(tok, "is_fast", False):
@@ -170,7 +173,7 @@ class CrossTokenizerCollator:
             raise ValueError(f"CrossTokenizerCollator.max_length must be a positive token count, got {max_length!r}.")
         self.tokenizer, self.teacher_tokenizer = tokenizer, teacher_tokenizer
         self.text_column, self.prompt_column, self.completion_column = text_column, prompt_column, completion_column
-        self.messages_column = messages_column
+        self.messages_column, self.assistant_only_loss = messages_column, assistant_only_loss
         self.max_length, self.add_special_tokens = max_length, add_special_tokens
 
     @property
@@ -225,6 +228,10 @@ class CrossTokenizerCollator:
         """One row as one side reads it: ids, offsets, the index of the first learnt token, and the conversation
         segments (None for text rows)."""
         kind = self._kind(row)
+        if self.assistant_only_loss and kind in ("text", "pair"):
+            raise ValueError("CrossTokenizerCollator: assistant_only_loss=True learns the assistant turns of chat "
+                             f"rows, but a row is a {'text' if kind == 'text' else 'prompt/completion text'} row. "
+                             "Give messages rows, or set assistant_only_loss=False.")
         if kind in ("text", "pair"):
             prompt = "" if kind == "text" else row[self.prompt_column]
             text = row[self.text_column] if kind == "text" else prompt + row[self.completion_column]
@@ -237,18 +244,38 @@ class CrossTokenizerCollator:
                 f"rendered by each side's own chat template, and the {side} has none. Set its chat_template (e.g. the "
                 "one of the model's chat or instruct version), or render the rows to text yourself (text rows).")
         extra = self._chat_extra(row)
-        if kind == "messages":
-            text, segments = chat_text(tokenizer, row[self.messages_column], side=side, **extra)
-            ids, spans = self._tokens(tokenizer, text, False)
-            return ids, spans, 0, segments
-        messages = row[self.prompt_column] + row[self.completion_column]
+        messages = row[self.messages_column] if kind == "messages" else \
+            row[self.prompt_column] + row[self.completion_column]
         text, segments = chat_text(tokenizer, messages, side=side, **extra)
-        prompt, _ = chat_text(tokenizer, row[self.prompt_column], add_generation_prompt=True, side=side, **extra)
         ids, spans = self._tokens(tokenizer, text, False)
-        prompt_ids, _ = self._tokens(tokenizer, prompt, False)
-        first = next((k for k, (a, b) in enumerate(zip(ids, prompt_ids, strict=False)) if a != b),
-                     min(len(ids), len(prompt_ids)))
+        first = 0
+        if kind == "chat pair":
+            prompt, _ = chat_text(tokenizer, row[self.prompt_column], add_generation_prompt=True, side=side, **extra)
+            prompt_ids, _ = self._tokens(tokenizer, prompt, False)
+            first = next((k for k, (a, b) in enumerate(zip(ids, prompt_ids, strict=False)) if a != b),
+                         min(len(ids), len(prompt_ids)))
+        if self.assistant_only_loss:
+            return ids, spans, (first, self._assistant_mask(tokenizer, messages, ids, extra, side)), segments
         return ids, spans, first, segments
+
+    def _assistant_mask(self, tokenizer: Any, messages: list[dict[str, Any]], ids: list[int], extra: dict[str, Any],
+                        side: str) -> list[int]:
+        """SFT's `assistant_only_loss` mask on one side: the tokens its chat template's `{% generation %}` blocks
+        cover (`apply_chat_template(..., return_assistant_tokens_mask=True)`), cut to the truncated ids."""
+        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True, **extra)
+        if list(out["input_ids"][: len(ids)]) != ids:
+            raise ValueError(f"CrossTokenizerCollator: the {side}'s chat template tokenizes differently through "
+                             "apply_chat_template than its rendered text does, so its assistant mask cannot be "
+                             "placed; use assistant_only_loss=False.")
+        mask = list(out["assistant_masks"][: len(ids)])
+        if 1 not in mask:
+            raise ValueError(
+                f"CrossTokenizerCollator: assistant_only_loss=True, but the {side}'s chat template marks no assistant "
+                "token in a row (no {% generation %} ... {% endgeneration %} blocks around the assistant turns, or no "
+                "assistant turn). Give it a template with generation markers (e.g. trl.chat_template_utils."
+                "get_training_chat_template(tokenizer)), or set assistant_only_loss=False.")
+        return mask
 
     def _pad(self, tokenizer: Any, rows: list[list[int]], firsts: list[int]):
         pad = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
@@ -259,6 +286,11 @@ class CrossTokenizerCollator:
         for b, (row, first) in enumerate(zip(rows, firsts, strict=True)):
             ids[b, : len(row)] = torch.tensor(row, dtype=torch.long)
             mask[b, : len(row)] = 1
+            if isinstance(first, tuple):  # (first learnt token, assistant mask): both must hold, as in SFT
+                first, learnt = first[0], torch.tensor(first[1], dtype=torch.bool)
+                learnt[:first] = False
+                lab[b, : len(row)] = torch.where(learnt, ids[b, : len(row)], -100)
+                continue
             lab[b, first : len(row)] = ids[b, first : len(row)]
         return ids, mask, lab
 
