@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import transformers
@@ -29,13 +29,17 @@ from transformers.utils import logging
 
 from .features.taps import unwrap
 
+if TYPE_CHECKING:
+    from .features.heads import HeadKind
+
 logger = logging.get_logger(__name__)
 
 PADDING_MASS_BOUND = 1e-4
 """The most probability (temperature 1, mean over the first distilled batch's counted tokens) a teacher may put on
 the ids the student lacks for them to count as padding rather than tokens."""
 
-def load_teacher(name_or_path: str, like: nn.Module | None = None, kind: Any = None, **kwargs) -> nn.Module:
+def load_teacher(name_or_path: str, like: nn.Module | None = None, kind: HeadKind | None = None,
+                 **kwargs: Any) -> nn.Module:
     """Load a teacher with the auto class whose head matches the student's (`like`), or of head kind `kind` (a
     `hf_distill.features.heads.HeadKind`, for callers without a student yet, such as `hf-distill auto`).
 
