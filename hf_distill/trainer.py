@@ -25,6 +25,7 @@ from transformers.utils import logging
 
 from .arguments import DistillationArguments, as_distillation_arguments
 from .data.collators import TEACHER_PREFIX, KeepTeacherColumnsCollator, TeacherOutputsCollator
+from .data.cross_tokenizer import check_first_rows
 from .data.prompts import check_generation_data
 from .distiller import Distiller
 from .features import heads as heads_mod
@@ -119,6 +120,7 @@ class DistillationMixin(ProjectionTraining):
             self.add_callback(_ClearProjectionGradients(self._projections()))
         self._check_projection_optimizer()
         self.data_collator = TeacherOutputsCollator(self.data_collator)
+        check_first_rows(self.data_collator, self.train_dataset, self.eval_dataset)  # cross_tokenizer's chat rows
         if self.args.eval_with_teacher and self.eval_dataset is not None:
             evals = self.eval_dataset if isinstance(self.eval_dataset, dict) else {"eval": self.eval_dataset}
             for name, data in evals.items():
@@ -185,6 +187,8 @@ class DistillationMixin(ProjectionTraining):
     def train(self, *args: Any, **kwargs: Any):
         # Components of compute_loss calls made before training (by hand, in train mode) are not the run's.
         self.distiller.tracker.reset()
+        if self.distiller.pairing is not None:
+            self.distiller.pairing.reset()
         try:
             with self._projections_attached():
                 return super().train(*args, **kwargs)
@@ -197,6 +201,8 @@ class DistillationMixin(ProjectionTraining):
         if "loss" in logs and self.distiller.tracker:
             for name, value in self.distiller.tracker.pop_means(self.accelerator).items():
                 logs[f"loss_{name}"] = value
+        if "loss" in logs and self.distiller.pairing is not None:  # cross_tokenizer: xtok_paired_share
+            logs.update(self.distiller.pairing.log_values(self.accelerator))
         if "loss" in logs and self.distiller.on_policy is not None:  # generated_tokens(_per_second)
             logs.update(self.distiller.on_policy.log_values(self.accelerator))
         if "loss" in logs:
