@@ -451,6 +451,11 @@ def test_from_teacher_names_the_stacks(tmp_path):
         students.from_teacher(teacher)
     with pytest.raises(ValueError, match="decoder_layers: layers \\[0, 7\\] has out-of-range index 7"):
         students.from_teacher(teacher, decoder_layers=[0, 7])
+    # the stack named and its own count (3 encoder / 4 decoder layers), not "4 encoder layers"
+    with pytest.raises(ValueError, match=r"decoder_layers: .*index 5: the teacher has 4 decoder layers, .*0\.\.3"):
+        students.from_teacher(t5(encoder=3, decoder=4), decoder_layers=[5])
+    with pytest.raises(ValueError, match=r"encoder_layers: .*index 3: the teacher has 3 encoder layers, .*0\.\.2"):
+        students.from_teacher(t5(encoder=3, decoder=4), encoder_layers=[3])
     with pytest.raises(ValueError, match="encoder-decoder models"):
         students.from_teacher(bert(layers=2), decoder_layers=[0])
     with pytest.raises(ValueError, match="two layer stacks"):

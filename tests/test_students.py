@@ -268,6 +268,11 @@ def test_from_teacher_rejects_bad_layers(layers, match):
         from_teacher(make_teacher("bert", "base"), layers)
 
 
+def test_from_teacher_names_a_decoder_only_teachers_layers_as_decoder_layers():
+    with pytest.raises(ValueError, match=r"out-of-range index 3: the teacher has 3 decoder layers, .*0\.\.2"):
+        from_teacher(decoder("llama", layers=3), [0, 3])
+
+
 @pytest.mark.parametrize("layers", [[0, 1.5], ["0"], "012", [True]])
 def test_from_teacher_rejects_non_int_layers(layers):
     with pytest.raises(TypeError, match="layers must"):
