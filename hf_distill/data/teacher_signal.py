@@ -18,6 +18,8 @@ Layout (one row per training row, only its counted positions, in order; `dataset
 - `teacher_signal_tail`: `List(float32)`, n entries: log of the tail mass, computed as the logsumexp of the non-top-k
   log-probabilities (no cancellation when the top k hold nearly all of the mass; -inf when k is the vocabulary).
 - `teacher_signal_row`: `int64`, a hash of the row's `input_ids`, checked against the training rows.
+- `teacher_signal_positions`: `int64`, a hash of the row's counted positions (from its labels or attention mask, by
+  kd_token_mask), checked against the training rows and every batch: rows whose labels moved are refused.
 
 At k = 64 the packed layout takes 64 * 4 + 4 = 260 bytes per counted token plus the list offsets (`bytes_per_token`
 in the metadata is measured on the written files). When read back, the float16 values and the tail are renormalised
@@ -26,7 +28,8 @@ together (their mass sums to 1 up to float16 rounding), so the teacher is a dist
 The metadata (teacher name and weight fingerprint, vocabulary hash, k, temperature, kd_token_mask, versions, the
 command that made it) is kept in the Dataset's `info.description` (which `save_to_disk`/`load_from_disk`, `select`,
 `concatenate_datasets` keep; `streamed` keeps it in an IterableDataset) and in `teacher_signal.json` next to the
-shards. The trainer refuses a signal whose vocabulary, temperature, kd_token_mask or rows differ from the run's
+shards. The trainer refuses a signal whose vocabulary, temperature, kd_token_mask, rows or rows' counted positions
+differ from the run's
 (`check_teacher_signal`, in hf_distill.data.signal_format with the hashes and the metadata, all importable from here
 too); hf_distill.data.signal_rescale changes the temperature where that is exact.
 
@@ -63,18 +66,24 @@ from .signal_checks import check_signal_run, check_signal_settings
 from .signal_format import (
     _MARKER,
     SIGNAL_FORMAT,
+    SIGNAL_POSITIONS,
     SIGNAL_ROW,
     SIGNAL_TAIL,
     SIGNAL_TOPK,
     SIGNAL_VALUES,
+    _format_checked,
     attach_teacher_signal,
     check_teacher_signal,
+    counted_positions,
+    padded_rows,
+    positions_hashes,
     row_hash,
     signal_metadata,
     vocabulary_hash,
 )
 
 __all__ = [
+    "SIGNAL_POSITIONS",
     "SIGNAL_ROW",
     "SIGNAL_TAIL",
     "SIGNAL_TOPK",
@@ -84,6 +93,7 @@ __all__ = [
     "check_teacher_signal",
     "create_teacher_signal",
     "load_teacher_signal",
+    "positions_hashes",
     "row_hash",
     "signal_metadata",
     "signal_teacher",
@@ -192,17 +202,8 @@ def create_teacher_signal(
 def _signal_table(teacher, rows: dict[str, list], meta: dict, pad_id: int, device, dtype) -> pa.Table:
     """One batch of rows: a right-padded teacher forward, then each counted position's top-k and tail."""
     ids_rows = rows["input_ids"]
-    length, n = max(len(r) for r in ids_rows), len(ids_rows)
-    ids = torch.full((n, length), pad_id, dtype=torch.long)
-    mask = torch.zeros((n, length), dtype=torch.long)
-    labels = torch.full((n, length), -100, dtype=torch.long) if "labels" in rows else None
-    for i, r in enumerate(ids_rows):
-        ids[i, : len(r)] = torch.as_tensor(r)
-        mask[i, : len(r)] = torch.as_tensor(rows["attention_mask"][i]) if "attention_mask" in rows else 1
-        if labels is not None:
-            labels[i, : len(rows["labels"][i])] = torch.as_tensor(rows["labels"][i])
-    counted = kd_positions(mask, labels, meta["kd_token_mask"], causal=True)
-    counted = torch.ones(n, length - 1, dtype=torch.bool) if counted is None else counted
+    ids, mask, labels = padded_rows(rows, pad_id)
+    counted = counted_positions(mask, labels, meta["kd_token_mask"])
     autocast = (torch.autocast(device.type, dtype=dtype) if dtype not in (None, torch.float32)
                 else contextlib.nullcontext())
     with torch.no_grad(), autocast:
@@ -228,6 +229,7 @@ def _signal_table(teacher, rows: dict[str, list], meta: dict, pad_id: int, devic
         SIGNAL_TOPK: pa.ListArray.from_arrays(pa.array(offsets * k), pa.array(topk.reshape(-1))),
         SIGNAL_TAIL: pa.ListArray.from_arrays(pa.array(offsets), pa.array(tail.numpy().astype(np.float32))),
         SIGNAL_ROW: pa.array([row_hash(r) for r in ids_rows], pa.int64()),
+        SIGNAL_POSITIONS: pa.array(positions_hashes(counted, mask), pa.int64()),
     }
     if values16 is not None:
         table[SIGNAL_VALUES] = pa.ListArray.from_arrays(pa.array(offsets * k), pa.array(values16.reshape(-1)))
@@ -261,6 +263,7 @@ def _features(layout: str) -> datasets.Features:
         features[SIGNAL_VALUES] = datasets.List(datasets.Value("float16"))
     features[SIGNAL_TAIL] = datasets.List(datasets.Value("float32"))
     features[SIGNAL_ROW] = datasets.Value("int64")
+    features[SIGNAL_POSITIONS] = datasets.Value("int64")
     return datasets.Features(features)
 
 
@@ -330,6 +333,7 @@ def load_teacher_signal(
     if not meta_path.is_file():
         raise ValueError(f"{folder} holds no teacher signal ({_META_FILE} is missing).")
     meta = json.loads(meta_path.read_text())
+    _format_checked(meta, f"The teacher signal in {folder}")
     if not meta.pop("complete", False):
         raise ValueError(f"The teacher signal in {folder} is incomplete: run create_teacher_signal again to finish it.")
     shards = sorted(folder.glob("shard-*.arrow"))
@@ -373,6 +377,17 @@ def signal_teacher(
                 f"Row {i} of this batch counts {n} KD positions but its teacher signal holds {n_stored}: the batch's "
                 "labels or attention mask differ from the rows' when the signal was made (a collator that changes "
                 "labels, truncation or kd_token_mask). Collate the rows as they were when the signal was created.")
+    stored_hashes = cached.get(SIGNAL_POSITIONS)
+    if stored_hashes is None:
+        raise ValueError(f"This batch carries teacher_signal columns but no {SIGNAL_POSITIONS}: join the rows with "
+                         "attach_teacher_signal(rows, load_teacher_signal(path)), whose signal this version made.")
+    got = positions_hashes(counted, inputs.get("attention_mask"))
+    for i, (g, h) in enumerate(zip(got, torch.as_tensor(stored_hashes).reshape(-1).tolist(), strict=True)):
+        if g != int(h):
+            raise ValueError(
+                f"Row {i} of this batch counts as many KD positions as its teacher signal but other ones (its labels "
+                "or attention mask moved since the signal was made, e.g. by a collator or a shifted prompt/"
+                "completion boundary): collate the rows as they were when the signal was created.")
     topk = torch.as_tensor(cached[SIGNAL_TOPK]).to(ids.device)
     k = topk.shape[1] // tails.shape[1] if tails.shape[1] else 1
     entries = stored.repeat_interleave(k, dim=1)  # each stored position's k entries
