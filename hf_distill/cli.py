@@ -233,7 +233,9 @@ def cmd_signal(args: argparse.Namespace, argv: list[str]) -> int:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from .data.signal_checks import check_signal_tokenizer
     from .data.teacher_signal import check_signal_settings, create_teacher_signal, signal_metadata
+    from .teacher import teacher_tokenizer
 
     dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, None: None}
     rows = _load_rows(args.rows, args.split)
@@ -247,6 +249,10 @@ def cmd_signal(args: argparse.Namespace, argv: list[str]) -> int:
     where = args.tokenizer or args.teacher
     tokenizer = _load("--tokenizer" if args.tokenizer else "teacher", where,
                       lambda: AutoTokenizer.from_pretrained(where))
+    if isinstance(vocab, int):  # a tokenizer that does not fit the teacher is refused before its weights load
+        own = teacher_tokenizer(None, source=args.teacher)[0] if args.tokenizer else None
+        check_signal_tokenizer(tokenizer, vocab, own=own,
+                               flag=f"--tokenizer {args.tokenizer}" if args.tokenizer else "the teacher's tokenizer")
     teacher = _load("teacher", args.teacher, lambda: AutoModelForCausalLM.from_pretrained(
         args.teacher, **({"dtype": dtypes[args.dtype]} if args.dtype else {})))
     if device is not None:

@@ -60,9 +60,10 @@ from tqdm.auto import tqdm
 
 from ..features.taps import unwrap
 from ..losses.normalise import kd_positions
+from ..teacher import teacher_tokenizer
 from .cache_key import _dataset_digest, teacher_fingerprint
 from .signal_checks import META_FILE as _META_FILE
-from .signal_checks import check_signal_run, check_signal_settings
+from .signal_checks import check_signal_run, check_signal_settings, check_signal_tokenizer
 from .signal_format import (
     _MARKER,
     SIGNAL_FORMAT,
@@ -150,6 +151,7 @@ def create_teacher_signal(
         raise ValueError("The teacher has no config.vocab_size: give a transformers causal-LM teacher.")
     check_signal_settings(dataset, output_dir, k=k, temperature=temperature, kd_token_mask=kd_token_mask,
                           vocab_size=vocab, batch_size=batch_size, rows_per_shard=rows_per_shard)
+    check_signal_tokenizer(tokenizer, vocab, own=teacher_tokenizer(teacher)[0])
     run_on = check_signal_run(teacher, dtype, device)
     columns = [c for c in ("input_ids", "attention_mask", "labels") if c in dataset.column_names]
     name = teacher_name or getattr(inner, "name_or_path", None) or getattr(inner.config, "_name_or_path", "") or ""
@@ -165,8 +167,10 @@ def create_teacher_signal(
         f"create_teacher_signal({name!r}, <{len(dataset)} rows>, {str(folder)!r}, k={k}, "
         f"temperature={float(temperature)}, kd_token_mask={kd_token_mask!r}, batch_size={batch_size}, "
         f"dtype={meta['dtype']})")
+    created = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
     _check_resumable(folder, meta)
+    fresh = not any(folder.glob("shard-*.arrow"))
     (folder / _META_FILE).write_text(json.dumps({**meta, "complete": False}, indent=2) + "\n")
     shards = [(s, min(s + rows_per_shard, len(dataset))) for s in range(0, len(dataset), rows_per_shard)]
     todo = [i for i, (s, e) in enumerate(shards) if not _shard_ok(_shard_path(folder, i), e - s)]
@@ -185,6 +189,12 @@ def create_teacher_signal(
                 tables.append(_signal_table(teacher, rows, meta, pad_id, run_on, dtype))
                 bar.update(len(rows["input_ids"]))
             _write_shard(_shard_path(folder, i), pa.concat_tables(tables), meta["layout"])
+    except BaseException:
+        if fresh and not any(folder.glob("shard-*.arrow")):  # nothing to resume: leave nothing that refuses a fix
+            (folder / _META_FILE).unlink(missing_ok=True)
+            if created and not any(folder.iterdir()):
+                folder.rmdir()
+        raise
     finally:
         bar.close()
         teacher.train(was_training)
