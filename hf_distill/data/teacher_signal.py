@@ -60,6 +60,7 @@ from tqdm.auto import tqdm
 
 from ..features.taps import unwrap
 from ..losses.normalise import kd_positions
+from ..recorded_names import recorded_name
 from ..teacher import teacher_tokenizer
 from .cache_key import _dataset_digest, teacher_fingerprint
 from .signal_checks import META_FILE as _META_FILE
@@ -141,7 +142,8 @@ def create_teacher_signal(
         dtype: run the teacher under autocast in this dtype (torch.bfloat16 or torch.float16, on CPU or GPU);
             torch.float32 or None: as it is (float32 is refused for a teacher loaded in lower precision).
         device: where the teacher runs, which must hold its weights (default: where its parameters are).
-        teacher_name: recorded as the teacher's name (default: its `name_or_path`).
+        teacher_name: recorded as the teacher's name (default: its `name_or_path`; a local folder is recorded by its
+            name, hf_distill.recorded_names).
         command: how the signal was made, for its dataset card (the CLI gives its command line; default: this
             call, written as Python).
     """
@@ -154,7 +156,8 @@ def create_teacher_signal(
     check_signal_tokenizer(tokenizer, vocab, own=teacher_tokenizer(teacher)[0])
     run_on = check_signal_run(teacher, dtype, device)
     columns = [c for c in ("input_ids", "attention_mask", "labels") if c in dataset.column_names]
-    name = teacher_name or getattr(inner, "name_or_path", None) or getattr(inner.config, "_name_or_path", "") or ""
+    name = recorded_name(teacher_name or getattr(inner, "name_or_path", None)
+                         or getattr(inner.config, "_name_or_path", "") or "")  # never an absolute path
     import hf_distill
 
     meta = {"format": SIGNAL_FORMAT, "teacher": name, "teacher_fingerprint": teacher_fingerprint(teacher),

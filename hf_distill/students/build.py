@@ -47,6 +47,7 @@ from transformers import AutoModel, PreTrainedConfig, PreTrainedModel
 
 from ..features import families
 from ..features.families import Family, register_family
+from ..recorded_names import recorded_name
 
 __all__ = [
     "encoder_layers",
@@ -205,7 +206,7 @@ def _from_one_stack(teacher: PreTrainedModel, family: Family, layers: Sequence[i
     config.distillation = {
         "init": "from_teacher",
         "teacher_layers": list(layers),
-        "teacher_name_or_path": teacher.config._name_or_path,
+        "teacher_name_or_path": recorded_name(teacher.config._name_or_path),
         "teacher_num_layers": num_teacher_layers,
     }
     # The student is not the teacher checkpoint; keep its name out of places (e.g. Trainer model cards) that
@@ -247,7 +248,8 @@ def _from_encoder_decoder(
     config = copy.deepcopy(teacher.config)
     teacher_state = teacher.state_dict()
     plans = []  # (state-dict prefix of the stack's blocks, {old: new}, its family)
-    record: dict[str, Any] = {"init": "from_teacher", "teacher_name_or_path": teacher.config._name_or_path}
+    record: dict[str, Any] = {"init": "from_teacher",
+                              "teacher_name_or_path": recorded_name(teacher.config._name_or_path)}
     for name, wanted in (("encoder", encoder), ("decoder", decoder)):
         stack = family.stack(name)
         blocks = teacher.base_model.get_submodule(stack.layers)
@@ -418,7 +420,7 @@ def shrink(
         extra["attn_implementation"] = teacher_config._attn_implementation
     # Rebuilding through the config class (not deepcopy + setattr) re-runs its validation and derived fields.
     config = type(teacher_config)(**values, **extra)
-    config.distillation = {"init": "shrink", "teacher_name_or_path": teacher_config._name_or_path}
+    config.distillation = {"init": "shrink", "teacher_name_or_path": recorded_name(teacher_config._name_or_path)}
 
     if seed is None:
         return _build(model_class, config)
