@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hf_distill.publish.report import DistillationReport
-from hf_distill.recorded_names import recorded_name
+from hf_distill.recorded_names import recorded_command, recorded_name, recorded_path
 
 
 def test_hub_ids_and_names_are_kept_and_local_folders_are_named(tmp_path, monkeypatch):
@@ -31,3 +31,12 @@ def test_a_report_never_holds_an_absolute_path(tmp_path):
     assert (report.teacher, report.initialised_from, report.adapter["base_model"]) == ("teacher", "start", "base")
     assert report.updated(teacher=str(Path("/abs") / "other")).teacher == "other"
     assert str(tmp_path) not in str(DistillationReport.from_dict(report.to_dict()).to_dict())
+
+
+def test_a_recorded_command_line_holds_no_absolute_path(tmp_path, monkeypatch):
+    (tmp_path / "work" / "rows").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "work")
+    argv = ["hf-distill", "signal", "create", str(tmp_path / "models" / "teacher"), str(tmp_path / "work" / "rows"),
+            "out dir", f"--tokenizer={tmp_path / 'tok'}", "--k", "8", "org/teacher"]
+    assert recorded_command(argv) == "hf-distill signal create teacher rows 'out dir' --tokenizer=tok --k 8 org/teacher"
+    assert recorded_path(tmp_path / "work" / "a" / "b") == "a/b" and recorded_path("rel/x") == "rel/x"

@@ -183,6 +183,8 @@ def test_cli_creates_and_pushes_a_signal(tmp_path, hub, capsys):
     files = hub.files("fake-org/cli-signal", repo_type="dataset")
     assert set(files) == SIGNAL_FILES and meta["command"] in files["README.md"].decode()
     assert hub.datasets["fake-org/cli-signal"]["commits"][-1]["summary"] == "first signal"
+    for name, data in files.items():  # the command and the teacher recorded without the machine's paths
+        assert str(tmp_path).encode() not in data, name
     assert load_teacher_signal("fake-org/cli-signal").to_dict() == signal.to_dict()
 
 

@@ -60,7 +60,7 @@ from tqdm.auto import tqdm
 
 from ..features.taps import unwrap
 from ..losses.normalise import kd_positions
-from ..recorded_names import recorded_name
+from ..recorded_names import recorded_name, recorded_path
 from ..teacher import teacher_tokenizer
 from .cache_key import _dataset_digest, teacher_fingerprint
 from .signal_checks import META_FILE as _META_FILE
@@ -167,7 +167,7 @@ def create_teacher_signal(
             "dataset": _dataset_digest(dataset, columns), "hf_distill": hf_distill.__version__}
     folder = Path(output_dir)
     meta["command"] = command or (
-        f"create_teacher_signal({name!r}, <{len(dataset)} rows>, {str(folder)!r}, k={k}, "
+        f"create_teacher_signal({name!r}, <{len(dataset)} rows>, {recorded_path(folder)!r}, k={k}, "
         f"temperature={float(temperature)}, kd_token_mask={kd_token_mask!r}, batch_size={batch_size}, "
         f"dtype={meta['dtype']})")
     created = not folder.exists()
