@@ -13,6 +13,7 @@ from helpers import VOCAB, args, labelled_collate, llama, sft_rows, word_tokeniz
 
 from hf_distill import DistillationTrainer
 from hf_distill.data.collators import TeacherOutputsCollator
+from hf_distill.data.signal_format import counted_positions, padded_rows, positions_hashes, row_positions_hash
 from hf_distill.data.teacher_signal import (
     SIGNAL_POSITIONS,
     attach_teacher_signal,
@@ -103,6 +104,29 @@ def test_the_positions_hash_does_not_depend_on_the_padding_side(tmp_path):
     shifted["labels"][2, -1] = -100
     with pytest.raises(ValueError, match="Row 2 of this batch counts as many KD positions"):
         signal_teacher(cached, shifted, "labels", "labels")
+
+
+@pytest.mark.parametrize("mode", ["labels", "attention"])
+@pytest.mark.parametrize("columns", [("labels", "attention_mask"), ("labels",), ("attention_mask",), ()])
+def test_the_per_row_positions_hash_is_the_batch_rules(mode, columns):
+    """Rows are checked one at a time (no padding into a batch: cheap over a whole dataset); their hash must be the
+    one the signal stores, made by kd_positions on the padded batch: rows of other lengths, masks with leading
+    padding, all-masked labels, empty and one-token rows."""
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for n in (0, 1, 2, 5, 9, 9, 13):
+        lead = int(torch.randint(0, 3, (1,), generator=g)) if n > 3 else 0
+        labels = torch.randint(5, VOCAB, (n,), generator=g)
+        labels[torch.rand(n, generator=g) < 0.4] = -100
+        rows.append({"input_ids": list(range(5, 5 + n)), "labels": labels.tolist(),
+                     "attention_mask": [0] * lead + [1] * (n - lead)})
+    rows.append({"input_ids": [5, 6, 7], "labels": [-100, -100, -100], "attention_mask": [1, 1, 1]})
+    rows = [{k: v for k, v in r.items() if k == "input_ids" or k in columns} for r in rows]
+    batch = {c: [r[c] for r in rows] for c in rows[0]}
+    _, mask, labels = padded_rows(batch)
+    want = positions_hashes(counted_positions(mask, labels, mode), mask)
+    assert [row_positions_hash(r, mode) for r in rows] == want
+    assert len(set(want)) > 3  # the rows differ, and so do their hashes
 
 
 def test_a_signal_of_the_previous_format_is_refused_naming_the_fix(tmp_path):

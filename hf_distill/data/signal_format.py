@@ -37,10 +37,12 @@ __all__ = [
     "SIGNAL_TOPK",
     "SIGNAL_VALUES",
     "attach_teacher_signal",
+    "check_batch_positions",
     "check_teacher_signal",
     "padded_rows",
     "positions_hashes",
     "row_hash",
+    "row_positions_hash",
     "signal_metadata",
     "vocabulary_hash",
 ]
@@ -78,15 +80,31 @@ def positions_hashes(counted: torch.Tensor, attention_mask: torch.Tensor | None)
     """Per row of a batch, a signed 64-bit hash of its counted positions (`counted`: (B, T - 1), kd_positions'
     causal mask), numbered from the row's first real token (`attention_mask` != 0) so that the padding side and
     amount do not change it."""
-    counted = counted.detach().to("cpu", torch.bool)
-    first = (torch.zeros(counted.shape[0], dtype=torch.long) if attention_mask is None
-             else (attention_mask.detach().cpu() != 0).to(torch.int8).argmax(-1))
-    out = []
-    for row, start in zip(counted, first.tolist(), strict=True):
-        data = (row.nonzero().flatten() - start).numpy().astype(np.int64).tobytes()
-        out.append(int.from_bytes(hashlib.blake2b(data, digest_size=8, person=b"kd-positions").digest(), "little",
-                                  signed=True))
-    return out
+    counted = counted.detach().to("cpu", torch.bool).numpy()
+    real = None if attention_mask is None else (attention_mask.detach().cpu() != 0).numpy()
+    return [_hash_positions(np.flatnonzero(row) - (0 if real is None else int(real[i].argmax())))
+            for i, row in enumerate(counted)]
+
+
+def row_positions_hash(row: dict[str, Any], kd_token_mask: str) -> int:
+    """`positions_hashes` of one row as `datasets` gives it (`input_ids`, optionally `attention_mask`, `labels`),
+    without padding it into a batch: kd_positions' causal rule per row ("labels": the next label is not -100;
+    "attention", or no labels: this token and the next are real), so checking every row of a dataset stays cheap."""
+    n = len(row["input_ids"])
+    real = np.ones(n, dtype=bool) if row.get("attention_mask") is None else np.asarray(row["attention_mask"]) != 0
+    labels = row.get("labels")
+    if kd_token_mask == "labels" and labels is not None:
+        padded = np.full(max(n, len(labels)), -100, dtype=np.int64)
+        padded[: len(labels)] = labels
+        counted = padded[1:n] != -100
+    else:
+        counted = real[:-1] & real[1:]
+    return _hash_positions(np.flatnonzero(counted) - (int(real.argmax()) if real.size else 0))
+
+
+def _hash_positions(indices: np.ndarray) -> int:
+    data = np.asarray(indices, dtype=np.int64).tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8, person=b"kd-positions").digest(), "little", signed=True)
 
 
 def padded_rows(rows: dict[str, list], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -110,6 +128,23 @@ def counted_positions(mask: torch.Tensor, labels: torch.Tensor | None, kd_token_
     """(B, T - 1): the positions the signal holds for right-padded rows, by the trainer's rule (kd_positions)."""
     counted = kd_positions(mask, labels, kd_token_mask, causal=True)
     return torch.ones(mask.shape[0], max(mask.shape[1] - 1, 0), dtype=torch.bool) if counted is None else counted
+
+
+def check_batch_positions(cached: dict[str, Any], counted: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    """Refuse a batch whose rows count other positions than their signal rows (`cached`: the batch's teacher_signal
+    columns; `counted`: its kd_positions), checked on every batch: a stream's rows past the first, a collator that
+    moves labels."""
+    stored = cached.get(SIGNAL_POSITIONS)
+    if stored is None:
+        raise ValueError(f"This batch carries teacher_signal columns but no {SIGNAL_POSITIONS}: join the rows with "
+                         "attach_teacher_signal(rows, load_teacher_signal(path)), whose signal this version made.")
+    got = positions_hashes(counted, attention_mask)
+    for i, (g, h) in enumerate(zip(got, torch.as_tensor(stored).reshape(-1).tolist(), strict=True)):
+        if g != int(h):
+            raise ValueError(
+                f"Row {i} of this batch counts as many KD positions as its teacher signal but other ones (its labels "
+                "or attention mask moved since the signal was made, e.g. by a collator or a shifted prompt/"
+                "completion boundary): collate the rows as they were when the signal was created.")
 
 
 def signal_metadata(dataset: Any) -> dict[str, Any] | None:
@@ -163,10 +198,9 @@ def _check_rows(rows: datasets.Dataset, hashes: list[int], positions: list[int],
                     "from (its input_ids hash differs): the rows were changed, reordered or retokenised. Join the "
                     "signal with the rows it was created from (attach_teacher_signal), or create it again."
                 )
-        _, mask, labels = padded_rows(chunk)
-        got = positions_hashes(counted_positions(mask, labels, kd_token_mask), mask)
-        for i, (g, h) in enumerate(zip(got, positions[start : start + step], strict=True)):
-            if g != int(h):
+        names = list(chunk)
+        for i, h in enumerate(positions[start : start + step]):
+            if row_positions_hash({c: chunk[c][i] for c in names}, kd_token_mask) != int(h):
                 raise ValueError(
                     f"Row {start + i} of the {which} has the signal's input_ids but other counted positions "
                     f"(kd_token_mask={kd_token_mask!r}: its labels or attention mask moved, e.g. a shifted prompt/"

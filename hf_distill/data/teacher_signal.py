@@ -75,6 +75,7 @@ from .signal_format import (
     SIGNAL_VALUES,
     _format_checked,
     attach_teacher_signal,
+    check_batch_positions,
     check_teacher_signal,
     counted_positions,
     padded_rows,
@@ -390,17 +391,7 @@ def signal_teacher(
                 f"Row {i} of this batch counts {n} KD positions but its teacher signal holds {n_stored}: the batch's "
                 "labels or attention mask differ from the rows' when the signal was made (a collator that changes "
                 "labels, truncation or kd_token_mask). Collate the rows as they were when the signal was created.")
-    stored_hashes = cached.get(SIGNAL_POSITIONS)
-    if stored_hashes is None:
-        raise ValueError(f"This batch carries teacher_signal columns but no {SIGNAL_POSITIONS}: join the rows with "
-                         "attach_teacher_signal(rows, load_teacher_signal(path)), whose signal this version made.")
-    got = positions_hashes(counted, inputs.get("attention_mask"))
-    for i, (g, h) in enumerate(zip(got, torch.as_tensor(stored_hashes).reshape(-1).tolist(), strict=True)):
-        if g != int(h):
-            raise ValueError(
-                f"Row {i} of this batch counts as many KD positions as its teacher signal but other ones (its labels "
-                "or attention mask moved since the signal was made, e.g. by a collator or a shifted prompt/"
-                "completion boundary): collate the rows as they were when the signal was created.")
+    check_batch_positions(cached, counted, inputs.get("attention_mask"))
     topk = torch.as_tensor(cached[SIGNAL_TOPK]).to(ids.device)
     k = topk.shape[1] // tails.shape[1] if tails.shape[1] else 1
     entries = stored.repeat_interleave(k, dim=1)  # each stored position's k entries
