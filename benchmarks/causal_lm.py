@@ -427,6 +427,7 @@ def signal_lines(sec: dict) -> list[str]:
 
 
 def write_report(data: dict) -> None:
+    data = sections.portable_tree(data)  # no machine's absolute path in a results file
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "causal_lm.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
     lines = ["# Causal-LM distillation (issue #14)", "",
@@ -521,14 +522,26 @@ def run_section(name: str, a: argparse.Namespace, p: argparse.ArgumentParser, da
         return onpolicy_section(run_child, a.pairs, a.steps, a.warmup, 8, teacher, kept, a.max_new_tokens,
                                 a.onpolicy_sample)
     if name == "methods":
-        from causal_lm_methods import DEFAULT_VARIANTS, methods_section
+        from causal_lm_methods import DEFAULT_VARIANTS, PROGRESS, methods_section, section_from
 
-        r = json.loads((RUN_DIR / "results.json").read_text())
-        return methods_section(r["teacher"], r["kept_blocks"], r["train_file"], r["eval_file"],
+        if a.methods_from_progress:  # a section stopped before its end: report the runs it finished
+            return section_from(json.loads((HERE / ".cache" / "methods" / PROGRESS).read_text()))
+
+        if a.methods_teacher is None:
+            r = json.loads((RUN_DIR / "results.json").read_text())
+        else:  # a given teacher (e.g. the recipe's cached one) and the recipe's files, without the recipe's run
+            import yaml
+
+            r = {**yaml.safe_load(CONFIG.read_text()), "teacher": a.methods_teacher}
+        kept = [int(k) for k in a.methods_kept.split(",")] if a.methods_kept else r.get("kept_blocks")
+        if kept is None:
+            p.error("--methods-teacher needs --methods-kept (the teacher blocks the student keeps, e.g. 0,1,5)")
+        return methods_section(r["teacher"], kept, r["train_file"], r["eval_file"],
                                seeds=a.methods_seeds, steps=a.methods_steps, batch=a.methods_batch,
                                half=a.methods_half, eval_tokens=a.methods_eval_tokens,
                                variants=a.methods_variants.split(",") if a.methods_variants else DEFAULT_VARIANTS,
-                               work=HERE / ".cache" / "methods", threads=a.methods_threads)
+                               work=HERE / ".cache" / "methods", threads=a.methods_threads, lr=a.methods_lr,
+                               warmup=a.methods_warmup)
     kept = [int(k) for k in a.trl_kept.split(",")] if a.trl_kept else None  # trl
     return trl_section(a.pairs, a.steps, a.warmup, 8, a.trl_teacher, kept)
 
@@ -561,6 +574,10 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=32, help="onpolicy: tokens generated per completion")
     p.add_argument("--onpolicy-sample", action="store_true",
                    help="onpolicy: sample at T = 1 (no top-k / top-p) instead of greedy decoding")
+    p.add_argument("--methods-teacher", default=None, help="methods: teacher folder (default: the recipe run's)")
+    p.add_argument("--methods-kept", default=None, help="methods: teacher blocks the student keeps, e.g. 0,1,5")
+    p.add_argument("--methods-from-progress", action="store_true",
+                   help="methods: write the section from the runs a stopped invocation finished (marked partial)")
     p.add_argument("--methods-seeds", type=int, default=3, help="methods: seeds per variant")
     p.add_argument("--methods-steps", type=int, default=40, help="methods: steps per run")
     p.add_argument("--methods-batch", type=int, default=8, help="methods: rows per step")
@@ -568,6 +585,9 @@ def main() -> None:
                    help="methods: prompt tokens per row (completion: one fewer, then EOS; max_new_tokens)")
     p.add_argument("--methods-eval-tokens", type=int, default=16_384, help="methods: held-out teacher tokens")
     p.add_argument("--methods-variants", default=None, help="methods: a subset of the variants, e.g. ce,jsd")
+    p.add_argument("--methods-lr", type=float, default=1e-4,
+                   help="methods: peak learning rate (cosine); the CE-only baseline must beat the untrained student")
+    p.add_argument("--methods-warmup", type=float, default=0.1, help="methods: warm-up share of the steps")
     p.add_argument("--methods-threads", type=int, default=2,
                    help="methods: torch threads (1 is faster where other jobs share the cores)")
     p.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)

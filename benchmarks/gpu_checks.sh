@@ -8,6 +8,10 @@
 #                                       student from a ~1B teacher vs student-only SFT, tokens/s (#32 item 5)
 #   2. benchmarks/kd_precision.py       bf16 gradients against float64 at 4,096 x 2,048 x 65,536 (issue #29)
 #   3. the CUDA tests                   tests/test_mixed_precision.py, tests/test_chunked.py on the GPU machine
+#                                       (`-k "cuda or triton"`: with the loss head's walk through the real Triton
+#                                       kernels against float64, test_loss_head_through_the_triton_kernels_...[cuda];
+#                                       the [interpreter] variants skip, with the reason, where Triton's CPU
+#                                       interpreter cannot run a kernel: Triton 3.6 with numpy >= 2.3)
 #   4. benchmarks/distributed_gpu.sh    ZeRO-3 and FSDP2 through DistillationTrainer.train(), world_size 1 (#13)
 # STEPS="causal_lm_gpu kd_precision cuda_tests distributed_gpu" (the default) selects and orders them.
 # The machine has torch but not datasets/deepspeed, and an older transformers: carry wheels in .gpuwheels

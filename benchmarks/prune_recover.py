@@ -308,6 +308,18 @@ def curve_rows(sec: dict, kd: dict, other: dict, cells) -> list[str]:
     return rows
 
 
+def baseline_check(sec: dict, run: dict, name: str, higher_is_better: bool, fmt) -> str:
+    """Whether the run without the teacher beats its untrained start (step 0) at every point: where it does not, a
+    KD / baseline comparison there says what the baseline lost, not what KD added (issue #39 case 14)."""
+    start = value_at(run, 0)
+    worse = [(s, value_at(run, s)) for s in sec["points"] if s and (
+        value_at(run, s) < start if higher_is_better else value_at(run, s) > start)]
+    if not worse:
+        return f"Baseline check: {name} beats its untrained start ({fmt(start)}) at every point."
+    return (f"Baseline check: {name} is WORSE than its untrained start ({fmt(start)}) at step(s) "
+            + ", ".join(f"{s} ({fmt(v)})" for s, v in worse) + ": the KD comparison there overstates KD.")
+
+
 def train_time(sec: dict, *sides: tuple[str, dict]) -> str:
     """Training seconds of each run (evaluations left out), the thread count and the section's wall time."""
     times = ", ".join(f"{name} {run['points'][-1]['train_s']:.0f} s" for name, run in sides)
@@ -345,7 +357,8 @@ def encoder_lines(sec: dict) -> list[str]:
               f"| teacher | {t['accuracy']:.2%} | | | 100.0 |"]
     lines += curve_rows(sec, kd, ft, lambda k, f: f"{k:.2%} | {f:.2%} | {100 * (k - f):+.2f} pt | "
                         f"{100 * k / t['accuracy']:.1f}")
-    lines += ["", train_time(sec, ("KD", kd), ("fine-tuning", ft)), ""]
+    lines += ["", baseline_check(sec, ft, "fine-tuning", True, lambda v: f"{v:.2%}"), "",
+              train_time(sec, ("KD", kd), ("fine-tuning", ft)), ""]
     return lines
 
 
@@ -367,7 +380,8 @@ def decoder_lines(sec: dict) -> list[str]:
              "| steps | KD perplexity | CE-only perplexity | KD / CE-only | KD / teacher |",
              "| ---: | ---: | ---: | ---: | ---: |", f"| teacher | {t['perplexity']:.2f} | | | 1.000 |"]
     lines += curve_rows(sec, kd, ce, lambda k, c: f"{k:.2f} | {c:.2f} | {k / c:.3f} | {k / t['perplexity']:.3f}")
-    lines += ["", train_time(sec, ("KD", kd), ("CE only", ce)), ""]
+    lines += ["", baseline_check(sec, ce, "CE only", False, lambda v: f"{v:.2f}"), "",
+              train_time(sec, ("KD", kd), ("CE only", ce)), ""]
     return lines
 
 
@@ -411,6 +425,7 @@ def plot(data: dict, path: Path) -> None:
 
 
 def write_report(data: dict, folder: Path, stem: str) -> None:
+    data = sections.portable_tree(data)  # no machine's absolute path in a results file
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"{stem}.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
     lines = ["# Pruning + distillation recovery (issue #33 items 3 and 4)", "",

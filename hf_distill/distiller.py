@@ -187,6 +187,9 @@ class Distiller:
         self.paths = KDPaths(PathContext(args, self.settings, self._head, self.teacher_side, self.teacher_weights,
                                          self.task, shared_vocab, cross_vocab, accelerator, route), student)
         self.tracker = ComponentTracker()
+        # cross_tokenizer: the share of the student's distilled positions paired with the teacher's, per log window
+        self.pairing = (cross_tokenizer.PairedShare(args.cross_tokenizer, self._token_labels,
+                                                    self.settings.kd_token_mask) if args.cross_tokenizer else None)
         # Called after each loss with (model, student outputs, inputs, from_hidden): the outputs hold the last hidden
         # states instead of logits when the causal-LM loss head ran (hf_distill.trl logs SFT's token metrics from it).
         self.student_hook: Callable[[nn.Module, Any, dict[str, Any], bool], None] | None = None
@@ -271,7 +274,7 @@ class Distiller:
         step's number (the coin's input; the Trainer passes `global_step`, so a resumed run draws the same)."""
         if self.on_policy is not None or self.args.generates:
             check_step(self.on_policy, self.args, model)
-            self.on_policy.prepare(batches, model, step, teacher=self.teacher, shared_base=self.shared_base,
+            self.on_policy.prepare(batches, model, step, teachers=self.teachers, shared_base=self.shared_base,
                                    accelerator=self.accelerator, label_name=self._token_labels)
         counts = sum((self._counts(b) for b in batches), torch.zeros(len(COUNT_KINDS), dtype=torch.float64))
         processes = self._processes() if self.args.average_tokens_across_devices else 1
@@ -338,6 +341,8 @@ class Distiller:
         loss = sum(weights[k] * v for k, v in components.items())
         if model.training:
             self.tracker.add(components)
+            if self.pairing is not None and "kd" in components:
+                self.pairing.add({**inputs, **cached})
         if self.student_hook is not None:
             self.student_hook(model, s_out, inputs, not path.whole_logits)
         return (loss, self._predictions(s_out, distill)) if return_outputs else loss

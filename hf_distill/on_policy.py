@@ -28,6 +28,7 @@ from torch import nn
 
 from .data.collators import TEACHER_PREFIX, require_tensors
 from .placement import ZERO3_SHARDED, teacher_input_device, teacher_mode
+from .positions import check_room, position_limit
 from .teacher import shared_base_teacher
 
 PROMPT_IDS, PROMPT_MASK = "prompt_input_ids", "prompt_attention_mask"
@@ -165,6 +166,10 @@ class OnPolicy:
                 "neither the tokenizer (processing_class) nor the student's config has one. Set "
                 "tokenizer.pad_token (e.g. to its eos_token) and pass it as processing_class."
             )
+        # no prompt is shorter than one token: a max_new_tokens the student cannot hold is refused now
+        check_room(new_tokens(args), 1, position_limit([("student", student)]), "DistillationArguments.max_new_tokens")
+        self._limit: tuple[int, str] | None = None  # the fewest positions of the student and teachers (`prepare`)
+        self._limit_read = False
         self._seed, self._steps = int(args.seed), 0
         self.tokens = 0
         self.seconds = 0.0
@@ -182,7 +187,7 @@ class OnPolicy:
         args = self.args
         temperature = 1.0 if args.generation_temperature is None else float(args.generation_temperature)
         kwargs: dict[str, Any] = {
-            "max_new_tokens": args.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+            "max_new_tokens": new_tokens(args),
             "do_sample": temperature > 0,
             "pad_token_id": self.pad_id,
             "eos_token_id": self.stop_ids or None,
@@ -193,11 +198,12 @@ class OnPolicy:
         return kwargs
 
     def prepare(self, batches: list[dict[str, Any]], student: nn.Module, step: int | None = None, *,
-                teacher: nn.Module | None, shared_base: bool, accelerator: Any, label_name: str) -> None:
+                teachers: list[nn.Module], shared_base: bool, accelerator: Any, label_name: str) -> None:
         """Complete, in place, the prompts of the micro-batches the coin gives to the student or the teacher.
         `step`: the optimizer step these batches make (the Trainer's `global_step`, restored on resume); None counts
-        the calls (a plain loop). `teacher` (the first), `shared_base` (it is the student's PEFT base, adapters off),
-        `accelerator` and `label_name` (the labels key of the rows made) are the Distiller's."""
+        the calls (a plain loop). `teachers` (the first completes for seq_kd; all bound the positions), `shared_base`
+        (the first is the student's PEFT base, adapters off), `accelerator` and `label_name` (the labels key of the
+        rows made) are the Distiller's."""
         step = self._steps if step is None else int(step)
         self._steps = step + 1
         for micro, batch in enumerate(batches):
@@ -205,7 +211,12 @@ class OnPolicy:
             if who is None:
                 continue
             _check_batch(batch)
-            model = student if who == "student" else teacher
+            if not self._limit_read:  # before the first generation: every model that generates or reads the rows
+                self._limit, self._limit_read = position_limit(
+                    [("student", student), *teacher_roles(teachers)]), True
+            check_room(new_tokens(self.args), int(batch[PROMPT_IDS].shape[1]), self._limit,
+                       f"Step {step}, micro-batch {micro}")
+            model = student if who == "student" else (teachers[0] if teachers else None)
             shared = who == "teacher" and shared_base
             sequences = self._generate(model, batch, accelerator, shared)
             rows, generated = completion_rows(batch[PROMPT_IDS], batch[PROMPT_MASK], sequences, self.stop_ids,
@@ -227,16 +238,29 @@ class OnPolicy:
         return out.to(ids.device)
 
     def log_values(self, accelerator: Any = None) -> dict[str, float]:
-        """Generated tokens since the last call (over every process) and their rate; empty when none."""
-        if self.seconds <= 0:
-            return {}
+        """Generated tokens since the last call (over every process), 0 in a window where nothing was generated (the
+        coin kept the dataset's completions), so that a missing value never reads as "not measured"; their rate
+        only where there was generation time to divide by. Every process reduces (a collective), generating or
+        not."""
         values = torch.tensor([float(self.tokens), self.seconds], dtype=torch.float64)
         processes = accelerator.num_processes if accelerator is not None else 1
         if processes > 1:
             values = accelerator.reduce(values.to(accelerator.device), "sum").cpu()
         tokens, seconds = values.tolist()
         self.tokens, self.seconds = 0, 0.0
+        if seconds <= 0:
+            return {"generated_tokens": tokens}
         return {"generated_tokens": tokens, "generated_tokens_per_second": tokens / (seconds / processes)}
+
+
+def new_tokens(args: Any) -> int:
+    """The most tokens generated per completion: `max_new_tokens`, else TRL's default."""
+    return args.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+
+
+def teacher_roles(teachers: list[Any]) -> list[tuple[str, Any]]:
+    """(name in messages, teacher) pairs: "teacher", or "teacher i" among several."""
+    return [(f"teacher {i}" if len(teachers) > 1 else "teacher", t) for i, t in enumerate(teachers)]
 
 
 def coin(seed: int, step: int, micro: int) -> float:
@@ -377,4 +401,4 @@ def _check_batch(batch: dict[str, Any]) -> None:
 
 
 __all__ = ["PROMPT_KEYS", "OnPolicy", "check_on_policy", "check_step", "completion_rows", "default_generation_config",
-           "generation_module", "validate_generation_arguments"]
+           "generation_module", "new_tokens", "teacher_roles", "validate_generation_arguments"]

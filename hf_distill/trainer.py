@@ -26,6 +26,8 @@ from transformers.utils import logging
 
 from .arguments import DistillationArguments, as_distillation_arguments
 from .data.collators import TEACHER_PREFIX, KeepTeacherColumnsCollator, TeacherOutputsCollator
+from .data.cross_tokenizer import check_first_rows
+from .data.prompts import check_generation_data
 from .distiller import Distiller
 from .features import heads as heads_mod
 from .features.taps import unwrap
@@ -103,6 +105,12 @@ class DistillationMixin(ProjectionTraining):
         self._evaluating_teacher = False  # prediction_step runs the teacher (evaluate_teacher)
         check_engine(self.args, self.accelerator)  # an FSDP/DeepSpeed request accelerate ignored (CPU): refused
         check_fsdp2_wrap(self.model, self.accelerator)  # an FSDP2 wrap accelerate would crash on: refused
+        # lmbda / seq_kd: the first rows and the models' positions, before the teacher loads (issue #39); another
+        # head is refused by the Distiller, with the message that says so
+        if self.args.generates and heads_mod.static_head(self.model) is heads_mod.Head.CAUSAL_LM:
+            teachers = teacher_model if isinstance(teacher_model, list | tuple) else [teacher_model]
+            check_generation_data(self.args, self._prompt_collator(), self.train_dataset, self.model,
+                                  [t for t in teachers if t is not None])
         self.distiller = Distiller(
             self.model, self.args, teacher_model, processing_class=self.processing_class,
             teacher_processing_class=teacher_processing_class, train_dataset=self.train_dataset,
@@ -115,6 +123,7 @@ class DistillationMixin(ProjectionTraining):
             self.add_callback(_ClearProjectionGradients(self._projections()))
         self._check_projection_optimizer()
         self.data_collator = TeacherOutputsCollator(self.data_collator)
+        check_first_rows(self.data_collator, self.train_dataset, self.eval_dataset)  # cross_tokenizer's chat rows
         if self.args.eval_with_teacher and self.eval_dataset is not None:
             evals = self.eval_dataset if isinstance(self.eval_dataset, dict) else {"eval": self.eval_dataset}
             for name, data in evals.items():
@@ -123,6 +132,10 @@ class DistillationMixin(ProjectionTraining):
     def _distillation_arguments(self, args: Any) -> DistillationArguments:
         """The arguments as DistillationArguments (plain TrainingArguments are upgraded, every field kept)."""
         return as_distillation_arguments(args, type(self).__name__)
+
+    def _prompt_collator(self) -> Any:
+        """The collator the training rows will go through, as the set-up checks of generation read it."""
+        return getattr(self.data_collator, "base", self.data_collator)
 
     # What the distiller owns, readable from the trainer as before.
     teacher = property(lambda self: self.distiller.teacher, doc="The first teacher (None with cached outputs only).")
@@ -180,6 +193,8 @@ class DistillationMixin(ProjectionTraining):
     def train(self, *args: Any, **kwargs: Any):
         # Components of compute_loss calls made before training (by hand, in train mode) are not the run's.
         self.distiller.tracker.reset()
+        if self.distiller.pairing is not None:
+            self.distiller.pairing.reset()
         try:
             with self._projections_attached():
                 return super().train(*args, **kwargs)
@@ -192,6 +207,8 @@ class DistillationMixin(ProjectionTraining):
         if "loss" in logs and self.distiller.tracker:
             for name, value in self.distiller.tracker.pop_means(self.accelerator).items():
                 logs[f"loss_{name}"] = value
+        if "loss" in logs and self.distiller.pairing is not None:  # cross_tokenizer: xtok_paired_share
+            logs.update(self.distiller.pairing.log_values(self.accelerator))
         if "loss" in logs and self.distiller.on_policy is not None:  # generated_tokens(_per_second)
             logs.update(self.distiller.on_policy.log_values(self.accelerator))
         if "loss" in logs:

@@ -170,7 +170,7 @@ def test_cli_creates_and_pushes_a_signal(tmp_path, hub, capsys):
     meta = signal_metadata(signal)
     assert out.startswith(f"Wrote the teacher signal to {tmp_path / 'signal'}: 8 rows, {meta['positions']} tokens")
     assert meta["command"].startswith("hf-distill signal create ") and "--k 8 --temperature 2.0" in meta["command"]
-    assert meta["teacher"] == str(tmp_path / "teacher")
+    assert meta["teacher"] == "teacher"  # the local folder by its name, not the machine's absolute path
     # The same signal as the Python call on the same teacher, tokenizer and rows.
     python = _signal(tmp_path / "python", rows, teacher, batch_size=3)
     assert signal.to_dict() == python.to_dict()
@@ -183,6 +183,8 @@ def test_cli_creates_and_pushes_a_signal(tmp_path, hub, capsys):
     files = hub.files("fake-org/cli-signal", repo_type="dataset")
     assert set(files) == SIGNAL_FILES and meta["command"] in files["README.md"].decode()
     assert hub.datasets["fake-org/cli-signal"]["commits"][-1]["summary"] == "first signal"
+    for name, data in files.items():  # the command and the teacher recorded without the machine's paths
+        assert str(tmp_path).encode() not in data, name
     assert load_teacher_signal("fake-org/cli-signal").to_dict() == signal.to_dict()
 
 

@@ -91,7 +91,7 @@ same order; hf_distill refuses anything else, naming the mismatch.
 from hf_distill import DistillationArguments, DistillationTrainer
 from hf_distill.data.teacher_signal import attach_teacher_signal, load_teacher_signal
 
-train = attach_teacher_signal(rows, load_teacher_signal("{where}"))  # checks every row's input_ids hash
+train = attach_teacher_signal(rows, load_teacher_signal("{where}"))  # checks every row's ids and positions
 args = DistillationArguments(output_dir="out", temperature={meta['temperature']}, \
 kd_token_mask="{meta['kd_token_mask']}", kd_loss="jsd")
 trainer = DistillationTrainer(model=student, teacher_model=None, args=args, train_dataset=train,
@@ -101,7 +101,8 @@ trainer.train()
 
 `teacher_signal.json` holds this metadata; each `shard-*.arrow` file is a block of rows (`teacher_signal_topk`:
 packed id and value entries, `teacher_signal_tail`: the log tail mass per token, `teacher_signal_row`: a hash of
-the row's `input_ids`).
+the row's `input_ids`, `teacher_signal_positions`: a hash of its counted positions, so rows whose labels moved are
+refused).
 """
 
 

@@ -25,9 +25,10 @@ One path, two ways to reach the LM heads:
 - **module** (DeepSpeed ZeRO-3, and heads that are not a plain `nn.Linear`, e.g. a LoRA-wrapped head; under FSDP
   the trainer computes whole logits instead, docs/guides/engines.md): the engines gather parameters and reduce
   gradients inside the head module's own call, so the head is called as a
-  module, a chunk of tokens at a time inside a checkpoint, with its linear layers computed by :func:`mm_f32`
-  (a `TorchFunctionMode` for the duration of the call). The loss math is the dense one of :mod:`hf_distill.losses`.
-  Weight gradients then accumulate over token chunks in the engine's gradient dtype.
+  module, a chunk of tokens at a time inside a checkpoint, with its linear layers and matrix products (a custom
+  or quantised head's `h @ W.T`) computed by :func:`mm_f32` (a `TorchFunctionMode` for the duration of the call;
+  a head whose logits come out rounded anyway is named in a warning). The loss math is the dense one of
+  :mod:`hf_distill.losses`. Weight gradients then accumulate over token chunks in the engine's gradient dtype.
 
 Both give the same loss and gradients (tested: 1e-6 in float32, and both within the float64 bound in bf16).
 

@@ -24,8 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
+from transformers.utils import logging
 
 from . import divergences as losses
+
+logger = logging.get_logger(__name__)
 
 #: The divergences with a closed-form logit gradient here (`kd_loss` values); all but `soft_ce` are times `T**2`.
 DIVERGENCES = losses.DIVERGENCE_KINDS
@@ -112,8 +115,31 @@ class _LinearF32(torch.autograd.Function):
         return gx, gw, gb
 
 
+#: The matrix products a custom LM head may compute its logits with instead of `F.linear` (`h @ W.T`,
+#: `torch.matmul(h, W.t())`, `h.mm(...)`): :class:`float32_logits` gives them a float32 output too.
+_MATMULS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm})
+_LOW = (torch.bfloat16, torch.float16)
+
+
+def _matmul_f32(func, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`func(a, b)` (a matrix product) with float32 output where it would round to bf16/fp16 (low-precision
+    operands, or autocast to a low-precision dtype), from operands in the dtype the product would have used: by a
+    matrix `b` (an LM head's weight, transposed) the linear's own :class:`_LinearF32` on `b.t()`; any other shape
+    with its operands upcast (their products are exact in float32). Elsewhere `func` itself, unchanged."""
+    device = a.device.type
+    auto = torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) in _LOW
+    if not (auto or a.dtype in _LOW or b.dtype in _LOW) or not (a.is_floating_point() and b.is_floating_point()):
+        return func(a, b)
+    if b.dim() == 2 and a.dim() >= 1:
+        return _LinearF32.apply(a, b.t(), None)
+    dtype = torch.get_autocast_dtype(device) if auto else torch.promote_types(a.dtype, b.dtype)
+    with torch.autocast(device, enabled=False):
+        return torch.matmul(a.to(dtype).float(), b.to(dtype).float())
+
+
 class float32_logits(TorchFunctionMode):  # noqa: N801 (used as a context manager, like torch.no_grad)
-    """Within it, every `F.linear` computes its output in float32 from operands in its usual dtype (:func:`mm_f32`).
+    """Within it, every `F.linear` computes its output in float32 from operands in its usual dtype (:func:`mm_f32`),
+    and so does every low-precision matrix product (`@`, `torch.matmul`, `torch.mm`: a custom head's own GEMM).
     Used around an LM head's module call, so an engine's parameter hooks still run."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -122,7 +148,19 @@ class float32_logits(TorchFunctionMode):  # noqa: N801 (used as a context manage
             x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             return _LinearF32.apply(x, weight, bias)
+        if func in _MATMULS and len(args) == 2 and not kwargs and all(isinstance(t, torch.Tensor) for t in args):
+            return _matmul_f32(func, *args)
         return func(*args, **kwargs)
+
+
+@functools.cache
+def _warn_rounded_logits(head: str, dtype: torch.dtype) -> None:
+    """Once per head type and dtype: its logits came out rounded (an op :class:`float32_logits` cannot widen)."""
+    logger.warning(
+        "The LM head %s returns %s logits from an operation hf_distill cannot compute in float32 (it widens "
+        "nn.Linear, F.linear and matmul): they are upcast after that rounding, so KD gradients near agreement can be "
+        "10-40%% off float64 instead of ~0.2%% (issue #29); use an nn.Linear head, or train the head in float32.",
+        head, str(dtype).removeprefix("torch."))
 
 # ---------------------------------------------------------------------------------------------- what the heads take
 
@@ -156,6 +194,8 @@ class LogitsHead:
         """The logits in float32, through the module call (engines' hooks run) with float32-output linears."""
         with float32_logits():
             z = self.module(hidden)
+        if z.dtype in _LOW:
+            _warn_rounded_logits(type(self.module).__name__, z.dtype)
         return self.post(z.float())
 
 

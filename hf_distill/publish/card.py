@@ -378,11 +378,23 @@ def _comparison(r: DistillationReport) -> str:
         where = " on " + (r.dataset_name or ", ".join(r.datasets)) if (r.dataset_name or r.datasets) else ""
         split = f" ({r.dataset_split})" if r.dataset_split else ""
         step = f", student evaluated at step {r.eval_step}" if r.eval_step else ""
-        note = "\n\n`loss` is the model's own next-token cross-entropy on the evaluation set (nats per predicted " \
-               "token), `perplexity` its exp." if r.pipeline_tag == "text-generation" and any(
-                   n == "perplexity" or n.endswith("_perplexity") for n in r.student_metrics) else ""
-        parts.append(f"Evaluation{where}{split}{step}:\n\n{head}\n" + "\n".join(lines) + note)
+        parts.append(f"Evaluation{where}{split}{step}:\n\n{head}\n" + "\n".join(lines) + _loss_note(r))
     return "## Teacher vs student\n\n" + "\n\n".join(parts) if parts else ""
+
+
+def _loss_note(r: DistillationReport) -> str:
+    """What the evaluation table's `loss` (the Trainer's eval_loss, the model's own: the teacher does not run in
+    evaluation) and `perplexity` (its exp, for language models) are."""
+    if not any(n == "loss" or n.endswith("_loss") for n in r.student_metrics):
+        return ""
+    perplexity = any(n == "perplexity" or n.endswith("_perplexity") for n in r.student_metrics)
+    what = {"text-generation": "next-token cross-entropy on the evaluation set (nats per predicted token)",
+            "text2text-generation": "cross-entropy of the target tokens on the evaluation set (nats per token)"}
+    if perplexity and r.pipeline_tag in what:
+        return f"\n\n`loss` is the model's own {what[r.pipeline_tag]}, `perplexity` its exp."
+    smoothing = r.training.get("label_smoothing_factor")
+    return ("\n\n`loss` is the model's own task loss on the evaluation set (the Trainer's `eval_loss`; the teacher "
+            "does not run in evaluation)" + (f", label-smoothed ({smoothing})" if smoothing else "") + ".")
 
 
 def _training(r: DistillationReport) -> str:

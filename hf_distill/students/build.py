@@ -47,6 +47,7 @@ from transformers import AutoModel, PreTrainedConfig, PreTrainedModel
 
 from ..features import families
 from ..features.families import Family, register_family
+from ..recorded_names import recorded_name
 
 __all__ = [
     "encoder_layers",
@@ -115,8 +116,9 @@ def _reject_heterogeneous(config: PreTrainedConfig) -> None:
         )
 
 
-def _check_layers(layers: Sequence[int], num_teacher_layers: int) -> list[int]:
-    """Normalise to plain ints (the list is written to config.json) and reject anything ambiguous."""
+def _check_layers(layers: Sequence[int], num_teacher_layers: int, stack: str = "encoder") -> list[int]:
+    """Normalise to plain ints (the list is written to config.json) and reject anything ambiguous; `stack` names
+    the teacher's stack the indices refer to ("encoder" or "decoder"), for the message."""
     if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):
         raise TypeError(f"layers must be a sequence of ints, got {type(layers).__name__}.")
     if len(layers) == 0:
@@ -134,7 +136,7 @@ def _check_layers(layers: Sequence[int], num_teacher_layers: int) -> list[int]:
     bad = [i for i in checked if not 0 <= i < num_teacher_layers]
     if bad:
         raise ValueError(
-            f"layers {checked} has out-of-range index {bad[0]}: the teacher has {num_teacher_layers} encoder "
+            f"layers {checked} has out-of-range index {bad[0]}: the teacher has {num_teacher_layers} {stack} "
             f"layers, so valid indices are 0..{num_teacher_layers - 1} (negative indices are not accepted)."
         )
     if any(a >= b for a, b in zip(checked, checked[1:])):
@@ -193,7 +195,7 @@ def _from_one_stack(teacher: PreTrainedModel, family: Family, layers: Sequence[i
     """`from_teacher` for encoder-only and decoder-only models (one stack of blocks)."""
     teacher_layers = encoder_layers(teacher)
     num_teacher_layers = len(teacher_layers)
-    layers = _check_layers(layers, num_teacher_layers)
+    layers = _check_layers(layers, num_teacher_layers, "decoder" if family.causal else "encoder")
 
     config = copy.deepcopy(teacher.config)
     setattr(config, family.num_layers_field, len(layers))
@@ -204,7 +206,7 @@ def _from_one_stack(teacher: PreTrainedModel, family: Family, layers: Sequence[i
     config.distillation = {
         "init": "from_teacher",
         "teacher_layers": list(layers),
-        "teacher_name_or_path": teacher.config._name_or_path,
+        "teacher_name_or_path": recorded_name(teacher.config._name_or_path),
         "teacher_num_layers": num_teacher_layers,
     }
     # The student is not the teacher checkpoint; keep its name out of places (e.g. Trainer model cards) that
@@ -246,13 +248,14 @@ def _from_encoder_decoder(
     config = copy.deepcopy(teacher.config)
     teacher_state = teacher.state_dict()
     plans = []  # (state-dict prefix of the stack's blocks, {old: new}, its family)
-    record: dict[str, Any] = {"init": "from_teacher", "teacher_name_or_path": teacher.config._name_or_path}
+    record: dict[str, Any] = {"init": "from_teacher",
+                              "teacher_name_or_path": recorded_name(teacher.config._name_or_path)}
     for name, wanted in (("encoder", encoder), ("decoder", decoder)):
         stack = family.stack(name)
         blocks = teacher.base_model.get_submodule(stack.layers)
         total = len(blocks)
         try:
-            kept = list(range(total)) if wanted is None else _check_layers(wanted, total)
+            kept = list(range(total)) if wanted is None else _check_layers(wanted, total, name)
         except (TypeError, ValueError) as err:
             raise type(err)(f"{name}_layers: {err}") from None
         setattr(config, stack.num_layers_field, len(kept))
@@ -417,7 +420,7 @@ def shrink(
         extra["attn_implementation"] = teacher_config._attn_implementation
     # Rebuilding through the config class (not deepcopy + setattr) re-runs its validation and derived fields.
     config = type(teacher_config)(**values, **extra)
-    config.distillation = {"init": "shrink", "teacher_name_or_path": teacher_config._name_or_path}
+    config.distillation = {"init": "shrink", "teacher_name_or_path": recorded_name(teacher_config._name_or_path)}
 
     if seed is None:
         return _build(model_class, config)

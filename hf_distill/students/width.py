@@ -44,6 +44,7 @@ from transformers import PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
 from ..features.families import Family
+from ..recorded_names import recorded_name
 from .build import encoder_layers, from_teacher, get_family
 from .prune import _block_importance
 
@@ -381,7 +382,7 @@ def prune_width(
     record.update(
         {
             "init": "prune_width",
-            "teacher_name_or_path": teacher.config._name_or_path,
+            "teacher_name_or_path": recorded_name(teacher.config._name_or_path),
             "importance": "activation (Minitron)",
             "calibration_tokens": importance.num_tokens,
             "teacher_shape": {
