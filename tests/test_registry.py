@@ -152,8 +152,8 @@ def test_a_registered_divergence_trains_through_the_sparse_head(hellinger, route
     kd_mask = torch.ones(1, 12, dtype=torch.bool)
     kd_mask[0, :2] = False
     x = h_s.clone().requires_grad_(True)
-    kd, ce = chunked.chunked_kd_and_ce(x, chunked.LogitsHead(s_lin), losses.TopKTail(*(p.float() if p.is_floating_point()
-                                       else p for p in teacher)), None, kd_mask, labels,
+    as_float32 = losses.TopKTail(*(p.float() if p.is_floating_point() else p for p in teacher))
+    kd, ce = chunked.chunked_kd_and_ce(x, chunked.LogitsHead(s_lin), as_float32, None, kd_mask, labels,
                                        chunked.dense_kd(hellinger, T), chunk_size=4, route=route)
     (kd + ce).backward()
 
