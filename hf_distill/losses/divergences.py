@@ -110,7 +110,7 @@ def _log_probs(
         _check_same_shape(fn, student_logits, teacher.logits)
         t = _zero_padding(teacher.logits.float(), real)
         return F.log_softmax(t / temperature, dim=-1), F.log_softmax(s / temperature, dim=-1), real
-    values, indices = teacher[0], teacher.indices
+    values, indices = teacher[0], teacher.indices  # TopK's values or TopKTail's log-probabilities at T
     if values.shape != indices.shape:
         raise ValueError(
             f"{fn}: top-k teacher values {tuple(values.shape)} and indices {tuple(indices.shape)} differ"

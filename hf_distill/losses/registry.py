@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Divergence", "KindMap", "KindNames", "Mixture", "UnknownDivergence", "get_divergence", "kinds",
-           "register", "unregister"]
+# re-exported by hf_distill.losses; `kinds()` and the views stay here (`hf_distill.losses.kinds` is the module of the
+# built-in entries)
+__all__ = ["Divergence", "Mixture", "UnknownDivergence", "get_divergence", "register", "unregister"]
 
 RowsFn = Callable[[torch.Tensor, torch.Tensor, "float | None"], tuple[torch.Tensor, torch.Tensor]]
 GradFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "float | None"], torch.Tensor]
