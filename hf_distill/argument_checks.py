@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from .arguments import (
     CROSS_TOKENIZER_METHODS,
+    JSD_KINDS,
     KD_LOSS_KINDS,
     KD_TOKEN_MASKS,
     MULTI_TEACHER_MODES,
@@ -43,7 +44,7 @@ def validate_distillation(args: DistillationArguments) -> None:
             f"DistillationArguments.jsd_beta must be in [0, 1] (0 = forward KL, 1 = reverse KL), got "
             f"{args.jsd_beta!r}."
         )
-    if args.jsd_beta is not None and args.kd_loss != "jsd":
+    if args.jsd_beta is not None and args.kd_loss not in JSD_KINDS:
         raise ValueError(
             f"DistillationArguments.jsd_beta={args.jsd_beta} does nothing with kd_loss={args.kd_loss!r}: beta is "
             "the mixture weight of kd_loss='jsd' only. Set kd_loss='jsd' (beta 0 = 'kl', 1 = 'reverse_kl'), or "
@@ -52,8 +53,9 @@ def validate_distillation(args: DistillationArguments) -> None:
     if args.skew_alpha is not None:
         if args.kd_loss not in SKEW_KINDS:
             raise ValueError(
-                f"DistillationArguments.skew_alpha={args.skew_alpha!r} is used by kd_loss='skew_kl' or "
-                f"'skew_reverse_kl' only, but kd_loss={args.kd_loss!r}. Unset skew_alpha, or choose a skew kd_loss."
+                f"DistillationArguments.skew_alpha={args.skew_alpha!r} is used by kd_loss="
+                f"{' or '.join(repr(k) for k in SKEW_KINDS)} only, but kd_loss={args.kd_loss!r}. Unset skew_alpha, or "
+                "choose a skew kd_loss."
             )
         if isinstance(args.skew_alpha, bool) or not (
             isinstance(args.skew_alpha, int | float) and 0.0 <= args.skew_alpha < 1.0

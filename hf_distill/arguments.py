@@ -37,12 +37,15 @@ from typing import Any
 from transformers import TrainingArguments
 from transformers.utils import logging
 
+from .losses.registry import KindNames, get_divergence, kinds
 from .losses.terms import DistillTerm, parse_terms
 
 logger = logging.get_logger(__name__)
 
-KD_LOSS_KINDS = ("kl", "soft_ce", "mse", "reverse_kl", "jsd", "skew_kl", "skew_reverse_kl", "tvd")
-SKEW_KINDS = ("skew_kl", "skew_reverse_kl")
+# The `kd_loss` values and the kinds each mixture field applies to: live views of hf_distill.losses.registry.
+KD_LOSS_KINDS = KindNames()
+JSD_KINDS = KindNames(mixture="jsd_beta")
+SKEW_KINDS = KindNames(mixture="skew_alpha")
 DEFAULT_SKEW_ALPHA = 0.1  # DistiLLM (Ko et al., 2024)
 PROJECTION_KINDS = ("shared", "per_layer", "none")
 KD_TOKEN_MASKS = ("attention", "labels")
@@ -63,6 +66,12 @@ SETTINGS_FIELDS = ("temperature", "kd_loss", "kd_weight", "task_weight", "kd_tok
 _GIVEN_WINS = " Default: {}, or the value of `distill_preset`; a value you give always wins over the preset."
 _GENERATING = (" When the run generates its completions (lmbda > 0 or seq_kd) and neither you nor the preset gave it, "
                "the default is {} instead (GKD's loss: KD alone, no cross-entropy on the student's own samples).")
+
+
+def _kd_loss_help() -> str:
+    """`kd_loss`'s help: each registered kind with its entry's description (hf_distill.losses.registry)."""
+    parts = [f"`{name}` ({get_divergence(name).help})" for name in kinds()]
+    return "Logit-distillation loss: " + ", ".join(parts[:-1]) + " or " + parts[-1] + "."
 
 
 @dataclass
@@ -88,12 +97,7 @@ class DistillationArguments(TrainingArguments):
     kd_loss: str | None = field(
         default=None,
         metadata={
-            "help": "Logit-distillation loss: `kl` (T**2 * KL(teacher || student), DistilBERT), `soft_ce` "
-            "(soft cross-entropy without T**2, TinyBERT), `mse` (squared error of logits, Tang et al. "
-            "2019 BiLSTM students), `reverse_kl` (T**2 * KL(student || teacher), MiniLLM) or `jsd` (generalized "
-            "Jensen-Shannon divergence of GKD, Agarwal et al. 2024, with `jsd_beta`), `skew_kl` / `skew_reverse_kl` "
-            "(DistiLLM's skew KL(teacher || alpha teacher + (1-alpha) student) and its reverse, Ko et al. 2024, with "
-            "`skew_alpha`) or `tvd` (T**2 * total variation distance)." + _GIVEN_WINS.format("kl")
+            "help": _kd_loss_help() + _GIVEN_WINS.format("kl")
         },
     )
     kd_chunk_size: int | None = field(
@@ -370,7 +374,7 @@ class DistillationArguments(TrainingArguments):
         return {
             "temperature": self.temperature,
             "kd_loss": self.kd_loss,
-            **({"jsd_beta": self.effective_jsd_beta} if self.kd_loss == "jsd" else {}),
+            **({"jsd_beta": self.effective_jsd_beta} if self.kd_loss in JSD_KINDS else {}),
             **({"skew_alpha": self.resolved_skew_alpha} if self.kd_loss in SKEW_KINDS else {}),
             "kd_weight": self.kd_weight,
             "task_weight": self.task_weight,

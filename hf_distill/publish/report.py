@@ -18,6 +18,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from ..losses.registry import KindMap
 from ..recorded_names import recorded_name
 from . import measure
 
@@ -321,8 +322,7 @@ def lm_metrics(metrics: dict[str, float]) -> dict[str, float]:
     return out
 
 
-_KD_METHODS = {"jsd": "gkd", "reverse_kl": "reverse-kl", "skew_kl": "distillm", "skew_reverse_kl": "distillm",
-               "tvd": "tvd-kd"}
+_KD_METHODS = KindMap("method")  # kd_loss -> the card's method tag: each divergence's registry entry's (a live view)
 _TERM_METHODS = (("attention_score_mse", "tinybert"), ("relation_kl", "minilm"), ("pkd_loss", "bert-pkd"),
                  ("cosine_loss", "distilbert"))
 
