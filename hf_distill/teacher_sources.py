@@ -28,13 +28,15 @@ from .data.teacher_signal import SIGNAL_TOPK, signal_teacher
 from .features.heads import Head, head_logits
 from .features.taps import forward
 from .losses import chunked
+from .losses.teacher_forms import DenseLogits, TopK, TopKTail
 from .model_inputs import forward_params
 from .placement import send_teacher_outputs, teacher_input_device
 from .teacher import shared_base_teacher
 
-DENSE, TOPK, SIGNAL, MODEL = "dense", "topk", "signal", "model"
-"""The forms of a teacher's logits: whole logits, a cached top-k `(values, indices)` pair, an offline signal's
-`(log_probs, indices, log_tail)` triple; `model`: none cached, the teacher model runs."""
+DENSE, TOPK, SIGNAL, MODEL = DenseLogits.form, TopK.form, TopKTail.form, "model"
+"""The forms of a teacher's logits, tagged as the losses tag them (hf_distill.losses.teacher_forms): whole logits, a
+cached top-k `(values, indices)` pair, an offline signal's `(log_probs, indices, log_tail)` triple; `model`: none
+cached, the teacher model runs (its logits, or its last hidden state for the loss head)."""
 
 
 @dataclasses.dataclass

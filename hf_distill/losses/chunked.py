@@ -32,9 +32,8 @@ One path, two ways to reach the LM heads:
 
 Both give the same loss and gradients (tested: 1e-6 in float32, and both within the float64 bound in bf16).
 
-Where the pieces live (a one-way import graph: chunked, sparse_head -> kd_head -> head_common): this module is the
-dense teacher's entry point (:func:`.sparse_head.sparse_kd_and_ce` is the sparse one's: the KD path that holds a
-signal calls it, hf_distill.kd_paths) and re-exports :class:`LogitsHead`, :class:`KDSpec` and :func:`dense_kd`;
+Where the pieces live (a one-way import graph: chunked -> sparse_head -> kd_head -> head_common): this module is the
+public entry point and re-exports :class:`LogitsHead`, :class:`KDSpec` and :func:`dense_kd`;
 :mod:`.head_common` holds what both heads share (float32-output GEMMs, those objects, the counted rows, the module
 route's chunks, the route's choice and the means); :mod:`.kd_head` the dense head's autograd function and the token
 and vocabulary walks both autograd functions run; :mod:`.sparse_head` what a top-k + tail teacher changes.
@@ -54,6 +53,7 @@ import torch
 from torch import nn
 
 from ..features.taps import unwrap
+from . import sparse_head
 from .head_common import (  # noqa: F401 - LogitsHead, KDSpec, dense_kd, ...: re-exported (the public module)
     DIVERGENCES,
     KDSpec,
@@ -191,9 +191,9 @@ def chunked_kd_and_ce(
     if kd is not None and kd.kind == "mse":
         raise ValueError("kd_loss='mse' compares raw logits, which the chunked loss head does not keep: compute it "
                          "from whole logits (DistillationTrainer does, for kd_loss='mse', unless kd_chunk_size is set)")
-    if kd is not None and not isinstance(teacher, torch.Tensor | LogitsHead):
-        raise TypeError(f"teacher must be a LogitsHead (with t_hidden) or dense logits, got {type(teacher).__name__}: "
-                        "a (log_probs, indices, log_tail) signal goes to losses.sparse_head.sparse_kd_and_ce")
+    if isinstance(teacher, tuple | list):  # a (log_probs, indices, log_tail) signal: losses.sparse_head
+        return sparse_head.sparse_kd_and_ce(s_hidden, student_head, teacher, kd_mask, labels, kd, chunk_size, vocab,
+                                            route)
     counted = counted_rows(s_hidden, kd_mask, labels, kd)
     from_hidden = t_hidden is not None
     t_head = teacher if from_hidden else None
