@@ -18,8 +18,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from ..base.optimizer_steps import StepWatch
 from ..features.taps import unwrap
 
 __all__ = ["teacher_fingerprint"]
@@ -41,23 +41,16 @@ def teacher_fingerprint(model: nn.Module) -> str:
     state = inner.state_dict()
     signature = _state_signature(header, state)
     memo = teacher_fingerprint.memo.get(inner) if signature is not None else None
-    if memo is not None and memo[0] == signature:
+    if memo is not None and memo[0] == signature and not memo[2].stepped():
         return memo[1]
     digest = _hash_state(header, state)
     if signature is not None:
-        teacher_fingerprint.memo[inner] = (signature, digest)
+        teacher_fingerprint.memo[inner] = (signature, digest, StepWatch())
     return digest
 
 
-teacher_fingerprint.memo = weakref.WeakKeyDictionary()  # module -> (signature, digest)
-_optimizer_steps = [0]  # any optimizer step in this process invalidates memoised teacher fingerprints
-
-
-def _count_optimizer_step(optimizer, args, kwargs) -> None:
-    _optimizer_steps[0] += 1
-
-
-register_optimizer_step_post_hook(_count_optimizer_step)
+# module -> (signature, digest, watch): any optimizer step in this process since invalidates the memoised digest
+teacher_fingerprint.memo = weakref.WeakKeyDictionary()
 
 
 def _teacher_header(inner: nn.Module) -> str:
@@ -75,7 +68,7 @@ def _state_signature(header: str, state: dict[str, torch.Tensor]) -> tuple | Non
                          t.storage_offset(), str(t.device)) for name, t in sorted(state.items()))
     except (RuntimeError, NotImplementedError):  # e.g. sharded or meta tensors: hash every time
         return None
-    return header, _optimizer_steps[0], tensors
+    return header, tensors
 
 
 def _hash_state(header: str, state: dict[str, torch.Tensor]) -> str:
