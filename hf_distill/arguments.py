@@ -30,17 +30,19 @@ from typing import Any
 from transformers import TrainingArguments
 from transformers.utils import logging
 
+from .argument_checks import (  # noqa: F401 - the accepted values, importable from here
+    CROSS_TOKENIZER_METHODS,
+    KD_LOSS_KINDS,
+    KD_TOKEN_MASKS,
+    MULTI_TEACHER_MODES,
+    PROJECTION_KINDS,
+    SKEW_KINDS,
+)
 from .losses.terms import DistillTerm, parse_terms
 
 logger = logging.get_logger(__name__)
 
-KD_LOSS_KINDS = ("kl", "soft_ce", "mse", "reverse_kl", "jsd", "skew_kl", "skew_reverse_kl", "tvd")
-SKEW_KINDS = ("skew_kl", "skew_reverse_kl")
 DEFAULT_SKEW_ALPHA = 0.1  # DistiLLM (Ko et al., 2024)
-PROJECTION_KINDS = ("shared", "per_layer", "none")
-KD_TOKEN_MASKS = ("attention", "labels")
-MULTI_TEACHER_MODES = ("probs", "losses")
-CROSS_TOKENIZER_METHODS = ("uld", "aligned")  # hf_distill.losses.cross_tokenizer
 # The plain defaults of the fields a preset may set; the fields themselves default to None ("not given").
 PRESET_DEFAULTS: dict[str, Any] = {"kd_loss": "kl", "kd_weight": 0.5, "task_weight": 0.5, "projection": "shared"}
 # Defaults that depend on the student's head, as (any other head, causal LM): filled by `resolve_head_defaults`

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..on_policy import PROMPT_IDS, PROMPT_MASK
+from ..base.batch_keys import PROMPT_IDS, PROMPT_MASK
 
 TEXT_COLUMNS = ("prompt", "completion", "messages")
 

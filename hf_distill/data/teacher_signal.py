@@ -55,8 +55,8 @@ from datasets.arrow_writer import ArrowWriter
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..base.positions import kd_positions
 from ..features.taps import unwrap
-from ..losses.normalise import kd_positions
 from .cache_key import _dataset_digest, teacher_fingerprint
 from .signal_checks import META_FILE as _META_FILE
 from .signal_checks import check_signal_run, check_signal_settings
@@ -323,7 +323,7 @@ def load_teacher_signal(
     downloaded once into the Hub cache, then read from there (offline too)."""
     folder = Path(path)
     if not folder.exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)):
-        from .signal_hub import download_teacher_signal
+        from .signal_download import download_teacher_signal
 
         folder = download_teacher_signal(str(path), revision=revision, token=token)
     meta_path = folder / _META_FILE

@@ -55,16 +55,6 @@ __all__ = [
     "register_family",
     "shrink",
 ]
-_PRUNE = ("DepthPruning", "block_importance", "prune_depth")  # moved to `prune`; still importable from here
-
-
-def __getattr__(name: str) -> Any:
-    if name in _PRUNE:
-        from . import prune
-
-        return getattr(prune, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 def get_family(config: PreTrainedConfig) -> Family:
     """Registry lookup with an error that says how to register the missing family."""
     model_type = getattr(config, "model_type", None)
