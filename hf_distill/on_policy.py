@@ -28,6 +28,7 @@ from torch import nn
 
 from .base.batch_keys import PROMPT_IDS, PROMPT_KEYS, PROMPT_MASK, TEACHER_PREFIX, require_tensors
 from .base.generation_checks import GENERATION_FIELDS, validate_generation_arguments  # noqa: F401 - in __all__
+from .compat import zero3_gathered_without_hooks
 from .placement import ZERO3_SHARDED, teacher_input_device, teacher_mode
 from .teacher import shared_base_teacher
 
@@ -233,35 +234,6 @@ def zero3_engine(model: nn.Module, module: nn.Module, accelerator: Any) -> Any:
         "parameter hooks are set aside while it generates), but this model is neither an engine nor the one the "
         "accelerator prepared. Pass the engine (e.g. trainer.model_wrapped) as `model` to Distiller.start_step."
     )
-
-
-@contextlib.contextmanager
-def zero3_gathered_without_hooks(engine: Any) -> Iterator[None]:
-    """The engine's parameters gathered whole, with its ZeRO-3 module hooks removed until the exit.
-
-    `generate` makes one forward per token. With the hooks on, each forward also runs the engine's fetch and
-    release, and from the second step on its coordinator prefetches along the training step's trace, so parameters
-    are still being gathered (ZeroParamStatus.INFLIGHT) when GatheredParameters repartitions them, which DeepSpeed
-    refuses ("Cannot partition a param in flight"). The hooks are registered again on exit and the recorded trace
-    is dropped, so the next forward records a fresh one (DeepSpeed releases without deepspeedai/DeepSpeed#8043
-    kept the stale trace: "pop from an empty deque" at the next step)."""
-    import deepspeed
-
-    offload = getattr(engine.optimizer, "parameter_offload", None) or engine.optimizer  # training / inference engine
-    params = list(engine.module.parameters())
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-        for p in params:  # no module call is in progress: none holds a parameter
-            p.ds_active_sub_modules.clear()
-        for hook in (*offload.forward_hooks, *offload.backward_hooks):
-            hook.remove()
-        offload.forward_hooks, offload.backward_hooks = [], []
-        try:
-            yield
-        finally:
-            offload._register_deepspeed_module(offload.module)
-            coordinator = offload.get_param_coordinator()
-            if not coordinator.is_invalid_trace():
-                coordinator._invalidate_trace()
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..base.optimizer_steps import StepWatch
+from ..compat import dataset_indices, tensor_version
 from ..features.taps import unwrap
 
 __all__ = ["teacher_fingerprint"]
@@ -64,7 +65,7 @@ def _teacher_header(inner: nn.Module) -> str:
 def _state_signature(header: str, state: dict[str, torch.Tensor]) -> tuple | None:
     """What must stay equal for a memoised fingerprint to hold; None when a tensor has no plain storage."""
     try:
-        tensors = tuple((name, t.data_ptr(), t._version, str(t.dtype), tuple(t.shape), tuple(t.stride()),
+        tensors = tuple((name, t.data_ptr(), tensor_version(t), str(t.dtype), tuple(t.shape), tuple(t.stride()),
                          t.storage_offset(), str(t.device)) for name, t in sorted(state.items()))
     except (RuntimeError, NotImplementedError):  # e.g. sharded or meta tensors: hash every time
         return None
@@ -200,7 +201,8 @@ def _dataset_digest(dataset: datasets.Dataset, columns: list[str]) -> str:
     h = hashlib.blake2b(digest_size=16)
     h.update(json.dumps({c: str(dataset.features[c]) for c in columns}, sort_keys=True).encode())
     table = dataset.data.table.select(columns)
-    indices = dataset._indices.column(0) if dataset._indices is not None else None  # after select/shuffle
+    indices = dataset_indices(dataset)
+    indices = indices.column(0) if indices is not None else None  # after select/shuffle
     for start in range(0, len(dataset), 50_000):
         part = table.slice(start, 50_000) if indices is None else table.take(indices.slice(start, 50_000))
         for c in columns:

@@ -142,7 +142,7 @@ def create_teacher_signal(
                           vocab_size=vocab, batch_size=batch_size, rows_per_shard=rows_per_shard)
     run_on = check_signal_run(teacher, dtype, device)
     columns = [c for c in ("input_ids", "attention_mask", "labels") if c in dataset.column_names]
-    name = teacher_name or getattr(inner, "name_or_path", None) or getattr(inner.config, "_name_or_path", "") or ""
+    name = teacher_name or getattr(inner, "name_or_path", None) or getattr(inner.config, "name_or_path", "") or ""
     import hf_distill
 
     meta = {"format": SIGNAL_FORMAT, "teacher": name, "teacher_fingerprint": teacher_fingerprint(teacher),
