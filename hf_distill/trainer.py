@@ -24,6 +24,8 @@ from transformers import PreTrainedModel, Trainer
 from transformers.utils import logging
 
 from .arguments import DistillationArguments, as_distillation_arguments
+from .compat import add_signature_columns, children_dict, prepare_inputs, signature_columns
+from .compat import num_items_in_batch as count_items
 from .data.collators import TEACHER_PREFIX, KeepTeacherColumnsCollator, TeacherOutputsCollator
 from .data.cross_tokenizer import check_first_rows
 from .data.prompts import check_generation_data
@@ -50,8 +52,7 @@ PRIVATE_OVERRIDES = (
     "_load_from_checkpoint",
     "_push_from_checkpoint",
 )
-#: Private Trainer methods the mixin calls (not overrides), with the parameters it passes: checked the same way.
-PRIVATE_CALLS = {"_get_num_items_in_batch": ("batch_samples", "device")}
+# The private Trainer methods hf_distill calls (not overrides) are called from hf_distill.compat only (PRIVATE_CALLS).
 
 
 class DistillationMixin(ProjectionTraining):
@@ -168,7 +169,7 @@ class DistillationMixin(ProjectionTraining):
         # lmbda / seq_kd: generated first (on_policy); the step number draws the coin, so a resumed run draws the same
         self.distiller.start_step(batch_samples, model=self.model, step=self.state.global_step)
         if self.distiller.on_policy is not None and num_items_in_batch is not None:  # counted on the new labels
-            num_items_in_batch = self._get_num_items_in_batch(batch_samples, device)
+            num_items_in_batch = count_items(self, batch_samples, device)
         return batch_samples, num_items_in_batch
 
     def call_model_init(self, trial=None) -> nn.Module:
@@ -180,7 +181,7 @@ class DistillationMixin(ProjectionTraining):
         if proj is not None:
             self.distiller.intermediate.reset_projections()
             if self._attached():
-                self.model._modules.pop(PROJECTIONS_ATTR)
+                children_dict(self.model).pop(PROJECTIONS_ATTR)
                 model.add_module(PROJECTIONS_ATTR, proj)
         return model
 
@@ -216,7 +217,7 @@ class DistillationMixin(ProjectionTraining):
     # ------------------------------------------------------------------ data: teacher columns survive filtering
 
     def _set_signature_columns_if_needed(self) -> None:
-        if self._signature_columns is None:
+        if signature_columns(self) is None:
             super()._set_signature_columns_if_needed()
             # The teacher may need inputs the student ignores (a BERT teacher's token_type_ids for a
             # DistilBERT student); cached teacher outputs are columns too.
@@ -224,12 +225,12 @@ class DistillationMixin(ProjectionTraining):
             extra.add(f"{TEACHER_PREFIX}logits")
             # the text columns a collator tokenises itself (hf_distill.data.prompts.PromptCompletionCollator)
             extra.update(getattr(getattr(self.data_collator, "base", self.data_collator), "dataset_columns", ()))
-            self._signature_columns += sorted(extra - set(self._signature_columns))
+            add_signature_columns(self, sorted(extra))
 
     def _remove_unused_columns(self, dataset, description: str | None = None):
         self._set_signature_columns_if_needed()
         cached = [c for c in getattr(dataset, "column_names", None) or [] if c.startswith(TEACHER_PREFIX)]
-        self._signature_columns += [c for c in cached if c not in self._signature_columns]
+        add_signature_columns(self, cached)
         return super()._remove_unused_columns(dataset, description)
 
     def _get_collator_with_removed_columns(self, data_collator, description: str | None = None):
@@ -237,7 +238,7 @@ class DistillationMixin(ProjectionTraining):
         if not self.args.remove_unused_columns:
             return data_collator
         self._set_signature_columns_if_needed()
-        return KeepTeacherColumnsCollator(data_collator, self._signature_columns, description=description,
+        return KeepTeacherColumnsCollator(data_collator, signature_columns(self), description=description,
                                           model_name=type(self.model).__name__)
 
     # ------------------------------------------------------------------ the teacher's own evaluation
@@ -316,7 +317,7 @@ class DistillationMixin(ProjectionTraining):
             from .losses.cross_tokenizer import teacher_batch
 
             inputs = teacher_batch(inputs, self.args.cross_tokenizer, names)
-        inputs = self._prepare_inputs({k: v for k, v in inputs.items() if not k.startswith(TEACHER_PREFIX)})
+        inputs = prepare_inputs(self, {k: v for k, v in inputs.items() if not k.startswith(TEACHER_PREFIX)})
         has_labels = bool(names) and all(inputs.get(k) is not None for k in names)
         labels = nested_detach(tuple(inputs[k] for k in names)) if has_labels else None
         labels = labels[0] if labels is not None and len(labels) == 1 else labels

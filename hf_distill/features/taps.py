@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..compat import compiled_inner
 from .families import REGISTER_HINT, Family, get_family
 
 
@@ -29,7 +30,7 @@ def unwrap(model: nn.Module) -> nn.Module:
     The Trainer compiles (`torch_compile=True`) and wraps the model it trains after the trainer is built, so
     every model-bound fact (head, LM head, hooked modules, forward arguments) is read from the unwrapped model."""
     while True:
-        compiled = model._modules.get("_orig_mod")  # torch.compile's OptimizedModule
+        compiled = compiled_inner(model)  # torch.compile's OptimizedModule
         if isinstance(compiled, nn.Module):
             model = compiled
         elif hasattr(model, "module") and isinstance(model.module, nn.Module):
