@@ -1,0 +1,56 @@
+"""MkDocs hooks (mkdocs.yml `hooks:`): pages that show what the code says, generated at build time, offline.
+
+mkdocstrings renders docstrings, but a dataclass field's help lives in `field(metadata={"help": ...})`, where
+`HfArgumentParser` reads it for `--help`. `ARGUMENTS_MARKER` in a page is replaced by a table of every
+`DistillationArguments` field (those it adds to `TrainingArguments`) with its type, default and that help, so the
+API reference and the command line never disagree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+ARGUMENTS_MARKER = "<!-- distillation-arguments-table -->"
+
+
+def _cell(text: str) -> str:
+    """Text safe inside one Markdown table cell."""
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def _default(field: dataclasses.Field) -> str:
+    if field.default is not dataclasses.MISSING:
+        return f"`{field.default!r}`"
+    if field.default_factory is not dataclasses.MISSING:
+        return f"`{field.default_factory()!r}`"
+    return "required"
+
+
+def distillation_fields() -> list[dataclasses.Field]:
+    """The fields `DistillationArguments` adds to `TrainingArguments`, in their declaration order."""
+    from transformers import TrainingArguments
+
+    from hf_distill.arguments import DistillationArguments
+
+    inherited = {f.name for f in dataclasses.fields(TrainingArguments)}
+    return [f for f in dataclasses.fields(DistillationArguments) if f.name not in inherited]
+
+
+def arguments_table() -> str:
+    """A Markdown table: field, type, default and the field's help (its `metadata["help"]`)."""
+    rows = ["| field | type | default | help |", "| --- | --- | --- | --- |"]
+    for field in distillation_fields():
+        help_text = field.metadata.get("help")
+        if not help_text:
+            raise ValueError(f"DistillationArguments.{field.name} has no metadata['help']: give the field its help.")
+        kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
+        rows.append(f"| `{field.name}` | `{_cell(kind)}` | {_cell(_default(field))} | {_cell(help_text)} |")
+    return "\n".join(rows) + "\n"
+
+
+def on_page_markdown(markdown: str, page: Any, **kwargs: Any) -> str:
+    """MkDocs event: fill the arguments table into the page that holds the marker."""
+    if ARGUMENTS_MARKER in markdown:
+        markdown = markdown.replace(ARGUMENTS_MARKER, arguments_table())
+    return markdown
