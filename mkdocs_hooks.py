@@ -15,8 +15,15 @@ ARGUMENTS_MARKER = "<!-- distillation-arguments-table -->"
 
 
 def _cell(text: str) -> str:
-    """Text safe inside one Markdown table cell."""
-    return " ".join(str(text).split()).replace("|", "\\|")
+    """Plain text (a help string: `code` in backticks, `T**2` meant literally) as one Markdown table cell: outside
+    code spans, the characters Markdown would read as emphasis, HTML, links or a cell border are escaped."""
+    parts = " ".join(str(text).split()).split("`")
+    for i in range(0, len(parts), 2):  # even parts lie outside code spans (a code span may hold a pipe)
+        part = parts[i].replace("\\", "\\\\")
+        for char in "*_[]|":
+            part = part.replace(char, "\\" + char)
+        parts[i] = part.replace("<", "&lt;").replace(">", "&gt;")
+    return "`".join(parts)
 
 
 def _default(field: dataclasses.Field) -> str:
@@ -45,7 +52,7 @@ def arguments_table() -> str:
         if not help_text:
             raise ValueError(f"DistillationArguments.{field.name} has no metadata['help']: give the field its help.")
         kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
-        rows.append(f"| `{field.name}` | `{_cell(kind)}` | {_cell(_default(field))} | {_cell(help_text)} |")
+        rows.append(f"| `{field.name}` | `{kind}` | {_cell(_default(field))} | {_cell(help_text)} |")
     return "\n".join(rows) + "\n"
 
 
