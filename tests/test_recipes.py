@@ -1,8 +1,10 @@
 """The recipes run end to end on tiny models, list their options, and reject malformed configs in one line.
 
-Each recipe runs as a subprocess (as a user runs it) on a tiny BERT teacher with a WordPiece tokenizer
+Each recipe runs as `python recipes/<name>.py` runs it, on a tiny BERT teacher with a WordPiece tokenizer
 built from a small vocabulary, a few dozen rows of SST-2-like and sentence-pair TSVs, and a short
-text corpus, all written into tmp_path.
+text corpus, all written into tmp_path: in this process (`run`: the script's `__main__`, as `hf-distill run` runs
+it), or as a real subprocess (`run_subprocess`) where the test reads everything the process printed (a refusal is
+one line of stderr) or is about the subprocess itself; `test_distilbert_task` trains in one, as a user runs it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ROOT / "recipes"
@@ -83,6 +86,11 @@ def env(tmp_path_factory) -> dict[str, Path]:
 
 
 def run(recipe: str, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """The recipe in this process: its exit code and what it printed (the Trainer's logs included)."""
+    return run_script(RECIPES / f"{recipe}.py", *args, cwd=cwd)
+
+
+def run_subprocess(recipe: str, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     # PYTHONPATH: the recipes import this checkout's hf_distill, not whichever copy is installed (editable or not).
     path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
@@ -118,8 +126,8 @@ def check_results(out: Path) -> dict:
 
 def test_distilbert_task(env, tmp_path):
     out = tmp_path / "out"
-    proc = run("distilbert", "--config", RECIPES / "configs" / "distilbert_sst2.yaml", *common_flags(env, out),
-               "--student", env["teacher"], "--student_layers", "0", "2")
+    proc = run_subprocess("distilbert", "--config", RECIPES / "configs" / "distilbert_sst2.yaml",
+                          *common_flags(env, out), "--student", env["teacher"], "--student_layers", "0", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = check_results(out)
     assert results["params"] < results["teacher_params"]
@@ -559,7 +567,7 @@ def test_class_names_name_the_classes_of_a_teacher_without_names(env, tmp_path):
     out = tmp_path / "out"
     flags = ["--config", RECIPES / "configs" / "distilbert_pair.yaml", *common_flags(env, out, "rte"),
              "--student_layers", "0", "2", "--max_length", "32"]
-    refused = run("distilbert", *flags)
+    refused = run_subprocess("distilbert", *flags)
     one_line_error(refused, "class_names", "LABEL_0", "'entailment'", "'not_entailment'")
     proc = run("distilbert", *flags, "--class_names", "entailment", "not_entailment")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -584,9 +592,9 @@ def test_unknown_string_label_is_refused(env, tmp_path):
     text = (env["tmp"] / "rte_validation.tsv").read_text().splitlines()
     text[3] = text[3].rsplit("\t", 1)[0] + "\tcontradiction"
     (tmp_path / "validation.tsv").write_text("\n".join(text) + "\n")
-    proc = run("distilbert", "--config", RECIPES / "configs" / "distilbert_pair.yaml",
-               *common_flags(env, tmp_path / "out", "rte", teacher="nli_teacher"), "--student_layers", "0", "2",
-               "--validation_file", tmp_path / "validation.tsv")
+    proc = run_subprocess("distilbert", "--config", RECIPES / "configs" / "distilbert_pair.yaml",
+                          *common_flags(env, tmp_path / "out", "rte", teacher="nli_teacher"),
+                          "--student_layers", "0", "2", "--validation_file", tmp_path / "validation.tsv")
     one_line_error(proc, "'contradiction'", "validation", "'not_entailment'", "'entailment'")
     assert not (tmp_path / "out" / "results.json").exists()
 
@@ -597,7 +605,7 @@ def test_out_of_range_integer_label_is_refused(env, tmp_path, recipe):
     lines = (env["tmp"] / "sst_train.tsv").read_text().splitlines()
     lines[5] = lines[5].rsplit("\t", 1)[0] + "\t2"
     (tmp_path / "train.tsv").write_text("\n".join(lines) + "\n")
-    proc = run(recipe, *common_flags(env, tmp_path / "out"), "--train_file", tmp_path / "train.tsv",
+    proc = run_subprocess(recipe, *common_flags(env, tmp_path / "out"), "--train_file", tmp_path / "train.tsv",
                "--student_layers", "0", "2")
     one_line_error(proc, "label 2", "2 labels", "train")
 
@@ -679,7 +687,7 @@ def test_resume_from_checkpoint_is_refused(env, tmp_path, monkeypatch, capsys):
 
 def test_out_of_range_student_layers_in_a_subprocess(env, tmp_path):
     """As a user sees it: exit code 2, one `error:` line, no traceback."""
-    proc = run("distilbert", *common_flags(env, tmp_path / "out"), "--student_layers", "0", "9")
+    proc = run_subprocess("distilbert", *common_flags(env, tmp_path / "out"), "--student_layers", "0", "9")
     one_line_error(proc, "out-of-range index 9")
 
 
@@ -757,8 +765,8 @@ def test_fastbert_reads_class_name_labels_through_the_teacher(env, tmp_path):
 
 def test_fastbert_class_names_a_teacher_cannot_map_are_one_line(env, tmp_path):
     """A teacher named only LABEL_0/LABEL_1 and string labels: refused before anything trains, with the fix."""
-    proc = run("fastbert", "--config", RECIPES / "configs" / "fastbert_sst2.yaml",
-               *common_flags(env, tmp_path / "out", "rte", cache=False), "--max_steps", "2")
+    proc = run_subprocess("fastbert", "--config", RECIPES / "configs" / "fastbert_sst2.yaml",
+                          *common_flags(env, tmp_path / "out", "rte", cache=False), "--max_steps", "2")
     one_line_error(proc, "class_names", "LABEL_0", "'entailment'")
     assert not (tmp_path / "out").exists()
 
@@ -898,7 +906,7 @@ def test_malformed_config_in_a_subprocess(tmp_path):
     """As a user sees it: exit code 2, one line on stderr, no traceback."""
     config = tmp_path / "bad.yaml"
     config.write_text("teacher: nowhere\ntemprature: 2\n")
-    proc = run("minilm", "--config", config)
+    proc = run_subprocess("minilm", "--config", config)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and "temprature" in lines[0], proc.stderr
@@ -979,13 +987,13 @@ def test_causal_lm_recipe_trains_teacher_prunes_distils_and_compares(tmp_path):
 
 
 def test_causal_lm_bad_kd_loss_is_one_line(tmp_path):
-    proc = run("causal_lm", *_causal_flags(tmp_path, tmp_path / "out"), "--kd_loss", "mse")
+    proc = run_subprocess("causal_lm", *_causal_flags(tmp_path, tmp_path / "out"), "--kd_loss", "mse")
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and "kd_loss" in lines[0], proc.stderr[-2000:]
 
 
 def test_causal_lm_bad_student_train_blocks_is_one_line(tmp_path):
-    proc = run("causal_lm", *_causal_flags(tmp_path, tmp_path / "out"), "--student_train_blocks", "0")
+    proc = run_subprocess("causal_lm", *_causal_flags(tmp_path, tmp_path / "out"), "--student_train_blocks", "0")
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and "student_train_blocks" in lines[0], proc.stderr[-2000:]
     assert not (tmp_path / "out" / "model.safetensors").exists()
