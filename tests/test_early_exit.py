@@ -838,6 +838,7 @@ def test_from_pretrained_of_a_plain_model_folder_is_refused(tmp_path):
 # ---------------------------------------------------------------------- the recipe
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("branch", ["fastbert", "deebert"])
 def test_fastbert_recipe_end_to_end(tmp_path, branch):
     """recipes/fastbert.py on a tiny teacher: branches trained, speed sweep written, speed 0 == teacher."""

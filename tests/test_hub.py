@@ -682,6 +682,7 @@ def _causal_run(root: Path, **overrides):
     return trainer, pruning, (Path(trainer.args.output_dir) / "README.md").read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("kd_loss", "tag", "named", "paper"),
     [
@@ -716,6 +717,7 @@ def test_causal_lm_card_names_the_objective_tokens_pruning_and_perplexity(tmp_pa
     assert "its exp" in text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("settings", "tag", "named", "loss", "alpha", "paper"),
     [

@@ -233,6 +233,7 @@ def test_presets_fill_terms_and_keep_explicit_values(tmp_path):
 # ---------------------------------------------------------------- incremental_mse (two-stage feature distillation)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hidden", [32, 16], ids=["same_width", "projected"])
 @pytest.mark.parametrize(
     ("layers", "pairs"),

@@ -419,6 +419,7 @@ def test_trl_sft_trainer_generates_through_the_mixin(tmp_path):
     assert len(calls) == 2 and len(logged) == 2 and all(n > 0 for n in logged)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("given_collator", [False, True], ids=["built", "given"])
 def test_distillation_sft_trainer_on_policy_generates_with_the_student(tmp_path, given_collator):
     """DistillationSFTTrainer with lmbda=1 on prompt/completion rows: SFT's dataset preparation is skipped for the

@@ -357,6 +357,7 @@ def _sharp_teacher():
     return teacher
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [VOCAB, 16], ids=["k=vocabulary", "k<vocabulary,other-logits-inf"])
 def test_rescaling_is_exact_when_the_signal_has_no_tail(tmp_path, k):
     """No tail mass: the signal made at T = 2, rescaled to 1, is the signal made at 1 (float16 rounding apart),
@@ -429,6 +430,7 @@ def test_a_streamed_signal_trains_the_weights_of_the_dataset(tmp_path):
     assert flat_params(runs["stream"].model).ne(flat_params(llama(0))).any()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["dataset", "stream"])
 def test_resuming_from_a_mid_checkpoint_gives_the_uninterrupted_weights(tmp_path, mode):
     """6 AdamW steps over 16 rows (1.5 epochs: a reshuffle or a second pass inside), checkpoints every 2; resumed
