@@ -11,9 +11,9 @@ export NO_MKDOCS_2_WARNING ?= 1
 
 # The test suite runs on pytest-xdist workers (a dev dependency): WORKERS=2 suits a 2-core machine, WORKERS=auto
 # takes one per core, WORKERS=0 runs in this process. Tests that start several processes (marked `distributed`)
-# run one at a time on one worker (`--dist loadgroup`, tests/conftest.py).
+# run one at a time (a lock file, tests/conftest.py).
 WORKERS ?= 2
-PYTEST := $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup
+PYTEST := $(BIN)/python -m pytest -q -n $(WORKERS)
 
 .PHONY: setup demo test test-fast docs lint clean
 
