@@ -24,7 +24,7 @@ def _launch(launcher: str, out: Path, *extra: str, timeout: int = 180) -> dict:
         port = str(sock.getsockname()[1])
     if launcher == "torchrun":
         prefix = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port]
-    else:  # `--cpu` would start one process (ENVIRONMENT.md); these flags start 2 and use_cpu=True keeps gloo
+    else:  # accelerate's `--cpu` would start one process; these flags start 2 and use_cpu=True keeps gloo
         prefix = ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
                   "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", port]
     cmd = [sys.executable, *prefix, str(SCRIPT), str(out), "--per_device_batch", "4", *extra]
