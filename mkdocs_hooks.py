@@ -9,6 +9,7 @@ API reference and the command line never disagree.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any
 
 ARGUMENTS_MARKER = "<!-- distillation-arguments-table -->"
@@ -34,6 +35,16 @@ def _default(field: dataclasses.Field) -> str:
     return "required"
 
 
+def annotation(cls: type, name: str) -> str:
+    """A field's type as written in its class. Not `Field.type`: `HfArgumentParser` replaces that with the resolved
+    type object (`typing.Optional[float]` for `float | None`) on the shared dataclass fields."""
+    for klass in cls.__mro__:
+        written = vars(klass).get("__annotations__", {}).get(name)
+        if written is not None:
+            return written if isinstance(written, str) else inspect.formatannotation(written)
+    raise KeyError(f"{cls.__name__}.{name} has no annotation")
+
+
 def distillation_fields() -> list[dataclasses.Field]:
     """The fields `DistillationArguments` adds to `TrainingArguments`, in their declaration order."""
     from transformers import TrainingArguments
@@ -46,12 +57,14 @@ def distillation_fields() -> list[dataclasses.Field]:
 
 def arguments_table() -> str:
     """A Markdown table: field, type, default and the field's help (its `metadata["help"]`)."""
+    from hf_distill.arguments import DistillationArguments
+
     rows = ["| field | type | default | help |", "| --- | --- | --- | --- |"]
     for field in distillation_fields():
         help_text = field.metadata.get("help")
         if not help_text:
             raise ValueError(f"DistillationArguments.{field.name} has no metadata['help']: give the field its help.")
-        kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
+        kind = annotation(DistillationArguments, field.name)
         rows.append(f"| `{field.name}` | `{kind}` | {_cell(_default(field))} | {_cell(help_text)} |")
     return "\n".join(rows) + "\n"
 
