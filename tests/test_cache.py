@@ -599,6 +599,7 @@ def _left_collate(features):
     return batch
 
 
+@pytest.mark.slow
 def test_token_level_cache_lines_up_with_left_padding(tmp_path):
     """Cached rows hold only real tokens; they must land on the batch's real tokens whatever its padding side."""
     data = token_dataset(8)

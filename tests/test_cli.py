@@ -196,6 +196,7 @@ def test_card_of_a_missing_folder_fails_cleanly(tmp_path, capsys):
     assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_push_publishes_the_student(fresh, capsys, monkeypatch):
     monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
     with FakeHub() as hub:

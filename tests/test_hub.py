@@ -757,6 +757,7 @@ def test_causal_lm_card_names_distillm_and_tvd_objectives(tmp_path, settings, ta
         assert "- **Distilled tokens**: completion tokens only" in card
 
 
+@pytest.mark.slow
 def test_causal_lm_card_from_the_folder_alone_and_with_the_teacher_in_evaluation(tmp_path):
     """From saved files only (training_args.bin, trainer_state.json) the card still shows beta, the tokens and
     the perplexity; when the teacher joined evaluation (eval_with_teacher) eval_loss is the distillation loss,

@@ -710,6 +710,7 @@ def test_out_of_range_student_layers_in_a_subprocess(env, tmp_path):
     one_line_error(proc, "out-of-range index 9")
 
 
+@pytest.mark.slow
 def test_run_main_reports_setup_errors_in_one_line_and_keeps_crashes(tmp_path, monkeypatch, capsys):
     """Raised while building or in on_train_begin: one `error:` line, exit code 2. Raised inside a model's forward
     or the Trainer's training loop: the exception itself, traceback and all."""

@@ -76,6 +76,7 @@ def hub(monkeypatch, tmp_path):
 # ---------------------------------------------------------------------- the Hub
 
 
+@pytest.mark.slow
 def test_push_publishes_the_signal_with_its_card_and_loads_back_by_repo_id(tmp_path, hub, monkeypatch):
     rows = sft_rows(8)
     signal = _signal(tmp_path / "signal", rows)
@@ -415,6 +416,7 @@ def test_rescaling_a_signal_with_tail_mass_is_refused(tmp_path):
 # ---------------------------------------------------------------------- streaming and resuming
 
 
+@pytest.mark.slow
 def test_a_streamed_signal_trains_the_weights_of_the_dataset(tmp_path):
     """The joined rows streamed from 2 shards train, step by step, the weights of the same rows read in order."""
     rows = sft_rows(16)

@@ -339,6 +339,7 @@ def test_sft_metrics_equal_sft_trainers(tmp_path, kind, trainer_kw, sft_kw, head
     assert {hidden for training, hidden in paths if not training} == {False}
 
 
+@pytest.mark.slow
 @needs_trl
 def test_sft_metrics_under_mixed_precision(tmp_path):
     """bf16 autocast (CPU): the loss head's metrics (float32 logits from the bf16 LM head, under the forward's
