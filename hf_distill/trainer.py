@@ -97,8 +97,11 @@ class DistillationMixin(ProjectionTraining):
                 "On a CPU set bf16=True instead (bf16 autocast), or fp16=False."
             )
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
-        # transformers 5 would otherwise pass num_items_in_batch to BERT-like models and rescale the loss
-        # by the number of processes; our loss is a plain per-batch mean (see ENVIRONMENT.md pitfall 1).
+        # The Distiller normalises its terms itself (token-level ones over the whole step, from the counts taken
+        # in get_batch_samples: hf_distill.losses.normalise), so the Trainer must scale the loss as it scales a plain
+        # micro-batch mean: divide it by the accumulation steps and let DDP average (docs/guides/trainer.md, "Notes
+        # on correctness"). With loss kwargs transformers 5 would pass num_items_in_batch to BERT-like models, skip
+        # that division and rescale the loss by the number of processes.
         self.model_accepts_loss_kwargs = False
         self.teacher_metrics: dict[str, float] = {}  # set by evaluate_teacher(), reported by the model card
         self._pending_projections: dict | None = None  # gathered in _save_checkpoint for the save and its push

@@ -1,11 +1,11 @@
-"""Capture of per-layer features through forward hooks, and the architecture registry.
+"""Capture of per-layer features through forward hooks (the architecture registry is `features.families`).
 
-This is the only module that knows where things live inside a model. Hooks read the embedding output,
-each block's output, and the outputs of the query/key/value projections; everything else (pre-softmax
-attention scores, relations) is computed from those, so it works under SDPA, flash or eager attention
-alike and never relies on `output_attentions` (empty under SDPA, post-softmax and post-dropout under
-eager). Hooks exist only inside `FeatureTaps.capture()`: nothing stays attached to a model between
-steps, so nothing can leak into a saved student.
+With that registry, this is the only code that knows where things live inside a model. Hooks read the
+embedding output, each block's output, and the outputs of the query/key/value projections; everything else
+(pre-softmax attention scores, relations) is computed from those, so it works under SDPA, flash or eager
+attention alike and never relies on `output_attentions` (empty under SDPA, post-softmax and post-dropout under
+eager). Hooks exist only inside `FeatureTaps.capture()`: nothing stays attached to a model between steps, so
+nothing can leak into a saved student.
 
 Where each family keeps its modules comes from the registry in `hf_distill.features.families`; registering
 another family takes one `register_family` call there.

@@ -3,12 +3,13 @@
 A token-level term (token-level KD, the MLM or causal-LM task loss, hidden-state and attention-score
 MSE) is a mean over counted tokens. Averaging per-micro-batch means under gradient accumulation or DDP
 weights a token of a short micro-batch more than one of a long micro-batch, so the update differs from
-the big batch's. DESIGN.md ("Normalisation") asks for the big-batch mean: the sum over the step's counted
-tokens divided by their number, as transformers does with `num_items_in_batch`. The trainer counts each
-kind of position over the step's micro-batches and processes (`batch_counts`, summed in
-`get_batch_samples`) and rescales each micro-batch's mean by `local count * micro-batches * processes /
-step count`; the Trainer's division by the accumulation steps and DDP's gradient average then leave
-exactly `sum / count`. Sequence-level terms (one value per row) keep their per-row means.
+the big batch's. The step's update must be the big batch's (docs/guides/trainer.md, "Notes on correctness"),
+so the mean is the big batch's: the sum over the step's counted tokens divided by their number, as
+transformers does with `num_items_in_batch`. The trainer counts each kind of position over the step's
+micro-batches and processes (`batch_counts`, summed in `get_batch_samples`) and rescales each micro-batch's
+mean by `local count * micro-batches * processes / step count`; the Trainer's division by the accumulation
+steps and DDP's gradient average then leave exactly `sum / count`. Sequence-level terms (one value per row)
+keep their per-row means.
 """
 
 from __future__ import annotations
