@@ -37,20 +37,21 @@ from typing import Any
 from transformers import TrainingArguments
 from transformers.utils import logging
 
-from .losses.registry import KindNames, get_divergence, kinds
+from .argument_checks import (  # noqa: F401 - the accepted values, importable from here
+    CROSS_TOKENIZER_METHODS,
+    JSD_KINDS,
+    KD_LOSS_KINDS,
+    KD_TOKEN_MASKS,
+    MULTI_TEACHER_MODES,
+    PROJECTION_KINDS,
+    SKEW_KINDS,
+)
+from .losses.registry import get_divergence, kinds
 from .losses.terms import DistillTerm, parse_terms
 
 logger = logging.get_logger(__name__)
 
-# The `kd_loss` values and the kinds each mixture field applies to: live views of hf_distill.losses.registry.
-KD_LOSS_KINDS = KindNames()
-JSD_KINDS = KindNames(mixture="jsd_beta")
-SKEW_KINDS = KindNames(mixture="skew_alpha")
 DEFAULT_SKEW_ALPHA = 0.1  # DistiLLM (Ko et al., 2024)
-PROJECTION_KINDS = ("shared", "per_layer", "none")
-KD_TOKEN_MASKS = ("attention", "labels")
-MULTI_TEACHER_MODES = ("probs", "losses")
-CROSS_TOKENIZER_METHODS = ("uld", "aligned")  # hf_distill.losses.cross_tokenizer
 # The plain defaults of the fields a preset may set; the fields themselves default to None ("not given").
 PRESET_DEFAULTS: dict[str, Any] = {"kd_loss": "kl", "kd_weight": 0.5, "task_weight": 0.5, "projection": "shared"}
 # The plain defaults of a run that generates its completions (lmbda > 0 or seq_kd): GKD's (and TRL's) loss, KD alone.

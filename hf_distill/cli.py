@@ -232,9 +232,9 @@ def cmd_signal(args: argparse.Namespace, argv: list[str]) -> int:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from .base.recorded_names import recorded_command
     from .data.signal_checks import check_signal_tokenizer
     from .data.teacher_signal import check_signal_settings, create_teacher_signal, signal_metadata
-    from .recorded_names import recorded_command
     from .teacher import teacher_tokenizer
 
     dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, None: None}

@@ -26,64 +26,12 @@ import torch
 from accelerate.utils import DistributedType, extract_model_from_parallel
 from torch import nn
 
-from .data.collators import TEACHER_PREFIX, require_tensors
+from .base.batch_keys import PROMPT_IDS, PROMPT_KEYS, PROMPT_MASK, TEACHER_PREFIX, require_tensors
+from .base.generation_checks import GENERATION_FIELDS, validate_generation_arguments  # noqa: F401 - in __all__
+from .base.position_limits import check_room, new_tokens, position_limit, teacher_roles
+from .compat import zero3_gathered_without_hooks
 from .placement import ZERO3_SHARDED, teacher_input_device, teacher_mode
-from .positions import check_room, position_limit
 from .teacher import shared_base_teacher
-
-PROMPT_IDS, PROMPT_MASK = "prompt_input_ids", "prompt_attention_mask"
-PROMPT_KEYS = (PROMPT_IDS, PROMPT_MASK)
-"""The batch keys of the left-padded prompts (hf_distill.data.prompts.PromptCompletionCollator): generation reads
-them, the loss never passes them to a model."""
-GENERATION_FIELDS = ("max_new_tokens", "generation_temperature", "top_p", "stop_token_ids")
-DEFAULT_MAX_NEW_TOKENS = 128  # TRL's GKD
-
-
-def validate_generation_arguments(args: Any) -> None:
-    """Refuse on-policy settings that are out of range or that would do nothing (DistillationArguments)."""
-    lmbda = args.lmbda
-    if isinstance(lmbda, bool) or not isinstance(lmbda, int | float) or not 0.0 <= lmbda <= 1.0:
-        raise ValueError(
-            f"DistillationArguments.lmbda must be in [0, 1] (the probability that the student generates a "
-            f"micro-batch's completions), got {lmbda!r}."
-        )
-    if not args.generates:
-        given = [name for name in GENERATION_FIELDS if getattr(args, name) is not None]
-        if given:
-            raise ValueError(
-                f"DistillationArguments.{', '.join(given)} set, but nothing is generated (lmbda=0 and seq_kd=False): "
-                "the run trains on the dataset's completions. Set lmbda > 0 (on-policy) or seq_kd=True, or remove "
-                f"{', '.join(given)}."
-            )
-        return
-    if args.max_new_tokens is not None and (isinstance(args.max_new_tokens, bool) or args.max_new_tokens <= 0):
-        raise ValueError(f"DistillationArguments.max_new_tokens must be > 0, got {args.max_new_tokens!r}.")
-    temperature = args.generation_temperature
-    if temperature is not None and not temperature >= 0:
-        raise ValueError(
-            f"DistillationArguments.generation_temperature must be >= 0 (0 = greedy), got {temperature!r}."
-        )
-    if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
-        raise ValueError(f"DistillationArguments.top_p must be in (0, 1], got {args.top_p!r}.")
-    if args.top_p is not None and temperature == 0:
-        raise ValueError(
-            f"DistillationArguments.top_p={args.top_p} does nothing with generation_temperature=0 (greedy decoding "
-            "samples nothing). Remove top_p, or set generation_temperature > 0."
-        )
-    if args.stop_token_ids is not None and (
-        not args.stop_token_ids or not all(isinstance(i, int) and i >= 0 for i in args.stop_token_ids)
-    ):
-        raise ValueError(
-            f"DistillationArguments.stop_token_ids must be a non-empty list of token ids, got {args.stop_token_ids!r}."
-        )
-    why = None
-    if args.cross_tokenizer:
-        why = ("cross_tokenizer needs the teacher's own tokenization of each row, made from the text by its collator "
-               "before generation")
-    elif args.kd_weight == 0:
-        why = "kd_weight=0: there would be no KD term on the generated completions. Set kd_weight > 0"
-    if why is not None:
-        raise ValueError(f"DistillationArguments.lmbda / seq_kd (generated completions) cannot be used here: {why}.")
 
 
 def check_on_policy(args: Any, *, causal: bool, n_teachers: int, accelerator: Any, train_dataset: Any) -> None:
@@ -253,16 +201,6 @@ class OnPolicy:
         return {"generated_tokens": tokens, "generated_tokens_per_second": tokens / (seconds / processes)}
 
 
-def new_tokens(args: Any) -> int:
-    """The most tokens generated per completion: `max_new_tokens`, else TRL's default."""
-    return args.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
-
-
-def teacher_roles(teachers: list[Any]) -> list[tuple[str, Any]]:
-    """(name in messages, teacher) pairs: "teacher", or "teacher i" among several."""
-    return [(f"teacher {i}" if len(teachers) > 1 else "teacher", t) for i, t in enumerate(teachers)]
-
-
 def coin(seed: int, step: int, micro: int) -> float:
     """A uniform draw in [0, 1) for micro-batch `micro` of optimizer step `step`, from a generator seeded with the
     three: no state to carry across processes or checkpoints."""
@@ -309,35 +247,6 @@ def zero3_engine(model: nn.Module, module: nn.Module, accelerator: Any) -> Any:
         "parameter hooks are set aside while it generates), but this model is neither an engine nor the one the "
         "accelerator prepared. Pass the engine (e.g. trainer.model_wrapped) as `model` to Distiller.start_step."
     )
-
-
-@contextlib.contextmanager
-def zero3_gathered_without_hooks(engine: Any) -> Iterator[None]:
-    """The engine's parameters gathered whole, with its ZeRO-3 module hooks removed until the exit.
-
-    `generate` makes one forward per token. With the hooks on, each forward also runs the engine's fetch and
-    release, and from the second step on its coordinator prefetches along the training step's trace, so parameters
-    are still being gathered (ZeroParamStatus.INFLIGHT) when GatheredParameters repartitions them, which DeepSpeed
-    refuses ("Cannot partition a param in flight"). The hooks are registered again on exit and the recorded trace
-    is dropped, so the next forward records a fresh one (DeepSpeed releases without deepspeedai/DeepSpeed#8043
-    kept the stale trace: "pop from an empty deque" at the next step)."""
-    import deepspeed
-
-    offload = getattr(engine.optimizer, "parameter_offload", None) or engine.optimizer  # training / inference engine
-    params = list(engine.module.parameters())
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-        for p in params:  # no module call is in progress: none holds a parameter
-            p.ds_active_sub_modules.clear()
-        for hook in (*offload.forward_hooks, *offload.backward_hooks):
-            hook.remove()
-        offload.forward_hooks, offload.backward_hooks = [], []
-        try:
-            yield
-        finally:
-            offload._register_deepspeed_module(offload.module)
-            coordinator = offload.get_param_coordinator()
-            if not coordinator.is_invalid_trace():
-                coordinator._invalidate_trace()
 
 
 @contextlib.contextmanager

@@ -272,7 +272,7 @@ def teacher_tokenizer(teacher: nn.Module, given: Any = None, source: str | None 
     if source is not None:
         return _load_tokenizer(str(source), local_only=False, what=f"the teacher's {source}")
     inner = unwrap(teacher)
-    path = getattr(inner, "name_or_path", "") or getattr(getattr(inner, "config", None), "_name_or_path", "") or ""
+    path = getattr(inner, "name_or_path", "") or getattr(getattr(inner, "config", None), "name_or_path", "") or ""
     if not path:
         return None, "the teacher was given as a model without a name_or_path (built from a config)"
     return _load_tokenizer(path, local_only=not os.path.isdir(path), what=f"the teacher's name_or_path {path}")

@@ -25,6 +25,8 @@ from transformers.trainer_callback import CallbackHandler
 from transformers.utils import logging
 
 from .arguments import DistillationArguments, as_distillation_arguments
+from .compat import add_signature_columns, children_dict, prepare_inputs, signature_columns
+from .compat import num_items_in_batch as count_items
 from .data.collators import TEACHER_PREFIX, KeepTeacherColumnsCollator, TeacherOutputsCollator
 from .data.cross_tokenizer import check_first_rows
 from .data.prompts import check_generation_data
@@ -51,8 +53,7 @@ PRIVATE_OVERRIDES = (
     "_load_from_checkpoint",
     "_push_from_checkpoint",
 )
-#: Private Trainer methods the mixin calls (not overrides), with the parameters it passes: checked the same way.
-PRIVATE_CALLS = {"_get_num_items_in_batch": ("batch_samples", "device")}
+# The private Trainer methods hf_distill calls (not overrides) are called from hf_distill.compat only (PRIVATE_CALLS).
 
 
 class DistillationMixin(ProjectionTraining):
@@ -97,8 +98,11 @@ class DistillationMixin(ProjectionTraining):
                 "On a CPU set bf16=True instead (bf16 autocast), or fp16=False."
             )
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
-        # transformers 5 would otherwise pass num_items_in_batch to BERT-like models and rescale the loss
-        # by the number of processes; our loss is a plain per-batch mean (see ENVIRONMENT.md pitfall 1).
+        # The Distiller normalises its terms itself (token-level ones over the whole step, from the counts taken
+        # in get_batch_samples: hf_distill.losses.normalise), so the Trainer must scale the loss as it scales a plain
+        # micro-batch mean: divide it by the accumulation steps and let DDP average (docs/guides/trainer.md, "Notes
+        # on correctness"). With loss kwargs transformers 5 would pass num_items_in_batch to BERT-like models, skip
+        # that division and rescale the loss by the number of processes.
         self.model_accepts_loss_kwargs = False
         self.teacher_metrics: dict[str, float] = {}  # set by evaluate_teacher(), reported by the model card
         self._pending_projections: dict | None = None  # gathered in _save_checkpoint for the save and its push
@@ -174,7 +178,7 @@ class DistillationMixin(ProjectionTraining):
         # lmbda / seq_kd: generated first (on_policy); the step number draws the coin, so a resumed run draws the same
         self.distiller.start_step(batch_samples, model=self.model, step=self.state.global_step)
         if self.distiller.on_policy is not None and num_items_in_batch is not None:  # counted on the new labels
-            num_items_in_batch = self._get_num_items_in_batch(batch_samples, device)
+            num_items_in_batch = count_items(self, batch_samples, device)
         return batch_samples, num_items_in_batch
 
     def call_model_init(self, trial=None) -> nn.Module:
@@ -186,7 +190,7 @@ class DistillationMixin(ProjectionTraining):
         if proj is not None:
             self.distiller.intermediate.reset_projections()
             if self._attached():
-                self.model._modules.pop(PROJECTIONS_ATTR)
+                children_dict(self.model).pop(PROJECTIONS_ATTR)
                 model.add_module(PROJECTIONS_ATTR, proj)
         return model
 
@@ -222,7 +226,7 @@ class DistillationMixin(ProjectionTraining):
     # ------------------------------------------------------------------ data: teacher columns survive filtering
 
     def _set_signature_columns_if_needed(self) -> None:
-        if self._signature_columns is None:
+        if signature_columns(self) is None:
             super()._set_signature_columns_if_needed()
             # The teacher may need inputs the student ignores (a BERT teacher's token_type_ids for a
             # DistilBERT student); cached teacher outputs are columns too.
@@ -230,12 +234,12 @@ class DistillationMixin(ProjectionTraining):
             extra.add(f"{TEACHER_PREFIX}logits")
             # the text columns a collator tokenises itself (hf_distill.data.prompts.PromptCompletionCollator)
             extra.update(getattr(getattr(self.data_collator, "base", self.data_collator), "dataset_columns", ()))
-            self._signature_columns += sorted(extra - set(self._signature_columns))
+            add_signature_columns(self, sorted(extra))
 
     def _remove_unused_columns(self, dataset, description: str | None = None):
         self._set_signature_columns_if_needed()
         cached = [c for c in getattr(dataset, "column_names", None) or [] if c.startswith(TEACHER_PREFIX)]
-        self._signature_columns += [c for c in cached if c not in self._signature_columns]
+        add_signature_columns(self, cached)
         return super()._remove_unused_columns(dataset, description)
 
     def _get_collator_with_removed_columns(self, data_collator, description: str | None = None):
@@ -243,7 +247,7 @@ class DistillationMixin(ProjectionTraining):
         if not self.args.remove_unused_columns:
             return data_collator
         self._set_signature_columns_if_needed()
-        return KeepTeacherColumnsCollator(data_collator, self._signature_columns, description=description,
+        return KeepTeacherColumnsCollator(data_collator, signature_columns(self), description=description,
                                           model_name=type(self.model).__name__)
 
     # ------------------------------------------------------------------ the teacher's own evaluation
@@ -322,7 +326,7 @@ class DistillationMixin(ProjectionTraining):
             from .losses.cross_tokenizer import teacher_batch
 
             inputs = teacher_batch(inputs, self.args.cross_tokenizer, names)
-        inputs = self._prepare_inputs({k: v for k, v in inputs.items() if not k.startswith(TEACHER_PREFIX)})
+        inputs = prepare_inputs(self, {k: v for k, v in inputs.items() if not k.startswith(TEACHER_PREFIX)})
         has_labels = bool(names) and all(inputs.get(k) is not None for k in names)
         labels = nested_detach(tuple(inputs[k] for k in names)) if has_labels else None
         labels = labels[0] if labels is not None and len(labels) == 1 else labels

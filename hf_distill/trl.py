@@ -72,6 +72,7 @@ from torch import nn
 from transformers import Trainer, TrainingArguments
 
 from .arguments import DistillationArguments, as_distillation_arguments
+from .compat import count_sft_train_tokens, sft_metrics, sft_train_tokens
 from .data.collators import TeacherOutputsCollator
 from .data.cross_tokenizer import CrossTokenizerCollator, check_first_rows
 from .data.prompts import PromptCompletionCollator
@@ -327,8 +328,8 @@ class DistillationSFTTrainer(DistillationMixin, SFTTrainer):
             else:
                 local = torch.tensor(inputs["input_ids"].numel())
             tokens = self.accelerator.gather_for_metrics(local.to(self.accelerator.device)).sum().item()
-            self._total_train_tokens += tokens // self._tp_size
-        self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+            count_sft_train_tokens(self, tokens)
+        sft_metrics(self, mode)["num_tokens"] = [sft_train_tokens(self)]
         return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                     num_items_in_batch=num_items_in_batch)
 
@@ -364,11 +365,11 @@ class DistillationSFTTrainer(DistillationMixin, SFTTrainer):
         gather = self.accelerator.gather_for_metrics
         num_valid = gather(mask.sum()).sum()
         entropy, correct = gather(entropy).sum(), gather(correct).sum()
-        self._metrics[mode]["entropy"].append((entropy / num_valid).item() if num_valid > 0 else 0.0)
-        self._metrics[mode]["mean_token_accuracy"].append((correct / num_valid).item() if num_valid > 0 else 0.0)
+        sft_metrics(self, mode)["entropy"].append((entropy / num_valid).item() if num_valid > 0 else 0.0)
+        sft_metrics(self, mode)["mean_token_accuracy"].append((correct / num_valid).item() if num_valid > 0 else 0.0)
         aux = outputs.get("aux_loss") if isinstance(outputs, dict) else getattr(outputs, "aux_loss", None)
         if self.aux_loss_enabled and aux is not None:  # a MoE student's load-balancing loss, as SFTTrainer logs it
-            self._metrics[mode]["aux_loss"].append(gather(aux.detach()).mean().item())
+            sft_metrics(self, mode)["aux_loss"].append(gather(aux.detach()).mean().item())
 
     def prediction_step(
         self,

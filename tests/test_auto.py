@@ -89,6 +89,7 @@ def test_candidates_build_to_their_shape():
 # ---------------------------------------------------------------------- budget and ranking
 
 
+@pytest.mark.slow
 def test_within_budget_is_exactly_the_candidates_below_it_and_only_they_train(tmp_path, monkeypatch):
     fixed_latencies(monkeypatch, [0.010, 0.006, 0.002, 0.0049, 0.008])  # teacher, then POOL in order
     result = run(tmp_path, candidates=POOL, budget_ms=5.0)
@@ -99,6 +100,7 @@ def test_within_budget_is_exactly_the_candidates_below_it_and_only_they_train(tm
     assert result.picked in ("prune_L1_H4_I64_D32", "copy_L2")
 
 
+@pytest.mark.slow
 def test_the_best_proxy_metric_is_distilled_and_picked(tmp_path, monkeypatch):
     fixed_latencies(monkeypatch, [0.010, 0.003, 0.002, 0.004])
     # proxy scores of POOL[:3] in order, then the full run's score and the teacher's
@@ -170,6 +172,7 @@ def test_bad_inputs_are_refused_before_anything_is_measured(tmp_path, monkeypatc
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_a_streamed_train_set_is_calibrated_on_its_first_rows(tmp_path, monkeypatch):
     """An IterableDataset of training rows (with max_steps) ranks the units on the same first rows as the Dataset."""
     fixed_latencies(monkeypatch, [0.010, 0.003])
@@ -200,6 +203,7 @@ def run_with(tmp_path, train_dataset, eval_dataset, **kw):
 # ---------------------------------------------------------------------- what is written
 
 
+@pytest.mark.slow
 def test_real_measurement_table_plot_and_cards(tmp_path):
     pytest.importorskip("matplotlib")
     result = run(tmp_path, candidates=[POOL[0], POOL[3]], top_n=2)
@@ -275,6 +279,7 @@ def cli_args(saved_teacher, out: Path, budget: str = "1e6") -> list[str]:
             "--shrink", "0.25x0.5", "--repeats", "2", "--calibration_rows", "8", "--no_progress"]
 
 
+@pytest.mark.slow
 def test_cli_end_to_end_and_no_silent_overwrite(saved_teacher, tmp_path, capsys):
     out = tmp_path / "run"
     assert main(cli_args(saved_teacher, out)) == 0

@@ -339,6 +339,7 @@ def test_one_training_step_distils_a_wordpiece_teacher_into_a_bpe_student(tmp_pa
     assert any(not torch.equal(a, b.detach()) for a, b in zip(before, student.parameters(), strict=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["uld", "aligned"])
 def test_two_accumulated_micro_batches_equal_one_batch_of_both(tmp_path, tokenizers_pair, method):
     """KD (a mean over the step's paired positions) and the task loss (over its counted tokens): exact under GA."""
@@ -449,6 +450,7 @@ def _sft_config(tmp_path, **kw):
     return DistillationSFTConfig(**{**base, **kw})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("given", [True, False], ids=["given", "built"])
 def test_distillation_sft_trainer_gives_the_raw_text_to_both_tokenizers(tmp_path, tokenizers_pair, given):
     """SFT's dataset preparation (the student's EOS appended to the text, the student's tokenization, its labels and

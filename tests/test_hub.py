@@ -702,6 +702,7 @@ def _causal_run(root: Path, **overrides):
     return trainer, pruning, (Path(trainer.args.output_dir) / "README.md").read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("kd_loss", "tag", "named", "paper"),
     [
@@ -736,6 +737,7 @@ def test_causal_lm_card_names_the_objective_tokens_pruning_and_perplexity(tmp_pa
     assert "its exp" in text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("settings", "tag", "named", "loss", "alpha", "paper"),
     [
@@ -775,6 +777,7 @@ def test_causal_lm_card_names_distillm_and_tvd_objectives(tmp_path, settings, ta
         assert "- **Distilled tokens**: completion tokens only" in card
 
 
+@pytest.mark.slow
 def test_causal_lm_card_from_the_folder_alone_and_with_the_teacher_in_evaluation(tmp_path):
     """From saved files only (training_args.bin, trainer_state.json) the card still shows beta, the tokens and
     the perplexity; when the teacher joined evaluation (eval_with_teacher) eval_loss is the distillation loss,

@@ -125,6 +125,7 @@ def test_seq_kd_completes_with_the_teacher(tmp_path):
             torch.testing.assert_close(batch["labels"][i][batch["labels"][i] != -100], generated[i][:3])
 
 
+@pytest.mark.slow
 def test_lmbda_coin_is_seeded_and_mixes_with_seq_kd(tmp_path):
     student_calls, teacher_calls = [], []
     student, teacher = _spy(llama(0), student_calls), _spy(llama(1), teacher_calls)
@@ -143,6 +144,7 @@ def test_lmbda_coin_is_a_function_of_seed_step_and_micro_batch():
     assert [on_policy.coin(1, 0, m) for m in range(4)] != draws[:4]
 
 
+@pytest.mark.slow
 def test_resumed_run_draws_the_uninterrupted_runs_coins(tmp_path):
     """0 < lmbda < 1 with gradient accumulation: a run resumed from checkpoint-3 of 6 generates with the same models
     at the same micro-batches as the uninterrupted run (the coin is drawn from the step number, which the checkpoint
@@ -173,6 +175,7 @@ def test_resumed_run_draws_the_uninterrupted_runs_coins(tmp_path):
     torch.testing.assert_close(resumed, full, atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow
 def test_lmbda_0_is_todays_run(tmp_path):
     """lmbda=0 with the prompt collator: the weights and losses of today's run on the same tokenised rows."""
     rows, tok = _rows(8), _tokenizer()
@@ -241,6 +244,7 @@ def test_completion_rows_cut_at_the_first_stop_token():
     assert rows["attention_mask"].tolist() == [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]]
 
 
+@pytest.mark.slow
 def test_accumulated_generated_steps_equal_the_big_batch(tmp_path):
     """Greedy completions of unequal length: GA 2 x 2 rows gives the weights of one batch of 4 (SGD), because the
     step's counts are the generated rows'."""
@@ -277,6 +281,7 @@ def test_accumulated_generated_steps_equal_the_big_batch(tmp_path):
 # ---------------------------------------------------------------------- PEFT and conversational data
 
 
+@pytest.mark.slow
 def test_peft_student_generates_with_its_adapters(tmp_path):
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
@@ -309,6 +314,7 @@ def test_peft_student_generates_with_its_adapters(tmp_path):
     assert student.training and any(m.training for m in student.modules())
 
 
+@pytest.mark.slow
 def test_conversational_messages_with_a_chat_template(tmp_path):
     tok = _tokenizer()
     rows = datasets.Dataset.from_list([
@@ -395,6 +401,7 @@ def test_collator_refuses_rows_it_cannot_read():
         PromptCompletionCollator(tok)
 
 
+@pytest.mark.slow
 def test_trl_sft_trainer_generates_through_the_mixin(tmp_path):
     """`class DistilSFT(DistillationMixin, SFTTrainer)` with this collator (TRL's dataset preparation skipped)."""
     trl = pytest.importorskip("trl")
@@ -420,6 +427,7 @@ def test_trl_sft_trainer_generates_through_the_mixin(tmp_path):
     assert len(calls) == 2 and len(logged) == 2 and all(n > 0 for n in logged)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("given_collator", [False, True], ids=["built", "given"])
 def test_distillation_sft_trainer_on_policy_generates_with_the_student(tmp_path, given_collator):
     """DistillationSFTTrainer with lmbda=1 on prompt/completion rows: SFT's dataset preparation is skipped for the

@@ -1,12 +1,12 @@
-"""How a model's location is recorded in published files (hf_distill.recorded_names): never a machine's absolute
+"""How a model's location is recorded in published files (hf_distill.base.recorded_names): never a machine's absolute
 path (issue #39 case 17)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from hf_distill.base.recorded_names import recorded_command, recorded_name, recorded_path
 from hf_distill.publish.report import DistillationReport
-from hf_distill.recorded_names import recorded_command, recorded_name, recorded_path
 
 
 def test_hub_ids_and_names_are_kept_and_local_folders_are_named(tmp_path, monkeypatch):

@@ -164,6 +164,7 @@ def test_teacher_gets_decoder_inputs_when_the_collator_has_no_model(tmp_path):
     assert without > 0
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_matches_one_big_batch(tmp_path):
     """The KD and task terms are means over the optimizer step's decoder positions (hf_distill.losses.normalise): one
     step over all 16 rows logs the decoder-token KD by hand, and accumulating 2 micro-batches of different target
@@ -254,6 +255,7 @@ def test_stack_terms_compare_each_stacks_layers_over_its_own_tokens(tmp_path):
 # ------------------------------------------------------------------------- the script's flow: train, generate
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["t5", "bart", "marian"])
 def test_train_then_evaluate_and_predict_with_generate(tmp_path, family):
     """run_summarization's flow: train with KD and terms on both stacks, then evaluate and predict with
@@ -305,6 +307,7 @@ def test_eval_with_teacher_reports_the_distillation_loss_when_generating(tmp_pat
     assert plain.evaluate()["eval_loss"] != pytest.approx(results[True], rel=1e-3)
 
 
+@pytest.mark.slow
 def test_checkpoint_and_exact_resume_with_stack_projections(tmp_path):
     """A narrower student (per-layer projections keyed by stack) stopped at a checkpoint and resumed by a fresh
     trainer ends on the same weights and projections as the uninterrupted run."""
@@ -506,6 +509,7 @@ def _table(card: str, header: str) -> dict[str, list[str]]:
     return {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("family", "token_mask"), [("t5", "labels"), ("marian", "attention")])
 def test_seq2seq_card_shows_both_stacks_the_seq2seq_task_and_the_decoder_tokens(tmp_path, monkeypatch, family,
                                                                                  token_mask):
@@ -551,6 +555,7 @@ def test_seq2seq_card_shows_both_stacks_the_seq2seq_task_and_the_decoder_tokens(
         assert len(printed) == 1 and isinstance(printed[0], list) and len(printed[0]) == 1
 
 
+@pytest.mark.slow
 def test_seq2seq_card_indexes_the_students_evaluation(tmp_path):
     """A seq2seq student's evaluation metric is in the card's model index (transformers' own index code knows no
     text2text-generation task), with the value the trainer logged."""

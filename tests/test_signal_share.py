@@ -76,6 +76,7 @@ def hub(monkeypatch, tmp_path):
 # ---------------------------------------------------------------------- the Hub
 
 
+@pytest.mark.slow
 def test_push_publishes_the_signal_with_its_card_and_loads_back_by_repo_id(tmp_path, hub, monkeypatch):
     rows = sft_rows(8)
     signal = _signal(tmp_path / "signal", rows)
@@ -359,6 +360,7 @@ def _sharp_teacher():
     return teacher
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [VOCAB, 16], ids=["k=vocabulary", "k<vocabulary,other-logits-inf"])
 def test_rescaling_is_exact_when_the_signal_has_no_tail(tmp_path, k):
     """No tail mass: the signal made at T = 2, rescaled to 1, is the signal made at 1 (float16 rounding apart),
@@ -416,6 +418,7 @@ def test_rescaling_a_signal_with_tail_mass_is_refused(tmp_path):
 # ---------------------------------------------------------------------- streaming and resuming
 
 
+@pytest.mark.slow
 def test_a_streamed_signal_trains_the_weights_of_the_dataset(tmp_path):
     """The joined rows streamed from 2 shards train, step by step, the weights of the same rows read in order."""
     rows = sft_rows(16)
@@ -431,6 +434,7 @@ def test_a_streamed_signal_trains_the_weights_of_the_dataset(tmp_path):
     assert flat_params(runs["stream"].model).ne(flat_params(llama(0))).any()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["dataset", "stream"])
 def test_resuming_from_a_mid_checkpoint_gives_the_uninterrupted_weights(tmp_path, mode):
     """6 AdamW steps over 16 rows (1.5 epochs: a reshuffle or a second pass inside), checkpoints every 2; resumed

@@ -269,6 +269,7 @@ def test_bad_run_settings_are_refused_before_anything_is_written(tmp_path):
 # ---------------------------------------------------------------------- training from it
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["kl", "reverse_kl", "jsd", "tvd", "skew_kl", "skew_reverse_kl", "soft_ce"])
 def test_kd_loss_from_the_signal_equals_the_online_top_k_and_tail(tmp_path, kind):
     rows, teacher = sft_rows(8), llama(1)

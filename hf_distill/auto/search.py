@@ -261,7 +261,7 @@ def auto_student(
         metric.endswith("loss") or metric.endswith("perplexity"))
     folder = Path(output_dir if output_dir is not None else args.output_dir)
     check_output_dir(folder, overwrite_output_dir)
-    teacher_name = teacher_name or teacher.config._name_or_path or "teacher"
+    teacher_name = teacher_name or teacher.config.name_or_path or "teacher"
     pool = list(candidates) if candidates is not None else candidate_grid(teacher, depths, widths, copy_depths,
                                                                           shrink_shapes)
     if not pool or not all(isinstance(c, Candidate) for c in pool):

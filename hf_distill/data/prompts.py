@@ -11,7 +11,7 @@ the prompt and padding: KD and the task loss cover the completion only) and the 
 
 `check_generation_data` reads the train set's first rows as this collator will, when the trainer is built and
 before the teacher loads, so that a row it cannot read and a prompt that leaves no room for `max_new_tokens`
-(hf_distill.positions) are refused before any model runs, not at the first step.
+(hf_distill.base.position_limits) are refused before any model runs, not at the first step.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from ..on_policy import PROMPT_IDS, PROMPT_MASK, new_tokens, teacher_roles
-from ..positions import check_room, position_limit
+from ..base.batch_keys import PROMPT_IDS, PROMPT_MASK
+from ..base.position_limits import check_room, new_tokens, position_limit, teacher_roles
 
 TEXT_COLUMNS = ("prompt", "completion", "messages")
 PEEK_ROWS = 64  # the first rows read at set-up: each is tokenised once, which costs milliseconds

@@ -57,8 +57,8 @@ def check_teacher_columns(
         if not topk:
             raise ValueError(
                 "kd_weight > 0 needs teacher logits: pass teacher_model, or add a `teacher_logits` column "
-                f"to the {which} dataset (see hf_distill.cache; cached top-k logits and teacher signals serve every "
-                "kd_loss but mse)."
+                f"to the {which} dataset (see hf_distill.data.cache; cached top-k logits and teacher signals serve "
+                "every kd_loss but mse)."
             )
     if teacher is None and intermediate is not None:
         missing = sorted(intermediate.teacher_request.hidden - cached_hidden_layers(names))
@@ -66,7 +66,7 @@ def check_teacher_columns(
             raise ValueError(
                 f"distill_terms need teacher hidden states {missing}, which the {which} dataset does not carry "
                 "(teacher_hidden_<i> columns): pass teacher_model, or cache them with "
-                f"hf_distill.cache.cache_teacher_outputs(..., hidden_layers={missing})."
+                f"hf_distill.data.cache.cache_teacher_outputs(..., hidden_layers={missing})."
             )
 
 

@@ -58,9 +58,9 @@ from datasets.arrow_writer import ArrowWriter
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..base.positions import kd_positions
+from ..base.recorded_names import recorded_name, recorded_path
 from ..features.taps import unwrap
-from ..losses.normalise import kd_positions
-from ..recorded_names import recorded_name, recorded_path
 from ..teacher import teacher_tokenizer
 from .cache_key import _dataset_digest, teacher_fingerprint
 from .signal_checks import META_FILE as _META_FILE
@@ -158,7 +158,7 @@ def create_teacher_signal(
     run_on = check_signal_run(teacher, dtype, device)
     columns = [c for c in ("input_ids", "attention_mask", "labels") if c in dataset.column_names]
     name = recorded_name(teacher_name or getattr(inner, "name_or_path", None)
-                         or getattr(inner.config, "_name_or_path", "") or "")  # never an absolute path
+                         or getattr(inner.config, "name_or_path", "") or "")  # never an absolute path
     import hf_distill
 
     meta = {"format": SIGNAL_FORMAT, "teacher": name, "teacher_fingerprint": teacher_fingerprint(teacher),
@@ -340,7 +340,7 @@ def load_teacher_signal(
     downloaded once into the Hub cache, then read from there (offline too)."""
     folder = Path(path)
     if not folder.exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)):
-        from .signal_hub import download_teacher_signal
+        from .signal_download import download_teacher_signal
 
         folder = download_teacher_signal(str(path), revision=revision, token=token)
     meta_path = folder / _META_FILE

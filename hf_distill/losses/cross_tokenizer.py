@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..data.collators import require_tensors
+from ..base.batch_keys import require_tensors
 from .divergences import logit_kd_loss
 from .normalise import kd_positions
 

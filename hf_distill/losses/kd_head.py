@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..compat import recompile_limit
 from . import divergences as losses
 from .head_common import (  # noqa: F401 - re-exported: `kd_head.mm_f32`, ... (tests, benchmarks)
     DIVERGENCES,
@@ -134,7 +135,7 @@ def _fused(fn):
     def run(*args):
         # A graph per divergence, temperature, CE or not: dynamo's default limit (8 per function) is a hard error
         # under fullgraph=True, hit by a process that trains several configurations (a sweep, the CUDA tests).
-        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+        with recompile_limit(_RECOMPILE_LIMIT):
             return compiled(*args)
 
     return run

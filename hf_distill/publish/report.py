@@ -18,8 +18,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from ..base.recorded_names import recorded_name
 from ..losses.registry import KindMap
-from ..recorded_names import recorded_name
 from . import measure
 
 REPORT_FILE = "distillation_report.json"
@@ -125,7 +125,7 @@ class DistillationReport:
         found["model_name"] = getattr(trainer, "hub_model_id", None) or args.hub_model_id or Path(args.output_dir).name
         found["student_params"] = measure.count_parameters(student)
         if teacher is not None:
-            t_path = getattr(teacher.config, "_name_or_path", "") or ""
+            t_path = getattr(teacher.config, "name_or_path", "") or ""
             found.update(teacher_shape=_shape(teacher.config), teacher_params=measure.count_parameters(teacher))
             found.update(teacher=t_path or found.get("teacher"),
                          teacher_size_bytes=measure.size_on_disk(t_path) or None if os.path.isdir(t_path) else None)

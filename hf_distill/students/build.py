@@ -45,9 +45,10 @@ import torch
 from torch import nn
 from transformers import AutoModel, PreTrainedConfig, PreTrainedModel
 
+from ..base.recorded_names import recorded_name
+from ..compat import attn_implementation, model_from_config
 from ..features import families
 from ..features.families import Family, register_family
-from ..recorded_names import recorded_name
 
 __all__ = [
     "encoder_layers",
@@ -56,16 +57,6 @@ __all__ = [
     "register_family",
     "shrink",
 ]
-_PRUNE = ("DepthPruning", "block_importance", "prune_depth")  # moved to `prune`; still importable from here
-
-
-def __getattr__(name: str) -> Any:
-    if name in _PRUNE:
-        from . import prune
-
-        return getattr(prune, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 def get_family(config: PreTrainedConfig) -> Family:
     """Registry lookup with an error that says how to register the missing family."""
     model_type = getattr(config, "model_type", None)
@@ -206,15 +197,15 @@ def _from_one_stack(teacher: PreTrainedModel, family: Family, layers: Sequence[i
     config.distillation = {
         "init": "from_teacher",
         "teacher_layers": list(layers),
-        "teacher_name_or_path": recorded_name(teacher.config._name_or_path),
+        "teacher_name_or_path": recorded_name(teacher.config.name_or_path),
         "teacher_num_layers": num_teacher_layers,
     }
     # The student is not the teacher checkpoint; keep its name out of places (e.g. Trainer model cards) that
     # would otherwise present it as one. The teacher's name lives in `distillation` instead.
-    config._name_or_path = ""
+    config.name_or_path = ""
     config.validate()
 
-    student = type(teacher)._from_config(config, dtype=teacher.dtype)
+    student = model_from_config(type(teacher), config, dtype=teacher.dtype)
     prefix = next(name for name, module in teacher.named_modules() if module is teacher_layers) + "."
     new_index = {old: new for new, old in enumerate(layers)}
     state = {}
@@ -249,7 +240,7 @@ def _from_encoder_decoder(
     teacher_state = teacher.state_dict()
     plans = []  # (state-dict prefix of the stack's blocks, {old: new}, its family)
     record: dict[str, Any] = {"init": "from_teacher",
-                              "teacher_name_or_path": recorded_name(teacher.config._name_or_path)}
+                              "teacher_name_or_path": recorded_name(teacher.config.name_or_path)}
     for name, wanted in (("encoder", encoder), ("decoder", decoder)):
         stack = family.stack(name)
         blocks = teacher.base_model.get_submodule(stack.layers)
@@ -264,10 +255,10 @@ def _from_encoder_decoder(
         record[f"teacher_{name}_layers"] = kept
         record[f"teacher_num_{name}_layers"] = total
     config.distillation = record
-    config._name_or_path = ""  # see from_teacher: the student is not the teacher checkpoint
+    config.name_or_path = ""  # see from_teacher: the student is not the teacher checkpoint
     config.validate()
 
-    student = type(teacher)._from_config(config, dtype=teacher.dtype)
+    student = model_from_config(type(teacher), config, dtype=teacher.dtype)
     state = {}
     for key, tensor in teacher_state.items():
         plan = next((p for p in plans if key.startswith(p[0])), None)
@@ -293,7 +284,7 @@ def _build(model_class: Any, config: PreTrainedConfig) -> PreTrainedModel:
     # Auto classes expose `from_config`; concrete classes only the (dtype/attention aware) `_from_config`.
     if hasattr(model_class, "from_config"):
         return model_class.from_config(config)
-    return model_class._from_config(config)
+    return model_from_config(model_class, config)
 
 
 def shrink(
@@ -416,11 +407,11 @@ def shrink(
         values[head_dim_field] = hidden_size // num_attention_heads
     values.update(overrides)
     extra = {}
-    if teacher_config._attn_implementation is not None:
-        extra["attn_implementation"] = teacher_config._attn_implementation
+    if attn_implementation(teacher_config) is not None:
+        extra["attn_implementation"] = attn_implementation(teacher_config)
     # Rebuilding through the config class (not deepcopy + setattr) re-runs its validation and derived fields.
     config = type(teacher_config)(**values, **extra)
-    config.distillation = {"init": "shrink", "teacher_name_or_path": recorded_name(teacher_config._name_or_path)}
+    config.distillation = {"init": "shrink", "teacher_name_or_path": recorded_name(teacher_config.name_or_path)}
 
     if seed is None:
         return _build(model_class, config)

@@ -16,6 +16,7 @@ from typing import Any
 
 from accelerate.utils import extract_model_from_parallel
 
+DEFAULT_MAX_NEW_TOKENS = 128  # TRL's GKD
 POSITION_FIELDS = ("max_position_embeddings", "n_positions")  # most configs alias the first (GPT-2: n_positions)
 
 
@@ -65,4 +66,17 @@ def check_room(new_tokens: int, prompt_tokens: int, limit: tuple[int, str] | Non
     )
 
 
-__all__ = ["POSITION_FIELDS", "check_room", "model_positions", "position_limit"]
+__all__ = [
+    "DEFAULT_MAX_NEW_TOKENS", "POSITION_FIELDS", "check_room", "model_positions", "new_tokens", "position_limit",
+    "teacher_roles",
+]
+
+
+def new_tokens(args: Any) -> int:
+    """The most tokens generated per completion: `max_new_tokens`, else TRL's default."""
+    return args.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+
+
+def teacher_roles(teachers: list[Any]) -> list[tuple[str, Any]]:
+    """(name in messages, teacher) pairs: "teacher", or "teacher i" among several."""
+    return [(f"teacher {i}" if len(teachers) > 1 else "teacher", t) for i, t in enumerate(teachers)]
