@@ -40,13 +40,14 @@ class DistillSettings:
 
     def __init__(self, args: Any, *, causal: bool = False, token_level: bool = True) -> None:
         self.filled: dict[str, Any] = {}
+        self._values: dict[str, Any] = {}  # what the loss reads: temperature, kd_token_mask, kd_loss, the weights
         self._source = {name: copy.deepcopy(getattr(args, name)) for name in SETTINGS_FIELDS}
         for name, (other, causal_default) in HEAD_DEFAULTS.items():
             value = getattr(args, name)
             if value is None and (name != "kd_token_mask" or token_level):
                 value = self.filled[name] = causal_default if causal else other
-            setattr(self, "_" + name, value)
-        self._kd_loss, self._kd_weight, self._task_weight = args.kd_loss, args.kd_weight, args.task_weight
+            self._values[name] = value
+        self._values.update(kd_loss=args.kd_loss, kd_weight=args.kd_weight, task_weight=args.task_weight)
         self.jsd_beta, self.skew_alpha = args.jsd_beta, args.skew_alpha
         # The terms, parsed once (as dicts: IntermediateDistiller.set_weights compares them each step).
         self.distill_terms: list[dict] | None = copy.deepcopy(args.distill_terms)
@@ -78,11 +79,11 @@ class DistillSettings:
             )
         return settings
 
-    temperature = property(lambda self: self._temperature)
-    kd_token_mask = property(lambda self: self._kd_token_mask)
-    kd_loss = property(lambda self: self._kd_loss)
-    kd_weight = property(lambda self: self._kd_weight)
-    task_weight = property(lambda self: self._task_weight)
+    temperature = property(lambda self: self._values["temperature"])
+    kd_token_mask = property(lambda self: self._values["kd_token_mask"])
+    kd_loss = property(lambda self: self._values["kd_loss"])
+    kd_weight = property(lambda self: self._values["kd_weight"])
+    task_weight = property(lambda self: self._values["task_weight"])
 
     @property
     def terms(self) -> list[DistillTerm]:
@@ -112,7 +113,7 @@ class DistillSettings:
         if name == "kd_loss":
             if value not in KD_LOSS_KINDS:
                 raise ValueError(f"kd_loss={value!r} is unknown. Known: {', '.join(KD_LOSS_KINDS)}.")
-            self._kd_loss = value
+            self._values["kd_loss"] = value
             return
         if not name.startswith(TERM_PREFIX) and name not in SCALAR_FIELDS:
             raise ValueError(f"Unknown loss field {name!r}. Known: {', '.join(SCALAR_FIELDS)}, kd_loss, term:<name>.")
@@ -126,7 +127,7 @@ class DistillSettings:
             self._term_entry(term)["weight"] = value
             self._terms = [dataclasses.replace(t, weight=value) if t.name == term else t for t in self._terms]
         else:
-            setattr(self, "_" + name, value)
+            self._values[name] = value
 
     def follow(self, args: Any) -> list[str]:
         """Take over the fields set on `args` since these settings were built from them (before training starts: a
@@ -143,7 +144,7 @@ class DistillSettings:
             elif name in ("jsd_beta", "skew_alpha"):
                 setattr(self, name, value)
             elif value is not None:  # kd_token_mask given now
-                self._kd_token_mask = value
+                self._values["kd_token_mask"] = value
         return changed
 
     def _term_entry(self, term: str) -> dict:
