@@ -140,12 +140,12 @@ def memory_child(vocab: int, chunk: int | None, batch: int, seq: int) -> dict:
     if chunk is None:
         # kd_chunk_size unset means "chunk where possible"; the naive path is the trainer with whole logits, which
         # it takes wherever chunking is impossible: forced here through its private switch.
-        trainer.distiller._chunk = None
+        trainer.distiller.paths.chunk = None
     elif chunk == DEFAULT:
         from hf_distill.losses import chunked
 
         chunk = chunked.default_chunk(vocab)
-    assert trainer.distiller._chunk == chunk, (trainer.distiller._chunk, chunk)
+    assert trainer.distiller.paths.chunk == chunk, (trainer.distiller.paths.chunk, chunk)
     before = rss_mb()
     peak_before = peak_mb()
     t0 = time.perf_counter()
@@ -261,14 +261,22 @@ def _online_topk(distiller, k: int) -> None:
     step, the objective a signal run trains on, in float32 and with the tail's exact logsumexp (nothing stored)."""
     import torch
 
-    class OnlineTopK(type(distiller)):
-        def _first_teacher(self, inputs, cached, hidden_only):
-            out, _ = self.run_teacher(self.teacher, inputs)
-            log_p = torch.log_softmax(out.logits.float() / self.args.temperature, -1)
-            values, ids = log_p.topk(k, dim=-1)
-            return [(values, ids, log_p.scatter(-1, ids, float("-inf")).logsumexp(-1))], None, None
+    from hf_distill.teacher_sources import SIGNAL, TeacherLogits
 
-    distiller.__class__ = OnlineTopK
+    side = distiller.teacher_side
+
+    class OnlineTopK(type(side)):
+        def form(self, cached):
+            return SIGNAL  # the sparse head's path (hf_distill.kd_paths.SparseHead)
+
+        def _first(self, inputs, cached, hidden_only):
+            out, _ = self.models.run(self.teacher, inputs)
+            log_p = torch.log_softmax(out.logits.float() / self.settings.temperature, -1)
+            values, ids = log_p.topk(k, dim=-1)
+            tail = log_p.scatter(-1, ids, float("-inf")).logsumexp(-1)
+            return TeacherLogits(SIGNAL, [(values, ids, tail)]), None, None
+
+    side.__class__ = OnlineTopK
 
 
 def signal_section(teacher_path: str | None, kept: list[int] | None, steps: int, batch: int, ks: list[int],

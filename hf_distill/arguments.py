@@ -13,9 +13,13 @@ that generates its completions (`lmbda` > 0 or `seq_kd`) has GKD's plain default
 teaches it to imitate them; a value you (or the preset) give still wins.
 
 Two fields have defaults that depend on the student (`HEAD_DEFAULTS`): `temperature` and `kd_token_mask` stay
-None when neither you nor the preset gave them, and `DistillationTrainer` fills them once it knows the student's
-head (`resolve_head_defaults`): a causal LM distils at T = 1 on the tokens its own loss counts (the completion
+None when neither you nor the preset gave them, and the run's loss settings fill them once the student's head is known
+(hf_distill.settings.DistillSettings): a causal LM distils at T = 1 on the tokens its own loss counts (the completion
 when the labels mask the prompt), as TRL's GKD does; every other head keeps T = 2 on every real token.
+
+The arguments are validated once and hf_distill never changes them: what a run changes while training (schedules,
+stages) goes through the Distiller's settings (`trainer.distiller.settings.set(...)`, with the same checks), which
+start from these values when training starts (`SETTINGS_FIELDS`; a hyperparameter-search trial's values included).
 
 Fields that do nothing in the configuration you chose are refused when you give them (`jsd_beta` without
 `kd_loss="jsd"`; the trainer refuses `kd_token_mask` for a sequence-level head, `teacher_weights` and
@@ -53,10 +57,13 @@ PRESET_DEFAULTS: dict[str, Any] = {"kd_loss": "kl", "kd_weight": 0.5, "task_weig
 # The plain defaults of a run that generates its completions (lmbda > 0 or seq_kd): GKD's (and TRL's) loss, KD alone.
 # A cross-entropy on the student's own samples would teach it to imitate them (issue #39, case 6).
 GENERATION_DEFAULTS: dict[str, Any] = {"kd_weight": 1.0, "task_weight": 0.0}
-# Defaults that depend on the student's head, as (any other head, causal LM): filled by `resolve_head_defaults`
+# Defaults that depend on the student's head, as (any other head, causal LM): filled by the run's settings
 # (DistillationTrainer) where neither the user nor the preset gave a value. A preset may set `temperature`.
 HEAD_DEFAULTS: dict[str, tuple[Any, Any]] = {"temperature": (2.0, 1.0), "kd_token_mask": ("attention", "labels")}
 JSD_BETA_DEFAULT = 0.5  # `jsd_beta` when not given (TRL's GKD default)
+# The loss fields the run's settings take from the arguments (hf_distill.settings); training changes them there.
+SETTINGS_FIELDS = ("temperature", "kd_loss", "kd_weight", "task_weight", "kd_token_mask", "distill_terms", "jsd_beta",
+                   "skew_alpha")
 _GIVEN_WINS = " Default: {}, or the value of `distill_preset`; a value you give always wins over the preset."
 _GENERATING = (" When the run generates its completions (lmbda > 0 or seq_kd) and neither you nor the preset gave it, "
                "the default is {} instead (GKD's loss: KD alone, no cross-entropy on the student's own samples).")
@@ -300,10 +307,9 @@ class DistillationArguments(TrainingArguments):
         for name, default in defaults.items():
             if getattr(self, name) is None:
                 setattr(self, name, preset.get(name, default))
-        for name in HEAD_DEFAULTS:  # else left to resolve_head_defaults, once the student is known
+        for name in HEAD_DEFAULTS:  # else left to the run's settings, once the student is known
             if getattr(self, name) is None and name in preset:
                 setattr(self, name, preset[name])
-        self._head_filled: set[str] = set()
         if self.distill_terms is None and "distill_terms" in preset:
             self.distill_terms = copy.deepcopy(preset["distill_terms"])
 
@@ -339,32 +345,10 @@ class DistillationArguments(TrainingArguments):
 
         validate_distillation(self)
 
-    def resolve_head_defaults(self, causal: bool, token_level: bool = True) -> dict[str, Any]:
-        """Fill the fields of `HEAD_DEFAULTS` that neither the user nor the preset gave, for the student's head, and
-        return what was filled (for a log line). Why here and not in `__post_init__`: the arguments are built before
-        the model, and a causal LM's usual settings (T = 1, the completion tokens) are not an encoder's.
-
-        `kd_token_mask` is filled only for a head with token-level logits (`token_level`; a causal LM has them):
-        elsewhere it does nothing and stays None. Filled values are remembered on this object, so the same
-        arguments given to a trainer of another head are filled again for it; `dataclasses.replace` passes every
-        field again, so on its copy they count as given."""
-        done = self.__dict__.setdefault("_head_filled", set())
-        filled: dict[str, Any] = {}
-        for name, (other, causal_default) in HEAD_DEFAULTS.items():
-            if getattr(self, name) is not None and name not in done:
-                continue  # given by the user or the preset
-            if name == "kd_token_mask" and not token_level:
-                value = None
-            else:
-                value = causal_default if causal else other
-                filled[name] = value
-            setattr(self, name, value)
-            done.add(name)
-        return filled
-
     def given(self, name: str) -> bool:
-        """True when the field holds a value the user (or the preset) gave, not one `resolve_head_defaults` filled."""
-        return getattr(self, name) is not None and name not in getattr(self, "_head_filled", set())
+        """True when the field holds a value the user (or the preset) gave; the head defaults are filled in the run's
+        settings (hf_distill.settings), never here."""
+        return getattr(self, name) is not None
 
     @property
     def generates(self) -> bool:

@@ -1,10 +1,11 @@
 """Callbacks that change the distillation loss while training: schedules and multi-stage recipes.
 
-Both work through the one object the trainer re-reads at every step, the `DistillationArguments` that
-callbacks receive as `args`: `temperature`, `kd_loss`, `kd_weight`, `task_weight` and the `weight` of each
-entry of `distill_terms` (the trainer passes those to `IntermediateDistiller.set_weights` each step, and a
-term of weight 0 costs nothing). Callbacks never see the trainer, and the Trainer may rebuild them from
-their saved state, so they hold nothing but plain values.
+Both work through the one object the trainer re-reads at every step, the run's settings
+(hf_distill.settings.DistillSettings) that a `DistillationTrainer` passes to every callback event as
+`distill_settings`: `temperature`, `kd_loss`, `kd_weight`, `task_weight` and the `weight` of each entry of
+`distill_terms` (the trainer passes those to `IntermediateDistiller.set_weights` each step, and a term of weight 0
+costs nothing). The `DistillationArguments` (`args`) are validated once and not changed. Callbacks never see
+the trainer, and the Trainer may rebuild them from their saved state, so they hold nothing but plain values.
 
 - `ScheduleCallback` (defined in :mod:`hf_distill.schedules`, with the loss-field access both use): linear or
   cosine schedules of those values over training progress (`global_step / max_steps`, the convention of
@@ -44,8 +45,10 @@ from .schedules import (  # noqa: F401 - re-exported: `hf_distill.callbacks.Sche
     _progress,
     _schedule,
     get_loss_field,
+    run_settings,
     set_loss_field,
 )
+from .settings import DistillSettings
 
 # The Trainer's own LR factors and base rates per scheduler, before any stage replaced them. Not stored on the
 # scheduler: its state_dict() saves every attribute, and checkpoints are loaded with weights_only=True.
@@ -242,7 +245,10 @@ class StageSwitchCallback(TrainerCallback, ExportableState):
 
     # ---------------------------------------------------------------- stage bookkeeping
 
-    def _resolve(self, args, state, train_dataloader) -> None:
+    def _resolve(self, args, state, train_dataloader, settings: DistillSettings | None = None) -> None:
+        """Stage boundaries, base values and the declared terms, from `settings` (the run's; without them, as the
+        arguments give them)."""
+        settings = settings if settings is not None else DistillSettings(args)
         saved = (state.stateful_callbacks or {}).get(type(self).__name__)
         if self.boundaries is None and isinstance(saved, dict):  # a resumed run, restore flag off
             attrs = saved.get("attributes", {})
@@ -269,10 +275,10 @@ class StageSwitchCallback(TrainerCallback, ExportableState):
                                  "the stages earlier.")
             self.boundaries = ends
         if self.base is None:
-            terms = [t.name for t in parse_terms(args.distill_terms or [])]
-            self.base = {k: get_loss_field(args, k) for k in (*SCALAR_FIELDS, "kd_loss")}
-            self.base.update({TERM_PREFIX + n: get_loss_field(args, TERM_PREFIX + n) for n in terms})
-        declared = {t.name: t.to_dict() for t in parse_terms(args.distill_terms or [])}
+            terms = [t.name for t in parse_terms(settings.distill_terms or [])]
+            self.base = {k: get_loss_field(settings, k) for k in (*SCALAR_FIELDS, "kd_loss")}
+            self.base.update({TERM_PREFIX + n: get_loss_field(settings, TERM_PREFIX + n) for n in terms})
+        declared = {t.name: t.to_dict() for t in parse_terms(settings.distill_terms or [])}
         for i, stage in enumerate(self.stages):
             for t in stage.preset_terms():
                 have = declared.get(t["name"])
@@ -324,7 +330,7 @@ class StageSwitchCallback(TrainerCallback, ExportableState):
         bounds = [0, *(self.boundaries or []), max(max_steps, (self.boundaries or [0])[-1])]
         return bounds[index], bounds[index + 1]
 
-    def _apply(self, args, state, optimizer, lr_scheduler, model=None) -> None:
+    def _apply(self, args, settings, state, optimizer, lr_scheduler, model=None) -> None:
         index = self.stage_at(state.global_step)
         if model is not None:
             self._apply_frozen(self.stages[index], model)
@@ -334,7 +340,7 @@ class StageSwitchCallback(TrainerCallback, ExportableState):
         for key, value in self.stages[index].targets(self.base).items():
             if isinstance(value, Schedule):
                 value = self.values[_log_key(key)] = value.value(progress)
-            set_loss_field(args, key, value)
+            set_loss_field(settings, key, value)
         if lr_scheduler is not None and optimizer is not None:
             self._apply_lr(index, start, end, args, optimizer, lr_scheduler)
         self.stage = index
@@ -371,16 +377,17 @@ class StageSwitchCallback(TrainerCallback, ExportableState):
 
     def on_train_begin(self, args, state, control, train_dataloader=None, optimizer=None, lr_scheduler=None,
                        model=None, **kwargs):
-        self._resolve(args, state, train_dataloader)
+        settings = run_settings(kwargs, type(self).__name__)
+        self._resolve(args, state, train_dataloader, settings)
         self._check_frozen(args, model)
-        self._apply(args, state, optimizer, lr_scheduler, model)
+        self._apply(args, settings, state, optimizer, lr_scheduler, model)
 
     def on_step_begin(self, args, state, control, optimizer=None, lr_scheduler=None, model=None, **kwargs):
         index = self.stage_at(state.global_step)
         stage = self.stages[index]
         scheduled = any(isinstance(v, Schedule) for v in stage.targets(self.base).values())
         if index != self.stage or scheduled:
-            self._apply(args, state, optimizer, lr_scheduler, model)
+            self._apply(args, run_settings(kwargs, type(self).__name__), state, optimizer, lr_scheduler, model)
         # Step-based, not memory-based, so a run resumed exactly at the boundary resets too.
         if stage.reset_optimizer and index > 0 and state.global_step == self.boundaries[index - 1]:
             inner = getattr(optimizer, "optimizer", optimizer)

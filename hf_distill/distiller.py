@@ -5,8 +5,10 @@ the heads and the loss. It keeps nothing of the student but what the arguments w
 it computes a loss for is the one it is given at each call (`compute_loss(model, inputs)`), because the Trainer swaps
 (`model_init`), wraps (DDP, DeepSpeed, FSDP) and compiles (`torch_compile`) the student after it was built.
 
-Its logit terms are hf_distill.logit_terms, its teacher side (cached columns or a teacher forward per batch)
-hf_distill.distiller_teachers.
+It is composed of: the teacher side (hf_distill.teacher_sources: cached columns or the teacher models, one typed
+result per batch), the KD paths (hf_distill.kd_paths: whole logits, the causal-LM loss head, the sparse signal head,
+cross-tokenizer; one chosen per model), the task loss (hf_distill.task_loss) and the intermediate terms
+(hf_distill.losses.intermediate).
 
 `DistillationTrainer` (or any Trainer class with `DistillationMixin`) builds one and calls it from its own
 `compute_loss`; a plain PyTorch or accelerate loop builds one itself:
@@ -20,7 +22,6 @@ hf_distill.distiller_teachers.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -30,28 +31,29 @@ from torch import nn
 from transformers.utils import find_labels, logging
 
 from .arguments import DistillationArguments
-from .data.cache import TOPK_VALUES_COLUMN, cached_teacher_info
+from .data.cache import cached_teacher_info
 from .data.collators import TEACHER_PREFIX
 from .data.teacher_columns import check_teacher_columns
 from .data.teacher_signal import check_teacher_signal
-from .distiller_teachers import TeacherRuns
 from .features import heads as heads_mod
 from .features.heads import (
     TOKEN_LEVEL,
     Head,
     check_kd_loss,
-    head_logits,
     runtime_head,
     static_head,
     with_decoder_inputs,
 )
 from .features.taps import forward, unwrap
-from .logit_terms import LogitTerms, forward_params, student_shape
-from .losses import chunked, cross_tokenizer
+from .kd_paths import KDPath, KDPaths, PathBatch, PathContext
+from .losses import cross_tokenizer
 from .losses.intermediate import IntermediateDistiller
 from .losses.normalise import COUNT_KINDS, StepCounts, batch_counts, decoder_positions
+from .model_inputs import StudentState, check_same_kind, forward_params, student_shape
 from .on_policy import PROMPT_KEYS, OnPolicy, check_on_policy, check_step
 from .placement import place_teacher, teacher_input_device
+from .settings import DistillSettings
+from .task_loss import TaskLoss
 from .teacher import (
     check_cross_tokenizer,
     load_teacher,
@@ -60,18 +62,20 @@ from .teacher import (
     teacher_weights,
     validate_pair,
 )
+from .teacher_sources import CachedColumns, LocalTeachers, TeacherSide
 from .tracking import ComponentTracker
 
 logger = logging.get_logger(__name__)
 
 
-class Distiller(LogitTerms, TeacherRuns):
+class Distiller:
     """Teachers, terms, heads and the loss of one distillation.
 
     Args:
         student: the student as it is when the run is set up (validated against the teachers and arguments; the
             loss itself runs on the model each call is given).
-        args: `DistillationArguments` (read at every call, so callbacks may change weights and temperature).
+        args: `DistillationArguments`, validated once; the loss reads the run's `settings` built from them
+            (hf_distill.settings: what schedules and stages change while training).
         teacher_model: as `DistillationTrainer`'s: a model, a folder or Hub id, a list of them, the student itself
             (a PEFT model: self-distillation with adapters off), or None when the rows carry cached teacher outputs.
         processing_class: the student's tokenizer, to compare vocabularies.
@@ -103,7 +107,7 @@ class Distiller(LogitTerms, TeacherRuns):
     ) -> None:
         if not isinstance(args, DistillationArguments):
             raise TypeError(f"Distiller needs DistillationArguments, got {type(args).__name__}.")
-        self.args, self.accelerator, self.route = args, accelerator, route
+        self.args, self.accelerator = args, accelerator
         self.label_smoother, self.compute_loss_func = label_smoother, compute_loss_func
         self.processing_class = processing_class  # the student's tokenizer (a teacher signal's vocabulary check)
         if label_names is None:
@@ -114,7 +118,8 @@ class Distiller(LogitTerms, TeacherRuns):
         sources = [str(t) if isinstance(t, str | os.PathLike) else None for t in teachers]  # their tokenizers too
         teachers = [load_teacher(str(t), like=student) if isinstance(t, str | os.PathLike) else t for t in teachers]
         t_tokenizers = per_teacher(teacher_processing_class, len(teachers))
-        self._check_arguments(student, len(teachers))
+        # What the loss reads at each call and what callbacks change while training (hf_distill.settings)
+        self.settings = DistillSettings.for_student(args, static_head(student), len(teachers))
         check_on_policy(args, causal=static_head(student) is Head.CAUSAL_LM, n_teachers=len(teachers),
                         accelerator=accelerator, train_dataset=train_dataset)
         # lmbda / seq_kd: who completes each micro-batch's prompts, and the generation (hf_distill.on_policy)
@@ -131,7 +136,7 @@ class Distiller(LogitTerms, TeacherRuns):
         ]
         self.teacher = self.teachers[0] if self.teachers else None
         self.intermediate: IntermediateDistiller | None = None
-        if args.terms:
+        if self.settings.terms:
             # Without a teacher, its shape (layers, width) comes from the hidden states cached in the dataset.
             source = self.teacher if self.teacher is not None else cached_teacher_info(train_dataset)
             if source is None:
@@ -139,7 +144,8 @@ class Distiller(LogitTerms, TeacherRuns):
                     "distill_terms need teacher features, so teacher_model must be given "
                     "(or a train dataset with cached teacher hidden states from hf_distill.cache)."
                 )
-            self.intermediate = IntermediateDistiller(args.terms, student, source, args.projection, seed=args.seed)
+            self.intermediate = IntermediateDistiller(self.settings.terms, student, source, args.projection,
+                                                      seed=args.seed)
             if self.intermediate.projections is not None:
                 self.intermediate.projections.to(_device(student, accelerator))
         if args.projection_lr is not None and self.projections is None:
@@ -151,11 +157,10 @@ class Distiller(LogitTerms, TeacherRuns):
             validate_pair(student, t, args, tokenizer=processing_class, teacher_tokenizer=tok, source=src)
             for t, tok, src in zip(self.teachers, t_tokenizers, sources, strict=True)
         ]
-        self._shared_vocab = min((v for v in shared_vocab if v is not None), default=None)
+        shared_vocab = min((v for v in shared_vocab if v is not None), default=None)
         # cross_tokenizer="aligned": the (student ids, teacher ids) of the tokens both vocabularies hold
-        self._cross_vocab = check_cross_tokenizer(args.cross_tokenizer, student, self.teachers, self.shared_base,
-                                                  processing_class, t_tokenizers, sources)
-        self._padding_checked: set[int] = set()  # teachers whose extra vocabulary ids were measured (padding)
+        cross_vocab = check_cross_tokenizer(args.cross_tokenizer, student, self.teachers, self.shared_base,
+                                            processing_class, t_tokenizers, sources)
         if len(self.teachers) > 1 and args.kd_weight > 0 and args.kd_loss == "mse" and args.multi_teacher != "losses":
             raise ValueError(
                 "multi_teacher='probs' averages probability distributions, which kd_loss='mse' does not use. "
@@ -165,25 +170,51 @@ class Distiller(LogitTerms, TeacherRuns):
         self._head = static_head(student)
         self._causal = self._head is Head.CAUSAL_LM
         self._student_shape = student_shape(student)
-        self._student_cache: _StudentState | None = None
-        self._teacher_rebuilds = False  # the teacher's logits were rebuilt from its hidden states (checked once)
-        # The label tensor of token-level heads (counted positions, `kd_token_mask="labels"`).
-        self._token_labels = self.label_names[0] if len(self.label_names) == 1 else "labels"
+        self._student_cache: StudentState | None = None
         self._step = StepCounts()
         if args.kd_weight > 0:
             check_kd_loss(self._head, args.kd_loss)
             for t in self.teachers:
                 check_kd_loss(static_head(t), args.kd_loss, "the teacher")
-        self._chunk = self._chunk_size(student)
-        self.teacher_params = forward_params(self.teacher) if self.teacher is not None else set()
+        # The parts: the task loss, the teacher side (cached columns first, else the teacher models), the KD paths.
+        self.task = TaskLoss(self.settings, self.label_names, args.label_names is not None, label_smoother,
+                             compute_loss_func, self._step, self._processes, args.average_tokens_across_devices)
+        self._token_labels = self.task.label_name
+        self.teacher_side = TeacherSide(
+            CachedColumns(self.settings, self._token_labels, self.intermediate),
+            LocalTeachers(self.teachers, self.shared_base, self.label_names, self._head, accelerator),
+            self.settings, self.intermediate)
+        self.paths = KDPaths(PathContext(args, self.settings, self._head, self.teacher_side, self.teacher_weights,
+                                         self.task, shared_vocab, cross_vocab, accelerator, route), student)
         self.tracker = ComponentTracker()
         # cross_tokenizer: the share of the student's distilled positions paired with the teacher's, per log window
-        self.pairing = (cross_tokenizer.PairedShare(args.cross_tokenizer, self._token_labels, args.kd_token_mask)
-                        if args.cross_tokenizer else None)
+        self.pairing = (cross_tokenizer.PairedShare(args.cross_tokenizer, self._token_labels,
+                                                    self.settings.kd_token_mask) if args.cross_tokenizer else None)
         # Called after each loss with (model, student outputs, inputs, from_hidden): the outputs hold the last hidden
         # states instead of logits when the causal-LM loss head ran (hf_distill.trl logs SFT's token metrics from it).
         self.student_hook: Callable[[nn.Module, Any, dict[str, Any], bool], None] | None = None
         self.check_dataset(train_dataset)
+
+    @property
+    def route(self) -> str:
+        """How the causal-LM loss head calls the LM heads: "module" under DeepSpeed/FSDP (the trainer sets it), else
+        "auto"."""
+        return self.paths.context.route
+
+    @route.setter
+    def route(self, value: str) -> None:
+        self.paths.context.route = value
+
+    @property
+    def teacher_params(self) -> set[str]:
+        """The inputs the (first) teacher's forward names."""
+        return self.teacher_side.models.params
+
+    def run_teacher(self, teacher: nn.Module, inputs: dict[str, Any], taps=None, labels: bool = False,
+                    hidden_only: bool = False):
+        """One teacher forward on the student's batch: only the inputs its forward names, without gradients, under
+        the student's autocast, on the teacher's devices; returns (outputs, features)."""
+        return self.teacher_side.models.run(teacher, inputs, taps, labels=labels, hidden_only=hidden_only)
 
     # ------------------------------------------------------------------ set-up
 
@@ -193,38 +224,13 @@ class Distiller(LogitTerms, TeacherRuns):
         teacher.requires_grad_(False).eval()
         return teacher if teacher_input_device(teacher) is not None else teacher.to(_device(student, None))
 
-    def _check_arguments(self, student: nn.Module, n_teachers: int) -> None:
-        """Fill the arguments whose default depends on the student's head (`resolve_head_defaults`: T = 1 and the
-        completion tokens for a causal LM) and refuse the ones given that would do nothing for this student and
-        these teachers."""
-        head = static_head(student)
-        sequence_level = head in (Head.SEQUENCE, Head.MULTI_LABEL, Head.REGRESSION, Head.QUESTION_ANSWERING)
-        if sequence_level and self.args.given("kd_token_mask"):
-            raise ValueError(
-                f"kd_token_mask={self.args.kd_token_mask!r} does nothing for this student ({head.value}): it selects "
-                "the positions of token-level logits (token classification, masked or causal LM). Leave it unset."
-            )
-        if n_teachers < 2:
-            for name in ("teacher_weights", "multi_teacher"):
-                if getattr(self.args, name) is not None:
-                    raise ValueError(
-                        f"{name}={getattr(self.args, name)!r} does nothing with {n_teachers or 'no'} teacher model: it "
-                        "weighs or combines several teachers (teacher_model=[...]). Remove it."
-                    )
-        filled = self.args.resolve_head_defaults(causal=head is Head.CAUSAL_LM, token_level=not sequence_level)
-        if filled:
-            logger.info(
-                "Not given, so set for a %s student: %s (see DistillationArguments).",
-                "causal-LM" if head is Head.CAUSAL_LM else "non-causal",
-                ", ".join(f"{k}={v!r}" for k, v in filled.items()),
-            )
-
     def check_dataset(self, dataset: Any, which: str = "train") -> None:
         """Refuse cached teacher columns the run cannot use (hf_distill.data.teacher_columns)."""
-        check_teacher_columns(dataset, which, head=self._head, teacher=self.teacher, kd_weight=self.args.kd_weight,
-                              kd_loss=self.args.kd_loss, num_labels=self._student_shape[2],
+        check_teacher_columns(dataset, which, head=self._head, teacher=self.teacher, kd_weight=self.settings.kd_weight,
+                              kd_loss=self.settings.kd_loss, num_labels=self._student_shape[2],
                               intermediate=self.intermediate)
-        check_teacher_signal(dataset, which, temperature=self.args.temperature, kd_token_mask=self.args.kd_token_mask,
+        check_teacher_signal(dataset, which, temperature=self.settings.temperature,
+                             kd_token_mask=self.settings.kd_token_mask,
                              tokenizer=self.processing_class, causal=self._causal)
 
     @property
@@ -238,19 +244,13 @@ class Distiller(LogitTerms, TeacherRuns):
 
     # ------------------------------------------------------------------ the model it is given
 
-    def _student_state(self, model: nn.Module) -> _StudentState:
+    def _student_state(self, model: nn.Module) -> StudentState:
         """What the loss needs from the student it is given (head, forward arguments, LM head), resolved once per
         model. A model of another kind or shape than the one the arguments were validated against is refused."""
         inner = unwrap(model)
         if self._student_cache is not None and self._student_cache.inner is inner:
             return self._student_cache
-        shape = student_shape(inner)
-        if shape != self._student_shape:
-            raise ValueError(
-                f"The model to train ({type(inner).__name__}: {_describe(shape)}) is not the kind of model this "
-                f"trainer was built with and validated against ({_describe(self._student_shape)}). model_init must "
-                "return students with one head, vocabulary and label set; build one trainer per kind of student."
-            )
+        check_same_kind(inner, self._student_shape)
         if self.teachers and shares_parameters(self.teachers[0], inner) != self.shared_base:
             raise ValueError(
                 "The model to train shares its parameters with the teacher differently from the model the trainer "
@@ -259,7 +259,7 @@ class Distiller(LogitTerms, TeacherRuns):
             )
         if self.intermediate is not None:
             self.intermediate.bind_student(inner)
-        self._student_cache = _StudentState(inner, forward_params(inner))
+        self._student_cache = StudentState(inner, forward_params(inner))
         return self._student_cache
 
     # ------------------------------------------------------------------ the loss
@@ -274,7 +274,8 @@ class Distiller(LogitTerms, TeacherRuns):
         step's number (the coin's input; the Trainer passes `global_step`, so a resumed run draws the same)."""
         if self.on_policy is not None or self.args.generates:
             check_step(self.on_policy, self.args, model)
-            self.on_policy.prepare(batches, model, self, step)
+            self.on_policy.prepare(batches, model, step, teachers=self.teachers, shared_base=self.shared_base,
+                                   accelerator=self.accelerator, label_name=self._token_labels)
         counts = sum((self._counts(b) for b in batches), torch.zeros(len(COUNT_KINDS), dtype=torch.float64))
         processes = self._processes() if self.args.average_tokens_across_devices else 1
         if processes > 1:
@@ -286,11 +287,15 @@ class Distiller(LogitTerms, TeacherRuns):
     ):
         """The weighted sum of the task loss, logit KD and the intermediate terms for `model` on one batch, and with
         `return_outputs` the student's outputs (as `Trainer.compute_loss`). In training mode, or in evaluation with
-        `eval_with_teacher`, the teacher runs; otherwise it is the student's task loss alone."""
+        `eval_with_teacher`, the teacher runs; otherwise it is the student's task loss alone.
+
+        Top to bottom: the batch, its KD path, the teacher's outputs, the student's forward, the path's loss, the
+        intermediate terms, the weights."""
+        # The batch: cached teacher columns apart, the model as the Trainer prepared it (not the one it was built with)
         cached = {k: inputs.pop(k) for k in list(inputs) if k.startswith(TEACHER_PREFIX)}
         for key in PROMPT_KEYS:  # the prompts generation reads (hf_distill.data.prompts): never a model input
             inputs.pop(key, None)
-        student = self._student_state(model)  # the model as the Trainer prepared it, not the one it was built with
+        student = self._student_state(model)
         if self._head is Head.SEQ2SEQ_LM:  # teacher and student read the same decoder inputs
             inputs = with_decoder_inputs(model, inputs, self._token_labels)
         if isinstance(inputs.get("position_ids"), torch.Tensor) and "use_cache" not in inputs:
@@ -302,31 +307,25 @@ class Distiller(LogitTerms, TeacherRuns):
             check_step(self.on_policy, self.args, None)  # no start_step: nothing generated this batch's completions
         local = self._counts({**inputs, **cached}) if step_mean else None
         if self.intermediate is not None:  # re-read every step, like kd_weight, so callbacks can change them
-            self.intermediate.set_weights(self.args.distill_terms)
-        want_task, own_task = self._task_wanted(model, inputs, distill)
-        # Teacher first (its forward would evict the student's activations from the CPU caches, benchmarks/speed.py);
-        # a causal LM in training takes its logits a chunk of tokens at a time (hf_distill.losses.chunked).
-        sparse = TOPK_VALUES_COLUMN in cached  # top-k renormalised (no tail): whole logits; a signal has its own head
-        chunks = self._chunk_for(model) if (model.training and distill and not sparse) else None
-        teacher = self._teacher_outputs(inputs, cached, hidden_only=chunks is not None) if distill else None
-        s_out, s_feats, head = self._student_forward(model, student, inputs, distill, chunks,
-                                                     want_task and not own_task and chunks is None)
+            self.intermediate.set_weights(self.settings.distill_terms)
+        want_task, own_task = self.task.wanted(model, inputs, distill)
+        # Its KD path, chosen once per model, form of the teacher's logits and pass (hf_distill.kd_paths)
+        path = self.paths.choose(student, model, self.teacher_side.form(cached), model.training and distill)
+        # Teacher first (its forward would evict the student's activations from the CPU caches, benchmarks/speed.py)
+        teacher = None
+        if distill:
+            teacher = self.teacher_side.outputs(path.teacher_inputs(inputs, cached), cached, path.request)
+        s_out, s_feats, head = self._student_forward(model, student, inputs, distill, path,
+                                                     want_task and not own_task and path.whole_logits)
+        kd, task = path.loss(PathBatch(model, student.inner, s_out, head, teacher, inputs, cached, want_task,
+                                       lambda: self.task.loss(s_out, inputs, head, num_items_in_batch, step_mean)))
         components: dict[str, torch.Tensor] = {}
         weights: dict[str, float] = {}
-        if chunks is not None:
-            kd, task = self._chunked_terms(model, s_out, teacher, inputs, want_task, chunks)
-        else:
-            task = self._task_loss(s_out, inputs, head, num_items_in_batch, step_mean) if want_task else None
-            kd = None
-            if teacher is not None and teacher.views and self.args.cross_tokenizer:
-                kd = self._cross_tokenizer_kd(head_logits(s_out, head)[0], teacher.views[0][0], {**inputs, **cached})
-            elif teacher is not None and teacher.views:
-                kd = self._kd_loss(head, head_logits(s_out, head), teacher.views, inputs)
         if task is not None:
             components["task"], weights["task"] = self._scaled(task, "labels", head, local, s_out), (
-                self.args.task_weight if distill else 1.0)
+                self.settings.task_weight if distill else 1.0)
         if kd is not None:
-            components["kd"], weights["kd"] = self._scaled(kd, "kd", head, local, s_out), self.args.kd_weight
+            components["kd"], weights["kd"] = self._scaled(kd, "kd", head, local, s_out), self.settings.kd_weight
         if distill and self.intermediate is not None:
             components.update(self._intermediate_terms(s_feats, teacher.features, inputs, local))
             weights.update(self.intermediate.weights())
@@ -345,49 +344,33 @@ class Distiller(LogitTerms, TeacherRuns):
             if self.pairing is not None and "kd" in components:
                 self.pairing.add({**inputs, **cached})
         if self.student_hook is not None:
-            self.student_hook(model, s_out, inputs, chunks is not None)
+            self.student_hook(model, s_out, inputs, not path.whole_logits)
         return (loss, self._predictions(s_out, distill)) if return_outputs else loss
 
     def _counts(self, inputs: dict[str, Any]) -> torch.Tensor:
-        counts = batch_counts(inputs, self._token_labels, self.args.kd_token_mask, self._causal,
+        counts = batch_counts(inputs, self._token_labels, self.settings.kd_token_mask, self._causal,
                               self._head is Head.SEQ2SEQ_LM)
         if self.args.cross_tokenizer:  # the KD term counts the paired positions of the two tokenizations
             counts[COUNT_KINDS.index("kd")] = cross_tokenizer.count(
-                self.args.cross_tokenizer, inputs, self._token_labels, self.args.kd_token_mask)
+                self.args.cross_tokenizer, inputs, self._token_labels, self.settings.kd_token_mask)
         return counts
 
-    def _task_wanted(self, model: nn.Module, inputs: dict[str, Any], distill: bool) -> tuple[bool, bool]:
-        """Whether the task loss is computed (in training when task_weight > 0, in evaluation always) and whether it
-        is computed here from the outputs (label smoothing or compute_loss_func, as in `Trainer.compute_loss`)
-        rather than by the student from `labels`."""
-        names = self.label_names
-        has_labels = bool(names) and all(inputs.get(n) is not None for n in names)
-        if model.training and self.args.task_weight > 0 and self.args.label_names is not None and not has_labels:
-            missing = [n for n in names if inputs.get(n) is None]
-            raise ValueError(
-                f"label_names={names} but the training batch has no {missing} (its keys: {sorted(inputs)}), so the "
-                "task term (task_weight > 0) cannot be computed. Name the batch's label keys in label_names, or set "
-                "task_weight=0 to train on the teacher alone."
-            )
-        own_task = (self.label_smoother is not None or self.compute_loss_func is not None) and "labels" in inputs
-        return has_labels and (not distill or self.args.task_weight > 0), own_task
-
-    def _student_forward(self, model, student: _StudentState, inputs, distill: bool, chunks, with_labels: bool):
+    def _student_forward(self, model, student: StudentState, inputs, distill: bool, path: KDPath,
+                         with_labels: bool):
         kwargs = {k: v for k, v in inputs.items() if student.accepts(k) and (k not in self.label_names or with_labels)}
-        if chunks is not None:
-            kwargs = chunked.hidden_only_kwargs(kwargs)
+        kwargs = path.student_kwargs(kwargs)
         taps = self.intermediate.student_taps if (distill and self.intermediate) else None
         s_out, s_feats = forward(model, kwargs, taps)
-        head = Head.CAUSAL_LM if chunks is not None else runtime_head(
+        head = Head.CAUSAL_LM if not path.whole_logits else runtime_head(
             model, heads_mod._logits(s_out) if student.head is None else None, inputs.get(self._token_labels)
         )
-        if distill and self.args.kd_weight > 0:
-            check_kd_loss(head, self.args.kd_loss)
+        if distill and self.settings.kd_weight > 0:
+            check_kd_loss(head, self.settings.kd_loss)
         return s_out, s_feats, head
 
     def _scaled(self, value: torch.Tensor, kind: str, head: Head, local, s_out) -> torch.Tensor:
         """A token-level term as its share of the optimizer step's mean (hf_distill.losses.normalise)."""
-        if local is None or head not in TOKEN_LEVEL or (kind == "labels" and self.compute_loss_func):
+        if local is None or head not in TOKEN_LEVEL or (kind == "labels" and self.task.compute_loss_func):
             return value
         count = float(local[COUNT_KINDS.index(kind)])
         if kind == "labels" and count == 0:  # no counted label: adds nothing (a model's own mean over none is NaN)
@@ -416,32 +399,10 @@ class Distiller(LogitTerms, TeacherRuns):
         return self.accelerator.num_processes if self.accelerator is not None else 1
 
 
-@dataclasses.dataclass
-class _StudentState:
-    """What compute_loss reads from one student model (`Distiller._student_state`)."""
-
-    inner: nn.Module  # unwrapped: no compile, DDP/engine or PEFT wrapper
-    params: set[str]  # the inputs its forward names
-    head: Head | None = None
-    rebuilds: bool | None = None  # its logits are rebuilt exactly from its hidden states (checked on first use)
-    logits_fns: tuple | None = None  # hidden -> logits of it and of the teacher (chunked causal-LM loss)
-
-    def __post_init__(self) -> None:
-        self.head = static_head(self.inner)
-
-    def accepts(self, name: str) -> bool:
-        return name in self.params or "**" in self.params
-
-
 def _device(student: nn.Module, accelerator: Any) -> torch.device:
     if accelerator is not None:
         return accelerator.device
     return next((p.device for p in student.parameters()), torch.device("cpu"))
-
-
-def _describe(shape: tuple[str, int | None, int | None]) -> str:
-    name, vocab, labels = shape
-    return f"{name}, vocabulary {vocab}, {labels} labels"
 
 
 def _zero_like_graph(out: Any) -> torch.Tensor:

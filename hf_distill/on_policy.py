@@ -145,11 +145,13 @@ class OnPolicy:
             kwargs.update(temperature=temperature, top_p=1.0 if args.top_p is None else float(args.top_p), top_k=0)
         return kwargs
 
-    def prepare(self, batches: list[dict[str, Any]], student: nn.Module, distiller: Any,
-                step: int | None = None) -> None:
+    def prepare(self, batches: list[dict[str, Any]], student: nn.Module, step: int | None = None, *,
+                teachers: list[nn.Module], shared_base: bool, accelerator: Any, label_name: str) -> None:
         """Complete, in place, the prompts of the micro-batches the coin gives to the student or the teacher.
         `step`: the optimizer step these batches make (the Trainer's `global_step`, restored on resume); None counts
-        the calls (a plain loop)."""
+        the calls (a plain loop). `teachers` (the first completes for seq_kd; all bound the positions), `shared_base`
+        (the first is the student's PEFT base, adapters off), `accelerator` and `label_name` (the labels key of the
+        rows made) are the Distiller's."""
         step = self._steps if step is None else int(step)
         self._steps = step + 1
         for micro, batch in enumerate(batches):
@@ -159,14 +161,14 @@ class OnPolicy:
             _check_batch(batch)
             if not self._limit_read:  # before the first generation: every model that generates or reads the rows
                 self._limit, self._limit_read = position_limit(
-                    [("student", student), *teacher_roles(distiller.teachers)]), True
+                    [("student", student), *teacher_roles(teachers)]), True
             check_room(new_tokens(self.args), int(batch[PROMPT_IDS].shape[1]), self._limit,
                        f"Step {step}, micro-batch {micro}")
-            model = student if who == "student" else distiller.teacher
-            shared = who == "teacher" and distiller.shared_base
-            sequences = self._generate(model, batch, distiller.accelerator, shared)
+            model = student if who == "student" else (teachers[0] if teachers else None)
+            shared = who == "teacher" and shared_base
+            sequences = self._generate(model, batch, accelerator, shared)
             rows, generated = completion_rows(batch[PROMPT_IDS], batch[PROMPT_MASK], sequences, self.stop_ids,
-                                              self.pad_id, distiller._token_labels)
+                                              self.pad_id, label_name)
             batch.update(rows)
             self.tokens += generated
 

@@ -1,12 +1,14 @@
 """Loss fields a callback may change while training, and schedules of them over training progress.
 
-Callbacks change the loss through the one object the trainer re-reads at every step, the `DistillationArguments`
-they receive as `args`: `temperature`, `kd_loss`, `kd_weight`, `task_weight` and the `weight` of each entry of
-`distill_terms` (`term:<name>`). :func:`get_loss_field` / :func:`set_loss_field` read and write them with the
-checks `DistillationArguments` makes; :class:`ScheduleCallback` drives them by linear or cosine :class:`Schedule`s
-(`global_step / max_steps`, the convention of transformers' learning-rate schedules: the value used by step `k` is
-the schedule at `(k - 1) / max_steps`). Multi-stage runs (:class:`hf_distill.callbacks.StageSwitchCallback`) build
-on the same pieces; both callbacks are importable from `hf_distill.callbacks`.
+Callbacks change the loss through the run's settings (hf_distill.settings.DistillSettings), which a
+`DistillationTrainer` passes to every callback event as the keyword `distill_settings`: `temperature`, `kd_loss`,
+`kd_weight`, `task_weight` and the `weight` of each entry of `distill_terms` (`term:<name>`). The arguments
+themselves are validated once and not changed. :func:`get_loss_field` / :func:`set_loss_field` read and write them
+with the checks `DistillationArguments` makes; :class:`ScheduleCallback` drives them by linear or cosine
+:class:`Schedule`s (`global_step / max_steps`, the convention of transformers' learning-rate schedules: the value
+used by step `k` is the schedule at `(k - 1) / max_steps`). Multi-stage runs
+(:class:`hf_distill.callbacks.StageSwitchCallback`) build on the same pieces; both callbacks are importable from
+`hf_distill.callbacks`.
 """
 
 from __future__ import annotations
@@ -20,59 +22,38 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from .arguments import KD_LOSS_KINDS
-from .losses.terms import parse_terms
+from .settings import SCALAR_FIELDS, TERM_PREFIX, DistillSettings
 
-SCALAR_FIELDS = ("temperature", "kd_weight", "task_weight")
-TERM_PREFIX = "term:"
 SCHEDULE_KINDS = ("linear", "cosine")
 
 
 # ---------------------------------------------------------------------- reading and writing loss fields
 
 
-def get_loss_field(args: Any, name: str) -> Any:
+def get_loss_field(settings: DistillSettings, name: str) -> Any:
     """The current value of `temperature`, `kd_loss`, `kd_weight`, `task_weight` or `term:<name>` (a weight)."""
-    if name.startswith(TERM_PREFIX):
-        return _term_entry(args, name[len(TERM_PREFIX) :])["weight"]
-    if name not in (*SCALAR_FIELDS, "kd_loss"):
-        raise ValueError(f"Unknown loss field {name!r}. Known: {', '.join(SCALAR_FIELDS)}, kd_loss, term:<name>.")
-    return getattr(args, name)
+    return _checked(settings).get(name)
 
 
-def set_loss_field(args: Any, name: str, value: Any) -> None:
-    """Set one loss field on `args` in place, with the checks `DistillationArguments` makes when built."""
-    if name == "kd_loss":
-        if value not in KD_LOSS_KINDS:
-            raise ValueError(f"kd_loss={value!r} is unknown. Known: {', '.join(KD_LOSS_KINDS)}.")
-        args.kd_loss = value
-        return
-    value = float(value)
-    if name == "temperature" and not value > 0:
-        raise ValueError(f"temperature must be > 0, got {value}.")
-    if name != "temperature" and value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}.")
-    if name.startswith(TERM_PREFIX):
-        _term_entry(args, name[len(TERM_PREFIX) :])["weight"] = value
-    elif name in SCALAR_FIELDS:
-        setattr(args, name, value)
-    else:
-        raise ValueError(f"Unknown loss field {name!r}. Known: {', '.join(SCALAR_FIELDS)}, kd_loss, term:<name>.")
+def set_loss_field(settings: DistillSettings, name: str, value: Any) -> None:
+    """Set one loss field of the run's settings, with the checks `DistillationArguments` makes when built."""
+    _checked(settings).set(name, value)
 
 
-def _term_entry(args: Any, term: str) -> dict:
-    # DistillationArguments stores terms as plain dicts (normalised in __post_init__); keep them that way.
-    specs = args.distill_terms or []
-    if not all(isinstance(s, dict) for s in specs):
-        specs = args.distill_terms = [t.to_dict() for t in parse_terms(specs)]
-    for spec in specs:
-        if spec.get("name") == term:
-            return spec
-    names = [s.get("name") for s in specs]
-    raise ValueError(
-        f"No distill_terms entry is named {term!r} (have {names}). Terms cannot be added during training: "
-        "declare every term the run uses when building the arguments (weight 0 until it is needed)."
-    )
+def run_settings(kwargs: Mapping[str, Any], who: str) -> DistillSettings:
+    """The `distill_settings` a DistillationTrainer passes to callback events; refused without one."""
+    settings = kwargs.get("distill_settings")
+    if settings is None:
+        raise ValueError(f"{who} changes the distillation loss, so it needs a DistillationTrainer (or a trainer with "
+                         "DistillationMixin), which passes the run's distill_settings to its callbacks.")
+    return settings
+
+
+def _checked(settings: Any) -> DistillSettings:
+    if not isinstance(settings, DistillSettings):
+        raise TypeError(f"Loss fields are read and set on the run's settings (trainer.distiller.settings, a "
+                        f"DistillSettings), not on {type(settings).__name__}: the arguments are not changed.")
+    return settings
 
 
 def _log_key(name: str) -> str:
@@ -135,16 +116,17 @@ class ScheduleCallback(TrainerCallback, ExportableState):
     def values_at(self, step: int, max_steps: int) -> dict[str, float]:
         return {name: s.value(_progress(step, 0, max_steps)) for name, s in self.schedules.items()}
 
-    def _apply(self, args, state) -> None:
+    def _apply(self, state, kwargs) -> None:
+        settings = run_settings(kwargs, type(self).__name__)
         self.values = self.values_at(state.global_step, state.max_steps)
         for name, value in self.values.items():
-            set_loss_field(args, name, value)
+            set_loss_field(settings, name, value)
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self._apply(args, state)
+        self._apply(state, kwargs)
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self._apply(args, state)
+        self._apply(state, kwargs)
 
     def distill_log_values(self) -> dict[str, float]:
         return {_log_key(n): v for n, v in self.values.items()}

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import PreTrainedModel, Trainer
+from transformers.trainer_callback import CallbackHandler
 from transformers.utils import logging
 
 from .arguments import DistillationArguments, as_distillation_arguments
@@ -32,8 +33,8 @@ from .data.prompts import check_generation_data
 from .distiller import Distiller
 from .features import heads as heads_mod
 from .features.taps import unwrap
-from .logit_terms import plain_task_loss
 from .placement import check_engine, check_fsdp2_wrap
+from .task_loss import plain_task_loss
 from .trainer_projections import PROJECTIONS_ATTR, PROJECTIONS_FILE, ProjectionTraining, _ClearProjectionGradients
 
 logger = logging.get_logger(__name__)
@@ -120,6 +121,8 @@ class DistillationMixin(ProjectionTraining):
             label_names=self.label_names or [], accelerator=self.accelerator, label_smoother=self.label_smoother,
             compute_loss_func=self.compute_loss_func, route=self._loss_head_route(),
         )
+        # Every callback event gets the run's loss settings (schedules and stages change the loss through them)
+        self.callback_handler = _SettingsCallbackHandler(self.callback_handler, self.distiller.settings)
         if self._projections() is not None and not self._projections_in_engine():
             self.add_callback(_ClearProjectionGradients(self._projections()))
         self._check_projection_optimizer()
@@ -145,6 +148,8 @@ class DistillationMixin(ProjectionTraining):
     shared_base = property(lambda self: self.distiller.shared_base, doc="The teacher is the student's PEFT base.")
     intermediate = property(lambda self: self.distiller.intermediate, doc="The intermediate-layer terms, or None.")
     tracker = property(lambda self: self.distiller.tracker, doc="The loss components since the last log.")
+    settings = property(lambda self: self.distiller.settings,
+                        doc="The run's loss settings (hf_distill.settings): what schedules and stages change.")
 
     # ------------------------------------------------------------------ the loss
 
@@ -162,7 +167,8 @@ class DistillationMixin(ProjectionTraining):
 
     def _loss_head_route(self) -> str:
         """DeepSpeed gathers the LM heads' parameters inside the heads' own calls: call them as modules. (Under FSDP
-        the causal-LM logits are computed whole, LogitTerms._chunk_size; "module" keeps any other use safe.)"""
+        the causal-LM logits are computed whole, hf_distill.kd_paths.loss_head.chunk_size; "module" keeps any other
+        use safe.)"""
         return "module" if (self.is_deepspeed_enabled or self.is_fsdp_enabled) else "auto"
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
@@ -404,3 +410,16 @@ class DistillationMixin(ProjectionTraining):
 class DistillationTrainer(DistillationMixin, Trainer):
     """`Trainer` + a frozen teacher. Swap the class, keep everything else (arguments: `DistillationMixin`)."""
 
+
+class _SettingsCallbackHandler(CallbackHandler):
+    """The Trainer's callback handler, passing the run's loss settings to every event as `distill_settings` (as it
+    passes `model` and `optimizer`): callbacks hold nothing of the trainer and may be rebuilt from saved state."""
+
+    def __init__(self, handler: CallbackHandler, settings: Any) -> None:
+        self.__dict__.update(handler.__dict__)
+        self.distill_settings = settings
+
+    def call_event(self, event, args, state, control, **kwargs):
+        if event == "on_train_begin":  # arguments set since the trainer was built (a hyperparameter-search trial)
+            self.distill_settings.follow(args)
+        return super().call_event(event, args, state, control, distill_settings=self.distill_settings, **kwargs)

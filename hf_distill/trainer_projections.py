@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import TrainerCallback
+from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .compat import checkpoint_parent, children_dict
@@ -157,12 +158,17 @@ class ProjectionTraining:
         return super()._get_grad_norm(model, grad_norm=grad_norm)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """The student's files never hold the projections, also when DeepSpeed gathered them with it."""
+        """The student's files never hold the projections, also when DeepSpeed gathered them with it; the saved
+        `training_args.bin` records the loss settings the run used (the arguments are not changed while training)."""
         if self._attached() and (state_dict is not None or self.args.should_save):
             if state_dict is None:
                 state_dict = self.model.state_dict()
             state_dict = {k: v for k, v in state_dict.items() if not k.startswith(PROJECTIONS_ATTR + ".")}
         super()._save(output_dir, state_dict=state_dict)
+        distiller = getattr(self, "distiller", None)
+        if distiller is not None and self.args.should_save:  # the loss settings the run used, as a card reads them
+            output_dir = output_dir if output_dir is not None else self.args.output_dir
+            torch.save(distiller.settings.record(self.args), os.path.join(output_dir, TRAINING_ARGS_NAME))
 
     def _projection_file_state(self) -> dict | None:
         """What `distill_projections.pt` gets, gathered from ZeRO-3 partitions (a collective: every rank calls

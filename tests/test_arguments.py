@@ -140,11 +140,11 @@ def test_kd_token_mask_is_refused_for_a_sequence_level_student(tmp_path):
     with pytest.raises(ValueError, match=r"kd_token_mask='labels' does nothing for this student \(single-label"):
         _trainer(tmp_path, kd_token_mask="labels")
     trainer = _trainer(tmp_path)  # not given: left unset for a classifier
-    assert trainer.args.kd_token_mask is None
+    assert trainer.settings.kd_token_mask is None
     mlm = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=120)
     trainer = _trainer(tmp_path, BertForMaskedLM(BertConfig(**mlm)), BertForMaskedLM(BertConfig(**mlm)),
                        kd_token_mask="labels")
-    assert trainer.args.kd_token_mask == "labels"
+    assert trainer.settings.kd_token_mask == "labels"
 
 
 def test_teacher_weights_and_multi_teacher_are_refused_with_one_teacher(tmp_path):

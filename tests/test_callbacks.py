@@ -102,8 +102,8 @@ def test_trainer_rereads_temperature_and_term_weights_each_step(tmp_path):
     a = args(tmp_path, distill_terms=TERMS[:1], kd_weight=1.0, task_weight=0.0, temperature=2.0)
     trainer = DistillationTrainer(model=student, teacher_model=teacher, args=a, data_collator=collate)
     batch = collate([token_dataset(6)[i] for i in range(6)])
-    set_loss_field(trainer.args, "temperature", 5.0)
-    set_loss_field(trainer.args, "term:hidden", 0.0)
+    set_loss_field(trainer.settings, "temperature", 5.0)
+    set_loss_field(trainer.settings, "term:hidden", 0.0)
     loss = trainer.compute_loss(student.train(), dict(batch))
     assert set(trainer.tracker.pop_means()) == {"kd"}
     with torch.no_grad():
@@ -111,9 +111,9 @@ def test_trainer_rereads_temperature_and_term_weights_each_step(tmp_path):
     s = student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     assert loss.item() == pytest.approx(losses.kl_div(s, t, 5.0).item(), rel=1e-5)
     with pytest.raises(ValueError, match="must be > 0"):
-        set_loss_field(trainer.args, "temperature", 0.0)
+        set_loss_field(trainer.settings, "temperature", 0.0)
     with pytest.raises(ValueError, match="No distill_terms entry"):
-        set_loss_field(trainer.args, "term:attention", 1.0)
+        set_loss_field(trainer.settings, "term:attention", 1.0)
 
 
 def test_zero_weight_terms_and_unneeded_teacher_cost_nothing(tmp_path):
@@ -124,7 +124,7 @@ def test_zero_weight_terms_and_unneeded_teacher_cost_nothing(tmp_path):
     trainer.teacher.register_forward_pre_hook(lambda *_: calls.append(1))
     batch = collate([token_dataset(4)[i] for i in range(4)])
 
-    set_loss_field(trainer.args, "term:attention", 0.0)
+    set_loss_field(trainer.settings, "term:attention", 0.0)
     trainer.compute_loss(student.train(), dict(batch))
     inter = trainer.intermediate
     assert inter.active == ("hidden",)
@@ -132,12 +132,12 @@ def test_zero_weight_terms_and_unneeded_teacher_cost_nothing(tmp_path):
         assert taps.request.hidden and not (taps.request.q or taps.request.k or taps.request.v)
     assert set(trainer.tracker.pop_means()) == {"task", "hidden"} and len(calls) == 1
 
-    set_loss_field(trainer.args, "term:hidden", 0.0)
+    set_loss_field(trainer.settings, "term:hidden", 0.0)
     trainer.compute_loss(student.train(), dict(batch))
     assert not inter.student_taps.request and set(trainer.tracker.pop_means()) == {"task"}
     assert len(calls) == 1  # no term and kd_weight 0: the teacher does not run at all
 
-    trainer.args.distill_terms[0]["layers"] = "last"
+    trainer.settings.distill_terms[0]["layers"] = "last"
     with pytest.raises(ValueError, match="only weights can change"):
         trainer.compute_loss(student.train(), dict(batch))
 
@@ -197,12 +197,12 @@ def test_stage_switch_changes_loss_lr_and_optimizer_state(full_stage_run):
         assert r["temperature"] == pytest.approx(Schedule(4, 1, "cosine").value((step - 4) / 3), abs=1e-12)
     # Stage 2's own schedule over its 3 steps: linear warmup over ceil(0.5 * 3) = 2 steps, then decay.
     assert [logs[s]["learning_rate"] for s in (4, 5, 6)] == pytest.approx([0.0, 2e-3, 4e-3])
-    assert trainer.args.kd_loss == "soft_ce"
-    assert trainer.args.temperature == pytest.approx(Schedule(4, 1, "cosine").value(2 / 3))
+    assert trainer.settings.kd_loss == "soft_ce"
+    assert trainer.settings.temperature == pytest.approx(Schedule(4, 1, "cosine").value(2 / 3))
     # The optimizer state was cleared when stage 2 started: Adam has counted its 3 steps only.
     p = next(trainer.model.parameters())
     assert int(trainer.optimizer.state[p]["step"]) == 3
-    assert trainer.args.distill_terms[0]["weight"] == 0.0  # what a card or a results file will read at the end
+    assert trainer.settings.distill_terms[0]["weight"] == 0.0  # what a card or a results file will read at the end
     assert StageSwitchCallback(_tinybert_stages()).describe()[1].startswith("prediction: tinybert_prediction")
 
 

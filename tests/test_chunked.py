@@ -177,7 +177,7 @@ def test_trainer_loss_head_equals_whole_logits_with_accumulation(tmp_path, tied)
                       kd_weight=0.6, task_weight=0.4, temperature=2.0, kd_chunk_size=3),
             train_dataset=sft_rows(8), data_collator=labelled_collate)
         if whole:
-            trainer.distiller._chunk = None  # the path used where chunking is impossible
+            trainer.distiller.paths.chunk = None  # the path used where chunking is impossible
         trainer.train()
         runs.append(trainer)
     head, whole = runs
@@ -211,7 +211,7 @@ def test_moe_students_router_loss_is_in_the_task_term_on_the_loss_head(tmp_path)
                       kd_weight=0.6, task_weight=0.4),
             train_dataset=sft_rows(8), data_collator=labelled_collate)
         if whole:
-            trainer.distiller._chunk = None
+            trainer.distiller.paths.chunk = None
         trainer.train()
         runs.append(trainer)
     head, whole = runs
@@ -236,7 +236,7 @@ def test_trainer_update_with_tiny_chunks_equals_one_chunk(tmp_path):
     """Chunks of 3 tokens give the same SGD update as one chunk holding every token."""
     a = _run(tmp_path / "a", llama(0), llama(1, layers=3), kd_chunk_size=3)
     b = _run(tmp_path / "b", llama(0), llama(1, layers=3), kd_chunk_size=10_000)
-    assert a.distiller._chunk == 3 and b.distiller._chunk == 10_000
+    assert a.distiller.paths.chunk == 3 and b.distiller.paths.chunk == 10_000
     for pa, pb in zip(a.model.parameters(), b.model.parameters(), strict=True):
         torch.testing.assert_close(pa, pb, atol=1e-6, rtol=0)
 
@@ -244,7 +244,7 @@ def test_trainer_update_with_tiny_chunks_equals_one_chunk(tmp_path):
 def test_causal_lm_students_chunk_by_default(tmp_path):
     trainer = DistillationTrainer(model=llama(0), teacher_model=llama(1), args=args(tmp_path),
                                   train_dataset=sft_rows(4), data_collator=labelled_collate)
-    assert trainer.distiller._chunk == chunked.default_chunk(VOCAB)
+    assert trainer.distiller.paths.chunk == chunked.default_chunk(VOCAB)
 
 
 @pytest.mark.parametrize("value", [0, -4])
@@ -294,7 +294,7 @@ def test_padded_vocabularies_of_one_tokenizer_compare_their_shared_ids(tmp_path)
                                   args=args(tmp_path, max_steps=1, per_device_train_batch_size=8, temperature=1.0,
                                             kd_token_mask="attention"),
                                   train_dataset=sft_rows(8), data_collator=labelled_collate, processing_class=tokenizer)
-    assert trainer.distiller._shared_vocab == VOCAB
+    assert trainer.distiller.paths.context.shared_vocab == VOCAB
     trainer.train()
     batch = labelled_collate([sft_rows(8)[i] for i in range(8)])
     with torch.no_grad():
@@ -333,7 +333,7 @@ def test_lora_causal_student_trains_adapters_only_with_chunks(tmp_path):
     frozen = {n: p.detach().clone() for n, p in student.named_parameters() if not p.requires_grad}
     lora = {n: p.detach().clone() for n, p in student.named_parameters() if p.requires_grad}
     trainer = _run(tmp_path, student, llama(1), kd_chunk_size=4)
-    assert trainer.distiller._chunk == 4
+    assert trainer.distiller.paths.chunk == 4
     for n, p in trainer.model.named_parameters():
         if n in frozen:
             assert torch.equal(p, frozen[n]), n
@@ -449,7 +449,7 @@ def test_trainer_task_loss_with_a_padded_student_vocabulary_is_the_models_own(tm
     trainer = DistillationTrainer(model=student, teacher_model=str(tmp_path / "teacher"),
                                   args=args(tmp_path, max_steps=1, per_device_train_batch_size=8, temperature=1.0),
                                   train_dataset=sft_rows(8), data_collator=labelled_collate, processing_class=tokenizer)
-    assert trainer.distiller._chunk is not None
+    assert trainer.distiller.paths.chunk is not None
     trainer.train()
     batch = labelled_collate([sft_rows(8)[i] for i in range(8)])
     with torch.no_grad():
@@ -493,7 +493,7 @@ def test_cuda_causal_lm_trains_through_the_loss_head_in_half_precision(tmp_path,
     trainer = DistillationTrainer(model=student, teacher_model=llama(1).cuda(),
                                   args=args(tmp_path, use_cpu=False, max_steps=3, kd_loss="jsd", **{precision: True}),
                                   train_dataset=sft_rows(24), data_collator=labelled_collate)
-    assert trainer.distiller._chunk is not None
+    assert trainer.distiller.paths.chunk is not None
     trainer.train()
     logs = [r for r in trainer.state.log_history if "loss" in r]
     assert len(logs) == 3 and all(math.isfinite(r["loss"]) and math.isfinite(r["loss_kd"]) for r in logs)
@@ -736,7 +736,7 @@ def test_causal_lm_with_kd_loss_mse_trains_on_whole_logits(tmp_path):
     trainer = DistillationTrainer(model=llama(0), teacher_model=llama(1),
                                   args=args(tmp_path, kd_loss="mse", max_steps=1),
                                   train_dataset=sft_rows(8), data_collator=labelled_collate)
-    assert trainer.distiller._chunk is None
+    assert trainer.distiller.paths.chunk is None
     trainer.train()
     assert math.isfinite(next(r for r in trainer.state.log_history if "loss" in r)["loss_kd"])
     with pytest.raises(ValueError, match="mse"):
@@ -804,10 +804,17 @@ def test_bf16_mixed_precision_trains_through_the_loss_head(tmp_path, monkeypatch
         dtypes.add((a.dtype, b.dtype))
         return mm(a, b)
 
-    import hf_distill.logit_terms as logit_terms
     from hf_distill.losses import sparse_head
 
-    monkeypatch.setattr(logit_terms.chunked, "chunked_kd_and_ce", spy)
+    sparse_call = sparse_head.sparse_kd_and_ce
+
+    def sparse_spy(s_hidden, s_head, teacher_, kd_mask, labels, *a, **k):  # the signal's head: no teacher hidden
+        kd, ce = sparse_call(s_hidden, s_head, teacher_, kd_mask, labels, *a, **k)
+        seen.append((s_hidden.detach().clone(), None, kd_mask, labels, float(kd.detach()), float(ce.detach())))
+        return kd, ce
+
+    monkeypatch.setattr(chunked, "chunked_kd_and_ce", spy)
+    monkeypatch.setattr(sparse_head, "sparse_kd_and_ce", sparse_spy)
     monkeypatch.setattr(kd_head, "mm_f32", spy_mm)
     monkeypatch.setattr(sparse_head, "mm_f32", spy_mm, raising=False)
     kw = dict(remove_unused_columns=False) if signal else {}

@@ -71,7 +71,7 @@ def test_plain_loop_with_accumulation_trains_what_the_trainer_trains(tmp_path):
     trainer = DistillationTrainer(model=copy.deepcopy(student), teacher_model=copy.deepcopy(teacher),
                                   args=_args(tmp_path, "trainer", **run), train_dataset=rows,
                                   data_collator=labelled_collate)
-    assert trainer.distiller._chunk is not None  # the loss head path, not whole logits
+    assert trainer.distiller.paths.chunk is not None  # the loss head path, not whole logits
     trainer.train()
     # The Trainer shuffles rows into micro-batches; per-token means over the whole step do not depend on which
     # micro-batch a row falls in, so only summation order differs.
@@ -133,7 +133,7 @@ def test_the_mixin_gives_trl_sft_trainer_the_same_distillation(tmp_path):
     assert prompt_masked.any() and (batch["labels"] != -100).any()  # completion-only labels from SFT's collator
     plain = DistillationTrainer(model=copy.deepcopy(student), teacher_model=copy.deepcopy(teacher),
                                 args=args(tmp_path / "plain", kd_loss="jsd"), train_dataset=rows)
-    assert sft.args.kd_token_mask == plain.args.kd_token_mask == "labels"  # KD on the completion tokens
+    assert sft.settings.kd_token_mask == plain.settings.kd_token_mask == "labels"  # KD on the completion tokens
     sft.model.train()
     plain.model.train()
     keep = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "labels")}
@@ -155,16 +155,16 @@ def test_fsdp_computes_causal_lm_logits_whole_and_refuses_a_chunk_size(tmp_path,
 
     student = llama(seed=0)
     distiller = Distiller(student, args(tmp_path, kd_loss="jsd"), teacher_model=llama(seed=1))
-    assert distiller._chunk_size(student) is not None  # one process: the loss head
-    distiller.accelerator = SimpleNamespace(distributed_type=DistributedType.FSDP)
+    assert distiller.paths.chunk_size(student) is not None  # one process: the loss head
+    distiller.paths.context.accelerator = SimpleNamespace(distributed_type=DistributedType.FSDP)
     with caplog.at_level("WARNING"):
-        assert distiller._chunk_size(student) is None
+        assert distiller.paths.chunk_size(student) is None
     assert "computed whole" in caplog.text and "FSDP" in caplog.text
     distiller.args.kd_chunk_size = 64
     with pytest.raises(ValueError, match=r"kd_chunk_size=64 cannot be honoured: under FSDP the LM head is sharded"):
-        distiller._chunk_size(student)
-    distiller.accelerator = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED)
-    assert distiller._chunk_size(student) == 64  # ZeRO-3 gathers the head in its own call: the loss head
+        distiller.paths.chunk_size(student)
+    distiller.paths.context.accelerator = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED)
+    assert distiller.paths.chunk_size(student) == 64  # ZeRO-3 gathers the head in its own call: the loss head
 
 
 def test_zero3_with_several_processes_computes_causal_lm_logits_whole(tmp_path, caplog):
@@ -184,12 +184,12 @@ def test_zero3_with_several_processes_computes_causal_lm_logits_whole(tmp_path, 
     student = llama(seed=0)
     distiller = Distiller(student, args(tmp_path, kd_loss="jsd"), teacher_model=llama(seed=1))
     for stage, processes in ((3, 1), (2, 2)):
-        distiller.accelerator = deepspeed(stage, processes)
-        assert distiller._chunk_size(student) is not None
-    distiller.accelerator = deepspeed(3, 2)
+        distiller.paths.context.accelerator = deepspeed(stage, processes)
+        assert distiller.paths.chunk_size(student) is not None
+    distiller.paths.context.accelerator = deepspeed(3, 2)
     with caplog.at_level("WARNING"):
-        assert distiller._chunk_size(student) is None
+        assert distiller.paths.chunk_size(student) is None
     assert "computed whole" in caplog.text and "ZeRO-3 with several processes" in caplog.text
     distiller.args.kd_chunk_size = 64
     with pytest.raises(ValueError, match=r"kd_chunk_size=64 cannot be honoured: under DeepSpeed ZeRO-3 with several"):
-        distiller._chunk_size(student)
+        distiller.paths.chunk_size(student)

@@ -295,7 +295,7 @@ def test_building_a_causal_lm_trainer_runs_no_model(tmp_path):
     finally:
         handle.remove()
     assert calls == []
-    assert trainer.distiller._chunk is not None  # chunking is still chosen, and the logits check runs at the first step
+    assert trainer.distiller.paths.chunk is not None  # chunking still chosen; the logits check runs at the first step
 
 
 class DoubledLlamaForCausalLM(LlamaForCausalLM):
@@ -329,7 +329,7 @@ def test_logits_that_cannot_be_rebuilt_are_computed_whole_by_default(tmp_path, c
                                   train_dataset=sft_rows(8), data_collator=labelled_collate)
     whole = DistillationTrainer(model=_doubled(0), teacher_model=llama(1), args=args(tmp_path / "w", max_steps=1),
                                 train_dataset=sft_rows(8), data_collator=labelled_collate)
-    whole.distiller._chunk = None
+    whole.distiller.paths.chunk = None
     caplog.clear()  # decided on the model being trained, at its first step: not when the trainer is built
     with caplog.at_level(logging.WARNING, logger="hf_distill"):
         trainer.train()

@@ -175,31 +175,31 @@ def _trainer(tmp_path, student, teacher, a=None, **kw):
 def test_a_causal_lm_student_gets_temperature_1_and_the_completion_tokens(tmp_path):
     """What a TRL/SFT user expects (GKD: T = 1, loss on the completion): filled for a causal LM when not given."""
     trainer = _trainer(tmp_path, helpers.llama(0), helpers.llama(1))
-    assert (trainer.args.temperature, trainer.args.kd_token_mask) == (1.0, "labels")
+    assert (trainer.settings.temperature, trainer.settings.kd_token_mask) == (1.0, "labels")
     # encoders keep today's defaults: T = 2, every real token for token-level heads
-    assert _trainer(tmp_path, helpers.bert(2), helpers.teacher()).args.temperature == 2.0
+    assert _trainer(tmp_path, helpers.bert(2), helpers.teacher()).settings.temperature == 2.0
     mlm = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=120)
     trainer = _trainer(tmp_path, BertForMaskedLM(BertConfig(**mlm)), BertForMaskedLM(BertConfig(**mlm)))
-    assert (trainer.args.temperature, trainer.args.kd_token_mask) == (2.0, "attention")
+    assert (trainer.settings.temperature, trainer.settings.kd_token_mask) == (2.0, "attention")
 
 
 def test_a_value_given_or_from_a_preset_wins_over_the_head_default(tmp_path):
     llama = helpers.llama
-    assert _trainer(tmp_path, llama(0), llama(1)).args.temperature == 1.0  # not given
-    assert _trainer(tmp_path, llama(0), llama(1), temperature=2.0).args.temperature == 2.0  # given: the default's
-    assert _trainer(tmp_path, llama(0), llama(1), kd_token_mask="attention").args.kd_token_mask == "attention"
-    assert _trainer(tmp_path, llama(0), llama(1), distill_preset="distilbert").args.temperature == 2.0
+    assert _trainer(tmp_path, llama(0), llama(1)).settings.temperature == 1.0  # not given
+    assert _trainer(tmp_path, llama(0), llama(1), temperature=2.0).settings.temperature == 2.0  # given: the default's
+    assert _trainer(tmp_path, llama(0), llama(1), kd_token_mask="attention").settings.kd_token_mask == "attention"
+    assert _trainer(tmp_path, llama(0), llama(1), distill_preset="distilbert").settings.temperature == 2.0
     tiny = _trainer(tmp_path, helpers.bert(2), helpers.teacher(), distill_preset="tinybert_prediction")
-    assert tiny.args.temperature == 1.0
+    assert tiny.settings.temperature == 1.0
     (flag,) = HfArgumentParser(DistillationArguments).parse_args_into_dataclasses(
         ["--output_dir", str(tmp_path), "--use_cpu", "true", "--report_to", "none", "--temperature", "2"])
-    assert _trainer(tmp_path, llama(0), llama(1), a=flag).args.temperature == 2.0
+    assert _trainer(tmp_path, llama(0), llama(1), a=flag).settings.temperature == 2.0
 
 
 def test_head_defaults_follow_the_student_the_arguments_are_given_to(tmp_path):
     a = helpers.args(tmp_path)
     b = dataclasses.replace(a, learning_rate=1e-4)  # before any trainer: still "not given"
-    assert _trainer(tmp_path, helpers.llama(0), helpers.llama(1), a=a).args.temperature == 1.0
+    assert _trainer(tmp_path, helpers.llama(0), helpers.llama(1), a=a).settings.temperature == 1.0
     again = _trainer(tmp_path, helpers.bert(2), helpers.teacher(), a=a)  # same object, another head: filled again
-    assert (again.args.temperature, again.args.kd_token_mask) == (2.0, None)
-    assert _trainer(tmp_path, helpers.llama(0), helpers.llama(1), a=b).args.temperature == 1.0
+    assert (again.settings.temperature, again.settings.kd_token_mask) == (2.0, None)
+    assert _trainer(tmp_path, helpers.llama(0), helpers.llama(1), a=b).settings.temperature == 1.0

@@ -182,7 +182,7 @@ def test_a_registered_divergence_trains_a_causal_lm_through_the_trainer(tmp_path
                       kd_chunk_size=3),
             train_dataset=sft_rows(8), data_collator=labelled_collate)
         if whole:
-            trainer.distiller._chunk = None  # the path used where chunking is impossible
+            trainer.distiller.paths.chunk = None  # the path used where chunking is impossible
         trainer.train()
         runs.append(trainer)
     torch.testing.assert_close(flat_params(runs[0].model), flat_params(runs[1].model), atol=1e-6, rtol=0)

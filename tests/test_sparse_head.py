@@ -66,9 +66,9 @@ def _head(h, head, teacher, kd_mask, labels, kind, temperature, vocab, weights, 
           cap=None):
     x = h.clone().requires_grad_(True)
     head.zero_grad(set_to_none=True)
-    kd, ce = chunked.chunked_kd_and_ce(x, chunked.LogitsHead(head, scale, cap), teacher, None, kd_mask, labels,
-                                       chunked.dense_kd(kind, temperature, BETA, ALPHA), chunk, vocab=vocab,
-                                       route=route)
+    kd, ce = sparse_head.sparse_kd_and_ce(x, chunked.LogitsHead(head, scale, cap), teacher, kd_mask, labels,
+                                          chunked.dense_kd(kind, temperature, BETA, ALPHA), chunk, vocab=vocab,
+                                          route=route)
     (weights[0] * kd + (weights[1] * ce if ce is not None else 0)).backward()
     ce = ce.detach() if ce is not None else None
     return kd.detach(), ce, x.grad, head.weight.grad, (head.bias.grad if head.bias is not None else None)
@@ -193,7 +193,7 @@ def test_bad_sparse_teachers_are_refused():
     lm, spec = chunked.LogitsHead(head), chunked.dense_kd("kl", 2.0)
 
     def call(teacher, vocab=None):
-        return chunked.chunked_kd_and_ce(h, lm, teacher, None, kd_mask, labels, spec, 8, vocab=vocab)
+        return sparse_head.sparse_kd_and_ce(h, lm, teacher, kd_mask, labels, spec, 8, vocab=vocab)
 
     with pytest.raises(ValueError, match="without the tail"):
         call((lp, ids))
@@ -214,8 +214,8 @@ def test_bad_sparse_teachers_are_refused():
 def test_no_second_derivative():
     h, head, teacher, kd_mask, labels = _problem()
     x = h.clone().requires_grad_(True)
-    kd, _ = chunked.chunked_kd_and_ce(x, chunked.LogitsHead(head), teacher, None, kd_mask, labels,
-                                      chunked.dense_kd("jsd", 2.0, 0.3), 8, vocab=203)
+    kd, _ = sparse_head.sparse_kd_and_ce(x, chunked.LogitsHead(head), teacher, kd_mask, labels,
+                                         chunked.dense_kd("jsd", 2.0, 0.3), 8, vocab=203)
     with pytest.raises(RuntimeError, match="no second derivative"):
         torch.autograd.grad(kd, x, create_graph=True)
 
@@ -261,7 +261,7 @@ def test_distiller_step_from_a_signal_equals_whole_logits(tmp_path, monkeypatch,
                    **({"jsd_beta": BETA} if kind == "jsd" else {}))
         distiller = Distiller(model, run, None, processing_class=_tokenizer(), train_dataset=joined)
         if whole:
-            distiller._chunk = None
+            distiller.paths.chunk = None
         calls = _spy(monkeypatch)
         loss = distiller.compute_loss(model, TeacherOutputsCollator(labelled_collate)([joined[i] for i in range(8)]))
         assert calls == ([] if whole else [True])
@@ -289,7 +289,7 @@ def test_trainer_from_a_signal_with_accumulation_equals_whole_logits(tmp_path, m
                       kd_weight=0.6, task_weight=0.4, temperature=T, kd_chunk_size=3, **shape),
             train_dataset=joined, data_collator=labelled_collate, processing_class=_tokenizer())
         if whole:
-            trainer.distiller._chunk = None
+            trainer.distiller.paths.chunk = None
         before = len(calls)
         trainer.train()
         assert len(calls) - before == (0 if whole else 4 if name == "head" else 2)

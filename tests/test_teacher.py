@@ -141,7 +141,8 @@ def test_a_larger_teacher_vocabulary_is_accepted_only_where_its_extra_ids_are_pa
     if path == "whole":
         kw["label_smoothing_factor"] = 0.1  # needs the student's full logits: no chunks
     trainer = _causal(tmp_path, llama(0), llama(1, vocab=200), **kw)
-    assert (trainer.distiller._chunk is None) == (path == "whole") and trainer.distiller._shared_vocab == VOCAB
+    paths = trainer.distiller.paths
+    assert (paths.chunk is None) == (path == "whole") and paths.context.shared_vocab == VOCAB
     with pytest.raises(ValueError) as caught:
         trainer.train()
     message = str(caught.value)
@@ -149,7 +150,7 @@ def test_a_larger_teacher_vocabulary_is_accepted_only_where_its_extra_ids_are_pa
     assert "resize_token_embeddings(200)" in message
     trainer = _causal(tmp_path, llama(0), padded_llama(1, VOCAB, 80), **kw)
     trainer.train()
-    assert trainer.distiller._padding_checked == {0}
+    assert trainer.distiller.paths.context.padding.checked == {0}
 
 
 def test_padding_mass_is_the_mean_teacher_probability_on_the_extra_ids_over_the_counted_positions():

@@ -109,13 +109,13 @@ def _components(trainer, batch: dict, train: bool) -> dict[str, float]:
         with torch.no_grad():
             trainer.compute_loss(trainer.model, dict(batch))
         return trainer.distiller.tracker.pop_means()
-    args, out = trainer.args, {}
-    weights = (args.kd_weight, args.task_weight)
+    settings, out = trainer.settings, {}
+    weights = (settings.kd_weight, settings.task_weight)
     for name, kd_weight, task_weight in (("kd", 1.0, 0.0), ("task", 0.0, 1.0)):
-        args.kd_weight, args.task_weight = kd_weight, task_weight
+        settings.set("kd_weight", kd_weight), settings.set("task_weight", task_weight)
         with torch.no_grad():
             out[name] = float(trainer.compute_loss(trainer.model, dict(batch)))
-    args.kd_weight, args.task_weight = weights
+    settings.set("kd_weight", weights[0]), settings.set("task_weight", weights[1])
     return out
 
 
@@ -166,7 +166,7 @@ def test_kd_counts_the_tokens_sft_loss_counts(tmp_path, kind, sft, counted):
     mask = expected[:, 1:] != -100
     real = (batch["attention_mask"][:, :-1] != 0) & (batch["attention_mask"][:, 1:] != 0)
     assert mask.any() and (counted == "all") == torch.equal(mask, real)  # the masks differ where they should
-    assert trainer.args.kd_token_mask == "labels"
+    assert trainer.settings.kd_token_mask == "labels"
     kd, ce = _reference(student, teacher, batch, mask)
     for train in (True, False):  # the chunked loss head (training) and whole logits (evaluation with the teacher)
         trainer.args.eval_with_teacher = not train

@@ -99,9 +99,13 @@ def sparse_kd_and_ce(
     vocab: int | None = None,
     route: str = "auto",
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """:func:`hf_distill.losses.chunked.chunked_kd_and_ce` (which routes here) with a sparse teacher `(log_probs,
-    indices, log_tail)` of shapes `(B, T-1, k)`, `(B, T-1, k)`, `(B, T-1)`, aligned with `kd_mask`. The student's
-    distribution is its softmax at T over its first `vocab` ids (default: all of them), which the ids must index."""
+    """:func:`hf_distill.losses.chunked.chunked_kd_and_ce` with a sparse teacher `(log_probs, indices, log_tail)` of
+    shapes `(B, T-1, k)`, `(B, T-1, k)`, `(B, T-1)`, aligned with `kd_mask`. The student's distribution is its softmax
+    at T over its first `vocab` ids (default: all of them), which the ids must index."""
+    if kd is not None and not isinstance(kd, KDSpec):
+        raise TypeError("kd must be an hf_distill.losses.chunked.dense_kd(...) objective")
+    if kd is not None and kd.kind == "mse":
+        raise ValueError("kd_loss='mse' compares raw logits, which a top-k + tail teacher signal does not hold")
     teacher = _check_teacher(teacher, s_hidden)
     counted = counted_rows(s_hidden, kd_mask, labels, kd)
     parts = _teacher_rows(teacher, counted, kd)

@@ -113,6 +113,9 @@ class DistillationReport:
                             "the card: its metrics are the card's teacher column.")
         _check_fields(fields)
         student, teacher, args, state = unwrap(trainer.model), trainer.teacher, trainer.args, trainer.state
+        settings = getattr(getattr(trainer, "distiller", None), "settings", None)
+        if settings is not None:  # the loss settings the run used (head defaults, schedules, stages)
+            args = settings.record(args)
         peft_config = getattr(getattr(trainer.model, "peft_config", None), "get", lambda _: None)("default")
         found = _run_facts(getattr(student, "config", None), type(student).__name__, args, trainer,
                            {"log_history": state.log_history, "global_step": state.global_step, "epoch": state.epoch},

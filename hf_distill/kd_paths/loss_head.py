@@ -1,0 +1,186 @@
+"""KD and the student's cross-entropy of a causal LM from last hidden states, through the loss head
+(hf_distill.losses.chunked: no `(B, T, V)` logits): against a dense teacher (its LM head on its hidden states, or
+cached whole logits) in :class:`LossHead`, against an offline top-k + tail signal in :class:`SparseHead`
+(hf_distill.losses.sparse_head).
+
+Where the loss head can run is decided once, before training (:func:`chunk_size`: the refusals that need no model);
+whether a model's logits are rebuilt exactly from its hidden states is checked once per model, at its first training
+step (`LossHead.bind`), because the Trainer may swap (`model_init`), wrap or compile the student after set-up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.utils import logging
+
+from ..features.heads import Head
+from ..features.taps import unwrap
+from ..losses import chunked, sparse_head
+from ..losses.normalise import kd_positions
+from ..placement import ZERO3_SHARDED, teacher_mode
+from ..teacher_sources import DENSE, MODEL, SIGNAL, TeacherRequest, autocast
+from .base import KDPath, PathBatch, PathContext, register_path, shift
+
+logger = logging.get_logger(__name__)
+
+
+def chunk_size(ctx: PathContext, student: nn.Module) -> int | None:
+    """Tokens per chunk for the causal-LM loss head, or None for whole logits.
+
+    `kd_chunk_size=None` (the default) chunks wherever the result is provably the same: a causal-LM student and
+    teacher whose logits hf_distill can rebuild from their last hidden states, one teacher (or cached dense
+    logits), no label smoothing or compute_loss_func (they need the full logits). A value set by the user
+    where chunking cannot be honoured is refused. No model runs here: whether the logits can be rebuilt from the
+    hidden states is checked on the model being trained, at its first training step (`LossHead.bind`)."""
+    asked = ctx.args.kd_chunk_size
+    why = _refusal(ctx, student)
+    if why is not None:
+        if asked is not None:
+            raise ValueError(f"kd_chunk_size={asked} cannot be honoured: {why}. Leave kd_chunk_size unset.")
+        if ctx.head is Head.CAUSAL_LM:
+            logger.warning("Causal-LM logits are computed whole (not in chunks): %s.", why)
+        return None
+    return asked if asked is not None else chunked.default_chunk(unwrap(student).config.vocab_size)
+
+
+def _refusal(ctx: PathContext, student: nn.Module) -> str | None:
+    """Why the loss head cannot run for this run, or None."""
+    teachers, settings = ctx.teachers, ctx.settings
+    if ctx.head is not Head.CAUSAL_LM:
+        return "the student is not a causal LM"
+    if len(teachers) > 1:
+        return "several teachers are combined"
+    if ctx.teacher_side.models.shared_base:
+        return "the teacher is the student's own base (adapters off)"
+    if ctx.args.cross_tokenizer:
+        return "cross_tokenizer compares the two models' logits at paired positions of two tokenizations"
+    if ctx.task.needs_full_logits:
+        return "label_smoothing_factor or compute_loss_func needs the student's full logits"
+    if settings.kd_loss == "mse" and settings.kd_weight > 0:
+        return "kd_loss='mse' compares raw logits, which the chunked loss head does not keep"
+    if str(getattr(ctx.accelerator, "distributed_type", "")).endswith("FSDP"):
+        # FSDP1 keeps the root unit's parameters (the LM head among them) sharded outside the model's forward;
+        # accelerate's FSDP2 shards the final norm and the LM head as one unit, which the head's own call after
+        # the forward reshards before the norm's backward (tests/engine_run.py --causal_lm: a segfault).
+        return "under FSDP the LM head is sharded outside the model's forward (use DDP for it)"
+    if _zero3_processes(ctx.accelerator) > 1:
+        # Each call of a ZeRO-3 LM head gathers it across processes; the head calls it once per token chunk, and
+        # processes whose batches give different numbers of chunks wait for each other (a hang, 2 CPU processes
+        # at kd_chunk_size=2). One process (world size 1) has no one to wait for.
+        return ("under DeepSpeed ZeRO-3 with several processes each call of the LM head is a collective gather, and "
+                "processes with different numbers of token chunks would wait for each other forever")
+    teacher = teachers[0] if teachers else None
+    if not chunked.supports_hidden_only(student) or (teacher is not None and not chunked.supports_hidden_only(teacher)):
+        return "the model's forward has no `logits_to_keep` argument"
+    return None
+
+
+@register_path
+class LossHead(KDPath):
+    """The loss head against a dense teacher: the teacher model's LM head on its last hidden state (asked of the
+    teacher instead of its logits), or cached whole logits. Under DeepSpeed or FSDP the LM heads are called as
+    modules (`route`: the engines gather their parameters inside that call)."""
+
+    name = "loss_head"
+    priority = 20
+    whole_logits = False
+    request = TeacherRequest(hidden=True)
+    forms = (None, DENSE, MODEL)
+
+    @classmethod
+    def applies(cls, ctx: PathContext, form: str | None, training: bool) -> bool:
+        return training and ctx.chunk is not None and form in cls.forms
+
+    def bind(self, state: Any, model: nn.Module) -> bool:
+        """The student's logits (and the teacher's) are shown rebuilt exactly from the last hidden states: one
+        two-token forward of each, no gradient, once per model. A model whose logits cannot be rebuilt is refused
+        when kd_chunk_size was given, else trained on whole logits (False) with a warning."""
+        ctx = self.ctx
+        teacher = ctx.teacher_side.teacher
+        if state.rebuilds is None:
+            try:  # under the forward's autocast (mixed precision): the LM head multiplies in its dtype there too
+                with _unsharded(model), autocast(ctx.accelerator):
+                    chunked.check_logits_fn(state.inner, state.inner.config.vocab_size, "student")
+                if teacher is not None and not ctx.teacher_rebuilds:
+                    with _unsharded(teacher), autocast(ctx.accelerator):
+                        chunked.check_logits_fn(teacher, unwrap(teacher).config.vocab_size, "teacher")
+                    ctx.teacher_rebuilds = True
+                state.rebuilds = True
+            except ValueError as err:
+                if ctx.args.kd_chunk_size is not None:
+                    raise
+                logger.warning("Causal-LM logits are computed whole (not in chunks): %s.", err)
+                state.rebuilds = False
+        if not state.rebuilds:
+            return False
+        self.s_head = chunked.logits_fn(state.inner)  # hidden states -> logits of the student and of the teacher
+        self.t_head = chunked.logits_fn(teacher) if teacher is not None else None
+        return True
+
+    def student_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        return chunked.hidden_only_kwargs(kwargs)
+
+    def loss(self, batch: PathBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        ctx, settings, inputs = self.ctx, self.ctx.settings, batch.inputs
+        labels = inputs.get(ctx.label_name)
+        kd_fn = None
+        if settings.kd_weight > 0:
+            kd_fn = chunked.dense_kd(settings.kd_loss, settings.temperature, settings.effective_jsd_beta,
+                                     settings.resolved_skew_alpha)
+        kd_mask = kd_positions(inputs.get("attention_mask"), labels, settings.kd_token_mask, causal=True,
+                               position_ids=inputs.get("position_ids"))  # packed rows: not across sequences
+        teacher = batch.teacher
+        t_logits, t_hidden = teacher.views[0][0] if teacher.views else None, teacher.hidden
+        if ctx.shared_vocab is not None and t_hidden is not None and 0 not in ctx.padding.checked:
+            with torch.no_grad():  # the teacher's logits on the first batch's distilled tokens, a few rows at a time
+                rows = t_hidden[:, :-1][kd_mask] if kd_mask is not None else t_hidden[:, :-1].flatten(0, 1)
+                ctx.padding(0, (self.t_head(part) for part in rows.split(256)))
+        ce_labels = labels[:, 1:] if batch.want_task and labels is not None else None
+        # Mixed precision: accelerate's autocast covers the models' forwards, not this code; the LM heads multiply in
+        # the dtype they would inside the forward (bf16/fp16 operands, float32 outputs), not in the weights' float32.
+        with autocast(ctx.accelerator):
+            kd, ce = self._head(chunked.last_hidden(batch.outputs), t_logits, t_hidden, kd_mask, ce_labels, kd_fn)
+        return kd, (ctx.task.with_router_loss(batch.inner, batch.outputs, ce) if ce is not None else None)
+
+    def _head(self, s_hidden, t_logits, t_hidden, kd_mask, ce_labels, kd_fn):
+        teacher = self.t_head if t_hidden is not None else (shift(t_logits) if t_logits is not None else None)
+        return chunked.chunked_kd_and_ce(s_hidden, self.s_head, teacher, t_hidden, kd_mask, ce_labels, kd_fn,
+                                         self.ctx.chunk, self.ctx.shared_vocab, route=self.ctx.route)
+
+
+@register_path
+class SparseHead(LossHead):
+    """The loss head against an offline teacher signal's `(log_probs, indices, log_tail)` (a top-k + tail)."""
+
+    name = "sparse_head"
+    priority = 21
+    forms = (SIGNAL,)
+
+    def _head(self, s_hidden, t_logits, t_hidden, kd_mask, ce_labels, kd_fn):
+        return sparse_head.sparse_kd_and_ce(s_hidden, self.s_head, shift(t_logits), kd_mask, ce_labels, kd_fn,
+                                            self.ctx.chunk, self.ctx.shared_vocab, self.ctx.route)
+
+
+def _unsharded(model: nn.Module):
+    """FSDP1 keeps a wrapped model's parameters sharded outside its own forward: gather them for a forward of the
+    inner module (the logits check). DeepSpeed ZeRO-3 and FSDP2 gather in hooks on the modules themselves."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - torch without distributed
+        return contextlib.nullcontext()
+    if isinstance(model, FullyShardedDataParallel):
+        return FullyShardedDataParallel.summon_full_params(model, writeback=False)
+    return contextlib.nullcontext()
+
+
+def _zero3_processes(accelerator: Any) -> int:
+    """The number of processes of a DeepSpeed ZeRO-3 run (placement's rule, as the teacher's), else 0."""
+    processes = int(getattr(accelerator, "num_processes", 1)) if accelerator is not None else 1
+    return processes if processes > 1 and teacher_mode(accelerator) == ZERO3_SHARDED else 0
+
+
+__all__ = ["LossHead", "SparseHead", "chunk_size"]
