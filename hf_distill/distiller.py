@@ -302,6 +302,8 @@ class Distiller:
             # Packed (padding-free) rows: transformers keeps their sequences apart only without a KV cache.
             inputs = {**inputs, "use_cache": False}
         distill = model.training or self.args.eval_with_teacher
+        if model.training:  # a loss field a user's code set on the arguments mid-run: taken over, with the checks
+            self.settings.follow(self.args)
         step_mean = model.training and self._step.take()  # token-level means rescaled to the optimizer step's
         if model.training and not step_mean and self.on_policy is not None and self.args.generates:
             check_step(self.on_policy, self.args, None)  # no start_step: nothing generated this batch's completions

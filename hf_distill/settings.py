@@ -5,8 +5,10 @@ start from them, with the defaults that depend on the student's head filled in (
 at T = 1 on the tokens its own loss counts), and change while training only through :meth:`DistillSettings.set`,
 which applies the checks the arguments apply when built: schedules and stages (hf_distill.schedules,
 hf_distill.callbacks) receive this object as the `distill_settings` keyword of every callback event of a
-`DistillationTrainer`. When training starts, fields set on the arguments since the settings were built (a
-hyperparameter-search trial's) are taken over (:meth:`DistillSettings.follow`).
+`DistillationTrainer`. Fields set on the arguments since the settings were built or last looked (a
+hyperparameter-search trial's before training, a user's callback or loop during it) are taken over, with the same
+checks, when training starts and at every training step (:meth:`DistillSettings.follow`): a value set on the
+arguments is never silently ignored.
 
 What the run used is recorded from here: the trainer's model card and the `training_args.bin` it saves hold these
 values (:meth:`DistillSettings.record`), as they did when the arguments themselves were changed.
@@ -130,8 +132,9 @@ class DistillSettings:
             self._values[name] = value
 
     def follow(self, args: Any) -> list[str]:
-        """Take over the fields set on `args` since these settings were built from them (before training starts: a
-        hyperparameter-search trial sets its values on the arguments), with the same checks; returns their names."""
+        """Take over the fields set on `args` since these settings were built from them or last followed them (a
+        hyperparameter-search trial before training, a user's callback during it), with the same checks; returns
+        their names. Cheap when nothing changed: one comparison per field."""
         changed = [n for n in SETTINGS_FIELDS if getattr(args, n) != self._source[n]]
         for name in changed:
             value = copy.deepcopy(getattr(args, name))

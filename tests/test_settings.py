@@ -68,3 +68,27 @@ def test_settings_record_what_the_run_used(tmp_path):
     record = s.record(a)
     assert (record.temperature, record.kd_token_mask, record.kd_weight) == (1.0, "labels", 0.75)
     assert (a.temperature, a.kd_weight) == (None, 0.5)  # the arguments as given
+
+
+def test_a_loss_field_set_on_the_arguments_during_training_is_taken_over(tmp_path):
+    """A user's callback that sets `args.kd_weight` / `args.task_weight` mid-run (as worked when the run read its
+    arguments) changes the loss from the next training step: never silently ignored."""
+    from transformers import TrainerCallback
+
+    class KDOff(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                args.kd_weight, args.task_weight = 0.0, 1.0
+
+    a = args(tmp_path, max_steps=3, logging_steps=1, kd_weight=0.5, task_weight=0.5)
+    trainer = DistillationTrainer(model=llama(0), teacher_model=llama(1), args=a, train_dataset=sft_rows(16),
+                                  data_collator=labelled_collate, callbacks=[KDOff()])
+    trainer.train()
+    logged = [r for r in trainer.state.log_history if "loss" in r]
+    assert logged[0]["loss"] == pytest.approx(0.5 * logged[0]["loss_kd"] + 0.5 * logged[0]["loss_task"], rel=1e-5)
+    for r in logged[1:]:
+        assert r["loss"] == pytest.approx(r["loss_task"], rel=1e-5)
+    assert trainer.settings.kd_weight == 0.0 and trainer.settings.task_weight == 1.0
+    trainer.args.kd_weight = -1.0  # the same checks as the arguments' own
+    with pytest.raises(ValueError, match="must be >= 0"):
+        trainer.settings.follow(trainer.args)
