@@ -9,7 +9,13 @@ export TOKENIZERS_PARALLELISM ?= false
 # mkdocs-material prints a banner about MkDocs 2 on every build; the build itself is unaffected.
 export NO_MKDOCS_2_WARNING ?= 1
 
-.PHONY: setup demo test docs lint clean
+# The test suite runs on pytest-xdist workers (a dev dependency): WORKERS=2 suits a 2-core machine, WORKERS=auto
+# takes one per core, WORKERS=0 runs in this process. Tests that start several processes (marked `distributed`)
+# run one at a time (a lock file, tests/conftest.py).
+WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -n $(WORKERS)
+
+.PHONY: setup demo test test-fast docs lint clean
 
 setup: $(VENV)/.installed
 
@@ -31,7 +37,13 @@ demo: setup
 test: setup
 	$(BIN)/ruff check .
 	$(MAKE) docs
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
+
+# For iteration: lint and every test not marked `slow` (end-to-end runs, subprocess and multi-process launches,
+# the other long tests); `make test` runs those and builds the docs too.
+test-fast: setup
+	$(BIN)/ruff check .
+	$(PYTEST) -m "not slow"
 
 # The docs site (mkdocs.yml, docs/): built offline, any warning fails it.
 docs: setup

@@ -225,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
                        "load_before": load_before, "load_after": os.getloadavg()[0],
                        "candidates": [dict(zip(("kind", "num_layers", "num_attention_heads", "intermediate_size",
                                                 "hidden_size"), c)) for c in CANDIDATES]}
+    from sections import portable_tree  # no machine's absolute path (the teacher's folder) in a results file
+
+    out = portable_tree(out)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "auto_sst2.json").write_text(json.dumps(out, indent=2, default=str) + "\n")
     (RESULTS / "auto_sst2.md").write_text(markdown(out))

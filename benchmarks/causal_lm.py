@@ -419,6 +419,7 @@ def signal_lines(sec: dict) -> list[str]:
 
 
 def write_report(data: dict) -> None:
+    data = sections.portable_tree(data)  # no machine's absolute path in a results file
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "causal_lm.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
     lines = ["# Causal-LM distillation (issue #14)", "",

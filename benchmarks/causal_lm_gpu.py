@@ -238,6 +238,9 @@ def main() -> None:
     data["targets"] = targets
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    from sections import portable_tree  # no machine's absolute path (e.g. --out) in a results file
+
+    data = portable_tree(data)
     (out / "causal_lm_gpu.json").write_text(json.dumps(data, indent=2) + "\n")
     md_lines = [f"# Causal-LM KD loss head on {data['device']}", "",
                 f"`{data['command']}`, {data['date']}: H = {a.hidden:,}, V = {a.vocab:,}, {a.tokens:,} tokens, bf16 "

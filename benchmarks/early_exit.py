@@ -266,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
                        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                        "wall_s": time.time() - start},
     }
+    from sections import portable_tree  # no machine's absolute path (teacher, recipe commands) in a results file
+
+    out = portable_tree(out)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "early_exit.json").write_text(json.dumps(out, indent=2) + "\n")
     (RESULTS / "early_exit.md").write_text(markdown(out))

@@ -234,6 +234,9 @@ def main() -> None:
     data = json.loads(path.read_text()) if path.exists() else {}
     kinds = a.kinds or (KINDS if a.device == "cpu" else ["kl", "jsd", "ce"])
     data[a.device] = run(a.device, dtypes, [4.0, 16.0], kinds)
+    from sections import portable_tree  # no machine's absolute path (e.g. --out) in a results file
+
+    data = portable_tree(data)
     path.write_text(json.dumps(data, indent=2) + "\n")
     (out / "kd_precision.md").write_text(markdown(data))
     print(markdown(data))

@@ -141,6 +141,9 @@ def main() -> None:
             "kd_over_sft_time": by["kd"]["median_step_s"] / by["sft"]["median_step_s"],
             "trl_pr_6942_tokens_per_s_h100": 26_800,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv)}
+    from sections import portable_tree  # no machine's absolute path (e.g. --out) in a results file
+
+    data = portable_tree(data)
     (out / "llm_throughput_gpu.json").write_text(json.dumps(data, indent=2) + "\n")
     md = [f"# Off-policy causal-LM KD throughput on {data['device']}", "",
           f"`{data['command']}`, {data['date']}, torch {torch.__version__}: Llama shape {shape['hidden_size']} x "

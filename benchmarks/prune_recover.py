@@ -425,6 +425,7 @@ def plot(data: dict, path: Path) -> None:
 
 
 def write_report(data: dict, folder: Path, stem: str) -> None:
+    data = sections.portable_tree(data)  # no machine's absolute path in a results file
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"{stem}.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
     lines = ["# Pruning + distillation recovery (issue #33 items 3 and 4)", "",

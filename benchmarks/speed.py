@@ -752,6 +752,9 @@ def versions() -> dict:
 
 
 def write_report(ratios: dict, details: dict, out_dir: Path) -> None:
+    from sections import portable_tree  # no machine's absolute path (teacher folder, interpreters) in a results file
+
+    details = portable_tree(details)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "speed.json").write_text(json.dumps({"ratios": ratios, "details": details}, indent=2) + "\n")
     lines = ["# Speed and memory benchmark", "",

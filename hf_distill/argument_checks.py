@@ -3,28 +3,33 @@
 Why a module of its own: the fields and their help (hf_distill.arguments) are what a user reads; these are the
 refusals, each naming the field and the fix, so a bad value fails when the arguments are built, long before the
 first training step. The generation fields (`lmbda`, `seq_kd`, ...) are checked by
-`hf_distill.on_policy.validate_generation_arguments`, next to the code that generates; the student's head and the
-teachers, which the arguments do not know, by the Distiller.
+`hf_distill.base.generation_checks.validate_generation_arguments` (re-exported by hf_distill.on_policy); the
+student's head and the teachers, which the arguments do not know, by the Distiller.
 """
 
 from __future__ import annotations
 
-from .arguments import (
-    CROSS_TOKENIZER_METHODS,
-    KD_LOSS_KINDS,
-    KD_TOKEN_MASKS,
-    MULTI_TEACHER_MODES,
-    PROJECTION_KINDS,
-    SKEW_KINDS,
-    DistillationArguments,
-)
+from typing import Any
+
+from .base.generation_checks import validate_generation_arguments
+from .losses.registry import KindNames
 from .losses.terms import parse_terms
-from .on_policy import validate_generation_arguments
 
 __all__ = ["validate_cross_tokenizer", "validate_distillation"]
 
+# The accepted values of the fields (hf_distill.arguments re-exports them): here, with the checks that use them, so
+# the arguments import their checks and the checks import nothing of the arguments.
+# The `kd_loss` values and the kinds each mixture field applies to: live views of hf_distill.losses.registry.
+KD_LOSS_KINDS = KindNames()
+JSD_KINDS = KindNames(mixture="jsd_beta")
+SKEW_KINDS = KindNames(mixture="skew_alpha")
+PROJECTION_KINDS = ("shared", "per_layer", "none")
+KD_TOKEN_MASKS = ("attention", "labels")
+MULTI_TEACHER_MODES = ("probs", "losses")
+CROSS_TOKENIZER_METHODS = ("uld", "aligned")  # hf_distill.losses.cross_tokenizer
 
-def validate_distillation(args: DistillationArguments) -> None:
+
+def validate_distillation(args: Any) -> None:
     """Refuse bad distillation fields, each with the field and the fix (`DistillationArguments.__post_init__`), and
     normalise `distill_terms` to plain dicts."""
     if args.temperature is not None and not args.temperature > 0:
@@ -43,7 +48,7 @@ def validate_distillation(args: DistillationArguments) -> None:
             f"DistillationArguments.jsd_beta must be in [0, 1] (0 = forward KL, 1 = reverse KL), got "
             f"{args.jsd_beta!r}."
         )
-    if args.jsd_beta is not None and args.kd_loss != "jsd":
+    if args.jsd_beta is not None and args.kd_loss not in JSD_KINDS:
         raise ValueError(
             f"DistillationArguments.jsd_beta={args.jsd_beta} does nothing with kd_loss={args.kd_loss!r}: beta is "
             "the mixture weight of kd_loss='jsd' only. Set kd_loss='jsd' (beta 0 = 'kl', 1 = 'reverse_kl'), or "
@@ -52,8 +57,9 @@ def validate_distillation(args: DistillationArguments) -> None:
     if args.skew_alpha is not None:
         if args.kd_loss not in SKEW_KINDS:
             raise ValueError(
-                f"DistillationArguments.skew_alpha={args.skew_alpha!r} is used by kd_loss='skew_kl' or "
-                f"'skew_reverse_kl' only, but kd_loss={args.kd_loss!r}. Unset skew_alpha, or choose a skew kd_loss."
+                f"DistillationArguments.skew_alpha={args.skew_alpha!r} is used by kd_loss="
+                f"{' or '.join(repr(k) for k in SKEW_KINDS)} only, but kd_loss={args.kd_loss!r}. Unset skew_alpha, or "
+                "choose a skew kd_loss."
             )
         if isinstance(args.skew_alpha, bool) or not (
             isinstance(args.skew_alpha, int | float) and 0.0 <= args.skew_alpha < 1.0
@@ -104,7 +110,7 @@ def validate_distillation(args: DistillationArguments) -> None:
         )
 
 
-def validate_cross_tokenizer(args: DistillationArguments) -> None:
+def validate_cross_tokenizer(args: Any) -> None:
     """Refuse `cross_tokenizer` values, and settings beside it, that would do nothing or could not be honoured
     (the student's head and the teachers are checked by the Distiller)."""
     method = args.cross_tokenizer

@@ -7,7 +7,10 @@ fails when the arguments are built, long before the first training step.
 The loss fields a preset may fill (`PRESET_DEFAULTS`, `temperature` and `distill_terms`) default to None, meaning
 "not given": `__post_init__` replaces None by the preset's value, or else by the plain default. So a value the
 user gave wins even when it equals the default, and after `__post_init__` those fields hold real values, which is
-why `dataclasses.replace` (it passes every field again) keeps them instead of applying the preset again.
+why `dataclasses.replace` (it passes every field again) keeps them instead of applying the preset again. A run
+that generates its completions (`lmbda` > 0 or `seq_kd`) has GKD's plain defaults for the loss weights
+(`GENERATION_DEFAULTS`: `kd_weight=1`, `task_weight=0`), since a cross-entropy on the student's own samples only
+teaches it to imitate them; a value you (or the preset) give still wins.
 
 Two fields have defaults that depend on the student (`HEAD_DEFAULTS`): `temperature` and `kd_token_mask` stay
 None when neither you nor the preset gave them, and `DistillationTrainer` fills them once it knows the student's
@@ -30,24 +33,39 @@ from typing import Any
 from transformers import TrainingArguments
 from transformers.utils import logging
 
+from .argument_checks import (  # noqa: F401 - the accepted values, importable from here
+    CROSS_TOKENIZER_METHODS,
+    JSD_KINDS,
+    KD_LOSS_KINDS,
+    KD_TOKEN_MASKS,
+    MULTI_TEACHER_MODES,
+    PROJECTION_KINDS,
+    SKEW_KINDS,
+)
+from .losses.registry import get_divergence, kinds
 from .losses.terms import DistillTerm, parse_terms
 
 logger = logging.get_logger(__name__)
 
-KD_LOSS_KINDS = ("kl", "soft_ce", "mse", "reverse_kl", "jsd", "skew_kl", "skew_reverse_kl", "tvd")
-SKEW_KINDS = ("skew_kl", "skew_reverse_kl")
 DEFAULT_SKEW_ALPHA = 0.1  # DistiLLM (Ko et al., 2024)
-PROJECTION_KINDS = ("shared", "per_layer", "none")
-KD_TOKEN_MASKS = ("attention", "labels")
-MULTI_TEACHER_MODES = ("probs", "losses")
-CROSS_TOKENIZER_METHODS = ("uld", "aligned")  # hf_distill.losses.cross_tokenizer
 # The plain defaults of the fields a preset may set; the fields themselves default to None ("not given").
 PRESET_DEFAULTS: dict[str, Any] = {"kd_loss": "kl", "kd_weight": 0.5, "task_weight": 0.5, "projection": "shared"}
+# The plain defaults of a run that generates its completions (lmbda > 0 or seq_kd): GKD's (and TRL's) loss, KD alone.
+# A cross-entropy on the student's own samples would teach it to imitate them (issue #39, case 6).
+GENERATION_DEFAULTS: dict[str, Any] = {"kd_weight": 1.0, "task_weight": 0.0}
 # Defaults that depend on the student's head, as (any other head, causal LM): filled by `resolve_head_defaults`
 # (DistillationTrainer) where neither the user nor the preset gave a value. A preset may set `temperature`.
 HEAD_DEFAULTS: dict[str, tuple[Any, Any]] = {"temperature": (2.0, 1.0), "kd_token_mask": ("attention", "labels")}
 JSD_BETA_DEFAULT = 0.5  # `jsd_beta` when not given (TRL's GKD default)
 _GIVEN_WINS = " Default: {}, or the value of `distill_preset`; a value you give always wins over the preset."
+_GENERATING = (" When the run generates its completions (lmbda > 0 or seq_kd) and neither you nor the preset gave it, "
+               "the default is {} instead (GKD's loss: KD alone, no cross-entropy on the student's own samples).")
+
+
+def _kd_loss_help() -> str:
+    """`kd_loss`'s help: each registered kind with its entry's description (hf_distill.losses.registry)."""
+    parts = [f"`{name}` ({get_divergence(name).help})" for name in kinds()]
+    return "Logit-distillation loss: " + ", ".join(parts[:-1]) + " or " + parts[-1] + "."
 
 
 @dataclass
@@ -73,12 +91,7 @@ class DistillationArguments(TrainingArguments):
     kd_loss: str | None = field(
         default=None,
         metadata={
-            "help": "Logit-distillation loss: `kl` (T**2 * KL(teacher || student), DistilBERT), `soft_ce` "
-            "(soft cross-entropy without T**2, TinyBERT), `mse` (squared error of logits, Tang et al. "
-            "2019 BiLSTM students), `reverse_kl` (T**2 * KL(student || teacher), MiniLLM) or `jsd` (generalized "
-            "Jensen-Shannon divergence of GKD, Agarwal et al. 2024, with `jsd_beta`), `skew_kl` / `skew_reverse_kl` "
-            "(DistiLLM's skew KL(teacher || alpha teacher + (1-alpha) student) and its reverse, Ko et al. 2024, with "
-            "`skew_alpha`) or `tvd` (T**2 * total variation distance)." + _GIVEN_WINS.format("kl")
+            "help": _kd_loss_help() + _GIVEN_WINS.format("kl")
         },
     )
     kd_chunk_size: int | None = field(
@@ -113,7 +126,7 @@ class DistillationArguments(TrainingArguments):
         default=None,
         metadata={
             "help": "Weight of the logit-distillation term. 0 disables it (no teacher logits needed)."
-            + _GIVEN_WINS.format(0.5)
+            + _GIVEN_WINS.format(0.5) + _GENERATING.format(1.0)
         },
     )
     task_weight: float | None = field(
@@ -121,7 +134,7 @@ class DistillationArguments(TrainingArguments):
         metadata={
             "help": "Weight of the student's own task loss on the labels (the hard-label loss). 0 disables "
             "it, which is what task-agnostic distillation and TinyBERT's prediction stage do."
-            + _GIVEN_WINS.format(0.5)
+            + _GIVEN_WINS.format(0.5) + _GENERATING.format(0.0)
         },
     )
     kd_token_mask: str | None = field(
@@ -217,7 +230,8 @@ class DistillationArguments(TrainingArguments):
             "(on-policy distillation, GKD, Agarwal et al. 2024). Its prompts are completed with `generate` once per "
             "optimizer step, before the step's tokens are counted, and KD covers the generated tokens only. 0: "
             "off-policy, the dataset's completions (default); 1: always the student's. Must be in [0, 1]. Needs "
-            "prompt rows (`hf_distill.data.prompts.PromptCompletionCollator`) and a teacher model."
+            "prompt rows (`hf_distill.data.prompts.PromptCompletionCollator`) and a teacher model. With lmbda > 0 (or "
+            "seq_kd), kd_weight and task_weight default to 1 and 0 (GKD's loss) where not given."
         },
     )
     seq_kd: bool = field(
@@ -232,7 +246,9 @@ class DistillationArguments(TrainingArguments):
         default=None,
         metadata={
             "help": "Generation (lmbda > 0 or seq_kd): the most tokens generated per completion. Unset: 128 (TRL's "
-            "GKD). Must be > 0; refused when nothing is generated."
+            "GKD). Must be > 0; refused when nothing is generated, and where a prompt plus max_new_tokens would not "
+            "fit the positions (max_position_embeddings) of the student or a teacher (checked on the first rows "
+            "when the trainer is built, then on each generated batch)."
         },
     )
     generation_temperature: float | None = field(
@@ -272,11 +288,16 @@ class DistillationArguments(TrainingArguments):
         self._validate_distillation()
 
     def _resolve_preset(self) -> None:
-        """Replace every field left at None ("not given") by the preset's value, else by its plain default."""
+        """Replace every field left at None ("not given") by the preset's value, else by its plain default (for
+        `kd_weight` and `task_weight` of a run that generates, `GENERATION_DEFAULTS`). Done once, here: the values
+        are then validated and stay what they are for the whole run (a callback changing `lmbda` changes none)."""
         from .presets import preset_values
 
         preset = preset_values(self.distill_preset) if self.distill_preset is not None else {}
-        for name, default in PRESET_DEFAULTS.items():
+        lmbda = self.lmbda  # validated later (validate_generation_arguments); here only read if it is a number
+        generates = bool(self.seq_kd) or (isinstance(lmbda, int | float) and not isinstance(lmbda, bool) and lmbda > 0)
+        defaults = {**PRESET_DEFAULTS, **GENERATION_DEFAULTS} if generates else PRESET_DEFAULTS
+        for name, default in defaults.items():
             if getattr(self, name) is None:
                 setattr(self, name, preset.get(name, default))
         for name in HEAD_DEFAULTS:  # else left to resolve_head_defaults, once the student is known
@@ -370,7 +391,7 @@ class DistillationArguments(TrainingArguments):
         return {
             "temperature": self.temperature,
             "kd_loss": self.kd_loss,
-            **({"jsd_beta": self.effective_jsd_beta} if self.kd_loss == "jsd" else {}),
+            **({"jsd_beta": self.effective_jsd_beta} if self.kd_loss in JSD_KINDS else {}),
             **({"skew_alpha": self.resolved_skew_alpha} if self.kd_loss in SKEW_KINDS else {}),
             "kd_weight": self.kd_weight,
             "task_weight": self.task_weight,

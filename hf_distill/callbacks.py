@@ -32,6 +32,7 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
+from .compat import set_last_lr
 from .losses.terms import parse_terms
 from .schedules import (  # noqa: F401 - re-exported: `hf_distill.callbacks.ScheduleCallback` etc.
     SCALAR_FIELDS,
@@ -364,7 +365,7 @@ class StageSwitchCallback(TrainerCallback, ExportableState):
         lrs = [base * f(sched.last_epoch) for base, f in zip(sched.base_lrs, sched.lr_lambdas)]
         for group, lr in zip(groups, lrs):
             group["lr"] = lr
-        sched._last_lr = lrs  # what get_last_lr() (the logged learning_rate) returns until the next step
+        set_last_lr(sched, lrs)  # what get_last_lr() (the logged learning_rate) returns until the next step
 
     # ---------------------------------------------------------------- events
 

@@ -228,12 +228,14 @@ def cmd_signal(args: argparse.Namespace, argv: list[str]) -> int:
                                   commit_message=args.commit_message or DEFAULT_COMMIT_MESSAGE)
         print(f"Pushed the teacher signal {args.signal_dir} to the dataset repo {args.repo_id}: {url}")
         return 0
-    import shlex
 
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from .base.recorded_names import recorded_command
+    from .data.signal_checks import check_signal_tokenizer
     from .data.teacher_signal import check_signal_settings, create_teacher_signal, signal_metadata
+    from .teacher import teacher_tokenizer
 
     dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, None: None}
     rows = _load_rows(args.rows, args.split)
@@ -247,6 +249,10 @@ def cmd_signal(args: argparse.Namespace, argv: list[str]) -> int:
     where = args.tokenizer or args.teacher
     tokenizer = _load("--tokenizer" if args.tokenizer else "teacher", where,
                       lambda: AutoTokenizer.from_pretrained(where))
+    if isinstance(vocab, int):  # a tokenizer that does not fit the teacher is refused before its weights load
+        own = teacher_tokenizer(None, source=args.teacher)[0] if args.tokenizer else None
+        check_signal_tokenizer(tokenizer, vocab, own=own,
+                               flag=f"--tokenizer {args.tokenizer}" if args.tokenizer else "the teacher's tokenizer")
     teacher = _load("teacher", args.teacher, lambda: AutoModelForCausalLM.from_pretrained(
         args.teacher, **({"dtype": dtypes[args.dtype]} if args.dtype else {})))
     if device is not None:
@@ -256,7 +262,7 @@ def cmd_signal(args: argparse.Namespace, argv: list[str]) -> int:
             teacher, rows, args.output_dir, tokenizer=tokenizer, k=args.k, temperature=args.temperature,
             kd_token_mask=args.kd_token_mask, batch_size=args.batch_size, rows_per_shard=args.rows_per_shard,
             dtype=dtypes[args.dtype], teacher_name=args.teacher_name or args.teacher, progress=not args.no_progress,
-            command=shlex.join(["hf-distill", *argv]))
+            command=recorded_command(["hf-distill", *argv]))  # no machine's absolute path
     except KeyboardInterrupt:
         done, total = len(list(Path(args.output_dir).glob("shard-*.arrow"))), -(-len(rows) // args.rows_per_shard)
         raise CommandError(f"interrupted: {done} of {total} shards ({args.rows_per_shard} rows each) are written in "

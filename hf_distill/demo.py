@@ -77,10 +77,11 @@ def bf16_default() -> bool:
     """bf16 where the hardware computes in it: emulated bf16 is slower than fp32."""
     import torch
 
+    from .compat import cpu_bf16_supported
+
     if torch.cuda.is_available():
         return torch.cuda.is_bf16_supported()
-    native = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
-    return bool(native and native())
+    return cpu_bf16_supported()
 
 
 def check_output_dir(folder: Path, overwrite: bool) -> str | None:

@@ -177,6 +177,9 @@ class Distiller(LogitTerms, TeacherRuns):
         self._chunk = self._chunk_size(student)
         self.teacher_params = forward_params(self.teacher) if self.teacher is not None else set()
         self.tracker = ComponentTracker()
+        # cross_tokenizer: the share of the student's distilled positions paired with the teacher's, per log window
+        self.pairing = (cross_tokenizer.PairedShare(args.cross_tokenizer, self._token_labels, args.kd_token_mask)
+                        if args.cross_tokenizer else None)
         # Called after each loss with (model, student outputs, inputs, from_hidden): the outputs hold the last hidden
         # states instead of logits when the causal-LM loss head ran (hf_distill.trl logs SFT's token metrics from it).
         self.student_hook: Callable[[nn.Module, Any, dict[str, Any], bool], None] | None = None
@@ -339,6 +342,8 @@ class Distiller(LogitTerms, TeacherRuns):
         loss = sum(weights[k] * v for k, v in components.items())
         if model.training:
             self.tracker.add(components)
+            if self.pairing is not None and "kd" in components:
+                self.pairing.add({**inputs, **cached})
         if self.student_hook is not None:
             self.student_hook(model, s_out, inputs, chunks is not None)
         return (loss, self._predictions(s_out, distill)) if return_outputs else loss

@@ -26,63 +26,12 @@ import torch
 from accelerate.utils import DistributedType, extract_model_from_parallel
 from torch import nn
 
-from .data.collators import TEACHER_PREFIX, require_tensors
+from .base.batch_keys import PROMPT_IDS, PROMPT_KEYS, PROMPT_MASK, TEACHER_PREFIX, require_tensors
+from .base.generation_checks import GENERATION_FIELDS, validate_generation_arguments  # noqa: F401 - in __all__
+from .base.position_limits import check_room, new_tokens, position_limit, teacher_roles
+from .compat import zero3_gathered_without_hooks
 from .placement import ZERO3_SHARDED, teacher_input_device, teacher_mode
 from .teacher import shared_base_teacher
-
-PROMPT_IDS, PROMPT_MASK = "prompt_input_ids", "prompt_attention_mask"
-PROMPT_KEYS = (PROMPT_IDS, PROMPT_MASK)
-"""The batch keys of the left-padded prompts (hf_distill.data.prompts.PromptCompletionCollator): generation reads
-them, the loss never passes them to a model."""
-GENERATION_FIELDS = ("max_new_tokens", "generation_temperature", "top_p", "stop_token_ids")
-DEFAULT_MAX_NEW_TOKENS = 128  # TRL's GKD
-
-
-def validate_generation_arguments(args: Any) -> None:
-    """Refuse on-policy settings that are out of range or that would do nothing (DistillationArguments)."""
-    lmbda = args.lmbda
-    if isinstance(lmbda, bool) or not isinstance(lmbda, int | float) or not 0.0 <= lmbda <= 1.0:
-        raise ValueError(
-            f"DistillationArguments.lmbda must be in [0, 1] (the probability that the student generates a "
-            f"micro-batch's completions), got {lmbda!r}."
-        )
-    if not args.generates:
-        given = [name for name in GENERATION_FIELDS if getattr(args, name) is not None]
-        if given:
-            raise ValueError(
-                f"DistillationArguments.{', '.join(given)} set, but nothing is generated (lmbda=0 and seq_kd=False): "
-                "the run trains on the dataset's completions. Set lmbda > 0 (on-policy) or seq_kd=True, or remove "
-                f"{', '.join(given)}."
-            )
-        return
-    if args.max_new_tokens is not None and (isinstance(args.max_new_tokens, bool) or args.max_new_tokens <= 0):
-        raise ValueError(f"DistillationArguments.max_new_tokens must be > 0, got {args.max_new_tokens!r}.")
-    temperature = args.generation_temperature
-    if temperature is not None and not temperature >= 0:
-        raise ValueError(
-            f"DistillationArguments.generation_temperature must be >= 0 (0 = greedy), got {temperature!r}."
-        )
-    if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
-        raise ValueError(f"DistillationArguments.top_p must be in (0, 1], got {args.top_p!r}.")
-    if args.top_p is not None and temperature == 0:
-        raise ValueError(
-            f"DistillationArguments.top_p={args.top_p} does nothing with generation_temperature=0 (greedy decoding "
-            "samples nothing). Remove top_p, or set generation_temperature > 0."
-        )
-    if args.stop_token_ids is not None and (
-        not args.stop_token_ids or not all(isinstance(i, int) and i >= 0 for i in args.stop_token_ids)
-    ):
-        raise ValueError(
-            f"DistillationArguments.stop_token_ids must be a non-empty list of token ids, got {args.stop_token_ids!r}."
-        )
-    why = None
-    if args.cross_tokenizer:
-        why = ("cross_tokenizer needs the teacher's own tokenization of each row, made from the text by its collator "
-               "before generation")
-    elif args.kd_weight == 0:
-        why = "kd_weight=0: there would be no KD term on the generated completions. Set kd_weight > 0"
-    if why is not None:
-        raise ValueError(f"DistillationArguments.lmbda / seq_kd (generated completions) cannot be used here: {why}.")
 
 
 def check_on_policy(args: Any, *, causal: bool, n_teachers: int, accelerator: Any, train_dataset: Any) -> None:
@@ -165,6 +114,10 @@ class OnPolicy:
                 "neither the tokenizer (processing_class) nor the student's config has one. Set "
                 "tokenizer.pad_token (e.g. to its eos_token) and pass it as processing_class."
             )
+        # no prompt is shorter than one token: a max_new_tokens the student cannot hold is refused now
+        check_room(new_tokens(args), 1, position_limit([("student", student)]), "DistillationArguments.max_new_tokens")
+        self._limit: tuple[int, str] | None = None  # the fewest positions of the student and teachers (`prepare`)
+        self._limit_read = False
         self._seed, self._steps = int(args.seed), 0
         self.tokens = 0
         self.seconds = 0.0
@@ -182,7 +135,7 @@ class OnPolicy:
         args = self.args
         temperature = 1.0 if args.generation_temperature is None else float(args.generation_temperature)
         kwargs: dict[str, Any] = {
-            "max_new_tokens": args.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+            "max_new_tokens": new_tokens(args),
             "do_sample": temperature > 0,
             "pad_token_id": self.pad_id,
             "eos_token_id": self.stop_ids or None,
@@ -204,6 +157,11 @@ class OnPolicy:
             if who is None:
                 continue
             _check_batch(batch)
+            if not self._limit_read:  # before the first generation: every model that generates or reads the rows
+                self._limit, self._limit_read = position_limit(
+                    [("student", student), *teacher_roles(distiller.teachers)]), True
+            check_room(new_tokens(self.args), int(batch[PROMPT_IDS].shape[1]), self._limit,
+                       f"Step {step}, micro-batch {micro}")
             model = student if who == "student" else distiller.teacher
             shared = who == "teacher" and distiller.shared_base
             sequences = self._generate(model, batch, distiller.accelerator, shared)
@@ -226,15 +184,18 @@ class OnPolicy:
         return out.to(ids.device)
 
     def log_values(self, accelerator: Any = None) -> dict[str, float]:
-        """Generated tokens since the last call (over every process) and their rate; empty when none."""
-        if self.seconds <= 0:
-            return {}
+        """Generated tokens since the last call (over every process), 0 in a window where nothing was generated (the
+        coin kept the dataset's completions), so that a missing value never reads as "not measured"; their rate
+        only where there was generation time to divide by. Every process reduces (a collective), generating or
+        not."""
         values = torch.tensor([float(self.tokens), self.seconds], dtype=torch.float64)
         processes = accelerator.num_processes if accelerator is not None else 1
         if processes > 1:
             values = accelerator.reduce(values.to(accelerator.device), "sum").cpu()
         tokens, seconds = values.tolist()
         self.tokens, self.seconds = 0, 0.0
+        if seconds <= 0:
+            return {"generated_tokens": tokens}
         return {"generated_tokens": tokens, "generated_tokens_per_second": tokens / (seconds / processes)}
 
 
@@ -284,35 +245,6 @@ def zero3_engine(model: nn.Module, module: nn.Module, accelerator: Any) -> Any:
         "parameter hooks are set aside while it generates), but this model is neither an engine nor the one the "
         "accelerator prepared. Pass the engine (e.g. trainer.model_wrapped) as `model` to Distiller.start_step."
     )
-
-
-@contextlib.contextmanager
-def zero3_gathered_without_hooks(engine: Any) -> Iterator[None]:
-    """The engine's parameters gathered whole, with its ZeRO-3 module hooks removed until the exit.
-
-    `generate` makes one forward per token. With the hooks on, each forward also runs the engine's fetch and
-    release, and from the second step on its coordinator prefetches along the training step's trace, so parameters
-    are still being gathered (ZeroParamStatus.INFLIGHT) when GatheredParameters repartitions them, which DeepSpeed
-    refuses ("Cannot partition a param in flight"). The hooks are registered again on exit and the recorded trace
-    is dropped, so the next forward records a fresh one (DeepSpeed releases without deepspeedai/DeepSpeed#8043
-    kept the stale trace: "pop from an empty deque" at the next step)."""
-    import deepspeed
-
-    offload = getattr(engine.optimizer, "parameter_offload", None) or engine.optimizer  # training / inference engine
-    params = list(engine.module.parameters())
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-        for p in params:  # no module call is in progress: none holds a parameter
-            p.ds_active_sub_modules.clear()
-        for hook in (*offload.forward_hooks, *offload.backward_hooks):
-            hook.remove()
-        offload.forward_hooks, offload.backward_hooks = [], []
-        try:
-            yield
-        finally:
-            offload._register_deepspeed_module(offload.module)
-            coordinator = offload.get_param_coordinator()
-            if not coordinator.is_invalid_trace():
-                coordinator._invalidate_trace()
 
 
 @contextlib.contextmanager
@@ -376,4 +308,4 @@ def _check_batch(batch: dict[str, Any]) -> None:
 
 
 __all__ = ["PROMPT_KEYS", "OnPolicy", "check_on_policy", "check_step", "completion_rows", "default_generation_config",
-           "generation_module", "validate_generation_arguments"]
+           "generation_module", "new_tokens", "teacher_roles", "validate_generation_arguments"]

@@ -31,6 +31,7 @@ import torch
 from accelerate.utils import DistributedType
 from torch import nn
 
+from .compat import no_split_modules
 from .features.families import get_family
 from .features.taps import unwrap
 
@@ -131,7 +132,7 @@ def check_fsdp2_wrap(model: nn.Module, accelerator: Any) -> None:
             if policy(ancestor):
                 clashes[name] = type(ancestor).__name__
     if clashes:
-        classes = list(plugin.transformer_cls_names_to_wrap or getattr(model, "_no_split_modules", None) or [])
+        classes = list(plugin.transformer_cls_names_to_wrap or no_split_modules(model) or [])
         keep = [c for c in classes if c not in set(clashes.values())]
         held = ", ".join(f"{n} (inside {c})" for n, c in clashes.items())
         raise ValueError(

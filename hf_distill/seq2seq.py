@@ -33,6 +33,7 @@ from torch import nn
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
 
 from .arguments import DistillationArguments, as_distillation_arguments
+from .compat import prepare_inputs
 from .trainer import DistillationMixin
 
 __all__ = ["DistillationSeq2SeqArguments", "DistillationSeq2SeqTrainer"]
@@ -76,5 +77,5 @@ class DistillationSeq2SeqTrainer(DistillationMixin, Seq2SeqTrainer):
         )
         if loss is not None:
             with torch.no_grad(), self.compute_loss_context_manager():
-                loss = self.compute_loss(model, self._prepare_inputs(dict(inputs))).detach().mean()
+                loss = self.compute_loss(model, prepare_inputs(self, dict(inputs))).detach().mean()
         return loss, tokens, labels

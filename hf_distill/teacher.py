@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import transformers
@@ -29,22 +29,29 @@ from transformers.utils import logging
 
 from .features.taps import unwrap
 
+if TYPE_CHECKING:
+    from .features.heads import HeadKind
+
 logger = logging.get_logger(__name__)
 
 PADDING_MASS_BOUND = 1e-4
 """The most probability (temperature 1, mean over the first distilled batch's counted tokens) a teacher may put on
 the ids the student lacks for them to count as padding rather than tokens."""
 
-def load_teacher(name_or_path: str, like: nn.Module | None = None, **kwargs) -> nn.Module:
-    """Load a teacher with the auto class whose head matches the student's (`like`).
+def load_teacher(name_or_path: str, like: nn.Module | None = None, kind: HeadKind | None = None,
+                 **kwargs: Any) -> nn.Module:
+    """Load a teacher with the auto class whose head matches the student's (`like`), or of head kind `kind` (a
+    `hf_distill.features.heads.HeadKind`, for callers without a student yet, such as `hf-distill auto`).
 
     A folder holding a PEFT adapter (`adapter_config.json`) loads as base + adapter through peft's matching
     `AutoPeftModelFor...` class, unmerged (`merge_and_unload()` it first
-    for a faster teacher forward). A checkpoint that lacks weights of the model it loads into (a base or MLM
-    checkpoint without the student's classifier) is refused: its head would be random, and so its targets."""
+    for a faster teacher forward). A checkpoint that lacks weights of the model it loads into (a base, MLM or
+    causal-LM checkpoint without the student's classifier) is refused: its head would be random, and so its
+    targets."""
     from .features.heads import HeadKind, head_kind
 
-    kind = (head_kind(like) if like is not None else None) or HeadKind.BASE
+    if kind is None:
+        kind = (head_kind(like) if like is not None else None) or HeadKind.BASE
     auto_name = kind.facts.auto_class
     if os.path.isfile(os.path.join(name_or_path, "adapter_config.json")):
         import peft
@@ -59,9 +66,23 @@ def load_teacher(name_or_path: str, like: nn.Module | None = None, **kwargs) -> 
         raise ValueError(
             f"The teacher {name_or_path} lacks weights of {type(teacher).__name__}, which were initialised at "
             f"random: {', '.join(new)}. A teacher with a random head teaches noise. Fine-tune the teacher on the "
-            "task first (or pass the fine-tuned checkpoint, with its head) and give that as teacher_model."
+            "task first (or pass the fine-tuned checkpoint, with its head) and give that as the teacher."
         )
     return teacher
+
+
+def loaded_as_another_class(model: nn.Module) -> list[str] | None:
+    """The architectures a model's config names when the model's own class is not among them, else None.
+
+    `from_pretrained` keeps the checkpoint's `config.architectures`, so a classifier loaded from a base or causal-LM
+    checkpoint still names that class: the head it lacked was initialised at random. Saving the model (which a
+    Trainer does at its checkpoints) writes its own class there, so a head fine-tuned in memory and saved since is
+    not reported; one fine-tuned in memory and never saved is (a false alarm, hence a warning where this is used)."""
+    inner = unwrap(model)
+    names = getattr(getattr(inner, "config", None), "architectures", None)
+    if not names or type(inner).__name__ in names:
+        return None
+    return list(names)
 
 
 def shares_parameters(a: nn.Module, b: nn.Module) -> bool:
@@ -186,7 +207,13 @@ def check_cross_tokenizer(
             f"{missing} is unknown. Pass processing_class=<student tokenizer> and "
             "teacher_processing_class=<teacher tokenizer>."
         )
-    return shared_vocabulary(s_tok, t_tok)
+    shared = shared_vocabulary(s_tok, t_tok)
+    n, s_size, t_size = len(shared[0]), len(s_tok.get_vocab()), len(t_tok.get_vocab())
+    logger.info(
+        f"cross_tokenizer='aligned': the tokenizers share {n} token strings ({n / s_size:.1%} of the student's "
+        f"{s_size}, {n / t_size:.1%} of the teacher's {t_size}); the KD term compares the two distributions on "
+        "those only. Identical strings can still mean different things (docs/guides/causal-lm.md).")
+    return shared
 
 
 def _shared_vocabulary(s_cfg, t_cfg, t_tokenizer, tokenizer) -> int:
@@ -245,7 +272,7 @@ def teacher_tokenizer(teacher: nn.Module, given: Any = None, source: str | None 
     if source is not None:
         return _load_tokenizer(str(source), local_only=False, what=f"the teacher's {source}")
     inner = unwrap(teacher)
-    path = getattr(inner, "name_or_path", "") or getattr(getattr(inner, "config", None), "_name_or_path", "") or ""
+    path = getattr(inner, "name_or_path", "") or getattr(getattr(inner, "config", None), "name_or_path", "") or ""
     if not path:
         return None, "the teacher was given as a model without a name_or_path (built from a config)"
     return _load_tokenizer(path, local_only=not os.path.isdir(path), what=f"the teacher's name_or_path {path}")

@@ -24,7 +24,11 @@ from transformers import PreTrainedModel, Trainer
 from transformers.utils import logging
 
 from .arguments import DistillationArguments, as_distillation_arguments
+from .compat import add_signature_columns, children_dict, prepare_inputs, signature_columns
+from .compat import num_items_in_batch as count_items
 from .data.collators import TEACHER_PREFIX, KeepTeacherColumnsCollator, TeacherOutputsCollator
+from .data.cross_tokenizer import check_first_rows
+from .data.prompts import check_generation_data
 from .distiller import Distiller
 from .features import heads as heads_mod
 from .features.taps import unwrap
@@ -48,8 +52,7 @@ PRIVATE_OVERRIDES = (
     "_load_from_checkpoint",
     "_push_from_checkpoint",
 )
-#: Private Trainer methods the mixin calls (not overrides), with the parameters it passes: checked the same way.
-PRIVATE_CALLS = {"_get_num_items_in_batch": ("batch_samples", "device")}
+# The private Trainer methods hf_distill calls (not overrides) are called from hf_distill.compat only (PRIVATE_CALLS).
 
 
 class DistillationMixin(ProjectionTraining):
@@ -94,14 +97,23 @@ class DistillationMixin(ProjectionTraining):
                 "On a CPU set bf16=True instead (bf16 autocast), or fp16=False."
             )
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
-        # transformers 5 would otherwise pass num_items_in_batch to BERT-like models and rescale the loss
-        # by the number of processes; our loss is a plain per-batch mean (see ENVIRONMENT.md pitfall 1).
+        # The Distiller normalises its terms itself (token-level ones over the whole step, from the counts taken
+        # in get_batch_samples: hf_distill.losses.normalise), so the Trainer must scale the loss as it scales a plain
+        # micro-batch mean: divide it by the accumulation steps and let DDP average (docs/guides/trainer.md, "Notes
+        # on correctness"). With loss kwargs transformers 5 would pass num_items_in_batch to BERT-like models, skip
+        # that division and rescale the loss by the number of processes.
         self.model_accepts_loss_kwargs = False
         self.teacher_metrics: dict[str, float] = {}  # set by evaluate_teacher(), reported by the model card
         self._pending_projections: dict | None = None  # gathered in _save_checkpoint for the save and its push
         self._evaluating_teacher = False  # prediction_step runs the teacher (evaluate_teacher)
         check_engine(self.args, self.accelerator)  # an FSDP/DeepSpeed request accelerate ignored (CPU): refused
         check_fsdp2_wrap(self.model, self.accelerator)  # an FSDP2 wrap accelerate would crash on: refused
+        # lmbda / seq_kd: the first rows and the models' positions, before the teacher loads (issue #39); another
+        # head is refused by the Distiller, with the message that says so
+        if self.args.generates and heads_mod.static_head(self.model) is heads_mod.Head.CAUSAL_LM:
+            teachers = teacher_model if isinstance(teacher_model, list | tuple) else [teacher_model]
+            check_generation_data(self.args, self._prompt_collator(), self.train_dataset, self.model,
+                                  [t for t in teachers if t is not None])
         self.distiller = Distiller(
             self.model, self.args, teacher_model, processing_class=self.processing_class,
             teacher_processing_class=teacher_processing_class, train_dataset=self.train_dataset,
@@ -112,6 +124,7 @@ class DistillationMixin(ProjectionTraining):
             self.add_callback(_ClearProjectionGradients(self._projections()))
         self._check_projection_optimizer()
         self.data_collator = TeacherOutputsCollator(self.data_collator)
+        check_first_rows(self.data_collator, self.train_dataset, self.eval_dataset)  # cross_tokenizer's chat rows
         if self.args.eval_with_teacher and self.eval_dataset is not None:
             evals = self.eval_dataset if isinstance(self.eval_dataset, dict) else {"eval": self.eval_dataset}
             for name, data in evals.items():
@@ -120,6 +133,10 @@ class DistillationMixin(ProjectionTraining):
     def _distillation_arguments(self, args: Any) -> DistillationArguments:
         """The arguments as DistillationArguments (plain TrainingArguments are upgraded, every field kept)."""
         return as_distillation_arguments(args, type(self).__name__)
+
+    def _prompt_collator(self) -> Any:
+        """The collator the training rows will go through, as the set-up checks of generation read it."""
+        return getattr(self.data_collator, "base", self.data_collator)
 
     # What the distiller owns, readable from the trainer as before.
     teacher = property(lambda self: self.distiller.teacher, doc="The first teacher (None with cached outputs only).")
@@ -155,7 +172,7 @@ class DistillationMixin(ProjectionTraining):
         # lmbda / seq_kd: generated first (on_policy); the step number draws the coin, so a resumed run draws the same
         self.distiller.start_step(batch_samples, model=self.model, step=self.state.global_step)
         if self.distiller.on_policy is not None and num_items_in_batch is not None:  # counted on the new labels
-            num_items_in_batch = self._get_num_items_in_batch(batch_samples, device)
+            num_items_in_batch = count_items(self, batch_samples, device)
         return batch_samples, num_items_in_batch
 
     def call_model_init(self, trial=None) -> nn.Module:
@@ -167,13 +184,15 @@ class DistillationMixin(ProjectionTraining):
         if proj is not None:
             self.distiller.intermediate.reset_projections()
             if self._attached():
-                self.model._modules.pop(PROJECTIONS_ATTR)
+                children_dict(self.model).pop(PROJECTIONS_ATTR)
                 model.add_module(PROJECTIONS_ATTR, proj)
         return model
 
     def train(self, *args: Any, **kwargs: Any):
         # Components of compute_loss calls made before training (by hand, in train mode) are not the run's.
         self.distiller.tracker.reset()
+        if self.distiller.pairing is not None:
+            self.distiller.pairing.reset()
         try:
             with self._projections_attached():
                 return super().train(*args, **kwargs)
@@ -186,6 +205,8 @@ class DistillationMixin(ProjectionTraining):
         if "loss" in logs and self.distiller.tracker:
             for name, value in self.distiller.tracker.pop_means(self.accelerator).items():
                 logs[f"loss_{name}"] = value
+        if "loss" in logs and self.distiller.pairing is not None:  # cross_tokenizer: xtok_paired_share
+            logs.update(self.distiller.pairing.log_values(self.accelerator))
         if "loss" in logs and self.distiller.on_policy is not None:  # generated_tokens(_per_second)
             logs.update(self.distiller.on_policy.log_values(self.accelerator))
         if "loss" in logs:
@@ -199,7 +220,7 @@ class DistillationMixin(ProjectionTraining):
     # ------------------------------------------------------------------ data: teacher columns survive filtering
 
     def _set_signature_columns_if_needed(self) -> None:
-        if self._signature_columns is None:
+        if signature_columns(self) is None:
             super()._set_signature_columns_if_needed()
             # The teacher may need inputs the student ignores (a BERT teacher's token_type_ids for a
             # DistilBERT student); cached teacher outputs are columns too.
@@ -207,12 +228,12 @@ class DistillationMixin(ProjectionTraining):
             extra.add(f"{TEACHER_PREFIX}logits")
             # the text columns a collator tokenises itself (hf_distill.data.prompts.PromptCompletionCollator)
             extra.update(getattr(getattr(self.data_collator, "base", self.data_collator), "dataset_columns", ()))
-            self._signature_columns += sorted(extra - set(self._signature_columns))
+            add_signature_columns(self, sorted(extra))
 
     def _remove_unused_columns(self, dataset, description: str | None = None):
         self._set_signature_columns_if_needed()
         cached = [c for c in getattr(dataset, "column_names", None) or [] if c.startswith(TEACHER_PREFIX)]
-        self._signature_columns += [c for c in cached if c not in self._signature_columns]
+        add_signature_columns(self, cached)
         return super()._remove_unused_columns(dataset, description)
 
     def _get_collator_with_removed_columns(self, data_collator, description: str | None = None):
@@ -220,7 +241,7 @@ class DistillationMixin(ProjectionTraining):
         if not self.args.remove_unused_columns:
             return data_collator
         self._set_signature_columns_if_needed()
-        return KeepTeacherColumnsCollator(data_collator, self._signature_columns, description=description,
+        return KeepTeacherColumnsCollator(data_collator, signature_columns(self), description=description,
                                           model_name=type(self.model).__name__)
 
     # ------------------------------------------------------------------ the teacher's own evaluation
@@ -299,7 +320,7 @@ class DistillationMixin(ProjectionTraining):
             from .losses.cross_tokenizer import teacher_batch
 
             inputs = teacher_batch(inputs, self.args.cross_tokenizer, names)
-        inputs = self._prepare_inputs({k: v for k, v in inputs.items() if not k.startswith(TEACHER_PREFIX)})
+        inputs = prepare_inputs(self, {k: v for k, v in inputs.items() if not k.startswith(TEACHER_PREFIX)})
         has_labels = bool(names) and all(inputs.get(k) is not None for k in names)
         labels = nested_detach(tuple(inputs[k] for k in names)) if has_labels else None
         labels = labels[0] if labels is not None and len(labels) == 1 else labels

@@ -17,6 +17,8 @@ from torch import nn
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from .compat import checkpoint_parent, children_dict
+
 PROJECTIONS_FILE = "distill_projections.pt"
 # Under DeepSpeed the projections ride inside the engine as this submodule of the student while train() runs.
 PROJECTIONS_ATTR = "hf_distill_projections"
@@ -44,7 +46,7 @@ class ProjectionTraining:
         """While train() runs under DeepSpeed, the projections are a submodule of the student, so the engine
         prepares, partitions, reduces, clips and checkpoints them with it; afterwards the student is bare again
         (`trainer.model.save_pretrained` writes the student only)."""
-        if not self._projections_in_engine() or PROJECTIONS_ATTR in self.model._modules:
+        if not self._projections_in_engine() or PROJECTIONS_ATTR in children_dict(self.model):
             yield
             return
         proj, engine = self._projections(), getattr(self, "deepspeed", None)
@@ -59,11 +61,11 @@ class ProjectionTraining:
         try:
             yield
         finally:
-            student._modules.pop(PROJECTIONS_ATTR, None)
-            self.model._modules.pop(PROJECTIONS_ATTR, None)  # the student model_init built (call_model_init)
+            children_dict(student).pop(PROJECTIONS_ATTR, None)
+            children_dict(self.model).pop(PROJECTIONS_ATTR, None)  # the student model_init built (call_model_init)
 
     def _attached(self) -> bool:
-        return PROJECTIONS_ATTR in getattr(self.model, "_modules", {})
+        return PROJECTIONS_ATTR in children_dict(self.model)
 
     def _check_projection_optimizer(self) -> None:
         """Projections are created with the trainer, so an optimizer and scheduler built by the user before it
@@ -184,7 +186,8 @@ class ProjectionTraining:
         try:
             super()._save_checkpoint(model, trial)
             if self._pending_projections is not None and self.args.should_save:
-                folder = os.path.join(self._get_output_dir(trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+                folder = os.path.join(checkpoint_parent(self, trial),
+                                      f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
                 torch.save(self._pending_projections, os.path.join(folder, PROJECTIONS_FILE))
         finally:
             self._pending_projections = None

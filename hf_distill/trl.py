@@ -36,11 +36,14 @@ What the distillation means for SFT's data paths:
 
 * `cross_tokenizer` with `hf_distill.data.cross_tokenizer.CrossTokenizerCollator` (given, or built from
   `processing_class`, `teacher_processing_class`, `max_length` and `dataset_text_field` when no `data_collator` is
-  given): the collator tokenizes each row's raw text with both tokenizers, so the trainer sets
+  given): the collator tokenizes each row's raw text with both tokenizers (`messages` and conversational
+  prompt/completion rows rendered by each tokenizer's own chat template, counted as SFT counts them: every token,
+  or the completion, and with `assistant_only_loss=True` the tokens of each side's `{% generation %}` blocks; both
+  tokenizers need a chat template, checked on the first rows), so the trainer sets
   `dataset_kwargs["skip_prepare_dataset"]` (SFT would append the student's EOS string to the text the teacher
   reads). Refused there: packing, `eval_packing`, `formatting_func`, `completion_only_loss=False`,
-  `assistant_only_loss=True`, `skip_prepare_dataset=False`, and a given collator whose `max_length` or
-  `text_column` is not the config's `max_length` or `dataset_text_field`.
+  `skip_prepare_dataset=False`, and a given collator whose `max_length`, `text_column` or `assistant_only_loss` is
+  not the config's `max_length`, `dataset_text_field` or `assistant_only_loss`.
 
 Refused, each with the fix: `packing_strategy="wrapped"` (it keeps no sequence boundaries), `loss_type="dft"`,
 packing without a teacher model (packing keeps only `input_ids` and `labels`, so cached teacher columns are lost),
@@ -69,8 +72,9 @@ from torch import nn
 from transformers import Trainer, TrainingArguments
 
 from .arguments import DistillationArguments, as_distillation_arguments
+from .compat import count_sft_train_tokens, sft_metrics, sft_train_tokens
 from .data.collators import TeacherOutputsCollator
-from .data.cross_tokenizer import CrossTokenizerCollator
+from .data.cross_tokenizer import CrossTokenizerCollator, check_first_rows
 from .data.prompts import PromptCompletionCollator
 from .features import heads as heads_mod
 from .features.taps import unwrap
@@ -164,10 +168,10 @@ def check_sft_arguments(args: DistillationSFTConfig, teacher_model: Any) -> None
 
 
 def _skip_preparation(args: DistillationSFTConfig, formatting_func: Any, what: str, fix: str, other: str,
-                      covers: str, rows: str) -> None:
+                      covers: str, rows: str, assistant: bool = False) -> None:
     """Refuse the SFT settings that act through SFT's dataset preparation, then have SFT skip it: the raw rows go to
     the collator (`fix` says which and why, `other` the alternative to skip_prepare_dataset=False, `covers` what the
-    loss then covers, `rows` the rows the collator reads)."""
+    loss then covers, `rows` the rows the collator reads; `assistant`: the collator honours assistant_only_loss)."""
     kwargs = dict(args.dataset_kwargs or {})
     if kwargs.get("skip_prepare_dataset", True) is False:
         raise ValueError(
@@ -176,7 +180,8 @@ def _skip_preparation(args: DistillationSFTConfig, formatting_func: Any, what: s
         )
     given = [name for name, bad in (("formatting_func", formatting_func is not None),
                                      ("completion_only_loss=False", args.completion_only_loss is False),
-                                     ("assistant_only_loss=True", args.assistant_only_loss)) if bad]
+                                     ("assistant_only_loss=True", args.assistant_only_loss and not assistant))
+             if bad]
     if given:
         raise ValueError(
             f"{', '.join(given)} with {what}: {fix}, and the loss covers {covers}. Remove {', '.join(given)}; give "
@@ -229,7 +234,8 @@ def prepare_cross_tokenizer(args: DistillationSFTConfig, data_collator: Any, for
         )
     collator = data_collator
     for name, ours, sft in (("max_length", "max_length", args.max_length),
-                            ("dataset_text_field", "text_column", args.dataset_text_field)):
+                            ("dataset_text_field", "text_column", args.dataset_text_field),
+                            ("assistant_only_loss", "assistant_only_loss", bool(args.assistant_only_loss))):
         if collator is not None and getattr(collator, ours) != sft:
             raise ValueError(
                 f"{name}={sft!r} in the config, but the CrossTokenizerCollator's {ours} is "
@@ -242,7 +248,8 @@ def prepare_cross_tokenizer(args: DistillationSFTConfig, data_collator: Any, for
         "the raw rows go to CrossTokenizerCollator, which tokenizes each row's text with both tokenizers, so SFT's "
         "dataset preparation does not run",
         "give a data_collator that adds the teacher's tokenization (teacher_input_ids, ...) to SFT's rows",
-        "every token of a text row, the completion of a prompt/completion row", "text or prompt/completion")
+        "every token of a text or messages row (the assistant turns with assistant_only_loss=True), the completion "
+        "of a prompt/completion row", "text, messages or prompt/completion", assistant=True)
     return data_collator is None
 
 
@@ -274,6 +281,7 @@ class DistillationSFTTrainer(DistillationMixin, SFTTrainer):
         build = prepare_generation(args, collator, trainer_kwargs.get("formatting_func"))
         build_cross = prepare_cross_tokenizer(args, collator, trainer_kwargs.get("formatting_func"),
                                               teacher_processing_class)
+        self._builds_prompt_collator = build  # read by _prompt_collator, inside super().__init__
         super().__init__(model, args, *trainer_args, teacher_model=teacher_model,
                          teacher_processing_class=teacher_processing_class, **trainer_kwargs)
         # after SFTTrainer, which may load the processing class from the model's name
@@ -285,8 +293,17 @@ class DistillationSFTTrainer(DistillationMixin, SFTTrainer):
             t_tokenizer = t_tokenizer[0] if isinstance(t_tokenizer, list | tuple) else t_tokenizer
             self.data_collator = TeacherOutputsCollator(CrossTokenizerCollator(
                 tokenizer, getattr(t_tokenizer, "tokenizer", t_tokenizer), text_column=self.args.dataset_text_field,
-                max_length=self.args.max_length))
+                max_length=self.args.max_length, assistant_only_loss=bool(self.args.assistant_only_loss)))
+            check_first_rows(self.data_collator, self.train_dataset, self.eval_dataset)  # chat rows: both templates
         self.distiller.student_hook = self._token_metrics
+
+    def _prompt_collator(self) -> Any:
+        """The PromptCompletionCollator this trainer builds once SFTTrainer is set up (the set-up checks of generation
+        read the first rows with it before the teacher loads), else the collator given."""
+        if getattr(self, "_builds_prompt_collator", False):
+            return PromptCompletionCollator(getattr(self.processing_class, "tokenizer", self.processing_class),
+                                            self.args.max_length)
+        return super()._prompt_collator()
 
     def _distillation_arguments(self, args: Any) -> DistillationSFTConfig:
         return as_distillation_arguments(args, "DistillationSFTTrainer", DistillationSFTConfig, "SFTConfig",
@@ -311,8 +328,8 @@ class DistillationSFTTrainer(DistillationMixin, SFTTrainer):
             else:
                 local = torch.tensor(inputs["input_ids"].numel())
             tokens = self.accelerator.gather_for_metrics(local.to(self.accelerator.device)).sum().item()
-            self._total_train_tokens += tokens // self._tp_size
-        self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+            count_sft_train_tokens(self, tokens)
+        sft_metrics(self, mode)["num_tokens"] = [sft_train_tokens(self)]
         return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                     num_items_in_batch=num_items_in_batch)
 
@@ -348,11 +365,11 @@ class DistillationSFTTrainer(DistillationMixin, SFTTrainer):
         gather = self.accelerator.gather_for_metrics
         num_valid = gather(mask.sum()).sum()
         entropy, correct = gather(entropy).sum(), gather(correct).sum()
-        self._metrics[mode]["entropy"].append((entropy / num_valid).item() if num_valid > 0 else 0.0)
-        self._metrics[mode]["mean_token_accuracy"].append((correct / num_valid).item() if num_valid > 0 else 0.0)
+        sft_metrics(self, mode)["entropy"].append((entropy / num_valid).item() if num_valid > 0 else 0.0)
+        sft_metrics(self, mode)["mean_token_accuracy"].append((correct / num_valid).item() if num_valid > 0 else 0.0)
         aux = outputs.get("aux_loss") if isinstance(outputs, dict) else getattr(outputs, "aux_loss", None)
         if self.aux_loss_enabled and aux is not None:  # a MoE student's load-balancing loss, as SFTTrainer logs it
-            self._metrics[mode]["aux_loss"].append(gather(aux.detach()).mean().item())
+            sft_metrics(self, mode)["aux_loss"].append(gather(aux.detach()).mean().item())
 
     def prediction_step(
         self,

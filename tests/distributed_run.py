@@ -1,7 +1,9 @@
 """Train a tiny student for a few steps; run under torchrun (2 processes) or in-process (1).
 
 Saves the student's and projections' parameters, the log history and how the models were wrapped,
-so tests/test_distributed.py can compare a 2-process run with a single-process one.
+so tests/test_distributed.py can compare a 2-process run with a single-process one. `--cases logit,causal` trains
+each case in turn in the same launch (into OUT/<case>/), with its own seeded models and trainer: one process group
+serves several cases, saving a launch (two interpreters importing torch and transformers) per case.
 """
 
 from __future__ import annotations
@@ -79,8 +81,15 @@ if __name__ == "__main__":
     p.add_argument("--per_device_batch", type=int, default=4)
     p.add_argument("--intermediate", action="store_true")
     p.add_argument("--causal", action="store_true")
+    p.add_argument("--cases", help="comma-separated cases (logit, intermediate, causal), each into OUT/<case>")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
-    run(a.out, a.per_device_batch, a.intermediate, a.causal)
+    if a.cases is None:
+        run(a.out, a.per_device_batch, a.intermediate, a.causal)
+    for case in a.cases.split(",") if a.cases else []:
+        if case not in ("logit", "intermediate", "causal"):
+            raise SystemExit(f"--cases: unknown case {case!r} (logit, intermediate, causal)")
+        (a.out / case).mkdir(exist_ok=True)
+        run(a.out / case, a.per_device_batch, case == "intermediate", case == "causal")
     leave_distributed_run()

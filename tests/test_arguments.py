@@ -166,3 +166,34 @@ def test_projection_lr_is_refused_when_no_projection_is_trained(tmp_path):
     trainer = _trainer(tmp_path, student=bert(2, hidden=16), projection_lr=0.01,
                        distill_terms=["loss=hidden_mse,layers=last"])
     assert trainer.intermediate.projections is not None
+
+
+@pytest.mark.parametrize("generation", [dict(lmbda=0.5), dict(lmbda=1.0), dict(seq_kd=True)],
+                         ids=["lmbda_half", "lmbda_1", "seq_kd"])
+def test_a_run_that_generates_defaults_to_gkds_loss_weights(generation):
+    """Issue #39, case 6: with neither kd_weight nor task_weight given, a generating run trains on KD alone (GKD and
+    TRL put no cross-entropy on the student's own samples); an off-policy run keeps 0.5 / 0.5."""
+    run = DistillationArguments(output_dir="x", use_cpu=True, report_to=[], **generation)
+    assert (run.kd_weight, run.task_weight) == (1.0, 0.0)
+    assert (PLAIN.kd_weight, PLAIN.task_weight) == (0.5, 0.5)
+    # what is given wins, field by field, and the other field takes the generating default
+    given = DistillationArguments(output_dir="x", use_cpu=True, report_to=[], task_weight=0.5, **generation)
+    assert (given.kd_weight, given.task_weight) == (1.0, 0.5)
+    given = DistillationArguments(output_dir="x", use_cpu=True, report_to=[], kd_weight=0.5, **generation)
+    assert (given.kd_weight, given.task_weight) == (0.5, 0.0)
+    preset = DistillationArguments(output_dir="x", use_cpu=True, report_to=[], distill_preset="distilbert",
+                                   **generation)
+    assert (preset.kd_weight, preset.task_weight) == (5.0, 2.0)  # a preset's weights win too
+    # resolved once: replace keeps the values (a later lmbda does not re-resolve them), flags resolve the same way
+    assert (dataclasses.replace(run, lmbda=0.0, seq_kd=False).kd_weight, run.task_weight) == (1.0, 0.0)
+    flags = [f"--{k}={v}" for k, v in generation.items()]
+    (parsed,) = HfArgumentParser(DistillationArguments).parse_args_into_dataclasses(
+        ["--output_dir=x", "--use_cpu=True", "--report_to=none", *flags])
+    assert (parsed.kd_weight, parsed.task_weight) == (1.0, 0.0)
+
+
+def test_readme_on_policy_snippet_resolves_to_gkds_loss():
+    """Issue #39, case 9: README's snippet (task_weight=0.0, kd_weight not given) is GKD's loss, KD at weight 1 (it
+    was 0.5 x KD, half GKD's gradient). tests/test_on_policy.py checks the loss itself."""
+    run = DistillationArguments(output_dir="out", lmbda=0.5, kd_loss="jsd", task_weight=0.0, max_new_tokens=128)
+    assert (run.kd_weight, run.task_weight) == (1.0, 0.0)

@@ -133,6 +133,7 @@ def test_caller_embedding_table_is_looked_up_by_word(mlm, tokenizer, tmp_path):
 # ---------------------------------------------------------------- copies
 
 
+@pytest.mark.slow
 def test_statistics_of_copies(mlm, tokenizer):
     n, p = 20, 0.4
     data = _dataset(40)
@@ -168,6 +169,7 @@ def test_statistics_of_copies(mlm, tokenizer):
     assert abs(rate - target) < 4 * sigma, (rate, target, sigma)
 
 
+@pytest.mark.slow
 def test_seeded_and_independent_of_batching(mlm, tokenizer):
     data = _dataset(8, seed=1)
     a = augment_dataset(data, mlm, tokenizer, n=5, seed=3, batch_size=3)

@@ -89,6 +89,7 @@ def test_candidates_build_to_their_shape():
 # ---------------------------------------------------------------------- budget and ranking
 
 
+@pytest.mark.slow
 def test_within_budget_is_exactly_the_candidates_below_it_and_only_they_train(tmp_path, monkeypatch):
     fixed_latencies(monkeypatch, [0.010, 0.006, 0.002, 0.0049, 0.008])  # teacher, then POOL in order
     result = run(tmp_path, candidates=POOL, budget_ms=5.0)
@@ -99,6 +100,7 @@ def test_within_budget_is_exactly_the_candidates_below_it_and_only_they_train(tm
     assert result.picked in ("prune_L1_H4_I64_D32", "copy_L2")
 
 
+@pytest.mark.slow
 def test_the_best_proxy_metric_is_distilled_and_picked(tmp_path, monkeypatch):
     fixed_latencies(monkeypatch, [0.010, 0.003, 0.002, 0.004])
     # proxy scores of POOL[:3] in order, then the full run's score and the teacher's
@@ -170,6 +172,7 @@ def test_bad_inputs_are_refused_before_anything_is_measured(tmp_path, monkeypatc
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_a_streamed_train_set_is_calibrated_on_its_first_rows(tmp_path, monkeypatch):
     """An IterableDataset of training rows (with max_steps) ranks the units on the same first rows as the Dataset."""
     fixed_latencies(monkeypatch, [0.010, 0.003])
@@ -200,6 +203,7 @@ def run_with(tmp_path, train_dataset, eval_dataset, **kw):
 # ---------------------------------------------------------------------- what is written
 
 
+@pytest.mark.slow
 def test_real_measurement_table_plot_and_cards(tmp_path):
     pytest.importorskip("matplotlib")
     result = run(tmp_path, candidates=[POOL[0], POOL[3]], top_n=2)
@@ -275,6 +279,7 @@ def cli_args(saved_teacher, out: Path, budget: str = "1e6") -> list[str]:
             "--shrink", "0.25x0.5", "--repeats", "2", "--calibration_rows", "8", "--no_progress"]
 
 
+@pytest.mark.slow
 def test_cli_end_to_end_and_no_silent_overwrite(saved_teacher, tmp_path, capsys):
     out = tmp_path / "run"
     assert main(cli_args(saved_teacher, out)) == 0
@@ -318,3 +323,56 @@ def test_cli_bad_settings_are_refused_before_the_teacher_loads(saved_teacher, tm
         err = capsys.readouterr().err
         assert err.startswith("error: ") and message in err and err.count("\n") == 1, (extra, err)
     assert loaded == [] and not (tmp_path / "never").exists()
+
+
+# ------------------------------------------------------- a teacher without a trained head (issue 39, case 3)
+
+
+@pytest.mark.parametrize("checkpoint", ["base encoder", "causal LM"])
+def test_cli_refuses_a_teacher_whose_classifier_would_be_random(saved_teacher, tmp_path, capsys, monkeypatch,
+                                                                checkpoint):
+    """A base checkpoint (a sentence model such as all-MiniLM-L6-v2) or a causal LM loads as a sequence classifier
+    with a random head: distilled, saved and carded, its students would be chance-level. One error line naming the
+    head's weights and the fix, before any candidate is built or timed, and no output folder."""
+    from helpers import bert_config, llama
+    from transformers import BertModel
+
+    folder, rows = saved_teacher
+    where = tmp_path / "teacher"
+    model = BertModel(bert_config()) if checkpoint == "base encoder" else llama(vocab=64)
+    model.save_pretrained(where)
+    tiny_tokenizer(where)
+    monkeypatch.setattr(search_module, "candidate_grid", lambda *a, **kw: pytest.fail("candidates were built"))
+    monkeypatch.setattr(search_module.measure, "latencies", lambda *a, **kw: pytest.fail("latencies were measured"))
+    argv = cli_args((where, rows), tmp_path / "never")
+    assert main(argv) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+    head = "classifier.weight" if checkpoint == "base encoder" else "score.weight"
+    assert len(err) == 1 and head in err[0] and "Fine-tune the teacher" in err[0] and str(where) in err[0]
+    assert not (tmp_path / "never").exists()
+
+
+def test_an_in_memory_teacher_loaded_without_its_head_is_warned_about(tmp_path, monkeypatch, caplog):
+    """In memory the loading report is gone: a classifier whose config still names the base checkpoint's class gets
+    a warning (it may have been fine-tuned since); one built or fine-tuned and saved as a classifier gets none."""
+    import logging
+
+    from helpers import bert_config
+    from transformers import BertForSequenceClassification, BertModel
+
+    BertModel(bert_config()).save_pretrained(tmp_path / "base")
+    teacher().save_pretrained(tmp_path / "fine-tuned")
+    fixed_latencies(monkeypatch, [0.010, 0.006, 0.008])  # the teacher, then the two candidates
+
+    def warned(model) -> bool:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            with pytest.raises(ValueError, match="No candidate meets the budget"):  # stops after the warning
+                auto_student(model, token_dataset(24), token_dataset(8, seed=1), budget_ms=1e-6,
+                             args=args(tmp_path / "out"), data_collator=collate, candidates=POOL[2:], repeats=1,
+                             output_dir=tmp_path / "out", progress=False)
+        return any("initialised at random" in r.getMessage() for r in caplog.records)
+
+    assert warned(BertForSequenceClassification.from_pretrained(tmp_path / "base"))
+    assert not warned(BertForSequenceClassification.from_pretrained(tmp_path / "fine-tuned"))
+    assert not warned(teacher())

@@ -53,6 +53,7 @@ def _mlm(seed: int) -> BertForMaskedLM:
 # ---------------------------------------------------------------- keys: reuse, and never stale
 
 
+@pytest.mark.slow
 def test_reused_when_unchanged_recomputed_when_teacher_dataset_or_settings_change(tmp_path):
     teacher, data = make_teacher(), token_dataset(20)
     calls = _count_forwards(teacher)
@@ -142,6 +143,7 @@ def test_lambdas_with_different_bodies_get_different_keys(tmp_path):
     assert len(calls) == 2
 
 
+@pytest.mark.slow
 def test_ambient_autocast_is_in_the_key(tmp_path):
     teacher, data = make_teacher(), token_dataset(4)
     calls = _count_forwards(teacher)
@@ -171,6 +173,7 @@ def test_transformers_version_is_in_the_key(tmp_path, monkeypatch):
     assert len(calls) == 2
 
 
+@pytest.mark.slow
 def test_only_the_columns_the_teacher_reads_are_in_the_key(tmp_path):
     teacher, data = make_teacher(), token_dataset(12)
     calls = _count_forwards(teacher)
@@ -220,6 +223,7 @@ def test_teacher_fingerprint_is_memoised_and_sees_in_place_edits(monkeypatch):
 # ---------------------------------------------------------------- values
 
 
+@pytest.mark.slow
 def test_cached_values_equal_unpadded_forward_per_row(tmp_path):
     teacher, data = make_teacher(), token_dataset(13, seed=2)
     out = _cache(teacher, data, tmp_path, hidden_layers=[0, 4], batch_size=5)
@@ -238,6 +242,7 @@ def test_cached_values_equal_unpadded_forward_per_row(tmp_path):
         torch.testing.assert_close(half[i][hidden_column(4)], ref.hidden_states[4][0], atol=5e-3, rtol=1e-3)
 
 
+@pytest.mark.slow
 def test_top_k_of_token_level_logits(tmp_path):
     teacher, data = _mlm(1), token_dataset(9)
     out = _cache(teacher, data, tmp_path, top_k=6, batch_size=4)
@@ -299,6 +304,7 @@ class CheckingTrainer(DistillationTrainer):
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("token_level", [False, True], ids=["logits+hidden", "top-k"])
 def test_rows_and_cached_outputs_stay_aligned_shuffled_padded_multi_epoch(tmp_path, token_level):
     teacher = _mlm(1) if token_level else make_teacher()
@@ -324,6 +330,7 @@ def test_rows_and_cached_outputs_stay_aligned_shuffled_padded_multi_epoch(tmp_pa
     assert calls == []  # the trainer never ran the teacher
 
 
+@pytest.mark.slow
 def test_cached_logits_and_hidden_states_train_exactly_as_online(tmp_path):
     teacher, data = make_teacher(), token_dataset(24)
     cached = _cache(teacher, data, tmp_path, hidden_layers=[0, 2, 4])
@@ -345,6 +352,7 @@ def test_cached_logits_and_hidden_states_train_exactly_as_online(tmp_path):
                 assert b[key] == pytest.approx(a[key], rel=1e-5), key
 
 
+@pytest.mark.slow
 def test_top_k_columns_reach_the_kd_loss(tmp_path):
     teacher, student = _mlm(1), _mlm(0)
     data = _cache(teacher, token_dataset(6).remove_columns("label"), tmp_path, top_k=4)
@@ -358,6 +366,7 @@ def test_top_k_columns_reach_the_kd_loss(tmp_path):
     assert loss.item() == pytest.approx(losses.kl_div(s, sparse, 3.0, mask=batch["attention_mask"]).item(), rel=1e-6)
 
 
+@pytest.mark.slow
 def test_missing_cached_features_without_teacher_are_refused(tmp_path):
     data = _cache(make_teacher(), token_dataset(8), tmp_path, hidden_layers=[0, 2])
 
@@ -449,6 +458,7 @@ def _cached_case(case: str, tmp_path):
         kd_weight=1.0, task_weight=0.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["logits+hidden", "logits-no-teacher", "multi-teacher", "top-k"])
 def test_cached_columns_work_with_every_dataset_type(tmp_path, case):
     """Same rows, same order (sequential sampling): every dataset type trains as the datasets.Dataset does,
@@ -589,6 +599,7 @@ def _left_collate(features):
     return batch
 
 
+@pytest.mark.slow
 def test_token_level_cache_lines_up_with_left_padding(tmp_path):
     """Cached rows hold only real tokens; they must land on the batch's real tokens whatever its padding side."""
     data = token_dataset(8)

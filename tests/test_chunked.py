@@ -616,6 +616,7 @@ def _skip_unless_the_interpreter_runs(tmp_path) -> None:
                     f"{numpy.__version__}): {_INTERPRETER['problem']}")
 
 
+@pytest.mark.slow
 def test_triton_kernels_equal_the_pytorch_reference(tmp_path):
     """The CUDA forward's and backward's Triton kernels against `chunked._row_stats` and `kd_head._grad_block` for
     every divergence, temperature, padded vocabulary, CE, soft cap and output dtype: on a GPU directly, elsewhere
@@ -673,6 +674,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["interpreter", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA"))])
 def test_loss_head_through_the_triton_kernels_equals_float64(tmp_path, where):
@@ -768,6 +770,7 @@ AMP_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cu
                                                                     reason="needs a CUDA device"))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signal", [False, True], ids=["teacher", "teacher-signal"])
 @pytest.mark.parametrize("device", AMP_DEVICES)
 def test_bf16_mixed_precision_trains_through_the_loss_head(tmp_path, monkeypatch, caplog, device, signal):
@@ -835,6 +838,7 @@ def test_bf16_mixed_precision_trains_through_the_loss_head(tmp_path, monkeypatch
     assert ce == pytest.approx(float(want_ce), rel=2e-3)
 
 
+@pytest.mark.slow
 def test_compiled_elementwise_work_survives_many_configurations(monkeypatch):
     """On a GPU the sparse head's elementwise work is compiled (fullgraph): a graph per divergence, CE or not, ... .
     Dynamo's default of 8 graphs per function is a hard error there (found by the CUDA tests on an H200): a process

@@ -45,6 +45,7 @@ def front_matter(readme: Path) -> dict:
 # ---------------------------------------------------------------------- help and usage errors
 
 
+@pytest.mark.slow
 def test_console_script_help_in_a_subprocess():
     script = Path(sys.executable).with_name("hf-distill")
     command = [str(script)] if script.is_file() else [sys.executable, "-m", "hf_distill.cli"]
@@ -82,6 +83,7 @@ def test_version(capsys):
     assert capsys.readouterr().out.strip() == f"hf-distill {hf_distill.__version__}"
 
 
+@pytest.mark.slow
 def test_help_and_version_do_not_import_torch():
     """The package loads its classes on first use, so asking the CLI for help costs no torch import (seconds)."""
     code = ("import sys; from hf_distill.cli import main; import hf_distill; "
@@ -158,6 +160,7 @@ def test_run_exit_codes(recipes, capsys):
 # ---------------------------------------------------------------------- card, push, report
 
 
+@pytest.mark.slow
 def test_card_writes_the_readme(fresh, capsys):
     code = main(
         [
@@ -193,6 +196,7 @@ def test_card_of_a_missing_folder_fails_cleanly(tmp_path, capsys):
     assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_push_publishes_the_student(fresh, capsys, monkeypatch):
     monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
     with FakeHub() as hub:

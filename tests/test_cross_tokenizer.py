@@ -111,6 +111,101 @@ def test_the_collator_tokenizes_one_text_twice_and_aligns_it():
         collate([{"input_ids": [1, 2]}])
 
 
+# ---------------------------------------------------------------------- chat rows (issue 39, case 5)
+
+STUDENT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}USER {{ m['content'] }} END "
+                    "{% else %}ASSISTANT {{ m['content'] }} END {% endif %}{% endfor %}"
+                    "{% if add_generation_prompt %}ASSISTANT {% endif %}")
+TEACHER_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}HUMAN {{ m['content'] }}\n"
+                    "{% else %}BOT {{ m['content'] }} STOP\n{% endif %}{% endfor %}"
+                    "{% if add_generation_prompt %}BOT {% endif %}")
+
+
+def _chat_tokenizers(student_template=STUDENT_TEMPLATE, teacher_template=TEACHER_TEMPLATE):
+    student = _hand_tokenizer(["<pad>", "[UNK]", "USER", "ASSISTANT", "END", "un", "##happy", "cats", "sat"], "<pad>")
+    teacher = _hand_tokenizer(["[PAD]", "[UNK]", "HUMAN", "BOT", "STOP", "unh", "##appy", "cat", "##s", "s", "##at"],
+                              "[PAD]")
+    student.chat_template, teacher.chat_template = student_template, teacher_template
+    return student, teacher
+
+
+CHAT = [{"role": "user", "content": "unhappy cats"}, {"role": "assistant", "content": "cats sat"}]
+
+
+def test_chat_rows_are_rendered_by_each_sides_template_and_aligned_on_the_conversation():
+    """`messages` and conversational prompt/completion rows: each side renders its own template
+    ("USER unhappy cats END ASSISTANT cats sat END " / "HUMAN unhappy cats\nBOT cats sat STOP\n"), tokenizes it
+    without adding special tokens, and labels what SFT counts (every token; the completion). Positions pair where
+    both have read the same conversation: inside the contents, and at each turn's header (ASSISTANT / BOT, which
+    predict the reply's first token); never the template's other words."""
+    student, teacher = _chat_tokenizers()
+    collate = CrossTokenizerCollator(student, teacher)
+    batch = collate([{"messages": CHAT}, {"prompt": CHAT[:1], "completion": CHAT[1:]}])
+    # student: USER un ##happy cats END ASSISTANT cats sat END
+    # teacher: HUMAN unh ##appy cat ##s BOT cat ##s s ##at STOP
+    s_ids, t_ids = [2, 5, 6, 7, 4, 3, 7, 8, 4], [2, 5, 6, 7, 8, 3, 7, 8, 9, 10, 4]
+    assert batch["input_ids"].tolist() == [s_ids, s_ids] and batch["teacher_input_ids"].tolist() == [t_ids, t_ids]
+    assert batch["labels"].tolist() == [s_ids, [-100] * 6 + s_ids[6:]]  # the completion after "... ASSISTANT"
+    assert batch["teacher_labels"].tolist() == [t_ids, [-100] * 6 + t_ids[6:]]  # after "... BOT"
+    assert batch["teacher_positions"].tolist() == [[0, -1, 2, 4, -1, 5, 7, 9, -1]] * 2
+    # the completion row distils the reply's three student predictions: its first token (after the headers), "sat"
+    # (after "cats" / "cat"+"s") and the turn's end (after "sat" / "s"+"at")
+    rows, s_pos, t_pos = xt.pairs("aligned", batch)
+    assert [(s, t) for r, s, t in zip(rows.tolist(), s_pos.tolist(), t_pos.tolist(), strict=True) if r == 1] == [
+        (5, 5), (6, 7), (7, 9)]
+
+
+def test_a_chat_template_that_trims_is_followed_and_one_that_rewrites_is_refused():
+    trimming = STUDENT_TEMPLATE.replace("m['content'] }}", "m['content'] | trim }}")
+    student, teacher = _chat_tokenizers(student_template=trimming)
+    padded = [{"role": "user", "content": "  unhappy cats "}, {"role": "assistant", "content": "cats sat"}]
+    assert CrossTokenizerCollator(student, teacher)([{"messages": padded}])["teacher_positions"].tolist() == [
+        [0, -1, 2, 4, -1, 5, 7, 9, -1]]
+    student, teacher = _chat_tokenizers(teacher_template=TEACHER_TEMPLATE.replace("m['content'] }}",
+                                                                                  "m['content'] | upper }}"))
+    with pytest.raises(ValueError, match="teacher's tokenizer's chat template changes the messages' contents"):
+        CrossTokenizerCollator(student, teacher)([{"messages": CHAT}])
+
+
+def test_assistant_only_loss_learns_each_sides_generation_blocks():
+    """SFT's `assistant_only_loss`: each side learns the tokens its own template's {% generation %} blocks cover (the
+    reply and its turn end: "cats sat END" / "cat s s at STOP"); text rows and templates without the markers are
+    refused in one line naming the fix."""
+    marked = [STUDENT_TEMPLATE.replace("ASSISTANT {{ m['content'] }} END ",
+                                       "ASSISTANT {% generation %}{{ m['content'] }} END{% endgeneration %} "),
+              TEACHER_TEMPLATE.replace("BOT {{ m['content'] }} STOP",
+                                       "BOT {% generation %}{{ m['content'] }} STOP{% endgeneration %}")]
+    assert marked != [STUDENT_TEMPLATE, TEACHER_TEMPLATE]
+    student, teacher = _chat_tokenizers(*marked)
+    collate = CrossTokenizerCollator(student, teacher, assistant_only_loss=True)
+    batch = collate([{"messages": CHAT}, {"prompt": CHAT[:1], "completion": CHAT[1:]}])
+    s_ids, t_ids = [2, 5, 6, 7, 4, 3, 7, 8, 4], [2, 5, 6, 7, 8, 3, 7, 8, 9, 10, 4]
+    assert batch["labels"].tolist() == [[-100] * 6 + s_ids[6:]] * 2
+    assert batch["teacher_labels"].tolist() == [[-100] * 6 + t_ids[6:]] * 2
+    with pytest.raises(ValueError, match="a row is a text row"):
+        collate([{"text": "unhappy cats"}])
+    student, teacher = _chat_tokenizers(marked[0], TEACHER_TEMPLATE)
+    with pytest.raises(ValueError, match=r"the teacher's tokenizer's chat template marks no assistant token"):
+        CrossTokenizerCollator(student, teacher, assistant_only_loss=True)([{"messages": CHAT}])
+
+
+@pytest.mark.parametrize("side", ["student", "teacher"])
+def test_chat_rows_with_a_tokenizer_without_a_chat_template_are_refused_when_the_trainer_is_built(tmp_path, side):
+    """Refused at construction (the first rows are read), in one line naming the side and the fix; not the late
+    "No columns ... match" of the Trainer's column removal, nor a failure inside the first training step."""
+    from datasets import Dataset
+
+    student_tok, teacher_tok = _chat_tokenizers()
+    (student_tok if side == "student" else teacher_tok).chat_template = None
+    student = decoder("llama", layers=1, seed=0, vocab_size=len(student_tok), max_position_embeddings=32)
+    teacher = decoder("llama", layers=1, seed=1, vocab_size=len(teacher_tok), max_position_embeddings=32)
+    with pytest.raises(ValueError, match=f"the {side}'s tokenizer has none. Set its chat_template") as caught:
+        DistillationTrainer(model=student, teacher_model=teacher, args=_run_args(tmp_path, "uld"),
+                            train_dataset=Dataset.from_list([{"messages": CHAT}] * 2), processing_class=student_tok,
+                            data_collator=CrossTokenizerCollator(student_tok, teacher_tok))
+    assert "\n" not in str(caught.value)
+
+
 # ---------------------------------------------------------------------- the losses against float64 references
 
 
@@ -244,6 +339,7 @@ def test_one_training_step_distils_a_wordpiece_teacher_into_a_bpe_student(tmp_pa
     assert any(not torch.equal(a, b.detach()) for a, b in zip(before, student.parameters(), strict=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["uld", "aligned"])
 def test_two_accumulated_micro_batches_equal_one_batch_of_both(tmp_path, tokenizers_pair, method):
     """KD (a mean over the step's paired positions) and the task loss (over its counted tokens): exact under GA."""
@@ -269,6 +365,44 @@ def test_two_accumulated_micro_batches_equal_one_batch_of_both(tmp_path, tokeniz
     # the two halves pair different numbers of positions, so a plain mean of two means would differ
     counts = [xt.count(method, collate(rows[:2])), xt.count(method, collate(rows[2:]))]
     assert counts[0] != counts[1]
+
+
+@pytest.mark.parametrize("method", ["uld", "aligned"])
+def test_the_paired_share_is_logged_per_window_over_every_accumulated_micro_batch(tmp_path, tokenizers_pair, method):
+    """`xtok_paired_share` (issue 39, case 12): the window's paired positions over its distilled student positions,
+    summed over the four accumulated one-row micro-batches before dividing (not a mean of the rows' shares)."""
+    from datasets import Dataset
+
+    s_tok, t_tok = tokenizers_pair
+    student, teacher = _models(s_tok, t_tok)
+    rows = _rows(4)
+    trainer = DistillationTrainer(model=student, teacher_model=teacher, train_dataset=Dataset.from_list(rows),
+                                  args=_run_args(tmp_path, method, per_device_train_batch_size=1,
+                                                 gradient_accumulation_steps=4, logging_steps=1),
+                                  processing_class=s_tok, teacher_processing_class=t_tok,
+                                  data_collator=CrossTokenizerCollator(s_tok, t_tok))
+    trainer.train()
+    logged = next(h for h in trainer.state.log_history if "loss" in h)
+    collate = CrossTokenizerCollator(s_tok, t_tok)
+    paired = [xt.count(method, collate([row])) for row in rows]
+    distilled = [int(xt.distilled_positions(collate([row]), "labels", "labels", method)[0].sum()) for row in rows]
+    share = sum(paired) / sum(distilled)
+    assert 0 < share < 1 and logged["xtok_paired_share"] == pytest.approx(share, rel=1e-9)
+    mean_of_shares = sum(p / d for p, d in zip(paired, distilled, strict=True)) / len(rows)
+    assert abs(mean_of_shares - share) > 1e-3  # so a per-batch mean would have been caught
+
+
+def test_the_shared_vocabulary_size_is_logged_once_at_construction(tmp_path, tokenizers_pair, caplog):
+    import logging
+
+    s_tok, t_tok = tokenizers_pair
+    student, teacher = _models(s_tok, t_tok)
+    with caplog.at_level(logging.INFO, logger="hf_distill"):
+        Distiller(student, _run_args(tmp_path, "aligned"), teacher_model=teacher, processing_class=s_tok,
+                  teacher_processing_class=t_tok)
+    n = len(xt.shared_vocabulary(s_tok, t_tok)[0])
+    lines = [r.getMessage() for r in caplog.records if "share" in r.getMessage() and "token strings" in r.getMessage()]
+    assert len(lines) == 1 and f"share {n} token strings" in lines[0] and f"student's {len(s_tok)}" in lines[0]
 
 
 def test_evaluate_teacher_reads_the_teachers_own_tokenization(tmp_path, tokenizers_pair):
@@ -316,6 +450,7 @@ def _sft_config(tmp_path, **kw):
     return DistillationSFTConfig(**{**base, **kw})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("given", [True, False], ids=["given", "built"])
 def test_distillation_sft_trainer_gives_the_raw_text_to_both_tokenizers(tmp_path, tokenizers_pair, given):
     """SFT's dataset preparation (the student's EOS appended to the text, the student's tokenization, its labels and
@@ -348,6 +483,92 @@ def test_distillation_sft_trainer_gives_the_raw_text_to_both_tokenizers(tmp_path
         for name in ("labels", "teacher_input_ids", "teacher_labels", "teacher_positions"):
             assert got[name][i].tolist() == want[name][j].tolist(), name
     assert any(h.get("loss_kd", 0) > 0 for h in trainer.state.log_history)
+
+
+@pytest.mark.parametrize("kind", ["messages", "prompt/completion"])
+def test_distillation_sft_trainer_distils_chat_rows_across_tokenizers(tmp_path, tokenizers_pair, kind):
+    """`messages` (and conversational prompt/completion) rows through DistillationSFTTrainer with the collator it
+    builds: every batch is CrossTokenizerCollator's on the rows (each side's own chat template), the KD term trains,
+    and the paired share is logged. Before, such rows failed in the first step (or the Trainer's column removal)."""
+    pytest.importorskip("trl")
+    from datasets import Dataset
+
+    from hf_distill import DistillationSFTTrainer
+
+    s_tok, t_tok, student, teacher, _ = _sft_setup(tokenizers_pair)
+    s_tok.chat_template, t_tok.chat_template = STUDENT_TEMPLATE, TEACHER_TEMPLATE
+    texts = [r["text"] or r["prompt"] + r["completion"] for r in _rows()]
+    chats = [[{"role": "user", "content": t[:20]}, {"role": "assistant", "content": t[20:]}] for t in texts]
+    rows = Dataset.from_list([{"messages": c} for c in chats] if kind == "messages" else
+                             [{"prompt": c[:1], "completion": c[1:]} for c in chats])
+    trainer = DistillationSFTTrainer(model=student, teacher_model=teacher, args=_sft_config(tmp_path),
+                                     train_dataset=rows, processing_class=s_tok, teacher_processing_class=t_tok)
+    seen, original = [], trainer.distiller.compute_loss
+
+    def compute_loss(model, inputs, **kw):
+        seen.append({k: v.clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)})
+        return original(model, inputs, **kw)
+
+    trainer.distiller.compute_loss = compute_loss
+    trainer.train()
+    want = CrossTokenizerCollator(s_tok, t_tok, max_length=64)(list(rows))
+    key = lambda batch, i: tuple(batch["input_ids"][i][batch["attention_mask"][i] == 1].tolist())  # noqa: E731
+    order = {key(want, i): i for i in range(4)}
+    got = seen[0]
+    assert sorted(order) == sorted(key(got, i) for i in range(4))
+    for i in range(4):
+        j = order[key(got, i)]
+        for name in ("labels", "teacher_input_ids", "teacher_labels", "teacher_positions"):
+            assert got[name][i].tolist() == want[name][j].tolist(), name
+    assert (want["teacher_positions"] >= 0).any()
+    logged = next(h for h in trainer.state.log_history if "loss" in h)
+    assert logged["loss_kd"] > 0 and 0 < logged["xtok_paired_share"] <= 1
+
+
+def test_distillation_sft_trainer_honours_assistant_only_loss_on_chat_rows_across_tokenizers(tmp_path,
+                                                                                             tokenizers_pair):
+    """assistant_only_loss=True (refused with cross_tokenizer before): the collator the trainer builds learns each
+    side's assistant turns; a given collator set otherwise is refused."""
+    pytest.importorskip("trl")
+    from datasets import Dataset
+
+    from hf_distill import DistillationSFTTrainer
+
+    s_tok, t_tok, student, teacher, _ = _sft_setup(tokenizers_pair)
+    s_tok.chat_template = STUDENT_TEMPLATE.replace(
+        "ASSISTANT {{ m['content'] }} END ", "ASSISTANT {% generation %}{{ m['content'] }} END{% endgeneration %} ")
+    t_tok.chat_template = TEACHER_TEMPLATE.replace(
+        "BOT {{ m['content'] }} STOP", "BOT {% generation %}{{ m['content'] }} STOP{% endgeneration %}")
+    texts = [r["text"] or r["prompt"] + r["completion"] for r in _rows()]
+    rows = Dataset.from_list([{"messages": [{"role": "user", "content": t[:20]}, {"role": "assistant",
+                                                                               "content": t[20:]}]} for t in texts])
+    config = _sft_config(tmp_path, assistant_only_loss=True)
+    trainer = DistillationSFTTrainer(model=copy.deepcopy(student), teacher_model=teacher, args=config,
+                                     train_dataset=rows, processing_class=s_tok, teacher_processing_class=t_tok)
+    base = trainer.data_collator.base
+    assert isinstance(base, CrossTokenizerCollator) and base.assistant_only_loss
+    batch = base(list(rows))
+    assert ((batch["labels"] != -100).sum(1) < batch["attention_mask"].sum(1)).all()  # the user turns not learnt
+    trainer.train()
+    assert next(h for h in trainer.state.log_history if "loss" in h)["loss_kd"] > 0
+    with pytest.raises(ValueError, match="CrossTokenizerCollator's assistant_only_loss is False"):
+        DistillationSFTTrainer(model=copy.deepcopy(student), teacher_model=teacher, args=config, train_dataset=rows,
+                               processing_class=s_tok, teacher_processing_class=t_tok,
+                               data_collator=CrossTokenizerCollator(s_tok, t_tok, max_length=64))
+
+
+def test_distillation_sft_trainer_refuses_chat_rows_without_the_teachers_chat_template(tmp_path, tokenizers_pair):
+    pytest.importorskip("trl")
+    from datasets import Dataset
+
+    from hf_distill import DistillationSFTTrainer
+
+    s_tok, t_tok, student, teacher, _ = _sft_setup(tokenizers_pair)
+    s_tok.chat_template = STUDENT_TEMPLATE  # the teacher's tokenizer has none
+    rows = Dataset.from_list([{"messages": CHAT}] * 4)
+    with pytest.raises(ValueError, match="the teacher's tokenizer has none"):
+        DistillationSFTTrainer(model=student, teacher_model=teacher, args=_sft_config(tmp_path), train_dataset=rows,
+                               processing_class=s_tok, teacher_processing_class=t_tok)
 
 
 @pytest.mark.parametrize(("settings", "match"), [

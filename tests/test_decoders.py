@@ -263,6 +263,7 @@ def _lm_collate(features):
     return batch
 
 
+@pytest.mark.slow
 def test_decoder_terms_under_gradient_accumulation_match_one_big_batch(tmp_path):
     """Causal attention scores are normalised by the step's (query, key <= query) pairs: two micro-batches of
     different lengths give the big batch's update and logged values."""
@@ -287,6 +288,7 @@ def test_decoder_terms_under_gradient_accumulation_match_one_big_batch(tmp_path)
             assert b[key] == pytest.approx(a[key], rel=1e-5), key
 
 
+@pytest.mark.slow
 def test_sliding_window_blocks_refuse_batches_longer_than_the_window():
     # Gemma-2 layer_types: sliding, full, sliding; window 4 < the batch's 7 tokens
     student, teacher = decoder("gemma2", layers=3, sliding_window=4), decoder("gemma2", layers=3, seed=1)
@@ -314,6 +316,7 @@ def test_sliding_window_blocks_refuse_batches_longer_than_the_window():
     assert model_info(decoder("mistral", layers=2, sliding_window=16)).windows == (16, 16)
 
 
+@pytest.mark.slow
 def test_causal_defaults_distil_the_completion_at_temperature_1(tmp_path):
     """A TRL/SFT user's rows mask the prompt with -100 in `labels`. Given nothing, a causal-LM student's KD term
     is GKD's: T = 1 KL on the completion tokens only (the ones its own loss counts), not T = 2 over the prompt too."""

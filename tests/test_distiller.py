@@ -46,6 +46,7 @@ def _args(tmp_path, name, **kw):
     return args(tmp_path / name, **{**base, **kw})
 
 
+@pytest.mark.slow
 def test_plain_loop_trains_the_weights_the_trainer_trains(tmp_path):
     """Logit KD + the task loss + a hidden-state term through a trained projection (student width 16, teacher 32)."""
     student, teacher = bert(layers=2, hidden=16), make_teacher(layers=4)
@@ -59,6 +60,7 @@ def test_plain_loop_trains_the_weights_the_trainer_trains(tmp_path):
     torch.testing.assert_close(looped, trained, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_plain_loop_with_accumulation_trains_what_the_trainer_trains(tmp_path):
     """A causal LM through the chunked loss head, 2 micro-batches per step: token-level means over the step."""
     student, teacher = llama(seed=0), llama(seed=1)
@@ -76,6 +78,7 @@ def test_plain_loop_with_accumulation_trains_what_the_trainer_trains(tmp_path):
     torch.testing.assert_close(looped, flat_params(trainer.model), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_distiller_resolves_the_model_it_is_given(tmp_path):
     """The loss runs on the model each call gets, not on the one the Distiller was built with."""
     student, teacher = bert(layers=2), make_teacher(layers=4)
@@ -96,6 +99,7 @@ def test_distiller_needs_distillation_arguments(tmp_path):
         Distiller(bert(layers=2), TrainingArguments(output_dir=str(tmp_path)), teacher_model=make_teacher())
 
 
+@pytest.mark.slow
 def test_the_mixin_gives_trl_sft_trainer_the_same_distillation(tmp_path):
     """`class DistilSFT(DistillationMixin, SFTTrainer)` with arguments deriving from both configs: SFT's data
     handling (prompt/completion rows, completion-only labels) and DistillationTrainer's loss on its batches."""

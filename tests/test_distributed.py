@@ -17,20 +17,31 @@ pytestmark = pytest.mark.distributed
 SCRIPT = Path(distributed_run.__file__)
 
 
-def _launch(launcher: str, out: Path, *extra: str) -> dict:
+def _launch(launcher: str, out: Path, *extra: str, timeout: int = 180) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     with socket.socket() as sock:  # neither launcher has an "any free port" option
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
     if launcher == "torchrun":
         prefix = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port]
-    else:  # `--cpu` would start one process (ENVIRONMENT.md); these flags start 2 and use_cpu=True keeps gloo
+    else:  # accelerate's `--cpu` would start one process; these flags start 2 and use_cpu=True keeps gloo
         prefix = ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
                   "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", port]
     cmd = [sys.executable, *prefix, str(SCRIPT), str(out), "--per_device_batch", "4", *extra]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads((out / "result.json").read_text())
+    return {} if "--cases" in extra else json.loads((out / "result.json").read_text())
+
+
+TORCHRUN_CASES = ("logit", "intermediate", "causal")
+
+
+@pytest.fixture(scope="module")
+def torchrun_cases(tmp_path_factory) -> Path:
+    """One torchrun launch trains every torchrun case in turn (distributed_run.py --cases): OUT/<case>/result.json."""
+    out = tmp_path_factory.mktemp("torchrun")
+    _launch("torchrun", out, "--cases", ",".join(TORCHRUN_CASES), timeout=180 * len(TORCHRUN_CASES))
+    return out
 
 
 @pytest.mark.parametrize(
@@ -38,10 +49,12 @@ def _launch(launcher: str, out: Path, *extra: str) -> dict:
     [("torchrun", "logit"), ("torchrun", "intermediate"), ("accelerate", "intermediate"), ("torchrun", "causal")],
     ids=["torchrun-logit", "torchrun-logit+intermediate", "accelerate-logit+intermediate", "torchrun-causal-lm"],
 )
-def test_two_processes_match_one(tmp_path, launcher, mode):
+def test_two_processes_match_one(tmp_path, request, launcher, mode):
     intermediate, causal = mode == "intermediate", mode == "causal"
-    extra = ("--intermediate",) if intermediate else ("--causal",) if causal else ()
-    ddp = _launch(launcher, tmp_path / "ddp", *extra)
+    if launcher == "torchrun":
+        ddp = json.loads((request.getfixturevalue("torchrun_cases") / mode / "result.json").read_text())
+    else:
+        ddp = _launch(launcher, tmp_path / "ddp", *(("--intermediate",) if intermediate else ()))
     single = distributed_run.run(tmp_path / "single", per_device_batch=8, intermediate=intermediate, causal=causal)
     assert ddp["world_size"] == 2 and single["world_size"] == 1
     assert ddp["wrapped_type"] == "DistributedDataParallel"

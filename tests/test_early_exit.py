@@ -838,13 +838,10 @@ def test_from_pretrained_of_a_plain_model_folder_is_refused(tmp_path):
 # ---------------------------------------------------------------------- the recipe
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("branch", ["fastbert", "deebert"])
 def test_fastbert_recipe_end_to_end(tmp_path, branch):
     """recipes/fastbert.py on a tiny teacher: branches trained, speed sweep written, speed 0 == teacher."""
-    import os
-    import subprocess
-    import sys
-
     from hub_server import VOCAB_WORDS
 
     tok = tiny_tokenizer(tmp_path / "teacher")
@@ -857,14 +854,13 @@ def test_fastbert_recipe_end_to_end(tmp_path, branch):
         (tmp_path / name).write_text("\n".join(lines) + "\n")
     root = Path(__file__).resolve().parent.parent
     out = tmp_path / "out"
-    cmd = [sys.executable, str(root / "recipes" / "fastbert.py"), "--config",
+    cmd = [str(root / "recipes" / "fastbert.py"), "--config",
            str(root / "recipes" / "configs" / "fastbert_sst2.yaml"), "--teacher", str(tmp_path / "teacher"),
            "--train_file", str(tmp_path / "train.tsv"), "--validation_file", str(tmp_path / "validation.tsv"),
            "--max_train_rows", "48", "--max_steps", "3", "--logging_steps", "1", "--bf16", "false",
            "--per_device_train_batch_size", "16", "--speeds", "0.0", "0.5", "1.0", "--output_dir", str(out),
            "--branch", branch]
-    env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    proc = helpers.run_script(*cmd)  # as `python recipes/fastbert.py ...`, in this process
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((out / "results.json").read_text())
     assert [r["speed"] for r in res["sweep"]] == [0.0, 0.5, 1.0]
@@ -891,15 +887,10 @@ def test_fastbert_recipe_end_to_end(tmp_path, branch):
     (["--branch", "deebert", "--branch_heads", "4"], "the deebert off-ramp is as wide as the model"),
 ])
 def test_fastbert_recipe_refuses_student_fields_it_does_not_use(tmp_path, flag, message):
-    import os
-    import subprocess
-    import sys
-
     root = Path(__file__).resolve().parent.parent
-    cmd = [sys.executable, str(root / "recipes" / "fastbert.py"), "--config",
-           str(root / "recipes" / "configs" / "fastbert_sst2.yaml"), "--output_dir", str(tmp_path / "out"), *flag]
-    env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    proc = helpers.run_script(root / "recipes" / "fastbert.py", "--config",  # in this process, as `python ...` runs it
+                              root / "recipes" / "configs" / "fastbert_sst2.yaml", "--output_dir", tmp_path / "out",
+                              *flag)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
 

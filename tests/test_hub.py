@@ -159,7 +159,8 @@ def test_pushed_card_metadata(pushed):
     last_eval = [e for e in trainer.state.log_history if "eval_accuracy" in e][-1]
     # transformers' model index names each metric too ({"name", "type", "value"}): the type and value are checked
     accuracy = pytest.approx(last_eval["eval_accuracy"])
-    assert [(m["type"], m["value"]) for m in result["metrics"]] == [("accuracy", accuracy)]
+    loss = pytest.approx(last_eval["eval_loss"])  # the student's own (issue #39 case 18)
+    assert {m["type"]: m["value"] for m in result["metrics"]} == {"accuracy": accuracy, "loss": loss}
     # huggingface_hub itself reads it back.
     card = ModelCard(hub.files(REPO)["README.md"].decode())
     assert card.data.eval_results[0].metric_value == pytest.approx(last_eval["eval_accuracy"])
@@ -231,6 +232,7 @@ def test_card_from_files_alone(pushed, tmp_path):
     out = Path(trainer.args.output_dir)
     folder = tmp_path / "student"
     shutil.copytree(out, folder, ignore=shutil.ignore_patterns("teacher", "runs", "README.md"))
+    shutil.copytree(out.parent / "teacher", tmp_path / "teacher")  # beside the student, as tiny_run keeps them
     (folder / "distillation_report.json").unlink()
     write_model_card(folder, teacher=TEACHER_ID, license="mit")
     readme = (folder / "README.md").read_text()
@@ -240,7 +242,8 @@ def test_card_from_files_alone(pushed, tmp_path):
     assert training["Learning rate"] == ["0.005"] and training["Optimizer steps done"] == ["6"]
     assert training["Weight decay"] == ["0.01"]
     sizes = table_with(readme, ["", "Teacher", "Student", "Student / teacher"])
-    # Parameter counts from the safetensors headers; the teacher's from its folder named in config.json.
+    # Parameter counts from the safetensors headers; the teacher's from its folder named in config.json (by its
+    # name, found beside the student: config.json holds no absolute path).
     assert sizes["Parameters"][:2] == [
         f"{measure.count_parameters(trainer.teacher):,}",
         f"{measure.count_parameters(trainer.model):,}",
@@ -612,6 +615,23 @@ def test_card_parses_back_with_huggingface_hub(student_dir):
     assert card.text.lstrip().startswith(f"# {REPO}\n")
 
 
+def test_a_student_of_a_local_teacher_publishes_no_absolute_path(tmp_path):
+    """tiny_run loads its teacher from an absolute folder and shrinks it: config.json records the teacher by its
+    folder name, the card names it so, and no uploaded file holds the machine's path (issue #39 case 17)."""
+    trainer = tiny_run(tmp_path, max_steps=2, eval_strategy="no", save_strategy="no", hidden_term=False)
+    assert trainer.teacher.config._name_or_path == str(tmp_path / "teacher")
+    trainer.evaluate()
+    with FakeHub() as hub, pytest.MonkeyPatch.context() as mp:
+        online(mp, hub.endpoint)
+        trainer.push_to_hub()
+    files = hub.files(REPO)
+    assert json.loads(files["config.json"])["distillation"]["teacher_name_or_path"] == "teacher"
+    assert "distilled from `teacher`" in files["README.md"].decode()
+    for root in {str(tmp_path), str(tmp_path.resolve())}:
+        for name, data in files.items():
+            assert root.encode() not in data, name
+
+
 # ---------------------------------------------------------------------- pushes during training (hub_strategy)
 
 
@@ -682,6 +702,7 @@ def _causal_run(root: Path, **overrides):
     return trainer, pruning, (Path(trainer.args.output_dir) / "README.md").read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("kd_loss", "tag", "named", "paper"),
     [
@@ -716,6 +737,7 @@ def test_causal_lm_card_names_the_objective_tokens_pruning_and_perplexity(tmp_pa
     assert "its exp" in text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("settings", "tag", "named", "loss", "alpha", "paper"),
     [
@@ -755,6 +777,7 @@ def test_causal_lm_card_names_distillm_and_tvd_objectives(tmp_path, settings, ta
         assert "- **Distilled tokens**: completion tokens only" in card
 
 
+@pytest.mark.slow
 def test_causal_lm_card_from_the_folder_alone_and_with_the_teacher_in_evaluation(tmp_path):
     """From saved files only (training_args.bin, trainer_state.json) the card still shows beta, the tokens and
     the perplexity; when the teacher joined evaluation (eval_with_teacher) eval_loss is the distillation loss,

@@ -105,6 +105,7 @@ def _component_trend(trainer, name):
     return sum(values[:5]) / 5, sum(values[-5:]) / 5
 
 
+@pytest.mark.slow
 def test_tinybert_narrow_student_trains_every_term_down(tmp_path):
     student = bert(layers=2, hidden=16, heads=4)  # half the teacher's width: a projection is learned
     a = args(tmp_path, distill_preset="tinybert_intermediate", max_steps=50, learning_rate=5e-3)
@@ -138,6 +139,7 @@ class _StopAt(TrainerCallback):
             control.should_training_stop = True
 
 
+@pytest.mark.slow
 def test_resume_from_checkpoint_continues_exactly(tmp_path):
     def run(out, resume=None, stop=None):
         a = args(out, distill_preset="tinybert_intermediate", distill_terms=None, kd_weight=0.5, max_steps=8,
@@ -233,6 +235,7 @@ def test_presets_fill_terms_and_keep_explicit_values(tmp_path):
 # ---------------------------------------------------------------- incremental_mse (two-stage feature distillation)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hidden", [32, 16], ids=["same_width", "projected"])
 @pytest.mark.parametrize(
     ("layers", "pairs"),
@@ -312,6 +315,7 @@ def test_incremental_mse_names_the_term_in_trainer_errors(tmp_path):
                             data_collator=collate)
 
 
+@pytest.mark.slow
 def test_incremental_phase_after_a_stage_switch_resumes_exactly(tmp_path):
     """The recipe's two general phases (hidden, then hidden + 0.5 x incremental_mse with a fresh optimizer state)
     as one run: cut inside the second phase and resumed, it ends where the uncut run ends."""

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 SCRIPT = Path(__file__).with_name("kill_run.py")
@@ -21,6 +22,7 @@ def _run(out: Path, *extra: str) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
     _run(tmp_path / "full")
 

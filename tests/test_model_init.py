@@ -147,6 +147,7 @@ class _KeepFinalWeights(TrainerCallback):
         self.runs.append((args.learning_rate, flat_params(model)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["sequence-terms", "causal-direct"])
 def test_hyperparameter_search_trials_equal_fresh_model_runs(tmp_path, path):
     """Each optuna trial trains a new model from model_init: its weights equal a `model=` run with the trial's
@@ -249,6 +250,7 @@ def _compiled_pair(tmp_path, path, init=False, **compile_kw):
     return runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", HEADS)
 def test_compiled_student_trains_as_the_eager_one(tmp_path, path):
     """Case 3 of issue 28: torch_compile=True (the Trainer compiles the model in train(); its `_orig_mod` is the
@@ -268,6 +270,7 @@ def test_compiled_classifier_with_inductor_trains_as_the_eager_one(tmp_path):
     torch.testing.assert_close(flat_params(compiled.model), flat_params(eager.model), atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_model_init_and_torch_compile_together(tmp_path):
     """A compiled model from model_init (what a compiled hyperparameter search trains) equals the eager model= run."""
     eager, both = _compiled_pair(tmp_path, "sequence-terms", init=True, torch_compile_backend="aot_eager")
@@ -320,6 +323,7 @@ def test_logits_that_cannot_be_rebuilt_are_refused_at_the_first_step_when_chunks
         trainer.train()
 
 
+@pytest.mark.slow
 def test_logits_that_cannot_be_rebuilt_are_computed_whole_by_default(tmp_path, caplog):
     trainer = DistillationTrainer(model=_doubled(0), teacher_model=llama(1), args=args(tmp_path, max_steps=1),
                                   train_dataset=sft_rows(8), data_collator=labelled_collate)

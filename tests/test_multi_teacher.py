@@ -81,6 +81,7 @@ def test_each_teacher_has_its_own_cached_column(tmp_path):
     _assert_cached_run_matches_online(tmp_path, teachers, data)
 
 
+@pytest.mark.slow
 def test_cache_teacher_outputs_writes_one_column_per_teacher(tmp_path):
     from hf_distill.data.cache import cache_teacher_outputs
 

@@ -58,6 +58,7 @@ def _assert_same(big, acc, keys):
             assert b[key] == pytest.approx(a[key], rel=1e-5), key
 
 
+@pytest.mark.slow
 def test_intermediate_terms_of_different_lengths_match_one_big_batch(tmp_path):
     terms = ["loss=hidden_mse,layers=uniform", "loss=attention_score_mse,layers=uniform",
              "loss=cosine_loss,layers=last,name=cos"]
@@ -67,6 +68,7 @@ def test_intermediate_terms_of_different_lengths_match_one_big_batch(tmp_path):
                             "loss_cos"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("token_mask", ["labels", "attention"])
 def test_masked_lm_kd_and_task_loss_match_one_big_batch(tmp_path, token_mask):
     big, acc = _pair(tmp_path, lambda: _mlm(0, 2), lambda: _mlm(1, 3), _labelled_rows(32), labelled_collate,
@@ -74,6 +76,7 @@ def test_masked_lm_kd_and_task_loss_match_one_big_batch(tmp_path, token_mask):
     _assert_same(big, acc, ("loss", "loss_kd", "loss_task"))
 
 
+@pytest.mark.slow
 def test_causal_lm_kd_and_task_loss_match_one_big_batch(tmp_path):
     big, acc = _pair(tmp_path, lambda: llama(0, 2), lambda: llama(1, 3), _labelled_rows(32, causal=True),
                      labelled_collate, kd_token_mask="labels")

@@ -12,6 +12,7 @@ from accelerate.utils import DistributedType
 from helpers import VOCAB, args, bert, flat_params, labelled_collate, llama, word_tokenizer
 
 from hf_distill import DistillationArguments, DistillationTrainer, losses, on_policy
+from hf_distill.data import prompts as data_prompts
 from hf_distill.data.prompts import PromptCompletionCollator
 from hf_distill.distiller import Distiller
 from hf_distill.losses.normalise import kd_positions
@@ -124,6 +125,7 @@ def test_seq_kd_completes_with_the_teacher(tmp_path):
             torch.testing.assert_close(batch["labels"][i][batch["labels"][i] != -100], generated[i][:3])
 
 
+@pytest.mark.slow
 def test_lmbda_coin_is_seeded_and_mixes_with_seq_kd(tmp_path):
     student_calls, teacher_calls = [], []
     student, teacher = _spy(llama(0), student_calls), _spy(llama(1), teacher_calls)
@@ -142,6 +144,7 @@ def test_lmbda_coin_is_a_function_of_seed_step_and_micro_batch():
     assert [on_policy.coin(1, 0, m) for m in range(4)] != draws[:4]
 
 
+@pytest.mark.slow
 def test_resumed_run_draws_the_uninterrupted_runs_coins(tmp_path):
     """0 < lmbda < 1 with gradient accumulation: a run resumed from checkpoint-3 of 6 generates with the same models
     at the same micro-batches as the uninterrupted run (the coin is drawn from the step number, which the checkpoint
@@ -172,6 +175,7 @@ def test_resumed_run_draws_the_uninterrupted_runs_coins(tmp_path):
     torch.testing.assert_close(resumed, full, atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow
 def test_lmbda_0_is_todays_run(tmp_path):
     """lmbda=0 with the prompt collator: the weights and losses of today's run on the same tokenised rows."""
     rows, tok = _rows(8), _tokenizer()
@@ -240,6 +244,7 @@ def test_completion_rows_cut_at_the_first_stop_token():
     assert rows["attention_mask"].tolist() == [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]]
 
 
+@pytest.mark.slow
 def test_accumulated_generated_steps_equal_the_big_batch(tmp_path):
     """Greedy completions of unequal length: GA 2 x 2 rows gives the weights of one batch of 4 (SGD), because the
     step's counts are the generated rows'."""
@@ -276,6 +281,7 @@ def test_accumulated_generated_steps_equal_the_big_batch(tmp_path):
 # ---------------------------------------------------------------------- PEFT and conversational data
 
 
+@pytest.mark.slow
 def test_peft_student_generates_with_its_adapters(tmp_path):
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
@@ -308,6 +314,7 @@ def test_peft_student_generates_with_its_adapters(tmp_path):
     assert student.training and any(m.training for m in student.modules())
 
 
+@pytest.mark.slow
 def test_conversational_messages_with_a_chat_template(tmp_path):
     tok = _tokenizer()
     rows = datasets.Dataset.from_list([
@@ -371,7 +378,7 @@ def test_distiller_refuses_what_cannot_generate(tmp_path):
         Distiller(llama(0), args(tmp_path, lmbda=0.5), llama(1), processing_class=tok, accelerator=fsdp)
     with pytest.raises(ValueError, match="needs a padding id"):
         Distiller(llama(0), args(tmp_path, lmbda=1.0), llama(1))  # no tokenizer, no pad id in the Llama config
-    distiller = Distiller(llama(0), args(tmp_path, lmbda=1.0), llama(1), processing_class=tok)
+    distiller = Distiller(llama(0), args(tmp_path, lmbda=1.0, max_new_tokens=8), llama(1), processing_class=tok)
     plain = labelled_collate([{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}])
     with pytest.raises(ValueError, match="PromptCompletionCollator"):
         distiller.start_step([plain], model=llama(0))
@@ -394,6 +401,7 @@ def test_collator_refuses_rows_it_cannot_read():
         PromptCompletionCollator(tok)
 
 
+@pytest.mark.slow
 def test_trl_sft_trainer_generates_through_the_mixin(tmp_path):
     """`class DistilSFT(DistillationMixin, SFTTrainer)` with this collator (TRL's dataset preparation skipped)."""
     trl = pytest.importorskip("trl")
@@ -419,6 +427,7 @@ def test_trl_sft_trainer_generates_through_the_mixin(tmp_path):
     assert len(calls) == 2 and len(logged) == 2 and all(n > 0 for n in logged)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("given_collator", [False, True], ids=["built", "given"])
 def test_distillation_sft_trainer_on_policy_generates_with_the_student(tmp_path, given_collator):
     """DistillationSFTTrainer with lmbda=1 on prompt/completion rows: SFT's dataset preparation is skipped for the
@@ -514,7 +523,7 @@ def test_start_step_refuses_to_skip_generation_silently(tmp_path):
     (generation was never set up)."""
     tok = _tokenizer()
     batch = PromptCompletionCollator(tok)(list(_rows(2)))
-    distiller = Distiller(llama(0), args(tmp_path, lmbda=1.0), llama(1), processing_class=tok)
+    distiller = Distiller(llama(0), args(tmp_path, lmbda=1.0, max_new_tokens=8), llama(1), processing_class=tok)
     with pytest.raises(ValueError, match="start_step\\(batches, model=student\\)"):
         distiller.start_step([dict(batch)])
     run = args(tmp_path, lmbda=0.0)
@@ -542,3 +551,125 @@ def test_a_training_loss_without_start_step_refuses_to_keep_the_completions(tmp_
     distiller.start_step([prepared], model=student)
     assert torch.isfinite(distiller.compute_loss(student, prepared))
     assert torch.isfinite(distiller.compute_loss(student.eval(), dict(batch)))
+
+
+# ---------------------------------------------------------------------- issue #39: refused before the models run
+
+
+def _gpt2(positions: int, seed: int = 0):
+    """A tiny GPT-2 (learned position embeddings: a row past `positions` is an IndexError inside generate)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=positions, n_embd=32, n_layer=1, n_head=2))
+
+
+@pytest.fixture
+def no_distiller(monkeypatch):
+    """The trainer's Distiller (which loads and places the teachers) must not be reached: the refusal comes first."""
+    def built(*a, **kw):
+        raise AssertionError("the Distiller was built (the teacher loaded) before the refusal")
+
+    monkeypatch.setattr("hf_distill.trainer.Distiller", built)
+
+
+def test_prompt_plus_max_new_tokens_past_the_models_positions_is_refused_at_set_up(tmp_path, no_distiller):
+    """Issue #39, case 4: prompts of 5 tokens + max_new_tokens=12 > 16 positions. It used to build, then fail with
+    an IndexError inside generate; now the trainer refuses when built, from the first rows and the configs, naming
+    the longest max_new_tokens that fits. A teacher given as a folder is read through its config."""
+    rows = _rows(8, prompt_len=5)
+    with pytest.raises(ValueError, match=r"prompt of 5 tokens plus max_new_tokens=12 .* student has 16 positions"
+                                         r".*set max_new_tokens <= 11"):
+        _trainer(tmp_path, _gpt2(16), _gpt2(16, seed=1), rows, lmbda=1.0, max_new_tokens=12)
+    folder = tmp_path / "teacher"
+    _gpt2(14, seed=1).save_pretrained(folder)
+    with pytest.raises(ValueError, match=r"the teacher has 14 positions.*set max_new_tokens <= 9"):
+        _trainer(tmp_path, _gpt2(64), str(folder), rows, seq_kd=True, max_new_tokens=12)
+
+
+def test_a_later_prompt_past_the_positions_is_refused_before_generate(tmp_path):
+    """Issue #39, case 4, rows past the first: each generated micro-batch is checked before generate runs (a clear
+    refusal instead of an IndexError part-way through generation); the Distiller refuses a max_new_tokens that no
+    prompt leaves room for as it is built."""
+    tok = _tokenizer()
+    with pytest.raises(ValueError, match="max_new_tokens=16 .* student has 16 positions"):
+        Distiller(_gpt2(16), args(tmp_path, lmbda=1.0, max_new_tokens=16), _gpt2(16, seed=1), processing_class=tok)
+    calls = []
+    student = _spy(_gpt2(16), calls)
+    distiller = Distiller(student, args(tmp_path, lmbda=1.0, max_new_tokens=8), _gpt2(12, seed=1),
+                          processing_class=tok)
+    short = PromptCompletionCollator(tok)(list(_rows(2, prompt_len=3)))
+    distiller.start_step([short], model=student)  # 4 + 8 <= 12 positions: generated
+    long = PromptCompletionCollator(tok)(list(_rows(2, prompt_len=6)))
+    with pytest.raises(ValueError, match=r"Step 1, micro-batch 0: a prompt of 6 tokens .* teacher has 12 positions"):
+        distiller.start_step([long], model=student)
+    assert len(calls) == 1  # the long batch never reached generate
+
+
+CHAT_OK = {"messages": [{"role": "user", "content": "w3"}, {"role": "assistant", "content": "w4"}]}
+
+
+@pytest.mark.parametrize(("rows", "collator", "match"), [
+    ([{"text": "w1 w2"}] * 4, {}, r"Row 0 has columns \['text'\].*reads `prompt` \+ `completion`"),
+    ([CHAT_OK] * 3 + [{"messages": [{"role": "user", "content": "w1"}, {"role": "user", "content": "w2"}]}], {},
+     "Row 3: `messages` needs an assistant message"),
+    ([{"prompt": "w1", "completion": "w2"}] * 3 + [{"prompt": "w1 w2 w3 w4", "completion": "w5"}],
+     {"max_length": 4}, "Row 3: its prompt has 4 tokens, which leaves no room .* Raise max_length"),
+], ids=["no_prompt_column", "no_assistant_turn", "max_length_below_a_prompt"])
+def test_on_policy_rows_the_collator_cannot_read_are_refused_at_set_up(tmp_path, no_distiller, rows, collator,
+                                                                        match):
+    """Issue #39, case 10: found from the train set's first rows when the trainer is built, before the teacher
+    loads (they used to surface at the first step). Map-style and streamed datasets alike; a streamed one is read
+    without being consumed."""
+    tok = _tokenizer()
+    for data in (datasets.Dataset.from_list(rows), datasets.IterableDataset.from_generator(lambda: iter(rows))):
+        with pytest.raises(ValueError, match=f"train_dataset \\(its first 4 rows, read before any model runs\\): "
+                                             f"{match}"):
+            DistillationTrainer(model=llama(0), teacher_model=llama(1), train_dataset=data, processing_class=tok,
+                                args=args(tmp_path, lmbda=1.0, max_new_tokens=4, max_steps=1),
+                                data_collator=PromptCompletionCollator(tok, **collator))
+    streamed = datasets.IterableDataset.from_generator(lambda: iter([CHAT_OK] * 3))
+    assert data_prompts.peek_rows(streamed) == [CHAT_OK] * 3 and list(streamed) == [CHAT_OK] * 3  # not consumed
+
+
+def test_distillation_sft_trainer_refuses_unreadable_rows_at_set_up(tmp_path, no_distiller):
+    """Issue #39, case 10, through DistillationSFTTrainer's own PromptCompletionCollator (built after SFTTrainer's
+    set-up): refused when the trainer is built."""
+    pytest.importorskip("trl")
+    from hf_distill import DistillationSFTConfig, DistillationSFTTrainer
+
+    run = DistillationSFTConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False, lmbda=1.0,
+                                max_new_tokens=4, max_length=None)
+    with pytest.raises(ValueError, match=r"train_dataset \(its first 1 rows.*reads `prompt` \+ `completion`"):
+        DistillationSFTTrainer(model=llama(0), teacher_model=llama(1), args=run, processing_class=_tokenizer(),
+                               train_dataset=datasets.Dataset.from_list([{"text": "w1 w2"}]))
+
+
+def test_generated_tokens_logs_0_in_windows_without_generation(tmp_path):
+    """Issue #39, case 11: with lmbda=0.5 (no seq_kd) the coin keeps the dataset's completions at some steps; those
+    logging windows log generated_tokens=0 (it used to be absent), the others the count."""
+    trainer = _trainer(tmp_path, llama(0), llama(1), _rows(12), lmbda=0.5, max_new_tokens=2, max_steps=6,
+                       per_device_train_batch_size=2)
+    trainer.train()
+    logs = [r for r in trainer.state.log_history if "loss" in r]
+    generated = [on_policy.coin(0, step, 0) < 0.5 for step in range(6)]
+    assert len(logs) == 6 and 0 < sum(generated) < 6
+    for record, did in zip(logs, generated, strict=True):
+        assert (record["generated_tokens"] > 0) == did
+        assert ("generated_tokens_per_second" in record) == did
+
+
+def test_readme_on_policy_snippet_trains_on_gkds_loss(tmp_path):
+    """Issue #39, case 9: README's snippet (lmbda=0.5, kd_loss="jsd", task_weight=0.0, kd_weight not given) gives
+    GKD's loss, the JSD alone at weight 1 (it was 0.5 x JSD); max_new_tokens=4 for the tiny model's 64 positions."""
+    tok, student, teacher = _tokenizer(), llama(0).train(), llama(1)
+    run = args(tmp_path, lmbda=0.5, kd_loss="jsd", task_weight=0.0, max_new_tokens=4)
+    distiller = Distiller(student, run, teacher, processing_class=tok)
+    batch = PromptCompletionCollator(tok)(list(_rows(3)))
+    distiller.start_step([batch], model=student)
+    got = distiller.compute_loss(student, batch)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    with torch.no_grad():
+        s, t = (m(input_ids=ids, attention_mask=mask).logits[:, :-1] for m in (student, teacher))
+    want = losses.logit_kd_loss("jsd", s, t, 1.0, mask=kd_positions(mask, batch["labels"], "labels", True), beta=0.5)
+    assert got.item() == pytest.approx(want.item(), rel=1e-5)

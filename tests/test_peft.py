@@ -34,6 +34,7 @@ def _batch(n=6):
     return b
 
 
+@pytest.mark.slow
 def test_lora_student_trains_and_saves_adapters_only(tmp_path):
     student = _lora(bert(2))
     base_before = {n: p.clone() for n, p in student.named_parameters() if "lora" not in n and "classifier" not in n}
@@ -57,6 +58,7 @@ def test_lora_student_trains_and_saves_adapters_only(tmp_path):
     assert "LORA adapters, rank 4 on query, value" in text and "AutoPeftModelForSequenceClassification" in text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("merged", [False, True], ids=["adapter", "merged"])
 def test_lora_teacher_merged_or_not(tmp_path, merged):
     lora_teacher = _lora(make_teacher(), seed=1, randomize=True).eval()

@@ -77,6 +77,7 @@ def test_without_freezing_lower_blocks_keep_training(tmp_path):
     assert any(n.startswith("mobilebert.encoder.layer.0.") for n in changed)
 
 
+@pytest.mark.slow
 def test_resume_in_the_second_stage_keeps_the_freeze(tmp_path):
     full = _run(tmp_path / "full")
     cut = tmp_path / "cut"

@@ -1,8 +1,10 @@
 """The recipes run end to end on tiny models, list their options, and reject malformed configs in one line.
 
-Each recipe runs as a subprocess (as a user runs it) on a tiny BERT teacher with a WordPiece tokenizer
+Each recipe runs as `python recipes/<name>.py` runs it, on a tiny BERT teacher with a WordPiece tokenizer
 built from a small vocabulary, a few dozen rows of SST-2-like and sentence-pair TSVs, and a short
-text corpus, all written into tmp_path.
+text corpus, all written into tmp_path: in this process (`run`: the script's `__main__`, as `hf-distill run` runs
+it), or as a real subprocess (`run_subprocess`) where the test reads everything the process printed (a refusal is
+one line of stderr) or is about the subprocess itself; `test_distilbert_task` trains in one, as a user runs it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ROOT / "recipes"
@@ -83,6 +86,11 @@ def env(tmp_path_factory) -> dict[str, Path]:
 
 
 def run(recipe: str, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """The recipe in this process: its exit code and what it printed (the Trainer's logs included)."""
+    return run_script(RECIPES / f"{recipe}.py", *args, cwd=cwd)
+
+
+def run_subprocess(recipe: str, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     # PYTHONPATH: the recipes import this checkout's hf_distill, not whichever copy is installed (editable or not).
     path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
@@ -116,10 +124,11 @@ def check_results(out: Path) -> dict:
     return results
 
 
+@pytest.mark.slow
 def test_distilbert_task(env, tmp_path):
     out = tmp_path / "out"
-    proc = run("distilbert", "--config", RECIPES / "configs" / "distilbert_sst2.yaml", *common_flags(env, out),
-               "--student", env["teacher"], "--student_layers", "0", "2")
+    proc = run_subprocess("distilbert", "--config", RECIPES / "configs" / "distilbert_sst2.yaml",
+                          *common_flags(env, out), "--student", env["teacher"], "--student_layers", "0", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = check_results(out)
     assert results["params"] < results["teacher_params"]
@@ -157,6 +166,7 @@ def test_results_and_card_state_the_steps_run_and_keep_every_metric(env, tmp_pat
         assert rows[metric][:2] == [f"{results[f'teacher_{metric}']:.4f}", f"{results[metric]:.4f}"], metric
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("strategy", "layers", "pairs"), [("skip", ["0", "1"], [[1, 2]]),
                                                         ("last", ["0", "1", "2"], [[1, 2], [2, 3]])])
 def test_pkd_skip_and_last(env, tmp_path, strategy, layers, pairs):
@@ -188,6 +198,7 @@ def test_pkd_bad_input_is_one_line(env, tmp_path, monkeypatch, capsys, flags, me
              message, tmp_path / "out", monkeypatch, capsys)
 
 
+@pytest.mark.slow
 def test_bilstm_kd_on_augmented_rows_then_reload(env, tmp_path):
     """Tang et al.: copies of the rows (masking, n-grams), labelled by the teacher; MSE + CE; saved as a
     transformers model that the Auto class loads back once hf_distill.students.bilstm is imported."""
@@ -256,6 +267,7 @@ def test_bilstm_training_rows_carry_the_right_labels(env, tmp_path, monkeypatch)
         int(p) != gold[tuple(i)] for i, p in zip(train["input_ids"], predicted) if tuple(i) in gold) < 48
 
 
+@pytest.mark.slow
 def test_bilstm_baseline_without_teacher_or_copies(env, tmp_path):
     out = tmp_path / "out"
     proc = run("bilstm", "--config", RECIPES / "configs" / "bilstm_sst2.yaml", *common_flags(env, out),
@@ -295,6 +307,7 @@ def test_bilstm_bad_input_is_one_line(env, tmp_path, monkeypatch, capsys, flags,
                         *flags], message, tmp_path / "out", monkeypatch, capsys)
 
 
+@pytest.mark.slow
 def test_minilm_general_then_task(env, tmp_path):
     out = tmp_path / "out"
     proc = run("minilm", "--config", RECIPES / "configs" / "minilm_sst2.yaml", *common_flags(env, out),
@@ -309,6 +322,7 @@ def test_minilm_general_then_task(env, tmp_path):
 MOBILEBERT_SHAPE = ["--bottleneck_size", "16", "--ffn_size", "16", "--num_ffn", "2", "--embedding_size", "16"]
 
 
+@pytest.mark.slow
 def test_mobilebert_progressive_then_task_kd(env, tmp_path):
     """A MobileBERT student shaped by the 4-layer teacher: 4 progressive stages on the corpus, then logit KD."""
     out = tmp_path / "out"
@@ -328,6 +342,7 @@ def test_mobilebert_progressive_then_task_kd(env, tmp_path):
     assert results["distillation"]["kd_weight"] == 0.5
 
 
+@pytest.mark.slow
 def test_mobilebert_baseline_skips_the_progressive_stage(env, tmp_path):
     out = tmp_path / "out"
     proc = run("mobilebert", "--config", RECIPES / "configs" / "mobilebert_sst2.yaml", *common_flags(env, out),
@@ -353,6 +368,7 @@ def test_mobilebert_bad_input_is_one_line(env, tmp_path, monkeypatch, capsys, fl
              monkeypatch, capsys)
 
 
+@pytest.mark.slow
 def test_minilm_teacher_assistant_chain(env, tmp_path):
     """teacher (4 layers) -> assistant (teacher layers 0, 2, 3) -> student (teacher layers 0 and 3, i.e. the
     assistant's layers 0 and 2). At a vanishing learning rate nothing moves, so where each layer came from shows."""
@@ -395,6 +411,7 @@ def test_minilm_bad_assistant_is_one_line(env, tmp_path, monkeypatch, capsys, fl
                         *flags], message, tmp_path / "out", monkeypatch, capsys)
 
 
+@pytest.mark.slow
 def test_tinybert_general_augment_two_stages_on_pairs(env, tmp_path):
     """One command: general distillation, MLM-head fit + augmentation of a pair task, two task stages."""
     out = tmp_path / "out"
@@ -424,6 +441,7 @@ def _log_records(text: str) -> list[dict]:
     return [ast.literal_eval(line.strip()) for line in text.splitlines() if line.strip().startswith("{'loss'")]
 
 
+@pytest.mark.slow
 def test_tinybert_incremental_general_phase(env, tmp_path):
     """General distillation, then the incremental phase (hidden + attention + 0.5 x incremental_mse, fresh linear
     schedule) in the same run through the stage switch; recorded in results.json's stages (the card's list)."""
@@ -479,6 +497,7 @@ def test_tinybert_bad_incremental_phase_is_one_line(flags, message, monkeypatch,
     assert err.startswith("error:") and message in err and len(err.splitlines()) == 1, err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("has_head", [True, False])
 def test_distilbert_general_mlm(env, tmp_path, has_head):
     """General distillation: KL + MLM + cosine with an MLM teacher; without a trained MLM head, KL is dropped."""
@@ -505,6 +524,7 @@ def check_teacher_labels(out: Path, names: list[str]) -> None:
     assert json.loads((out / "results.json").read_text())["id2label"] == {str(i): n for i, n in enumerate(names)}
 
 
+@pytest.mark.slow
 def test_distilbert_rte_string_labels(env, tmp_path):
     out = tmp_path / "out"
     proc = run("distilbert", "--config", RECIPES / "configs" / "distilbert_pair.yaml",
@@ -516,6 +536,7 @@ def test_distilbert_rte_string_labels(env, tmp_path):
     assert "'entailment' -> 1" in proc.stdout and "'not_entailment' -> 0" in proc.stdout
 
 
+@pytest.mark.slow
 def test_tinybert_rte_string_labels_augmented(env, tmp_path):
     """Augmented copies keep their string label, which maps through the teacher like the original rows."""
     out = tmp_path / "out"
@@ -531,6 +552,7 @@ def test_tinybert_rte_string_labels_augmented(env, tmp_path):
     check_teacher_labels(out, NLI_TEACHER_CLASSES)
 
 
+@pytest.mark.slow
 def test_minilm_qnli_string_labels_with_kd(env, tmp_path):
     out = tmp_path / "out"
     proc = run("minilm", "--config", RECIPES / "configs" / "minilm_pair.yaml",
@@ -542,6 +564,7 @@ def test_minilm_qnli_string_labels_with_kd(env, tmp_path):
     assert "loss_kd" in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_minilm_without_teacher_numbers_string_labels_in_sorted_order(env, tmp_path):
     """Plain fine-tuning (no teacher to agree with): the sorted names number the classes, as stated on stdout."""
     out = tmp_path / "out"
@@ -554,12 +577,13 @@ def test_minilm_without_teacher_numbers_string_labels_in_sorted_order(env, tmp_p
     check_teacher_labels(out, ["entailment", "not_entailment"])
 
 
+@pytest.mark.slow
 def test_class_names_name_the_classes_of_a_teacher_without_names(env, tmp_path):
     """A teacher saved with LABEL_0/LABEL_1 only: string labels are refused until class_names gives its order."""
     out = tmp_path / "out"
     flags = ["--config", RECIPES / "configs" / "distilbert_pair.yaml", *common_flags(env, out, "rte"),
              "--student_layers", "0", "2", "--max_length", "32"]
-    refused = run("distilbert", *flags)
+    refused = run_subprocess("distilbert", *flags)
     one_line_error(refused, "class_names", "LABEL_0", "'entailment'", "'not_entailment'")
     proc = run("distilbert", *flags, "--class_names", "entailment", "not_entailment")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -579,25 +603,27 @@ def one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
     return errors[0]
 
 
+@pytest.mark.slow
 def test_unknown_string_label_is_refused(env, tmp_path):
     """MNLI's `contradiction` in the validation file of a 2-class (RTE) teacher: refused, naming both sides."""
     text = (env["tmp"] / "rte_validation.tsv").read_text().splitlines()
     text[3] = text[3].rsplit("\t", 1)[0] + "\tcontradiction"
     (tmp_path / "validation.tsv").write_text("\n".join(text) + "\n")
-    proc = run("distilbert", "--config", RECIPES / "configs" / "distilbert_pair.yaml",
-               *common_flags(env, tmp_path / "out", "rte", teacher="nli_teacher"), "--student_layers", "0", "2",
-               "--validation_file", tmp_path / "validation.tsv")
+    proc = run_subprocess("distilbert", "--config", RECIPES / "configs" / "distilbert_pair.yaml",
+                          *common_flags(env, tmp_path / "out", "rte", teacher="nli_teacher"),
+                          "--student_layers", "0", "2", "--validation_file", tmp_path / "validation.tsv")
     one_line_error(proc, "'contradiction'", "validation", "'not_entailment'", "'entailment'")
     assert not (tmp_path / "out" / "results.json").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["tinybert", "minilm"])
 def test_out_of_range_integer_label_is_refused(env, tmp_path, recipe):
     """Label 2 for a 2-class teacher is refused with its value before anything trains."""
     lines = (env["tmp"] / "sst_train.tsv").read_text().splitlines()
     lines[5] = lines[5].rsplit("\t", 1)[0] + "\t2"
     (tmp_path / "train.tsv").write_text("\n".join(lines) + "\n")
-    proc = run(recipe, *common_flags(env, tmp_path / "out"), "--train_file", tmp_path / "train.tsv",
+    proc = run_subprocess(recipe, *common_flags(env, tmp_path / "out"), "--train_file", tmp_path / "train.tsv",
                "--student_layers", "0", "2")
     one_line_error(proc, "label 2", "2 labels", "train")
 
@@ -677,12 +703,14 @@ def test_resume_from_checkpoint_is_refused(env, tmp_path, monkeypatch, capsys):
     assert "resume_from_checkpoint: the recipes do not resume" in _one_error_line(capsys)
 
 
+@pytest.mark.slow
 def test_out_of_range_student_layers_in_a_subprocess(env, tmp_path):
     """As a user sees it: exit code 2, one `error:` line, no traceback."""
-    proc = run("distilbert", *common_flags(env, tmp_path / "out"), "--student_layers", "0", "9")
+    proc = run_subprocess("distilbert", *common_flags(env, tmp_path / "out"), "--student_layers", "0", "9")
     one_line_error(proc, "out-of-range index 9")
 
 
+@pytest.mark.slow
 def test_run_main_reports_setup_errors_in_one_line_and_keeps_crashes(tmp_path, monkeypatch, capsys):
     """Raised while building or in on_train_begin: one `error:` line, exit code 2. Raised inside a model's forward
     or the Trainer's training loop: the exception itself, traceback and all."""
@@ -736,6 +764,7 @@ def test_run_main_reports_setup_errors_in_one_line_and_keeps_crashes(tmp_path, m
 # --------------------------------------------------------------- fastbert's labels and the report (issue #28)
 
 
+@pytest.mark.slow
 def test_fastbert_reads_class_name_labels_through_the_teacher(env, tmp_path):
     """RTE's entailment / not_entailment, a sentence pair, with a teacher that names its classes in another order
     than the sorted one: the names map through its label2id (the final head's accuracy on them is the teacher's)."""
@@ -755,14 +784,16 @@ def test_fastbert_reads_class_name_labels_through_the_teacher(env, tmp_path):
     assert 0 < results["teacher_accuracy"] < 1 and results["eval_rows"] == len(rows)
 
 
+@pytest.mark.slow
 def test_fastbert_class_names_a_teacher_cannot_map_are_one_line(env, tmp_path):
     """A teacher named only LABEL_0/LABEL_1 and string labels: refused before anything trains, with the fix."""
-    proc = run("fastbert", "--config", RECIPES / "configs" / "fastbert_sst2.yaml",
-               *common_flags(env, tmp_path / "out", "rte", cache=False), "--max_steps", "2")
+    proc = run_subprocess("fastbert", "--config", RECIPES / "configs" / "fastbert_sst2.yaml",
+                          *common_flags(env, tmp_path / "out", "rte", cache=False), "--max_steps", "2")
     one_line_error(proc, "class_names", "LABEL_0", "'entailment'")
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_report_plots_a_recipe_run(env, tmp_path, capsys):
     """`hf-distill report <recipe output dir>` draws the loss components from the trainer_state.json the recipe
     wrote (it said "Nothing to plot")."""
@@ -877,6 +908,7 @@ def test_help_lists_every_option(recipe, monkeypatch, capsys):
     assert specific in out
 
 
+@pytest.mark.slow
 def test_help_through_the_cli():
     proc = subprocess.run([sys.executable, "-m", "hf_distill.cli", "run", "tinybert", "--help"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -894,11 +926,12 @@ def test_malformed_config_is_one_line(tmp_path, monkeypatch, capsys, line, key):
     assert len(lines) == 1 and lines[0].startswith("error:") and key in lines[0], err
 
 
+@pytest.mark.slow
 def test_malformed_config_in_a_subprocess(tmp_path):
     """As a user sees it: exit code 2, one line on stderr, no traceback."""
     config = tmp_path / "bad.yaml"
     config.write_text("teacher: nowhere\ntemprature: 2\n")
-    proc = run("minilm", "--config", config)
+    proc = run_subprocess("minilm", "--config", config)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and "temprature" in lines[0], proc.stderr
@@ -937,6 +970,7 @@ def _causal_flags(tmp: Path, out: Path) -> list:
             "--student_train_blocks", "8", "--num_train_epochs", "2"]
 
 
+@pytest.mark.slow
 def test_causal_lm_recipe_trains_teacher_prunes_distils_and_compares(tmp_path):
     out = tmp_path / "out"
     proc = run("causal_lm", *_causal_flags(tmp_path, out))
@@ -978,19 +1012,22 @@ def test_causal_lm_recipe_trains_teacher_prunes_distils_and_compares(tmp_path):
     assert not (tmp_path / "unused").exists()
 
 
+@pytest.mark.slow
 def test_causal_lm_bad_kd_loss_is_one_line(tmp_path):
-    proc = run("causal_lm", *_causal_flags(tmp_path, tmp_path / "out"), "--kd_loss", "mse")
+    proc = run_subprocess("causal_lm", *_causal_flags(tmp_path, tmp_path / "out"), "--kd_loss", "mse")
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and "kd_loss" in lines[0], proc.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_causal_lm_bad_student_train_blocks_is_one_line(tmp_path):
-    proc = run("causal_lm", *_causal_flags(tmp_path, tmp_path / "out"), "--student_train_blocks", "0")
+    proc = run_subprocess("causal_lm", *_causal_flags(tmp_path, tmp_path / "out"), "--student_train_blocks", "0")
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and "student_train_blocks" in lines[0], proc.stderr[-2000:]
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_causal_lm_readme_example_runs(tmp_path, monkeypatch):
     """The SFT example of recipes/README.md, run as written on a tiny Llama teacher: prompt tokens are masked."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers

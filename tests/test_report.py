@@ -51,6 +51,7 @@ def runs(tmp_path_factory):
     return sweep, trainers
 
 
+@pytest.mark.slow
 def test_trainer_state_comes_from_the_latest_checkpoint(runs):
     _, (trainer, _) = runs
     out = Path(trainer.args.output_dir)

@@ -164,6 +164,7 @@ def test_teacher_gets_decoder_inputs_when_the_collator_has_no_model(tmp_path):
     assert without > 0
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_matches_one_big_batch(tmp_path):
     """The KD and task terms are means over the optimizer step's decoder positions (hf_distill.losses.normalise): one
     step over all 16 rows logs the decoder-token KD by hand, and accumulating 2 micro-batches of different target
@@ -254,6 +255,7 @@ def test_stack_terms_compare_each_stacks_layers_over_its_own_tokens(tmp_path):
 # ------------------------------------------------------------------------- the script's flow: train, generate
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["t5", "bart", "marian"])
 def test_train_then_evaluate_and_predict_with_generate(tmp_path, family):
     """run_summarization's flow: train with KD and terms on both stacks, then evaluate and predict with
@@ -305,6 +307,7 @@ def test_eval_with_teacher_reports_the_distillation_loss_when_generating(tmp_pat
     assert plain.evaluate()["eval_loss"] != pytest.approx(results[True], rel=1e-3)
 
 
+@pytest.mark.slow
 def test_checkpoint_and_exact_resume_with_stack_projections(tmp_path):
     """A narrower student (per-layer projections keyed by stack) stopped at a checkpoint and resumed by a fresh
     trainer ends on the same weights and projections as the uninterrupted run."""
@@ -451,6 +454,11 @@ def test_from_teacher_names_the_stacks(tmp_path):
         students.from_teacher(teacher)
     with pytest.raises(ValueError, match="decoder_layers: layers \\[0, 7\\] has out-of-range index 7"):
         students.from_teacher(teacher, decoder_layers=[0, 7])
+    # the stack named and its own count (3 encoder / 4 decoder layers), not "4 encoder layers"
+    with pytest.raises(ValueError, match=r"decoder_layers: .*index 5: the teacher has 4 decoder layers, .*0\.\.3"):
+        students.from_teacher(t5(encoder=3, decoder=4), decoder_layers=[5])
+    with pytest.raises(ValueError, match=r"encoder_layers: .*index 3: the teacher has 3 encoder layers, .*0\.\.2"):
+        students.from_teacher(t5(encoder=3, decoder=4), encoder_layers=[3])
     with pytest.raises(ValueError, match="encoder-decoder models"):
         students.from_teacher(bert(layers=2), decoder_layers=[0])
     with pytest.raises(ValueError, match="two layer stacks"):
@@ -501,6 +509,7 @@ def _table(card: str, header: str) -> dict[str, list[str]]:
     return {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("family", "token_mask"), [("t5", "labels"), ("marian", "attention")])
 def test_seq2seq_card_shows_both_stacks_the_seq2seq_task_and_the_decoder_tokens(tmp_path, monkeypatch, family,
                                                                                  token_mask):
@@ -546,6 +555,7 @@ def test_seq2seq_card_shows_both_stacks_the_seq2seq_task_and_the_decoder_tokens(
         assert len(printed) == 1 and isinstance(printed[0], list) and len(printed[0]) == 1
 
 
+@pytest.mark.slow
 def test_seq2seq_card_indexes_the_students_evaluation(tmp_path):
     """A seq2seq student's evaluation metric is in the card's model index (transformers' own index code knows no
     text2text-generation task), with the value the trainer logged."""
@@ -554,10 +564,36 @@ def test_seq2seq_card_indexes_the_students_evaluation(tmp_path):
                           predict_with_generate=True, generation_max_length=6, generation_num_beams=1)
     trainer.compute_metrics = lambda pred: {"gen_len": float(np.mean(np.count_nonzero(pred.predictions != PAD, -1)))}
     trainer.train()
-    logged = trainer.evaluate(max_length=6, num_beams=1)["eval_gen_len"]
+    evaluated = trainer.evaluate(max_length=6, num_beams=1)
+    logged, loss = evaluated["eval_gen_len"], evaluated["eval_loss"]
     trainer.create_model_card(dataset_tags="wmt/wmt16", dataset="WMT16", dataset_args="de-en")
     meta, _ = _card_sections((tmp_path / "out" / "README.md").read_text())
     (result,) = meta["model-index"][0]["results"]
     assert result["task"]["type"] == "text2text-generation"
     assert result["dataset"]["type"] == "wmt/wmt16" and result["dataset"]["config"] == "de-en"
-    assert [(m["type"], m["value"]) for m in result["metrics"]] == [("gen_len", pytest.approx(logged))]
+    # every metric is indexed: the evaluation loss and its exp too (issue #39 case 18)
+    assert {m["type"]: m["value"] for m in result["metrics"]} == {
+        "gen_len": pytest.approx(logged), "loss": pytest.approx(loss), "perplexity": pytest.approx(np.exp(loss))}
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_seq2seq_card_shows_the_evaluation_loss_and_perplexity(tmp_path, smoothing):
+    """transformers' run_summarization/run_translation log eval_loss (the student's own loss: the teacher does not
+    run in evaluation); the card shows it with the teacher's, and its exp as the perplexity unless the loss is
+    label-smoothed (then it is not a perplexity)."""
+    teacher = sharpen(t5(seed=1))
+    trainer = trainer_for(tmp_path, students.from_teacher(teacher, decoder_layers=[0, 2]), teacher, max_steps=1,
+                          label_smoothing_factor=smoothing)
+    trainer.train()
+    student = trainer.evaluate()["eval_loss"]
+    trainer.evaluate_teacher()
+    teacher_loss = trainer.teacher_metrics["loss"]
+    trainer.create_model_card()
+    card = (tmp_path / "out" / "README.md").read_text()
+    metrics = _table(card, "| Metric | Teacher | Student |")
+    assert metrics["loss"][:2] == [f"{teacher_loss:.4f}", f"{student:.4f}"]
+    if smoothing:
+        assert "perplexity" not in metrics and "label-smoothed (0.1)" in card
+    else:
+        assert metrics["perplexity"][:2] == [f"{np.exp(teacher_loss):.4f}", f"{np.exp(student):.4f}"]
+        assert "`loss` is the model's own cross-entropy of the target tokens" in card

@@ -272,6 +272,7 @@ def test_distiller_step_from_a_signal_equals_whole_logits(tmp_path, monkeypatch,
     assert _relative(grad_head, grad_whole.double()) < 1e-5
 
 
+@pytest.mark.slow
 def test_trainer_from_a_signal_with_accumulation_equals_whole_logits(tmp_path, monkeypatch):
     """Two SGD steps of jsd + CE from the signal with gradient accumulation 2 and masked prompts: the loss head and the
     whole-logits path give the same weights and logged terms, and GA 2 x 4 rows the weights of GA 1 x 8."""

@@ -10,6 +10,7 @@ import torch
 from decoder_models import DECODERS, decoder, lm_batch
 from transformers import (
     AutoModel,
+    AutoModelForCausalLM,
     AutoModelForMaskedLM,
     AutoModelForQuestionAnswering,
     AutoModelForSequenceClassification,
@@ -266,6 +267,24 @@ def test_from_teacher_selects_per_layer_config_lists():
 def test_from_teacher_rejects_bad_layers(layers, match):
     with pytest.raises(ValueError, match=match):
         from_teacher(make_teacher("bert", "base"), layers)
+
+
+def test_a_local_teacher_is_recorded_by_its_folder_name_not_its_absolute_path(tmp_path):
+    """A teacher loaded from a local folder carries its absolute path as name_or_path; the student's config.json
+    (published by push_to_hub) records the folder's name instead (issue #39 case 17)."""
+    decoder("llama", layers=3).save_pretrained(tmp_path / "my-teacher")
+    teacher = AutoModelForCausalLM.from_pretrained(tmp_path / "my-teacher")
+    assert teacher.config._name_or_path == str(tmp_path / "my-teacher")
+    for student in (from_teacher(teacher, [0, 2]), shrink(teacher, 2, 16, 4, 32),
+                    prune_depth(teacher, 2, [lm_batch()])[0]):
+        assert student.config.distillation["teacher_name_or_path"] == "my-teacher"
+        student.save_pretrained(tmp_path / "student")
+        assert str(tmp_path) not in (tmp_path / "student" / "config.json").read_text()
+
+
+def test_from_teacher_names_a_decoder_only_teachers_layers_as_decoder_layers():
+    with pytest.raises(ValueError, match=r"out-of-range index 3: the teacher has 3 decoder layers, .*0\.\.2"):
+        from_teacher(decoder("llama", layers=3), [0, 3])
 
 
 @pytest.mark.parametrize("layers", [[0, 1.5], ["0"], "012", [True]])

@@ -14,6 +14,7 @@ from helpers import VOCAB, args, flat_params, labelled_collate, llama, sft_rows,
 from hf_distill import DistillationTrainer, losses
 from hf_distill.data.collators import TeacherOutputsCollator
 from hf_distill.data.teacher_signal import (
+    SIGNAL_POSITIONS,
     SIGNAL_ROW,
     SIGNAL_TAIL,
     SIGNAL_TOPK,
@@ -67,7 +68,7 @@ def test_signal_rows_hold_the_counted_positions_top_k_and_tail(tmp_path):
     signal = _signal(tmp_path, teacher, rows)
     assert signal.features == datasets.Features({
         SIGNAL_TOPK: datasets.List(datasets.Value("uint32")), SIGNAL_TAIL: datasets.List(datasets.Value("float32")),
-        SIGNAL_ROW: datasets.Value("int64")})
+        SIGNAL_ROW: datasets.Value("int64"), SIGNAL_POSITIONS: datasets.Value("int64")})
     meta = signal_metadata(signal)
     assert (meta["k"], meta["temperature"], meta["layout"], meta["kd_token_mask"]) == (K, T, "packed", "labels")
     # One entry per position whose next label is learnt (the trainer's kd_positions, shifted).
@@ -139,8 +140,9 @@ def test_large_vocabulary_uses_the_split_layout(tmp_path):
 def test_bytes_per_token_at_k64(tmp_path):
     rows = datasets.Dataset.from_list([{"input_ids": list(range(5, 45)), "labels": list(range(5, 45))}] * 4)
     meta = signal_metadata(_signal(tmp_path, rows=rows, k=64, rows_per_shard=8))
-    # 64 packed entries of 4 bytes and a float32 tail per token; per row: two list offsets and the row hash.
-    assert meta["payload_bytes_per_token"] == pytest.approx(64 * 4 + 4 + (4 + 4 + 8) / 39, abs=0.01)
+    # 64 packed entries of 4 bytes and a float32 tail per token; per row: two list offsets, the row's ids hash and
+    # its counted positions' hash.
+    assert meta["payload_bytes_per_token"] == pytest.approx(64 * 4 + 4 + (4 + 4 + 8 + 8) / 39, abs=0.01)
     assert meta["payload_bytes_per_token"] <= 300
 
 
@@ -267,6 +269,7 @@ def test_bad_run_settings_are_refused_before_anything_is_written(tmp_path):
 # ---------------------------------------------------------------------- training from it
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["kl", "reverse_kl", "jsd", "tvd", "skew_kl", "skew_reverse_kl", "soft_ce"])
 def test_kd_loss_from_the_signal_equals_the_online_top_k_and_tail(tmp_path, kind):
     rows, teacher = sft_rows(8), llama(1)

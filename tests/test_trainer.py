@@ -36,6 +36,7 @@ def _logs(trainer):
 # ---------------------------------------------------------------- loss scale
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_matches_one_big_batch(tmp_path):
     """GA 2 x batch 4 must give the same update and logged values as GA 1 x batch 8 (SGD: a scale bug shows)."""
     common = dict(max_steps=2, optim="sgd", learning_rate=0.5, temperature=2.0)
@@ -116,6 +117,7 @@ def test_bf16_runs_teacher_and_student_in_bf16(tmp_path):
 # ---------------------------------------------------------------- cached teacher logits
 
 
+@pytest.mark.slow
 def test_teacher_logits_column_replaces_teacher_forward(tmp_path):
     teacher = make_teacher()
     data = token_dataset(16)

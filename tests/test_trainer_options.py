@@ -117,6 +117,7 @@ def test_compute_loss_func_is_the_task_loss(tmp_path):
                                                              rel=1e-5)
 
 
+@pytest.mark.slow
 def test_compute_loss_func_normalised_by_num_items_gives_the_big_batch_update(tmp_path):
     def summed_ce(outputs, labels, num_items_in_batch=None):
         return F.cross_entropy(outputs["logits"], labels, reduction="sum") / num_items_in_batch

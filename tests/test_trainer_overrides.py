@@ -14,8 +14,9 @@ from helpers import teacher as make_teacher
 from transformers import Seq2SeqTrainer, Trainer
 
 from hf_distill import DistillationTrainer
+from hf_distill.compat import PRIVATE_CALLS
 from hf_distill.seq2seq import DistillationSeq2SeqTrainer
-from hf_distill.trainer import PRIVATE_CALLS, PRIVATE_OVERRIDES
+from hf_distill.trainer import PRIVATE_OVERRIDES
 
 DESIGN = Path(__file__).resolve().parents[1] / "docs" / "design.md"
 
@@ -43,7 +44,7 @@ def test_every_private_override_still_exists_in_transformers():
 def test_every_private_method_we_call_still_takes_what_we_pass():
     for name, passed in PRIVATE_CALLS.items():
         method = getattr(Trainer, name, None)
-        assert callable(method), f"transformers {transformers.__version__} has no Trainer.{name} (the mixin calls it)"
+        assert callable(method), f"transformers {transformers.__version__} has no Trainer.{name} (hf_distill calls it)"
         params = list(inspect.signature(method).parameters)[1:]
         assert params[: len(passed)] == list(passed), f"Trainer.{name} now takes {params}, we pass {passed}"
     text = " ".join(DESIGN.read_text().split())

@@ -136,6 +136,7 @@ def _reference(student, teacher, batch: dict, counted: torch.Tensor) -> tuple[fl
     return torch.cat(kl).mean().item(), torch.cat(ce).mean().item()
 
 
+@pytest.mark.slow
 @needs_trl
 @pytest.mark.parametrize(
     ("kind", "sft", "counted"),
@@ -191,6 +192,7 @@ def _one_sequence_per_row(batch: dict) -> dict:
     return out
 
 
+@pytest.mark.slow
 @needs_trl
 @pytest.mark.parametrize("kd_token_mask", ["labels", "attention"])
 @pytest.mark.parametrize("flat", [dict(packing=True, packing_strategy="bfd", max_length=36),
@@ -304,6 +306,7 @@ def _sft_logs(tmp_path, student, teacher, tok, kind: str, trainer_kw: dict, sft_
     return logs, paths
 
 
+@pytest.mark.slow
 @needs_trl
 @pytest.mark.parametrize(
     ("kind", "trainer_kw", "sft_kw", "head"),
@@ -336,6 +339,7 @@ def test_sft_metrics_equal_sft_trainers(tmp_path, kind, trainer_kw, sft_kw, head
     assert {hidden for training, hidden in paths if not training} == {False}
 
 
+@pytest.mark.slow
 @needs_trl
 def test_sft_metrics_under_mixed_precision(tmp_path):
     """bf16 autocast (CPU): the loss head's metrics (float32 logits from the bf16 LM head, under the forward's
@@ -353,6 +357,7 @@ def test_sft_metrics_under_mixed_precision(tmp_path):
         assert got[prefix + "num_tokens"] == want[prefix + "num_tokens"]
 
 
+@pytest.mark.slow
 @needs_trl
 @pytest.mark.parametrize("kd_loss", ["kl", "mse"], ids=["head", "logits"])
 def test_moe_student_logs_sft_aux_loss(tmp_path, kd_loss):

@@ -305,6 +305,7 @@ def _lm_collate(features):
     return batch
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "target", "terms"),
     [

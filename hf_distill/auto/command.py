@@ -52,7 +52,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "distillation, distil the best fully into OUTPUT_DIR/student (with a model card) and write "
         "pareto.md/.json/.png. Text classification; the Python API (hf_distill.auto.auto_student) takes any "
         "dataset, collator and metric.")
-    p.add_argument("teacher", nargs="?", help="fine-tuned teacher folder or Hub id (default: the demo's teacher, "
+    p.add_argument("teacher", nargs="?", help="fine-tuned teacher folder or Hub id, with its trained classifier (a "
+                   "base or causal-LM checkpoint is refused: its head would be random; default: the demo's teacher, "
                    "MiniLM-L6 fine-tuned on the shipped SST-2 rows, cached)")
     p.add_argument("--budget_ms", type=float, required=True, help="latency budget in milliseconds per batch")
     p.add_argument("--output_dir", default="hf_distill_auto")
@@ -161,9 +162,11 @@ def _demo_teacher(args: argparse.Namespace, tokenizer_name: str | None) -> tuple
 
 def cmd_auto(args: argparse.Namespace, argv: list[str]) -> int:
     import torch
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from ..arguments import DistillationArguments
+    from ..features.heads import HeadKind
+    from ..teacher import load_teacher
     from .search import auto_student, check_device, check_output_dir
     from .space import Candidate
 
@@ -196,7 +199,9 @@ def cmd_auto(args: argparse.Namespace, argv: list[str]) -> int:
                              f"num_attention_heads, intermediate_size, hidden_size}} objects is needed ({err}).") \
                 from None
     if args.teacher:
-        teacher = AutoModelForSequenceClassification.from_pretrained(args.teacher)
+        # refused here when the checkpoint has no trained classifier (a base or causal-LM checkpoint): its head
+        # would be random, and every candidate would be distilled towards chance before anything said so
+        teacher = load_teacher(args.teacher, kind=HeadKind.SEQUENCE_CLASSIFICATION)
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.teacher)
         name = args.teacher
     else:

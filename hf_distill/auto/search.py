@@ -38,11 +38,13 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
+from transformers.utils import logging
 
 from ..arguments import DistillationArguments
 from ..features.taps import unwrap
 from ..publish import measure
 from ..students.width import width_importance
+from ..teacher import loaded_as_another_class
 from ..trainer import DistillationTrainer
 from . import table
 from .space import (
@@ -56,6 +58,9 @@ from .space import (
 )
 
 __all__ = ["AutoResult", "auto_student", "rank"]
+
+logger = logging.get_logger(__name__)
+
 STUDENT_DIR = "student"
 
 
@@ -222,7 +227,15 @@ def auto_student(
     the argmax (classification); ``greater_is_better`` defaults to False for losses and perplexities.
     """
     if not isinstance(teacher, PreTrainedModel):
-        raise TypeError(f"teacher must be a transformers PreTrainedModel, got {type(teacher).__name__}.")
+        peft = " (a PEFT model: merge_and_unload() it first)" if hasattr(teacher, "peft_config") else ""
+        raise TypeError(f"teacher must be a transformers PreTrainedModel, got {type(teacher).__name__}{peft}.")
+    other = loaded_as_another_class(teacher)
+    if other is not None:  # a path is checked when loaded (hf-distill auto: load_teacher); in memory, warn
+        logger.warning(
+            f"The teacher is a {type(teacher).__name__} whose config names the checkpoint it was loaded from as "
+            f"{', '.join(other)}: the head that checkpoint lacks was initialised at random, so unless it was "
+            "fine-tuned since, every candidate will be distilled towards noise. Fine-tune the teacher on the task "
+            "first (or load the fine-tuned checkpoint, with its head).")
     if isinstance(budget_ms, bool) or not isinstance(budget_ms, (int, float)) or not 0 < budget_ms < math.inf:
         raise ValueError(f"budget_ms must be a positive, finite number of milliseconds, got {budget_ms!r}.")
     for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("proxy_steps", proxy_steps),
@@ -248,7 +261,7 @@ def auto_student(
         metric.endswith("loss") or metric.endswith("perplexity"))
     folder = Path(output_dir if output_dir is not None else args.output_dir)
     check_output_dir(folder, overwrite_output_dir)
-    teacher_name = teacher_name or teacher.config._name_or_path or "teacher"
+    teacher_name = teacher_name or teacher.config.name_or_path or "teacher"
     pool = list(candidates) if candidates is not None else candidate_grid(teacher, depths, widths, copy_depths,
                                                                           shrink_shapes)
     if not pool or not all(isinstance(c, Candidate) for c in pool):

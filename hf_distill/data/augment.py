@@ -48,6 +48,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..compat import dataset_fingerprint
+
 # NLTK's English stop words, as listed in the reference; only alphabetic entries are kept because only
 # alphabetic words are candidates for replacement (contractions are split by the basic tokenisation).
 STOP_WORDS = frozenset(
@@ -425,7 +427,7 @@ def augment_dataset(
 
 def _fingerprint(dataset: Any, mlm: nn.Module, tokenizer: Any, embeddings: WordEmbeddings, settings: dict) -> str:
     h = hashlib.blake2b(digest_size=16)
-    h.update(str(getattr(dataset, "_fingerprint", id(dataset))).encode())
+    h.update(str(dataset_fingerprint(dataset, id(dataset))).encode())
     h.update(json.dumps(settings, sort_keys=True).encode())
     h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
     h.update(type(mlm).__name__.encode())

@@ -18,8 +18,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from ..base.optimizer_steps import StepWatch
+from ..compat import dataset_indices, tensor_version
 from ..features.taps import unwrap
 
 __all__ = ["teacher_fingerprint"]
@@ -41,23 +42,16 @@ def teacher_fingerprint(model: nn.Module) -> str:
     state = inner.state_dict()
     signature = _state_signature(header, state)
     memo = teacher_fingerprint.memo.get(inner) if signature is not None else None
-    if memo is not None and memo[0] == signature:
+    if memo is not None and memo[0] == signature and not memo[2].stepped():
         return memo[1]
     digest = _hash_state(header, state)
     if signature is not None:
-        teacher_fingerprint.memo[inner] = (signature, digest)
+        teacher_fingerprint.memo[inner] = (signature, digest, StepWatch())
     return digest
 
 
-teacher_fingerprint.memo = weakref.WeakKeyDictionary()  # module -> (signature, digest)
-_optimizer_steps = [0]  # any optimizer step in this process invalidates memoised teacher fingerprints
-
-
-def _count_optimizer_step(optimizer, args, kwargs) -> None:
-    _optimizer_steps[0] += 1
-
-
-register_optimizer_step_post_hook(_count_optimizer_step)
+# module -> (signature, digest, watch): any optimizer step in this process since invalidates the memoised digest
+teacher_fingerprint.memo = weakref.WeakKeyDictionary()
 
 
 def _teacher_header(inner: nn.Module) -> str:
@@ -71,11 +65,11 @@ def _teacher_header(inner: nn.Module) -> str:
 def _state_signature(header: str, state: dict[str, torch.Tensor]) -> tuple | None:
     """What must stay equal for a memoised fingerprint to hold; None when a tensor has no plain storage."""
     try:
-        tensors = tuple((name, t.data_ptr(), t._version, str(t.dtype), tuple(t.shape), tuple(t.stride()),
+        tensors = tuple((name, t.data_ptr(), tensor_version(t), str(t.dtype), tuple(t.shape), tuple(t.stride()),
                          t.storage_offset(), str(t.device)) for name, t in sorted(state.items()))
     except (RuntimeError, NotImplementedError):  # e.g. sharded or meta tensors: hash every time
         return None
-    return header, _optimizer_steps[0], tensors
+    return header, tensors
 
 
 def _hash_state(header: str, state: dict[str, torch.Tensor]) -> str:
@@ -207,7 +201,8 @@ def _dataset_digest(dataset: datasets.Dataset, columns: list[str]) -> str:
     h = hashlib.blake2b(digest_size=16)
     h.update(json.dumps({c: str(dataset.features[c]) for c in columns}, sort_keys=True).encode())
     table = dataset.data.table.select(columns)
-    indices = dataset._indices.column(0) if dataset._indices is not None else None  # after select/shuffle
+    indices = dataset_indices(dataset)
+    indices = indices.column(0) if indices is not None else None  # after select/shuffle
     for start in range(0, len(dataset), 50_000):
         part = table.slice(start, 50_000) if indices is None else table.take(indices.slice(start, 50_000))
         for c in columns:

@@ -19,23 +19,13 @@ import torch
 from transformers.trainer_utils import RemoveColumnsCollator
 from transformers.utils import logging
 
-TEACHER_PREFIX = "teacher_"
-SIGNAL_PREFIX = f"{TEACHER_PREFIX}signal"  # an offline teacher signal (data.teacher_signal): one tensor per row
+from ..base.batch_keys import SIGNAL_PREFIX, TEACHER_PREFIX, require_tensors  # noqa: F401 - importable from here
+
 _logger = logging.get_logger(__name__)
 
 
 def _to_tensor(value: Any) -> torch.Tensor:
     return value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
-
-
-def require_tensors(batch: dict[str, Any], keys: tuple[str, ...], needs: str, fix: str) -> None:
-    """Refuse a batch without the tensors `keys`: `needs` says what needs them, `fix` which collator builds them
-    (a batch from another collator would otherwise fail later with a bare KeyError)."""
-    missing = [k for k in keys if not isinstance(batch.get(k), torch.Tensor)]
-    if missing:
-        raise ValueError(
-            f"{needs} in every batch, but this one has no {', '.join(missing)} (its keys: {sorted(batch)}). {fix}"
-        )
 
 
 def pad_stack(values: list[torch.Tensor], length: int | None, side: str = "right", fill: float = 0.0) -> torch.Tensor:

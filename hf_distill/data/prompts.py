@@ -8,6 +8,10 @@ A batch holds the right-padded training rows (`input_ids`, `attention_mask`, `la
 the prompt and padding: KD and the task loss cover the completion only) and the left-padded prompts
 (`prompt_input_ids`, `prompt_attention_mask`) from which on-policy and sequence-level KD generate new completions
 (hf_distill.on_policy). The prompts never reach a model's forward.
+
+`check_generation_data` reads the train set's first rows as this collator will, when the trainer is built and
+before the teacher loads, so that a row it cannot read and a prompt that leaves no room for `max_new_tokens`
+(hf_distill.base.position_limits) are refused before any model runs, not at the first step.
 """
 
 from __future__ import annotations
@@ -16,9 +20,11 @@ from typing import Any
 
 import torch
 
-from ..on_policy import PROMPT_IDS, PROMPT_MASK
+from ..base.batch_keys import PROMPT_IDS, PROMPT_MASK
+from ..base.position_limits import check_room, new_tokens, position_limit, teacher_roles
 
 TEXT_COLUMNS = ("prompt", "completion", "messages")
+PEEK_ROWS = 64  # the first rows read at set-up: each is tokenised once, which costs milliseconds
 
 
 class PromptCompletionCollator:
@@ -130,4 +136,37 @@ def _split(row: dict[str, Any], index: int) -> tuple[Any, Any]:
     )
 
 
-__all__ = ["TEXT_COLUMNS", "PromptCompletionCollator"]
+def peek_rows(dataset: Any, n: int = PEEK_ROWS) -> list[Any] | None:
+    """The first `n` rows of `dataset`, leaving it as it was: indexed from a map-style dataset (`datasets.Dataset`,
+    a torch Dataset with a length), taken from a `datasets.IterableDataset` (each iteration restarts it). None for
+    any other iterable, which may be one-shot (a generator): its rows are checked as they come."""
+    import datasets
+    from torch.utils.data import IterableDataset
+
+    if isinstance(dataset, datasets.IterableDataset):
+        return list(dataset.take(n))
+    if dataset is None or isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+        return None
+    return [dataset[i] for i in range(min(n, len(dataset)))]
+
+
+def check_generation_data(args: Any, collator: Any, dataset: Any, student: Any, teachers: list[Any]) -> None:
+    """Before any model runs (the trainer calls it before the teacher loads; issue #39, cases 4 and 10): read the
+    first rows of `dataset` as `collator` will, if it is a PromptCompletionCollator, so a row without a prompt, a
+    `messages` row without an assistant turn or a prompt that leaves no room within the collator's `max_length` is
+    refused now; and refuse a prompt (the longest of those rows, else one token) plus `max_new_tokens` that does
+    not fit the positions of the student or a teacher (a module, or a folder / Hub id read through its config).
+    Rows past the first are checked at each step, before generation."""
+    rows = peek_rows(dataset) if isinstance(collator, PromptCompletionCollator) else None
+    longest = 1
+    for i, row in enumerate(rows or []):
+        try:
+            prompt, _ = collator.tokenize(row, i)
+        except ValueError as err:
+            raise ValueError(f"train_dataset (its first {len(rows)} rows, read before any model runs): {err}") from None
+        longest = max(longest, len(prompt))
+    where = f"train_dataset (the longest prompt of its first {len(rows)} rows)" if rows else "max_new_tokens"
+    check_room(new_tokens(args), longest, position_limit([("student", student), *teacher_roles(teachers)]), where)
+
+
+__all__ = ["PEEK_ROWS", "TEXT_COLUMNS", "PromptCompletionCollator", "check_generation_data", "peek_rows"]

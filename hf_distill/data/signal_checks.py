@@ -1,8 +1,12 @@
 """Checks of a teacher signal's settings before anything is run or written (hf_distill.data.teacher_signal).
 
 `check_signal_settings` needs no teacher weights, so the command line runs it before loading them (minutes for an
-LLM); `check_signal_run` checks how the loaded teacher is run (dtype, device). Both run before the output folder is
-created: a refused setting leaves nothing behind that a corrected run would have to resume or be refused by.
+LLM): among the rest, every row's ids must lie in the teacher's vocabulary (an id past it used to crash the first
+forward with an IndexError, after the folder was made). `check_signal_tokenizer` refuses a tokenizer that does not
+fit the teacher (more tokens than its vocabulary, or another vocabulary than its own saved tokenizer);
+`check_signal_run` checks how the loaded teacher is run (dtype, device). All run before
+the output folder is created: a refused setting leaves nothing behind that a corrected run would have to resume or
+be refused by.
 """
 
 from __future__ import annotations
@@ -12,14 +16,17 @@ from pathlib import Path
 from typing import Any
 
 import datasets
+import pyarrow.compute as pc
 import torch
 from torch import nn
+
+from ..teacher import student_tokenizer, vocabulary_difference
 
 META_FILE = "teacher_signal.json"
 MODES = ("labels", "attention")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-__all__ = ["check_signal_run", "check_signal_settings"]
+__all__ = ["check_signal_run", "check_signal_settings", "check_signal_tokenizer"]
 
 
 def check_signal_settings(dataset: Any, output_dir: str | os.PathLike, *, k: Any, temperature: Any,
@@ -51,6 +58,10 @@ def check_signal_settings(dataset: Any, output_dir: str | os.PathLike, *, k: Any
     if missing:
         raise ValueError(f"The dataset has no {missing} column (columns: {dataset.column_names}); "
                          "kd_token_mask='labels' needs `labels` (-100 where not learnt), or use 'attention'.")
+    if vocab_size is not None:
+        _check_ids_below(dataset, vocab_size, f"the teacher's vocabulary (config.vocab_size {vocab_size}: ids 0.."
+                         f"{vocab_size - 1})", "tokenise the rows with the teacher's tokenizer, or give the teacher "
+                         "they were tokenised for")
     folder = Path(output_dir)
     if folder.is_file():
         raise ValueError(f"output_dir {str(output_dir)!r} is a file: give a new folder (or this signal's, to resume).")
@@ -59,6 +70,40 @@ def check_signal_settings(dataset: Any, output_dir: str | os.PathLike, *, k: Any
         raise ValueError(f"{folder} is not empty and holds no teacher signal ({META_FILE} is missing; it holds "
                          f"{', '.join(others[:3])}{', ...' if len(others) > 3 else ''}): choose a new or empty "
                          "output_dir.")
+
+
+def check_signal_tokenizer(tokenizer: Any, vocab_size: int, own: Any = None, flag: str = "tokenizer") -> None:
+    """Refuse a tokenizer the signal cannot be recorded with (its vocabulary hash is what a student must match): one
+    with more tokens than the teacher's vocabulary, or one whose vocabulary differs from `own` (the teacher's saved
+    tokenizer, when known). `flag` names the argument in the messages (the command line's --tokenizer)."""
+    inner = student_tokenizer(tokenizer)
+    if inner is None:
+        raise ValueError(f"{flag}: a tokenizer (or a processor holding one as .tokenizer) is needed, got "
+                         f"{type(tokenizer).__name__}.")
+    size = len(inner)
+    if size > vocab_size:
+        raise ValueError(f"{flag} has {size} tokens, more than the teacher's vocabulary ({vocab_size} ids): it is not "
+                         "the teacher's tokenizer; give the teacher's own (the one its rows were tokenised with).")
+    theirs = student_tokenizer(own)
+    differ = vocabulary_difference(inner, theirs) if theirs is not None else None
+    if differ is not None:
+        raise ValueError(f"{flag} has another vocabulary than the teacher's own tokenizer ({differ}): the signal "
+                         "would record the wrong vocabulary for its ids; give the teacher's tokenizer (on the command "
+                         "line, leave --tokenizer out).")
+
+
+def _check_ids_below(dataset: datasets.Dataset, limit: int, what: str, fix: str) -> None:
+    """Refuse the first row holding an input id outside 0..limit - 1 (Arrow compute: no Python loop over ids)."""
+    start = 0
+    for table in dataset.select_columns(["input_ids"]).with_format("arrow").iter(batch_size=8192):
+        column = table.column("input_ids")
+        flat = pc.list_flatten(column)
+        bad = pc.or_(pc.less(flat, 0), pc.greater_equal(flat, limit))
+        if len(flat) and pc.any(bad).as_py():
+            at = pc.index(bad, True).as_py()
+            row = start + pc.list_parent_indices(column)[at].as_py()
+            raise ValueError(f"Row {row} of the dataset holds input id {flat[at].as_py()}, outside {what}: {fix}.")
+        start += table.num_rows
 
 
 def check_signal_run(teacher: nn.Module, dtype: Any, device: Any) -> torch.device:

@@ -19,13 +19,12 @@ from typing import Any
 import yaml
 
 from ..publish.hub import HubPushError, ensure_repo, push_folder
+from .signal_download import CARD_FILE, download_teacher_signal  # noqa: F401 - part of this module's API
 from .teacher_signal import _META_FILE, load_teacher_signal
 
 __all__ = ["download_teacher_signal", "push_teacher_signal", "signal_card", "signal_files", "write_signal_card"]
 
-CARD_FILE = "README.md"
 DEFAULT_COMMIT_MESSAGE = "Upload teacher signal (hf_distill)"
-_PATTERNS = [_META_FILE, "shard-*.arrow", CARD_FILE]
 
 
 def signal_files(folder: str | os.PathLike) -> list[str]:
@@ -91,7 +90,7 @@ same order; hf_distill refuses anything else, naming the mismatch.
 from hf_distill import DistillationArguments, DistillationTrainer
 from hf_distill.data.teacher_signal import attach_teacher_signal, load_teacher_signal
 
-train = attach_teacher_signal(rows, load_teacher_signal("{where}"))  # checks every row's input_ids hash
+train = attach_teacher_signal(rows, load_teacher_signal("{where}"))  # checks every row's ids and positions
 args = DistillationArguments(output_dir="out", temperature={meta['temperature']}, \
 kd_token_mask="{meta['kd_token_mask']}", kd_loss="jsd")
 trainer = DistillationTrainer(model=student, teacher_model=None, args=args, train_dataset=train,
@@ -101,7 +100,8 @@ trainer.train()
 
 `teacher_signal.json` holds this metadata; each `shard-*.arrow` file is a block of rows (`teacher_signal_topk`:
 packed id and value entries, `teacher_signal_tail`: the log tail mass per token, `teacher_signal_row`: a hash of
-the row's `input_ids`).
+the row's `input_ids`, `teacher_signal_positions`: a hash of its counted positions, so rows whose labels moved are
+refused).
 """
 
 
@@ -128,20 +128,3 @@ def push_teacher_signal(folder: str | os.PathLike, repo_id: str, *, private: boo
         write_signal_card(folder, full_id)
     return push_folder(folder, repo_id, signal_files(folder), repo_type="dataset", private=private,
                        revision=revision, token=token, commit_message=commit_message, endpoint=endpoint)
-
-
-def download_teacher_signal(repo_id: str, *, revision: str | None = None, token: str | None = None,
-                            endpoint: str | None = None) -> Path:
-    """The local folder (in the Hub cache) of the signal in the dataset repo `repo_id`, downloaded when needed."""
-    from huggingface_hub import constants, snapshot_download
-
-    endpoint = endpoint or constants.ENDPOINT  # read now (HF_ENDPOINT), as the push does
-    try:
-        return Path(snapshot_download(repo_id, repo_type="dataset", revision=revision, token=token,
-                                      endpoint=endpoint, allow_patterns=_PATTERNS))
-    except Exception as error:  # offline and not cached, no such repo, network: one message naming the repo
-        text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())[:300]
-        raise ValueError(f"No teacher signal folder {repo_id!r} here, and the Hub dataset repo {repo_id!r} could not "
-                         f"be downloaded ({type(error).__name__}: {text}). Give the signal's folder, or a dataset "
-                         "repo pushed with push_teacher_signal (set HF_HUB_OFFLINE=0 and a token if it is "
-                         "private).") from error

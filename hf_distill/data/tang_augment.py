@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from ..compat import dataset_fingerprint
 from .augment import basic_words
 
 Tagger = Callable[[list[str]], list[str]]
@@ -159,7 +160,7 @@ def tang_augment_dataset(
         return out
 
     h = hashlib.blake2b(digest_size=16)
-    h.update(str(getattr(dataset, "_fingerprint", id(dataset))).encode())
+    h.update(str(dataset_fingerprint(dataset, id(dataset))).encode())
     h.update(json.dumps(settings, sort_keys=True).encode())
     h.update(backend.to_str().encode())  # vocabulary, normaliser (casing, accents) and pre-tokeniser
     if tagger is not None and p_pos > 0:

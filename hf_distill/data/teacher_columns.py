@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..features.heads import Head
+from ..features.heads import SOFTMAX_LOSSES, Head
 from .cache import LOGITS_COLUMN, TOPK_INDICES_COLUMN, TOPK_VALUES_COLUMN, cached_hidden_layers
 from .collators import TEACHER_PREFIX
 
@@ -47,17 +47,18 @@ def check_teacher_columns(
             )
     if LOGITS_COLUMN not in names and teacher is None and kd_weight > 0:
         topk = (TOPK_VALUES_COLUMN in names and TOPK_INDICES_COLUMN in names) or f"{TEACHER_PREFIX}signal_topk" in names
-        if topk and kd_loss == "mse":
+        if topk and kd_loss not in SOFTMAX_LOSSES:  # mse: raw logits
             raise ValueError(
-                f"kd_loss='mse' needs teacher logits over the whole vocabulary, but the {which} dataset carries top-k "
-                "ones (cached top-k logits or a teacher signal), which every other kd_loss uses: set kd_loss to "
-                "'kl', 'reverse_kl', 'jsd', 'tvd', 'skew_kl', 'skew_reverse_kl' or 'soft_ce', or pass teacher_model."
+                f"kd_loss={kd_loss!r} needs teacher logits over the whole vocabulary, but the {which} dataset carries "
+                "top-k ones (cached top-k logits or a teacher signal), which every divergence of softmax "
+                f"distributions uses: set kd_loss to {', '.join(repr(k) for k in SOFTMAX_LOSSES)}, or pass "
+                "teacher_model."
             )
         if not topk:
             raise ValueError(
                 "kd_weight > 0 needs teacher logits: pass teacher_model, or add a `teacher_logits` column "
-                f"to the {which} dataset (see hf_distill.cache; cached top-k logits and teacher signals serve every "
-                "kd_loss but mse)."
+                f"to the {which} dataset (see hf_distill.data.cache; cached top-k logits and teacher signals serve "
+                "every kd_loss but mse)."
             )
     if teacher is None and intermediate is not None:
         missing = sorted(intermediate.teacher_request.hidden - cached_hidden_layers(names))
@@ -65,7 +66,7 @@ def check_teacher_columns(
             raise ValueError(
                 f"distill_terms need teacher hidden states {missing}, which the {which} dataset does not carry "
                 "(teacher_hidden_<i> columns): pass teacher_model, or cache them with "
-                f"hf_distill.cache.cache_teacher_outputs(..., hidden_layers={missing})."
+                f"hf_distill.data.cache.cache_teacher_outputs(..., hidden_layers={missing})."
             )
 
 

@@ -18,6 +18,8 @@ Layout (one row per training row, only its counted positions, in order; `dataset
 - `teacher_signal_tail`: `List(float32)`, n entries: log of the tail mass, computed as the logsumexp of the non-top-k
   log-probabilities (no cancellation when the top k hold nearly all of the mass; -inf when k is the vocabulary).
 - `teacher_signal_row`: `int64`, a hash of the row's `input_ids`, checked against the training rows.
+- `teacher_signal_positions`: `int64`, a hash of the row's counted positions (from its labels or attention mask, by
+  kd_token_mask), checked against the training rows and every batch: rows whose labels moved are refused.
 
 At k = 64 the packed layout takes 64 * 4 + 4 = 260 bytes per counted token plus the list offsets (`bytes_per_token`
 in the metadata is measured on the written files). When read back, the float16 values and the tail are renormalised
@@ -26,7 +28,8 @@ together (their mass sums to 1 up to float16 rounding), so the teacher is a dist
 The metadata (teacher name and weight fingerprint, vocabulary hash, k, temperature, kd_token_mask, versions, the
 command that made it) is kept in the Dataset's `info.description` (which `save_to_disk`/`load_from_disk`, `select`,
 `concatenate_datasets` keep; `streamed` keeps it in an IterableDataset) and in `teacher_signal.json` next to the
-shards. The trainer refuses a signal whose vocabulary, temperature, kd_token_mask or rows differ from the run's
+shards. The trainer refuses a signal whose vocabulary, temperature, kd_token_mask, rows or rows' counted positions
+differ from the run's
 (`check_teacher_signal`, in hf_distill.data.signal_format with the hashes and the metadata, all importable from here
 too); hf_distill.data.signal_rescale changes the temperature where that is exact.
 
@@ -55,26 +58,35 @@ from datasets.arrow_writer import ArrowWriter
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..base.positions import kd_positions
+from ..base.recorded_names import recorded_name, recorded_path
 from ..features.taps import unwrap
-from ..losses.normalise import kd_positions
+from ..teacher import teacher_tokenizer
 from .cache_key import _dataset_digest, teacher_fingerprint
 from .signal_checks import META_FILE as _META_FILE
-from .signal_checks import check_signal_run, check_signal_settings
+from .signal_checks import check_signal_run, check_signal_settings, check_signal_tokenizer
 from .signal_format import (
     _MARKER,
     SIGNAL_FORMAT,
+    SIGNAL_POSITIONS,
     SIGNAL_ROW,
     SIGNAL_TAIL,
     SIGNAL_TOPK,
     SIGNAL_VALUES,
+    _format_checked,
     attach_teacher_signal,
+    check_batch_positions,
     check_teacher_signal,
+    counted_positions,
+    padded_rows,
+    positions_hashes,
     row_hash,
     signal_metadata,
     vocabulary_hash,
 )
 
 __all__ = [
+    "SIGNAL_POSITIONS",
     "SIGNAL_ROW",
     "SIGNAL_TAIL",
     "SIGNAL_TOPK",
@@ -84,6 +96,7 @@ __all__ = [
     "check_teacher_signal",
     "create_teacher_signal",
     "load_teacher_signal",
+    "positions_hashes",
     "row_hash",
     "signal_metadata",
     "signal_teacher",
@@ -130,7 +143,8 @@ def create_teacher_signal(
         dtype: run the teacher under autocast in this dtype (torch.bfloat16 or torch.float16, on CPU or GPU);
             torch.float32 or None: as it is (float32 is refused for a teacher loaded in lower precision).
         device: where the teacher runs, which must hold its weights (default: where its parameters are).
-        teacher_name: recorded as the teacher's name (default: its `name_or_path`).
+        teacher_name: recorded as the teacher's name (default: its `name_or_path`; a local folder is recorded by its
+            name, hf_distill.recorded_names).
         command: how the signal was made, for its dataset card (the CLI gives its command line; default: this
             call, written as Python).
     """
@@ -140,9 +154,11 @@ def create_teacher_signal(
         raise ValueError("The teacher has no config.vocab_size: give a transformers causal-LM teacher.")
     check_signal_settings(dataset, output_dir, k=k, temperature=temperature, kd_token_mask=kd_token_mask,
                           vocab_size=vocab, batch_size=batch_size, rows_per_shard=rows_per_shard)
+    check_signal_tokenizer(tokenizer, vocab, own=teacher_tokenizer(teacher)[0])
     run_on = check_signal_run(teacher, dtype, device)
     columns = [c for c in ("input_ids", "attention_mask", "labels") if c in dataset.column_names]
-    name = teacher_name or getattr(inner, "name_or_path", None) or getattr(inner.config, "_name_or_path", "") or ""
+    name = recorded_name(teacher_name or getattr(inner, "name_or_path", None)
+                         or getattr(inner.config, "name_or_path", "") or "")  # never an absolute path
     import hf_distill
 
     meta = {"format": SIGNAL_FORMAT, "teacher": name, "teacher_fingerprint": teacher_fingerprint(teacher),
@@ -152,11 +168,13 @@ def create_teacher_signal(
             "dataset": _dataset_digest(dataset, columns), "hf_distill": hf_distill.__version__}
     folder = Path(output_dir)
     meta["command"] = command or (
-        f"create_teacher_signal({name!r}, <{len(dataset)} rows>, {str(folder)!r}, k={k}, "
+        f"create_teacher_signal({name!r}, <{len(dataset)} rows>, {recorded_path(folder)!r}, k={k}, "
         f"temperature={float(temperature)}, kd_token_mask={kd_token_mask!r}, batch_size={batch_size}, "
         f"dtype={meta['dtype']})")
+    created = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
     _check_resumable(folder, meta)
+    fresh = not any(folder.glob("shard-*.arrow"))
     (folder / _META_FILE).write_text(json.dumps({**meta, "complete": False}, indent=2) + "\n")
     shards = [(s, min(s + rows_per_shard, len(dataset))) for s in range(0, len(dataset), rows_per_shard)]
     todo = [i for i, (s, e) in enumerate(shards) if not _shard_ok(_shard_path(folder, i), e - s)]
@@ -175,6 +193,12 @@ def create_teacher_signal(
                 tables.append(_signal_table(teacher, rows, meta, pad_id, run_on, dtype))
                 bar.update(len(rows["input_ids"]))
             _write_shard(_shard_path(folder, i), pa.concat_tables(tables), meta["layout"])
+    except BaseException:
+        if fresh and not any(folder.glob("shard-*.arrow")):  # nothing to resume: leave nothing that refuses a fix
+            (folder / _META_FILE).unlink(missing_ok=True)
+            if created and not any(folder.iterdir()):
+                folder.rmdir()
+        raise
     finally:
         bar.close()
         teacher.train(was_training)
@@ -192,17 +216,8 @@ def create_teacher_signal(
 def _signal_table(teacher, rows: dict[str, list], meta: dict, pad_id: int, device, dtype) -> pa.Table:
     """One batch of rows: a right-padded teacher forward, then each counted position's top-k and tail."""
     ids_rows = rows["input_ids"]
-    length, n = max(len(r) for r in ids_rows), len(ids_rows)
-    ids = torch.full((n, length), pad_id, dtype=torch.long)
-    mask = torch.zeros((n, length), dtype=torch.long)
-    labels = torch.full((n, length), -100, dtype=torch.long) if "labels" in rows else None
-    for i, r in enumerate(ids_rows):
-        ids[i, : len(r)] = torch.as_tensor(r)
-        mask[i, : len(r)] = torch.as_tensor(rows["attention_mask"][i]) if "attention_mask" in rows else 1
-        if labels is not None:
-            labels[i, : len(rows["labels"][i])] = torch.as_tensor(rows["labels"][i])
-    counted = kd_positions(mask, labels, meta["kd_token_mask"], causal=True)
-    counted = torch.ones(n, length - 1, dtype=torch.bool) if counted is None else counted
+    ids, mask, labels = padded_rows(rows, pad_id)
+    counted = counted_positions(mask, labels, meta["kd_token_mask"])
     autocast = (torch.autocast(device.type, dtype=dtype) if dtype not in (None, torch.float32)
                 else contextlib.nullcontext())
     with torch.no_grad(), autocast:
@@ -228,6 +243,7 @@ def _signal_table(teacher, rows: dict[str, list], meta: dict, pad_id: int, devic
         SIGNAL_TOPK: pa.ListArray.from_arrays(pa.array(offsets * k), pa.array(topk.reshape(-1))),
         SIGNAL_TAIL: pa.ListArray.from_arrays(pa.array(offsets), pa.array(tail.numpy().astype(np.float32))),
         SIGNAL_ROW: pa.array([row_hash(r) for r in ids_rows], pa.int64()),
+        SIGNAL_POSITIONS: pa.array(positions_hashes(counted, mask), pa.int64()),
     }
     if values16 is not None:
         table[SIGNAL_VALUES] = pa.ListArray.from_arrays(pa.array(offsets * k), pa.array(values16.reshape(-1)))
@@ -261,6 +277,7 @@ def _features(layout: str) -> datasets.Features:
         features[SIGNAL_VALUES] = datasets.List(datasets.Value("float16"))
     features[SIGNAL_TAIL] = datasets.List(datasets.Value("float32"))
     features[SIGNAL_ROW] = datasets.Value("int64")
+    features[SIGNAL_POSITIONS] = datasets.Value("int64")
     return datasets.Features(features)
 
 
@@ -323,13 +340,14 @@ def load_teacher_signal(
     downloaded once into the Hub cache, then read from there (offline too)."""
     folder = Path(path)
     if not folder.exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)):
-        from .signal_hub import download_teacher_signal
+        from .signal_download import download_teacher_signal
 
         folder = download_teacher_signal(str(path), revision=revision, token=token)
     meta_path = folder / _META_FILE
     if not meta_path.is_file():
         raise ValueError(f"{folder} holds no teacher signal ({_META_FILE} is missing).")
     meta = json.loads(meta_path.read_text())
+    _format_checked(meta, f"The teacher signal in {folder}")
     if not meta.pop("complete", False):
         raise ValueError(f"The teacher signal in {folder} is incomplete: run create_teacher_signal again to finish it.")
     shards = sorted(folder.glob("shard-*.arrow"))
@@ -373,6 +391,7 @@ def signal_teacher(
                 f"Row {i} of this batch counts {n} KD positions but its teacher signal holds {n_stored}: the batch's "
                 "labels or attention mask differ from the rows' when the signal was made (a collator that changes "
                 "labels, truncation or kd_token_mask). Collate the rows as they were when the signal was created.")
+    check_batch_positions(cached, counted, inputs.get("attention_mask"))
     topk = torch.as_tensor(cached[SIGNAL_TOPK]).to(ids.device)
     k = topk.shape[1] // tails.shape[1] if tails.shape[1] else 1
     entries = stored.repeat_interleave(k, dim=1)  # each stored position's k entries

@@ -30,10 +30,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..losses.registry import KindMap, KindNames
 from .families import get_family
 from .taps import unwrap
 
-SOFTMAX_LOSSES = ("kl", "soft_ce", "reverse_kl", "jsd", "skew_kl", "skew_reverse_kl", "tvd")
+SOFTMAX_LOSSES = KindNames(softmax=True)  # the kd_loss kinds that compare softmax distributions (losses.registry)
+MULTI_LABEL_LOSSES = KindMap("multi_label")  # kd_loss -> its per-label (sigmoid) form, where it has one
 
 
 class Head(enum.Enum):
@@ -325,7 +327,7 @@ def check_kd_loss(head: Head | None, kd_loss: str, where: str = "the student") -
             "so its softmax is always 1 and the loss is 0 forever). Use kd_loss='mse' (the logit regression of "
             "Tang et al. 2019, Distilled BiLSTM)."
         )
-    if head is Head.MULTI_LABEL and kd_loss in ("reverse_kl", "jsd", "skew_kl", "skew_reverse_kl", "tvd"):
+    if head is Head.MULTI_LABEL and kd_loss in SOFTMAX_LOSSES and kd_loss not in MULTI_LABEL_LOSSES:
         raise ValueError(
             f"kd_loss={kd_loss!r} is not defined for multi-label heads. Use 'kl' (per-label binary KL against the "
             "teacher's sigmoid), 'soft_ce' (binary cross-entropy against it) or 'mse'."

@@ -1,11 +1,11 @@
-"""Capture of per-layer features through forward hooks, and the architecture registry.
+"""Capture of per-layer features through forward hooks (the architecture registry is `features.families`).
 
-This is the only module that knows where things live inside a model. Hooks read the embedding output,
-each block's output, and the outputs of the query/key/value projections; everything else (pre-softmax
-attention scores, relations) is computed from those, so it works under SDPA, flash or eager attention
-alike and never relies on `output_attentions` (empty under SDPA, post-softmax and post-dropout under
-eager). Hooks exist only inside `FeatureTaps.capture()`: nothing stays attached to a model between
-steps, so nothing can leak into a saved student.
+With that registry, this is the only code that knows where things live inside a model. Hooks read the
+embedding output, each block's output, and the outputs of the query/key/value projections; everything else
+(pre-softmax attention scores, relations) is computed from those, so it works under SDPA, flash or eager
+attention alike and never relies on `output_attentions` (empty under SDPA, post-softmax and post-dropout under
+eager). Hooks exist only inside `FeatureTaps.capture()`: nothing stays attached to a model between steps, so
+nothing can leak into a saved student.
 
 Where each family keeps its modules comes from the registry in `hf_distill.features.families`; registering
 another family takes one `register_family` call there.
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..compat import compiled_inner
 from .families import REGISTER_HINT, Family, get_family
 
 
@@ -29,7 +30,7 @@ def unwrap(model: nn.Module) -> nn.Module:
     The Trainer compiles (`torch_compile=True`) and wraps the model it trains after the trainer is built, so
     every model-bound fact (head, LM head, hooked modules, forward arguments) is read from the unwrapped model."""
     while True:
-        compiled = model._modules.get("_orig_mod")  # torch.compile's OptimizedModule
+        compiled = compiled_inner(model)  # torch.compile's OptimizedModule
         if isinstance(compiled, nn.Module):
             model = compiled
         elif hasattr(model, "module") and isinstance(model.module, nn.Module):

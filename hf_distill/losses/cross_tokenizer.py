@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..data.collators import require_tensors
+from ..base.batch_keys import require_tensors
 from .divergences import logit_kd_loss
 from .normalise import kd_positions
 
@@ -111,6 +111,39 @@ def count(method: str, batch: dict[str, Any], label_name: str = "labels", mode: 
     return len(pairs(method, batch, label_name, mode)[0])
 
 
+class PairedShare:
+    """The share of the student's distilled positions that `method` pairs with a teacher position, over a logging
+    window of training micro-batches: logged as `xtok_paired_share` next to `loss` (`log_values`).
+
+    Paired and distilled positions are summed over every micro-batch since the last log (and over processes) before
+    dividing, so the share is that of the window's positions whatever the gradient accumulation or the rows' lengths
+    (a mean of per-batch shares would weigh a short batch like a long one). A low share means most of what the
+    student learns from the labels has no teacher signal: for "aligned", tokenizations that rarely end at the same
+    character; for "uld", a teacher with fewer distilled positions than the student."""
+
+    def __init__(self, method: str, label_name: str = "labels", mode: str = "labels") -> None:
+        self.method, self.label_name, self.mode = method, label_name, mode
+        self.paired, self.distilled = 0, 0
+
+    def add(self, batch: dict[str, Any]) -> None:
+        """Count one micro-batch's paired and distilled (student) positions."""
+        self.paired += len(pairs(self.method, batch, self.label_name, self.mode)[0])
+        self.distilled += int(distilled_positions(batch, self.label_name, self.mode, self.method)[0].sum())
+
+    def reset(self) -> None:
+        self.paired, self.distilled = 0, 0
+
+    def log_values(self, accelerator: Any = None) -> dict[str, float]:
+        """`xtok_paired_share` since the last call, over every process (0.0 when no position was distilled).
+        Resets the counts."""
+        values = torch.tensor([float(self.paired), float(self.distilled)], dtype=torch.float64)
+        if accelerator is not None and accelerator.num_processes > 1:
+            values = accelerator.reduce(values.to(accelerator.device), "sum").cpu()
+        paired, distilled = values.tolist()
+        self.reset()
+        return {"xtok_paired_share": paired / distilled if distilled > 0 else 0.0}
+
+
 def uld_distance(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """ULD per paired position, (N, V_s) and (N, V_t) logits -> mean over N of ``sum_k |p_(k) - q_(k)|`` (sorted
     softmax probabilities at T, zero-padded to the larger vocabulary); 0 for N = 0."""
@@ -165,5 +198,5 @@ def cross_tokenizer_kd(
     return logit_kd_loss(kind, s[:, s_ids], t[:, t_ids], temperature, beta=beta, alpha=alpha)
 
 
-__all__ = ["METHODS", "count", "cross_tokenizer_kd", "pairs", "shared_vocabulary", "teacher_batch", "teacher_inputs",
-           "uld_distance"]
+__all__ = ["METHODS", "PairedShare", "count", "cross_tokenizer_kd", "pairs", "shared_vocabulary", "teacher_batch",
+           "teacher_inputs", "uld_distance"]

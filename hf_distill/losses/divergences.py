@@ -33,7 +33,6 @@ with *both* distributions renormalised over those k ids, so every divergence her
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -48,8 +47,11 @@ from .masking import (
     _squared_error_mean,
     _zero_padding,
 )
+from .registry import Divergence, KindMap, KindNames, get_divergence
+from .teacher_forms import DenseLogits, TeacherForm, TopKTail, as_teacher
 
 __all__ = [
+    "DIVERGENCE_KINDS",
     "KD_LOSSES",
     "TeacherLogits",
     "binary_kl_div",
@@ -68,8 +70,10 @@ __all__ = [
     "with_tail",
 ]
 
-TeacherLogits = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
-"""Dense teacher logits ``(..., C)``, or top-k ``(values, indices)``, both ``(..., k)``."""
+TeacherLogits = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor] \
+    | TeacherForm
+"""Dense teacher logits ``(..., C)``, top-k ``(values, indices)``, both ``(..., k)``, or top-k + tail
+``(log_probs, indices, log_tail)``: plain tensors and tuples, or their typed forms (:mod:`.teacher_forms`)."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -101,42 +105,36 @@ def _log_probs(
     s = student_logits.float()
     real = _real_positions(mask, s.shape[:-1], s.device, fn)
     s = _zero_padding(s, real)
-    if isinstance(teacher_logits, tuple | list):
-        if len(teacher_logits) not in (2, 3):
-            raise ValueError(
-                f"{fn}: sparse teacher logits must be a (values, indices) pair or a (log_probs, indices, log_tail) "
-                "triple"
-            )
-        values, indices = teacher_logits[0], teacher_logits[1]
-        if values.shape != indices.shape:
-            raise ValueError(
-                f"{fn}: top-k teacher values {tuple(values.shape)} and indices {tuple(indices.shape)} differ"
-            )
-        if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
-            raise ValueError(f"{fn}: top-k teacher indices must be an integer tensor, got {indices.dtype}")
-        if values.shape[:-1] != s.shape[:-1] or not 0 < values.shape[-1] <= s.shape[-1]:
-            raise ValueError(
-                f"{fn}: top-k teacher shape {tuple(values.shape)} does not fit student shape "
-                f"{tuple(s.shape)} (need the same leading dims and 0 < k <= C)"
-            )
-        values = _zero_padding(values.float(), real)
-        indices = indices.to(device=s.device, dtype=torch.long)
-        if real is not None:
-            indices = torch.where(real.unsqueeze(-1), indices, 0)
-        if len(teacher_logits) == 3:  # top-k log-probabilities at T plus the tail bucket: k + 1 outcomes
-            tail = teacher_logits[2].float().to(s.device)
-            if tail.shape != values.shape[:-1]:
-                raise ValueError(f"{fn}: log_tail {tuple(tail.shape)} must have the shape {tuple(values.shape[:-1])}")
-            tail = _zero_padding(tail.unsqueeze(-1), real)[..., 0]
-            log_p, log_q = _with_tails(values, tail, s / temperature, indices)
-        else:
-            log_p = F.log_softmax(values / temperature, dim=-1)
-            log_q = F.log_softmax(s.gather(-1, indices) / temperature, dim=-1)
-    else:
-        _check_same_shape(fn, student_logits, teacher_logits)
-        t = _zero_padding(teacher_logits.float(), real)
-        log_p = F.log_softmax(t / temperature, dim=-1)
-        log_q = F.log_softmax(s / temperature, dim=-1)
+    teacher = as_teacher(teacher_logits, fn)
+    if teacher.form == DenseLogits.form:
+        _check_same_shape(fn, student_logits, teacher.logits)
+        t = _zero_padding(teacher.logits.float(), real)
+        return F.log_softmax(t / temperature, dim=-1), F.log_softmax(s / temperature, dim=-1), real
+    values, indices = teacher[0], teacher.indices  # TopK's values or TopKTail's log-probabilities at T
+    if values.shape != indices.shape:
+        raise ValueError(
+            f"{fn}: top-k teacher values {tuple(values.shape)} and indices {tuple(indices.shape)} differ"
+        )
+    if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
+        raise ValueError(f"{fn}: top-k teacher indices must be an integer tensor, got {indices.dtype}")
+    if values.shape[:-1] != s.shape[:-1] or not 0 < values.shape[-1] <= s.shape[-1]:
+        raise ValueError(
+            f"{fn}: top-k teacher shape {tuple(values.shape)} does not fit student shape "
+            f"{tuple(s.shape)} (need the same leading dims and 0 < k <= C)"
+        )
+    values = _zero_padding(values.float(), real)
+    indices = indices.to(device=s.device, dtype=torch.long)
+    if real is not None:
+        indices = torch.where(real.unsqueeze(-1), indices, 0)
+    if teacher.form == TopKTail.form:  # top-k log-probabilities at T plus the tail bucket: k + 1 outcomes
+        tail = teacher.log_tail.float().to(s.device)
+        if tail.shape != values.shape[:-1]:
+            raise ValueError(f"{fn}: log_tail {tuple(tail.shape)} must have the shape {tuple(values.shape[:-1])}")
+        tail = _zero_padding(tail.unsqueeze(-1), real)[..., 0]
+        log_p, log_q = _with_tails(values, tail, s / temperature, indices)
+    else:  # TopK: both sides renormalised over the k ids
+        log_p = F.log_softmax(values / temperature, dim=-1)
+        log_q = F.log_softmax(s.gather(-1, indices) / temperature, dim=-1)
     return log_p, log_q, real
 
 
@@ -255,103 +253,30 @@ def _with_tails(values: torch.Tensor, tail: torch.Tensor, a: torch.Tensor, indic
     return torch.cat([values, tail.unsqueeze(-1)], -1), torch.cat([log_q_k, _tail(a, indices).unsqueeze(-1)], -1)
 
 
-def topk_with_tail(logits: torch.Tensor, k: int, temperature: float = 1.0):
-    """A teacher's top-k signal with its tail bucket: ``(log_probs, indices, log_tail)`` at temperature T, the
-    sparse teacher format every logit KD function here takes (offline teacher outputs)."""
+def topk_with_tail(logits: torch.Tensor, k: int, temperature: float = 1.0) -> TopKTail:
+    """A teacher's top-k signal with its tail bucket: ``(log_probs, indices, log_tail)`` at temperature T (a
+    :class:`.teacher_forms.TopKTail`, a named tuple), the sparse teacher format every logit KD function here takes
+    (offline teacher outputs)."""
     a = logits.float() / _check_temperature(temperature)
     values, indices = F.log_softmax(a, dim=-1).topk(k, dim=-1)
     if k == a.shape[-1]:
-        return values, indices, torch.full_like(values[..., 0], float("-inf"))
-    return values, indices, _tail(a, indices)
-
-
-def _log1p_mix(w: float, d: torch.Tensor) -> torch.Tensor:
-    """``log((1 - w) + w * exp(d))`` for ``w`` in [0, 1], without overflow for any ``d`` and exactly 0 at ``d = 0``.
-
-    ``d <= 0``: ``log1p(w * expm1(d))``; ``d > 0``: ``d + log1p((1 - w) * expm1(-d))`` (the same quantity with
-    ``exp(d)`` factored out). Both are one ``expm1`` of ``-|d|`` in [-1, 0] and one ``log1p``: two transcendental
-    functions per element, no branch computed twice."""
-    neg = d <= 0
-    return d.clamp(min=0) + torch.log1p(torch.where(neg, w, 1.0 - w) * torch.expm1(-d.abs()))
-
-
-_FAST_RANGE = 80.0  # exp(80) is a normal float32 number: below it log1p(w * expm1(d)) cannot overflow
-
-
-def _bounded(d: torch.Tensor) -> bool:
-    """Eager code only: every log-ratio finite and within +-80 (one pass, one sync). Then the mixtures' plain form
-    `log1p(w * expm1(d))` is exact and overflow-free, and no product meets an infinity: a third of the elementwise
-    passes of the general form. Traced (`torch.compile`) code always takes the general form."""
-    if torch.compiler.is_compiling() or d.numel() == 0:
-        return False
-    low, high = torch.stack(torch.aminmax(d)).tolist()
-    return -_FAST_RANGE <= low and high <= _FAST_RANGE  # False for NaN
-
-
-def _mixer(fast: bool):
-    """`_log1p_mix` in the form `fast` allows (see :func:`_bounded`)."""
-    if fast:
-        return lambda w, d: torch.log1p(torch.expm1(d) * w)
-    return _log1p_mix
-
-
-def _multiplier(fast: bool):
-    return torch.mul if fast else _masked_product
-
-
-def _masked_product(p: torch.Tensor, x: torch.Tensor | float) -> torch.Tensor:
-    """``p * x``, 0 where ``p == 0``: an outcome without mass contributes nothing, even where ``x`` is infinite."""
-    return torch.where(p > 0, p * x, 0.0)
+        return TopKTail(values, indices, torch.full_like(values[..., 0], float("-inf")))
+    return TopKTail(values, indices, _tail(a, indices))
 
 
 def divergence_rows(kind: str, log_q: torch.Tensor, log_p: torch.Tensor, beta: float = 0.5, alpha: float = 0.1):
     """Per row of student/teacher log-probabilities (``(..., C)``, float32): the divergence ``kind`` (no ``T**2``)
-    and the statistic ``sum_v Q_v dL/dQ_v`` its logit gradient needs (:mod:`hf_distill.losses.chunked`).
-
-    ``P`` = teacher, ``Q`` = student; all but ``soft_ce`` are true divergences (>= 0, exactly 0 at agreement):
-
-    - ``kl``: KL(P || Q) (Hinton et al., 2015); ``soft_ce``: -sum P log Q (TinyBERT);
-    - ``reverse_kl``: KL(Q || P) (MiniLLM, Gu et al., 2024);
-    - ``jsd``: beta KL(P || M) + (1-beta) KL(Q || M), M = beta P + (1-beta) Q (GKD, Agarwal et al., 2024);
-    - ``skew_kl``: KL(P || alpha P + (1-alpha) Q); ``skew_reverse_kl``: KL(Q || (1-alpha) P + alpha Q) (DistiLLM,
-      Ko et al., 2024, alpha = 0.1 there);
-    - ``tvd``: total variation distance 1/2 sum |P - Q| (used for KD by Wen et al., 2023, f-divergence KD).
-
-    Mixtures are never formed in probability space: their logs come from the log-ratio ``d = log Q - log P``.
-    ``jsd`` at ``beta`` 0 / 1 is the forward / reverse KL, as in :func:`generalized_jsd`.
-    """
-    if kind == "jsd" and beta in (0.0, 1.0):
-        kind = "kl" if beta == 0.0 else "reverse_kl"
-    d = log_q - log_p
-    fast = kind != "soft_ce" and _bounded(d)
-    mix, times = _mixer(fast), _multiplier(fast)
-    if kind in ("kl", "soft_ce"):
-        p = log_p.exp()
-        value = times(p, -d if kind == "kl" else -log_q).sum(-1)
-        return value, torch.zeros_like(value)
-    q = log_q.exp()
-    if kind == "reverse_kl":
-        value = times(q, d).sum(-1)
-        return value, value
-    if kind == "jsd":
-        log_m_q = mix(beta, -d)  # log(M/Q) = log((1-beta) + beta P/Q); log(M/P) = log(M/Q) + d
-        kl_q_m = -times(q, log_m_q).sum(-1)
-        kl_p_m = -times(log_p.exp(), log_m_q + d).sum(-1)
-        return beta * kl_p_m + (1 - beta) * kl_q_m, kl_q_m
-    if kind == "skew_kl":
-        log_r_p = mix(1 - alpha, d)  # log(R/P) = log(alpha + (1-alpha) Q/P)
-        return -times(log_p.exp(), log_r_p).sum(-1), times(q, torch.exp(-log_r_p)).sum(-1)
-    if kind == "skew_reverse_kl":
-        log_r_q = mix(1 - alpha, -d)  # log(R/Q) = log(alpha + (1-alpha) P/Q)
-        g = -log_r_q - alpha * torch.exp(-log_r_q)  # dL/dQ up to a constant
-        return -times(q, log_r_q).sum(-1), times(q, g).sum(-1)
-    if kind == "tvd":
-        diff = q - log_p.exp()
-        return 0.5 * diff.abs().sum(-1), (0.5 * q * torch.sign(diff)).sum(-1)
-    raise ValueError(f"unknown divergence {kind!r}; known: {', '.join(DIVERGENCE_KINDS)}")
+    and the statistic ``sum_v Q_v dL/dQ_v`` its logit gradient needs (:mod:`hf_distill.losses.chunked`): the row math
+    of ``kind``'s registry entry (:mod:`.registry`; the built-in kinds and their definitions: :mod:`.kinds`), given
+    its mixture parameter (``beta`` for ``jsd``, ``alpha`` for the skew divergences). A kind without row math
+    (``mse``) or without an entry is refused."""
+    entry = get_divergence(kind, needs="rows")
+    return entry.rows(log_q, log_p, entry.weight(beta, alpha))
 
 
-DIVERGENCE_KINDS = ("kl", "reverse_kl", "jsd", "skew_kl", "skew_reverse_kl", "tvd", "soft_ce")
+DIVERGENCE_KINDS = KindNames(softmax=True)
+"""The divergences of softmax distributions (the kinds with row math, which the loss heads compute): a live view
+of :mod:`.registry`."""
 
 
 def _check_alpha(alpha: float) -> float:
@@ -367,6 +292,16 @@ def _divergence(fn: str, kind: str, student_logits, teacher_logits, temperature,
     log_p, log_q, real = _log_probs(fn, student_logits, teacher_logits, temperature, mask)
     per_item, _ = divergence_rows(kind, log_q, log_p, alpha=alpha)
     return temperature**2 * _mean_over_positions(per_item, real)
+
+
+def _from_rows(entry: Divergence, student_logits, teacher_logits, temperature, mask, weight):
+    """The whole-logits loss of a kind registered without a function of its own: its row math over the teacher's
+    support (:func:`_log_probs`), averaged over positions, times its temperature factor (autograd through the rows)."""
+    if entry.mixture is not None and entry.mixture.name == "alpha":
+        weight = _check_alpha(weight)
+    log_p, log_q, real = _log_probs(entry.name, student_logits, teacher_logits, temperature, mask)
+    per_item, _ = entry.rows(log_q, log_p, weight)
+    return entry.factor(temperature) * _mean_over_positions(per_item, real)
 
 
 def skew_kl(
@@ -417,7 +352,7 @@ def logit_mse(
     al., 2021, comparing it with KL); raw logits are compared, so there is no temperature. Needs dense
     teacher logits.
     """
-    if isinstance(teacher_logits, tuple | list):
+    if as_teacher(teacher_logits, "logit_mse").form != DenseLogits.form:
         raise ValueError(
             "logit_mse needs dense teacher logits; top-k (values, indices) works with "
             "kl / soft_ce / reverse_kl / jsd only"
@@ -426,7 +361,7 @@ def logit_mse(
 
 
 def _binary_log_probs(fn: str, student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float):
-    if isinstance(teacher_logits, tuple | list):
+    if as_teacher(teacher_logits, fn).form != DenseLogits.form:
         raise ValueError(f"{fn}: multi-label distillation needs dense teacher logits, not top-k")
     _check_same_shape(fn, student_logits, teacher_logits)
     s, t = student_logits.float() / temperature, teacher_logits.float() / temperature
@@ -462,18 +397,10 @@ def binary_soft_cross_entropy(
     return per_row.sum() / max(per_row.numel(), 1)
 
 
-KD_LOSSES: dict[str, Callable[..., torch.Tensor]] = {
-    "kl": kl_div,
-    "soft_ce": soft_cross_entropy,
-    "mse": logit_mse,
-    "reverse_kl": reverse_kl,
-    "jsd": generalized_jsd,
-    "skew_kl": skew_kl,
-    "skew_reverse_kl": skew_reverse_kl,
-    "tvd": total_variation,
-}
-"""Logit KD objectives by config name. Signatures differ (``mse`` has no temperature, ``jsd`` takes
-``beta`` third), so call them through :func:`logit_kd_loss` or by keyword."""
+KD_LOSSES = KindMap("dense")
+"""Logit KD objectives by config name (a live view of :mod:`.registry`: the kinds with a function of their own).
+Signatures differ (``mse`` has no temperature, ``jsd`` takes ``beta`` third), so call them through
+:func:`logit_kd_loss` or by keyword."""
 
 
 def logit_kd_loss(
@@ -485,20 +412,22 @@ def logit_kd_loss(
     beta: float = 0.5,
     alpha: float = 0.1,
 ) -> torch.Tensor:
-    """Dispatch to the logit KD objective named ``kind`` (a key of :data:`KD_LOSSES`).
+    """Dispatch to the logit KD objective named ``kind`` (a registered kind, :mod:`.registry`).
 
     ``"mse"`` compares raw logits and ignores ``temperature`` (as in TinyBERT and DistilBERT, where the
-    temperature only enters the softmax-based terms); ``beta`` is used by ``"jsd"`` only. Both are still
-    validated for all kinds so a bad config fails the same way whichever objective it selects.
+    temperature only enters the softmax-based terms); ``beta`` is used by ``"jsd"`` only, ``alpha`` by the skew
+    divergences. Both are still validated for all kinds so a bad config fails the same way whichever objective it
+    selects.
     """
-    if kind not in KD_LOSSES:
-        raise ValueError(f"unknown logit KD kind {kind!r}; known kinds: {', '.join(sorted(KD_LOSSES))}")
+    entry = get_divergence(kind)
     temperature = _check_temperature(temperature)
     beta = _check_beta(beta)
-    if kind == "mse":
-        return logit_mse(student_logits, teacher_logits, mask)
-    if kind == "jsd":
-        return generalized_jsd(student_logits, teacher_logits, beta=beta, temperature=temperature, mask=mask)
-    if kind in ("skew_kl", "skew_reverse_kl"):
-        return KD_LOSSES[kind](student_logits, teacher_logits, alpha=alpha, temperature=temperature, mask=mask)
-    return KD_LOSSES[kind](student_logits, teacher_logits, temperature, mask)
+    weight = entry.weight(beta, alpha)
+    if entry.dense is None:
+        return _from_rows(entry, student_logits, teacher_logits, temperature, mask, weight)
+    if entry.temperature_power is None:
+        return entry.dense(student_logits, teacher_logits, mask)
+    if entry.mixture is not None:
+        return entry.dense(student_logits, teacher_logits, temperature=temperature, mask=mask,
+                           **{entry.mixture.name: weight})
+    return entry.dense(student_logits, teacher_logits, temperature, mask)

@@ -27,10 +27,12 @@ from torch.utils.checkpoint import checkpoint
 from transformers.utils import logging
 
 from . import divergences as losses
+from .registry import get_divergence
 
 logger = logging.get_logger(__name__)
 
-#: The divergences with a closed-form logit gradient here (`kd_loss` values); all but `soft_ce` are times `T**2`.
+#: The divergences with a closed-form logit gradient here (`kd_loss` values): the registry's kinds with row math
+#: (:mod:`hf_distill.losses.registry`, a live view).
 DIVERGENCES = losses.DIVERGENCE_KINDS
 
 
@@ -202,9 +204,9 @@ class LogitsHead:
 
 @dataclass(frozen=True)
 class KDSpec:
-    """A logit KD objective on `(n, V)` rows: `kind` (one of :data:`DIVERGENCES`, or `mse`), its temperature and
-    its mixture weight (`beta` for `jsd`, `alpha` for the skew divergences). Called on dense rows it returns their
-    mean divergence through :func:`hf_distill.losses.logit_kd_loss` (the module path's loss math)."""
+    """A logit KD objective on `(n, V)` rows: `kind` (a registered kind: one of :data:`DIVERGENCES`, or `mse`), its
+    temperature and its mixture weight (`beta` for `jsd`, `alpha` for the skew divergences). Called on dense rows it
+    returns their mean divergence through :func:`hf_distill.losses.logit_kd_loss` (the module path's loss math)."""
 
     kind: str
     temperature: float = 1.0
@@ -216,16 +218,16 @@ class KDSpec:
 
     @property
     def factor(self) -> float:
-        """The constant in front of the divergence: `T**2` (Hinton et al.), none for soft CE (TinyBERT)."""
-        return 1.0 if self.kind == "soft_ce" else self.temperature**2
+        """The constant in front of the divergence, its registry entry's: `T**2` (Hinton et al.), none for soft CE
+        (TinyBERT)."""
+        return get_divergence(self.kind).factor(self.temperature)
 
 
 def dense_kd(kind: str, temperature: float, beta: float = 0.5, alpha: float = 0.1) -> KDSpec:
     """The logit KD objective named `kind` on `(n, V)` rows (mean over rows). `jsd` at beta 0 is the forward KL and
     at beta 1 the reverse KL (GKD's convention, as :func:`hf_distill.losses.generalized_jsd`); the mixture formula
     itself is identically 0 there, so those two are named by the KL they are."""
-    if kind not in (*DIVERGENCES, "mse"):
-        raise ValueError(f"unknown logit KD kind {kind!r}; known kinds: {', '.join(sorted((*DIVERGENCES, 'mse')))}")
+    get_divergence(kind)  # an unknown kind: refused here, before any loss head sees it
     if kind == "jsd" and float(beta) in (0.0, 1.0):
         kind = "kl" if float(beta) == 0.0 else "reverse_kl"
     return KDSpec(kind, float(temperature), float(beta), float(alpha))

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..data.collators import TEACHER_PREFIX
+from ..base.batch_keys import TEACHER_PREFIX
 from ..features import layer_map
 from ..features.projections import Projections
 from ..features.taps import (

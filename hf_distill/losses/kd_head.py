@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..compat import recompile_limit
 from . import divergences as losses
 from .head_common import (  # noqa: F401 - re-exported: `kd_head.mm_f32`, ... (tests, benchmarks)
     DIVERGENCES,
@@ -29,6 +30,7 @@ from .head_common import (  # noqa: F401 - re-exported: `kd_head.mm_f32`, ... (t
     float32_logits,
     mm_f32,
 )
+from .registry import get_divergence
 
 _NO_SECOND_DERIVATIVE = (
     "The causal-LM loss head (hf_distill.losses.chunked) has no second derivative: its gradient is formed in closed "
@@ -46,28 +48,13 @@ _MIN_BLOCK_COLUMNS = 128
 def row_gradient(kind: str, la: torch.Tensor, lb: torch.Tensor, stat: torch.Tensor, beta: float = 0.5,
                  alpha: float = 0.1) -> torch.Tensor:
     """d divergence / d (student logits / T) for a block of columns, from the row's statistic (`stat`, `(n, 1)`,
-    from :func:`hf_distill.losses.divergence_rows`, whose definitions these are the derivatives of).
+    from :func:`hf_distill.losses.divergence_rows`): the closed form of `kind`'s registry entry
+    (:mod:`hf_distill.losses.registry`; the built-in ones: :mod:`hf_distill.losses.kinds`).
 
     With `g_v = dL/dQ_v` the chain rule through the softmax gives `Q_v (g_v - sum_u Q_u g_u)`; the sum is the row
     statistic, which needs every column and so comes from the forward pass."""
-    q = la.exp()
-    if kind in ("kl", "soft_ce"):
-        return q - lb.exp()
-    d = la - lb
-    fast = losses._bounded(d)  # eager code: the plain forms where every log-ratio is finite and moderate
-    mix, masked = losses._mixer(fast), losses._multiplier(fast)
-    if kind == "reverse_kl":
-        return masked(q, d - stat)
-    if kind == "jsd":
-        return masked(q, -mix(beta, -d) - stat) * (1 - beta)
-    if kind == "skew_kl":
-        return masked(q, torch.exp(-mix(1 - alpha, d)) - stat) * -(1 - alpha)
-    if kind == "skew_reverse_kl":
-        log_r_q = mix(1 - alpha, -d)
-        return masked(q, -log_r_q - alpha * torch.exp(-log_r_q) - stat)
-    if kind == "tvd":
-        return q * (0.5 * torch.sign(q - lb.exp()) - stat)
-    raise ValueError(f"kd_loss={kind!r} has no closed-form gradient here; known: {', '.join(DIVERGENCES)}")
+    entry = get_divergence(kind, needs="rows")
+    return entry.grad(la, lb, stat, entry.weight(beta, alpha))
 
 
 def _head_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, head: LogitsHead,
@@ -148,7 +135,7 @@ def _fused(fn):
     def run(*args):
         # A graph per divergence, temperature, CE or not: dynamo's default limit (8 per function) is a hard error
         # under fullgraph=True, hit by a process that trains several configurations (a sweep, the CUDA tests).
-        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+        with recompile_limit(_RECOMPILE_LIMIT):
             return compiled(*args)
 
     return run

@@ -3,12 +3,13 @@
 A token-level term (token-level KD, the MLM or causal-LM task loss, hidden-state and attention-score
 MSE) is a mean over counted tokens. Averaging per-micro-batch means under gradient accumulation or DDP
 weights a token of a short micro-batch more than one of a long micro-batch, so the update differs from
-the big batch's. DESIGN.md ("Normalisation") asks for the big-batch mean: the sum over the step's counted
-tokens divided by their number, as transformers does with `num_items_in_batch`. The trainer counts each
-kind of position over the step's micro-batches and processes (`batch_counts`, summed in
-`get_batch_samples`) and rescales each micro-batch's mean by `local count * micro-batches * processes /
-step count`; the Trainer's division by the accumulation steps and DDP's gradient average then leave
-exactly `sum / count`. Sequence-level terms (one value per row) keep their per-row means.
+the big batch's. The step's update must be the big batch's (docs/guides/trainer.md, "Notes on correctness"),
+so the mean is the big batch's: the sum over the step's counted tokens divided by their number, as
+transformers does with `num_items_in_batch`. The trainer counts each kind of position over the step's
+micro-batches and processes (`batch_counts`, summed in `get_batch_samples`) and rescales each micro-batch's
+mean by `local count * micro-batches * processes / step count`; the Trainer's division by the accumulation
+steps and DDP's gradient average then leave exactly `sum / count`. Sequence-level terms (one value per row)
+keep their per-row means.
 """
 
 from __future__ import annotations
@@ -16,6 +17,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from ..base.positions import (  # noqa: F401 - same_sequence: importable from here
+    decoder_positions,
+    kd_positions,
+    label_positions,
+    same_sequence,
+    seq2seq_kd_positions,
+)
 
 COUNT_KINDS = ("tokens", "pairs", "labels", "kd", "causal_pairs", "decoder_tokens", "decoder_causal_pairs")
 """tokens: real tokens (hidden states, cosine); pairs: real (query, key) pairs (attention scores); labels: the
@@ -31,72 +40,6 @@ def _positions_shape(batch: dict[str, Any]) -> tuple[int, int] | None:
         if isinstance(value, torch.Tensor) and value.dim() == 2:
             return value.shape[0], value.shape[1]
     return None
-
-
-def kd_positions(
-    attention_mask: torch.Tensor | None,
-    labels: torch.Tensor | None,
-    mode: str,
-    causal: bool,
-    position_ids: torch.Tensor | None = None,
-) -> torch.Tensor | None:
-    """The positions a token-level KD term averages over, aligned with the (shifted, for causal LMs) logits.
-
-    `mode="labels"`: positions whose label is not -100 (for a causal LM, whose *next* label is not -100: the
-    logits at t predict token t+1). `mode="attention"`: real tokens (for a causal LM, positions t with both t
-    and t+1 real). A causal LM's packed (padding-free) rows also drop the last token of each sequence, whose next
-    token starts another one (`same_sequence`). None means every position counts."""
-    within = same_sequence(position_ids) if causal else None
-    if mode == "labels" and isinstance(labels, torch.Tensor) and labels.dim() == 2:
-        counted = (labels[:, 1:] if causal else labels) != -100
-    elif attention_mask is None:
-        counted = None
-    else:
-        real = attention_mask != 0
-        counted = real[:, :-1] & real[:, 1:] if causal else real
-    if within is None:
-        return counted
-    return within if counted is None else counted & within.to(counted.device)
-
-
-def same_sequence(position_ids: torch.Tensor | None) -> torch.Tensor | None:
-    """(B, T - 1): whether tokens t and t + 1 of a row belong to one sequence, for rows that pack several sequences
-    (TRL's padding-free batches, transformers' DataCollatorWithFlattening): position t + 1 follows position t, the
-    rule transformers' masks use to keep packed sequences apart (`find_packed_sequence_indices`). None without
-    2-D position_ids."""
-    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[1] < 2:
-        return None
-    return position_ids[:, 1:] - position_ids[:, :-1] == 1
-
-
-def decoder_positions(batch: dict[str, Any], label_name: str = "labels") -> torch.Tensor | None:
-    """The real positions of an encoder-decoder's decoder, aligned with its logits (no shift: the decoder's input
-    is its labels shifted right, so position t predicts label t): the batch's `decoder_attention_mask` when it has
-    one, else the labels that are not -100 (DataCollatorForSeq2Seq pads labels with -100, and the decoder's inputs
-    are made from them). None (every position) when the batch has neither."""
-    dec_mask = batch.get("decoder_attention_mask")
-    if isinstance(dec_mask, torch.Tensor) and dec_mask.dim() == 2:
-        return dec_mask != 0
-    labels = batch.get(label_name)
-    if isinstance(labels, torch.Tensor) and labels.dim() == 2:
-        return labels != -100
-    return None
-
-
-def seq2seq_kd_positions(batch: dict[str, Any], label_name: str, mode: str) -> torch.Tensor | None:
-    """The decoder positions a seq2seq KD term averages over: labels that are not -100 (`mode="labels"`), or the
-    decoder's real tokens (`"attention"`, `decoder_positions`); the same unless a decoder_attention_mask differs."""
-    labels = batch.get(label_name)
-    if mode == "labels" and isinstance(labels, torch.Tensor) and labels.dim() == 2:
-        return labels != -100
-    return decoder_positions(batch, label_name)
-
-
-def label_positions(labels: torch.Tensor | None, causal: bool) -> torch.Tensor | None:
-    """The positions a token-level task loss counts (transformers' losses ignore -100, causal LMs shift)."""
-    if not isinstance(labels, torch.Tensor) or labels.dim() != 2:
-        return None
-    return (labels[:, 1:] if causal else labels) != -100
 
 
 def batch_counts(

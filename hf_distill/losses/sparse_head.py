@@ -35,10 +35,12 @@ from .head_common import (
     vocab_size,
 )
 from .kd_head import _backward_walk, _ce_grad, _elementwise, _forward_chunks, _post_grad, _spec_args, row_gradient
+from .teacher_forms import TopKTail, as_teacher
 
-SparseTeacher = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+SparseTeacher = TopKTail | tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """`(log_probs (..., k), indices (..., k), log_tail (...))`: the teacher's top-k log-probabilities at T, their ids
-and the log of the mass of every other id (:func:`hf_distill.losses.topk_with_tail`, an offline teacher signal)."""
+and the log of the mass of every other id (:func:`hf_distill.losses.topk_with_tail`, an offline teacher signal;
+:class:`hf_distill.losses.TopKTail`, or the plain triple)."""
 
 _NO_SECOND_DERIVATIVE = (
     "The causal-LM loss head (hf_distill.losses.sparse_head) has no second derivative: its gradient is formed in "
@@ -46,14 +48,18 @@ _NO_SECOND_DERIVATIVE = (
     "with the (log_probs, indices, log_tail) teacher).")
 
 
-def _check_teacher(teacher, s_hidden: torch.Tensor) -> SparseTeacher:
-    if not isinstance(teacher, tuple | list) or len(teacher) != 3:
+def _check_teacher(teacher, s_hidden: torch.Tensor) -> TopKTail:
+    try:
+        form = as_teacher(teacher, "the loss head")
+    except (TypeError, ValueError):
+        form = None
+    if form is None or form.form != TopKTail.form:
         raise ValueError(
             "The loss head takes a sparse teacher as a (log_probs, indices, log_tail) triple (an offline teacher "
             "signal, hf_distill.losses.topk_with_tail); a top-k (values, indices) pair without the tail mass is "
             "compared on whole logits (kd_chunk_size unset where chunking is impossible)."
         )
-    log_probs, ids, log_tail = teacher
+    log_probs, ids, log_tail = form
     want = tuple(s_hidden.shape[:2])
     want = (want[0], want[1] - 1)
     if tuple(log_probs.shape[:-1]) != want or log_probs.dim() != 3:
@@ -67,10 +73,10 @@ def _check_teacher(teacher, s_hidden: torch.Tensor) -> SparseTeacher:
         raise ValueError(f"sparse teacher indices must be an integer tensor, got {ids.dtype}")
     if tuple(log_tail.shape) != want:
         raise ValueError(f"sparse teacher log_tail {tuple(log_tail.shape)} must be (batch, length - 1) = {want}")
-    return log_probs, ids, log_tail
+    return TopKTail(log_probs, ids, log_tail)
 
 
-def _teacher_rows(teacher: SparseTeacher, counted: Counted, kd: KDSpec | None):
+def _teacher_rows(teacher: TopKTail, counted: Counted, kd: KDSpec | None):
     """The teacher's three parts at the counted rows (:func:`hf_distill.losses.head_common.counted_rows`); rows the
     KD does not count get the ids 0..k-1 (any distinct valid ids: their teacher is replaced by the student itself)."""
     if kd is None:

@@ -22,13 +22,19 @@ from __future__ import annotations
 
 import torch
 
+from .registry import KindMap, get_divergence
+
 try:
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - CPU-only installs
     triton = None
 
-KIND_CODES = {"kl": 0, "soft_ce": 1, "reverse_kl": 2, "jsd": 3, "skew_kl": 4, "skew_reverse_kl": 5, "tvd": 6}
+KIND_CODES = KindMap("triton_code")
+"""kind -> the branch of `_terms` / `_kd_grad` that computes it: each registry entry's `triton_code` (a live view of
+:mod:`hf_distill.losses.registry`)."""
+KERNEL_CODES = range(7)  # the branches `_terms` and `_kd_grad` have: 0 kl, 1 soft_ce, 2 reverse_kl, 3 jsd, 4 skew_kl,
+# 5 skew_reverse_kl, 6 tvd (the built-in entries' codes, hf_distill.losses.kinds)
 _BLOCK = 2048
 _WARPS = 16
 _GRAD_BLOCK = 4096
@@ -37,6 +43,20 @@ _GRAD_WARPS = 8
 
 def available(device: torch.device) -> bool:
     return triton is not None and device.type == "cuda"
+
+
+def kernel_code(kind: str | None) -> int:
+    """The kernels' branch for `kind` (its registry entry's `triton_code`; 0 without a KD, where no branch runs).
+    A kind without an entry or without a code is refused here, before any launch: never computed as another."""
+    if kind is None:
+        return 0
+    code = get_divergence(kind, needs="rows").triton_code
+    if code is None or code not in KERNEL_CODES:
+        raise ValueError(
+            f"kd_loss={kind!r} has no Triton kernel code (its registry entry's triton_code is {code!r}), so the loss "
+            "head's CUDA kernels cannot compute it: set HF_DISTILL_TRITON=0 (the same row math compiled by PyTorch), "
+            "or add a branch to hf_distill/losses/triton_head.py and give the entry its code.")
+    return code
 
 
 if triton is not None:
@@ -223,6 +243,7 @@ def grad_block(zs: torch.Tensor, zt: torch.Tensor | None, start: int, targets: t
                temperature: float, beta: float, alpha: float, scale: float, cap: float | None,
                dtype: torch.dtype) -> torch.Tensor:
     """The Triton version of :func:`hf_distill.losses.kd_head._grad_block` (same arguments, same results)."""
+    code = kernel_code(kind if zt is not None else None)
     zs = zs if zs.stride(-1) == 1 else zs.contiguous()
     zt = zt if zt is None or zt.stride(-1) == 1 else zt.contiguous()
     n, n_cols = zs.shape
@@ -236,7 +257,7 @@ def grad_block(zs: torch.Tensor, zt: torch.Tensor | None, start: int, targets: t
         targets if has_ce else dummy, lse1 if has_ce else dummy, w_ce if has_ce else dummy,
         lse_a if has_kd else dummy, lse_b if has_kd else dummy, stat if has_kd else dummy, w_kd if has_kd else dummy,
         n_cols, start, 1.0 / temperature, float(beta), float(alpha), float(scale),
-        0.0 if cap is None else 1.0 / cap, KIND=KIND_CODES.get(kind, 0), HAS_KD=has_kd, HAS_CE=has_ce,
+        0.0 if cap is None else 1.0 / cap, KIND=code, HAS_KD=has_kd, HAS_CE=has_ce,
         HAS_CAP=cap is not None, BLOCK=_GRAD_BLOCK, num_warps=_GRAD_WARPS)
     return g
 
@@ -244,6 +265,7 @@ def grad_block(zs: torch.Tensor, zt: torch.Tensor | None, start: int, targets: t
 def row_stats(zs: torch.Tensor, zt: torch.Tensor | None, targets: torch.Tensor | None, kind: str | None,
               temperature: float, beta: float, alpha: float, vocab: int):
     """The Triton version of :func:`hf_distill.losses.kd_head._row_stats` (same arguments, same results)."""
+    code = kernel_code(kind)
     zs = zs if zs.stride(-1) == 1 else zs.contiguous()
     zt = zt if zt is None or zt.stride(-1) == 1 else zt.contiguous()
     n, n_cols = zs.shape
@@ -253,7 +275,7 @@ def row_stats(zs: torch.Tensor, zt: torch.Tensor | None, targets: torch.Tensor |
     zt_arg = zt if zt is not None else zs
     tgt = targets if targets is not None else torch.zeros(1, dtype=torch.long, device=zs.device)
     _row_stats_kernel[(n,)](zs, zs.stride(0), zt_arg, zt_arg.stride(0), tgt, out, n, n_cols, vocab if has_kd else 0,
-                            1.0 / temperature, float(beta), float(alpha), KIND=KIND_CODES.get(kind, 0),
+                            1.0 / temperature, float(beta), float(alpha), KIND=code,
                             HAS_KD=has_kd, HAS_CE=has_ce, SAME=same, BLOCK=_BLOCK, num_warps=_WARPS)
     lse_a, lse_b, lse_1, value, stat, ce = out
     if not has_kd:

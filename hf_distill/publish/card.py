@@ -21,6 +21,7 @@ from transformers import modelcard
 from transformers.modelcard import TrainingSummary, make_markdown_table
 
 from ..features.heads import HEADS, HeadKind, kind_for_task
+from ..losses.registry import UnknownDivergence, get_divergence
 from .measure import size_on_disk, stored_parameters
 from .report import _KD_METHODS, LOSS_PLOT, REPORT_FILE, DistillationReport, _empty, hub_id
 
@@ -53,14 +54,29 @@ _TASK_NAMES = {**modelcard.TASK_TAG_TO_NAME_MAPPING,
                **{t: t.replace("-", " ").title() for t in (*_SEQ2SEQ_TASKS, "feature-extraction")}}
 _create_model_index = types.FunctionType(TrainingSummary.create_model_index.__code__,
                                          {**vars(modelcard), "TASK_TAG_TO_NAME_MAPPING": _TASK_NAMES})
-_KD_LOSSES = {"kl": "KL divergence x T^2", "soft_ce": "soft cross-entropy", "mse": "MSE of logits",
-              "reverse_kl": "reverse KL divergence x T^2", "jsd": "generalized JSD x T^2",
-              "skew_kl": "skew KL divergence x T^2", "skew_reverse_kl": "skew reverse KL divergence x T^2",
-              "tvd": "total variation distance x T^2"}
-# DistiLLM's skew divergences: what the card calls each, and what alpha mixes.
-_SKEW = {"skew_kl": ("skew KL", "KL(teacher || alpha teacher + (1 - alpha) student); 0 is the forward KL"),
-         "skew_reverse_kl": ("skew reverse KL",
-                             "KL(student || alpha student + (1 - alpha) teacher); 0 is the reverse KL")}
+
+
+def _kd_loss_label(d: dict[str, Any]) -> str:
+    """What the loss table calls the run's `kd_loss`: its registry entry's label, with the value of its mixture
+    parameter (`jsd_beta`, `skew_alpha`) when recorded and its temperature factor; an unknown kind as written."""
+    kind = d.get("kd_loss")
+    try:
+        entry = get_divergence(kind)
+    except UnknownDivergence:
+        return kind
+    return entry.card_label(d.get(entry.mixture.argument) if entry.mixture is not None else None)
+
+
+def _skew(kind: str | None) -> tuple[str, str]:
+    """DistiLLM's skew divergences (the kinds `skew_alpha` mixes): what the card calls one, and what alpha mixes;
+    empty strings for any other kind."""
+    try:
+        entry = get_divergence(kind)
+    except UnknownDivergence:
+        return "", ""
+    if entry.mixture is None or entry.mixture.argument != "skew_alpha":
+        return "", ""
+    return entry.label.removesuffix(" divergence"), entry.mixture.meaning
 # Row labels of transformers' hyperparameter names (and of the run's own facts); others are written out.
 _SETTINGS = {"total_train_batch_size": "Effective batch size",
              "num_epochs": "Epochs", "training_steps": "Max steps", "steps": "Optimizer steps done",
@@ -91,9 +107,9 @@ def method_name(report: DistillationReport) -> str | None:
         return None
     if method == "gkd" and d.get("jsd_beta") is not None:
         return f"generalized JSD distillation (beta = {d['jsd_beta']:g}; GKD, Agarwal et al., 2024)"
-    if method == "distillm" and d.get("kd_loss") in _SKEW:
+    if method == "distillm" and _skew(d.get("kd_loss"))[0]:
         alpha = f"alpha = {d['skew_alpha']:g}; " if d.get("skew_alpha") is not None else ""
-        return f"{_SKEW[d['kd_loss']][0]} distillation ({alpha}DistiLLM, Ko et al., 2024)"
+        return f"{_skew(d['kd_loss'])[0]} distillation ({alpha}DistiLLM, Ko et al., 2024)"
     kind = {"kl": "forward KL", "soft_ce": "soft cross-entropy"}.get(d.get("kd_loss") or "")
     if method == "logit-kd" and report.pipeline_tag == "text-generation" and kind:
         return f"{kind} distillation of the next-token distributions (Hinton et al., 2015)"
@@ -273,11 +289,7 @@ def _loss_rows(d: dict[str, Any]) -> list[str]:
     rows = [("task", "the student's own loss on the labels", d["task_weight"], "")] if (
         d.get("task_weight") or 0) > 0 else []
     if (d.get("kd_weight") or 0) > 0:
-        kind = _KD_LOSSES.get(d.get("kd_loss"), d.get("kd_loss"))
-        if d.get("kd_loss") == "jsd" and d.get("jsd_beta") is not None:
-            kind = f"generalized JSD (beta = {d['jsd_beta']:g}) x T^2"
-        if d.get("kd_loss") in _SKEW and d.get("skew_alpha") is not None:
-            kind = f"{_SKEW[d['kd_loss']][0]} divergence (alpha = {d['skew_alpha']:g}) x T^2"
+        kind = _kd_loss_label(d)
         temp = f", T = {d['temperature']:g}" if d.get("kd_loss") != "mse" and d.get("temperature") else ""
         rows.append(("kd", f"{kind} between student and teacher logits{temp}", d["kd_weight"], "output logits"))
     for term in d.get("distill_terms") or []:
@@ -304,7 +316,7 @@ def _made(r: DistillationReport) -> str:
     extra = ", ".join(x for x in (r.dataset_config, r.dataset_split) if x)
     shape = {"layers": "{} layers", "encoder_layers": "{} encoder layers", "decoder_layers": "{} decoder layers",
              "hidden": "hidden size {}", "heads": "{} attention heads"}
-    skew = _SKEW.get(d.get("kd_loss"), ("", ""))
+    skew = _skew(d.get("kd_loss"))
     lines = [
         name and f"- **Method**: {name[0].upper()}{name[1:]}{sampled}",
         r.teacher and f"- **Teacher**: {_model_link(r.teacher)}",
@@ -378,11 +390,23 @@ def _comparison(r: DistillationReport) -> str:
         where = " on " + (r.dataset_name or ", ".join(r.datasets)) if (r.dataset_name or r.datasets) else ""
         split = f" ({r.dataset_split})" if r.dataset_split else ""
         step = f", student evaluated at step {r.eval_step}" if r.eval_step else ""
-        note = "\n\n`loss` is the model's own next-token cross-entropy on the evaluation set (nats per predicted " \
-               "token), `perplexity` its exp." if r.pipeline_tag == "text-generation" and any(
-                   n == "perplexity" or n.endswith("_perplexity") for n in r.student_metrics) else ""
-        parts.append(f"Evaluation{where}{split}{step}:\n\n{head}\n" + "\n".join(lines) + note)
+        parts.append(f"Evaluation{where}{split}{step}:\n\n{head}\n" + "\n".join(lines) + _loss_note(r))
     return "## Teacher vs student\n\n" + "\n\n".join(parts) if parts else ""
+
+
+def _loss_note(r: DistillationReport) -> str:
+    """What the evaluation table's `loss` (the Trainer's eval_loss, the model's own: the teacher does not run in
+    evaluation) and `perplexity` (its exp, for language models) are."""
+    if not any(n == "loss" or n.endswith("_loss") for n in r.student_metrics):
+        return ""
+    perplexity = any(n == "perplexity" or n.endswith("_perplexity") for n in r.student_metrics)
+    what = {"text-generation": "next-token cross-entropy on the evaluation set (nats per predicted token)",
+            "text2text-generation": "cross-entropy of the target tokens on the evaluation set (nats per token)"}
+    if perplexity and r.pipeline_tag in what:
+        return f"\n\n`loss` is the model's own {what[r.pipeline_tag]}, `perplexity` its exp."
+    smoothing = r.training.get("label_smoothing_factor")
+    return ("\n\n`loss` is the model's own task loss on the evaluation set (the Trainer's `eval_loss`; the teacher "
+            "does not run in evaluation)" + (f", label-smoothed ({smoothing})" if smoothing else "") + ".")
 
 
 def _training(r: DistillationReport) -> str:

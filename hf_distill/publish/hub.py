@@ -12,6 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from ..compat import finish_current_push
+
 INDEX_FILE = "model.safetensors.index.json"
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "adapter_config.json",
                "adapter_model.safetensors", "early_exit_config.json", "early_exit.safetensors")
@@ -123,7 +125,7 @@ def push_trainer(trainer: Any, commit_message: str | None = "End of training", b
     trainer.hub_model_id = ensure_repo(repo_id, private=private, token=token, folder=args.output_dir)
     card_kwargs.setdefault("model_name", trainer.hub_model_id)
     trainer.create_model_card(**card_kwargs)
-    trainer._finish_current_push()
+    finish_current_push(trainer)
     result = push_student(args.output_dir, trainer.hub_model_id, private=private, token=token, blocking=blocking,
                           revision=revision if revision is not None else args.hub_revision,
                           commit_message=commit_message or DEFAULT_COMMIT_MESSAGE)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..compat import prepare_inputs, remove_unused_columns
 from ..features.taps import unwrap
 
 # What `from_pretrained` loads and the Hub stores: not `training_args.bin`, optimizer or scheduler state.
@@ -127,12 +128,12 @@ def trainer_speedup(trainer: Any, student: nn.Module, teacher: nn.Module, limit:
     if dataset is None or isinstance(dataset, dict) or not hasattr(dataset, "__len__"):
         return {}
     if trainer.args.remove_unused_columns and hasattr(dataset, "column_names"):
-        dataset = trainer._remove_unused_columns(dataset, description="model card")
+        dataset = remove_unused_columns(trainer, dataset, description="model card")
     loader = DataLoader(dataset, batch_size=trainer.args.per_device_eval_batch_size,
                         collate_fn=trainer.data_collator, shuffle=False)
     batches = []
     for batch in loader:  # labels and cached teacher outputs would make the forward compute a loss: inference only
-        batches.append({k: v for k, v in trainer._prepare_inputs(batch).items()
+        batches.append({k: v for k, v in prepare_inputs(trainer, batch).items()
                         if k != "labels" and not k.startswith("teacher_")})
         if len(batches) >= limit:
             break

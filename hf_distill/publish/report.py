@@ -18,6 +18,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from ..base.recorded_names import recorded_name
+from ..losses.registry import KindMap
 from . import measure
 
 REPORT_FILE = "distillation_report.json"
@@ -40,7 +42,7 @@ class DistillationReport:
     """The facts of one distillation run that a model card reports. Every field is optional."""
 
     model_name: str | None = None  # repo id or folder name: the card's title and model-index name
-    teacher: str | None = None  # Hub id when known, else a name or a local path
+    teacher: str | None = None  # Hub id when known, else a name or a local folder's name
     method: str | None = None  # the card's method tag: distilbert, tinybert, minilm, gkd, logit-kd, ...
     architecture: str | None = None  # the student's class, e.g. BertForSequenceClassification
     pipeline_tag: str | None = None
@@ -73,6 +75,14 @@ class DistillationReport:
     initialised_from: str | None = None  # the student's starting checkpoint (`finetuned_from`), never the teacher
     early_exit: dict[str, Any] = field(default_factory=dict)  # students.early_exit: exits, speed sweep, plot
     auto: dict[str, Any] = field(default_factory=dict)  # hf_distill.auto: the latency budget and how the shape won
+
+    def __post_init__(self) -> None:
+        # Local folders by name (or the Hub id of a cache snapshot), never a machine's absolute path: the card and
+        # distillation_report.json are published (hf_distill.recorded_names).
+        self.teacher = recorded_name(self.teacher) or None
+        self.initialised_from = recorded_name(self.initialised_from) or None
+        if self.adapter.get("base_model"):
+            self.adapter = {**self.adapter, "base_model": recorded_name(self.adapter["base_model"])}
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -112,13 +122,13 @@ class DistillationReport:
         found["model_name"] = getattr(trainer, "hub_model_id", None) or args.hub_model_id or Path(args.output_dir).name
         found["student_params"] = measure.count_parameters(student)
         if teacher is not None:
-            t_path = getattr(teacher.config, "_name_or_path", "") or ""
+            t_path = getattr(teacher.config, "name_or_path", "") or ""
             found.update(teacher_shape=_shape(teacher.config), teacher_params=measure.count_parameters(teacher))
             found.update(teacher=t_path or found.get("teacher"),
                          teacher_size_bytes=measure.size_on_disk(t_path) or None if os.path.isdir(t_path) else None)
             evaluated = getattr(trainer, "teacher_metrics", None) or {}
             kept = {k: v for k, v in evaluated.items() if k in found.get("student_metrics", {})}
-            found["teacher_metrics"] = lm_metrics(kept) if _own_eval_loss(**found) else kept
+            found["teacher_metrics"] = lm_metrics(kept) if _perplexity(**found) else kept
         if teacher is not None and measure_speed:
             found.update(measure.trainer_speedup(trainer, student, teacher, speed_batches))
         return cls.from_dict(_merge(found, fields))
@@ -140,8 +150,11 @@ class DistillationReport:
                            _read_json(folder / "adapter_config.json") or None)
         found.update(model_name=folder.resolve().name, student_params=measure.stored_parameters(folder),
                      student_size_bytes=measure.size_on_disk(folder) or None)
-        # The teacher's folder, when config.json (or the caller) names a local one: its facts are real too.
-        local = [Path(str(t)) for t in (found.get("teacher"), fields.get("teacher")) if t]
+        # The teacher's folder, when the caller or config.json names a local one: its facts are real too. config.json
+        # records a local teacher by its folder name (hf_distill.recorded_names), looked for beside the student (as
+        # a run keeps them: out/ and teacher/), inside it, and in the current folder.
+        names = [str(t) for t in (fields.get("teacher"), found.get("teacher")) if t]
+        local = [where / name for name in names for where in (Path(), folder.parent, folder)]
         teacher_dir = next((t for t in local if (t / "config.json").is_file()), None)
         if teacher_dir is not None:
             found.update(teacher_shape=_shape(_read_json(teacher_dir / "config.json")),
@@ -194,7 +207,10 @@ def _run_facts(config: Any, architecture: str | None, args: Any, trainer: Any, s
     if state:
         own_loss = _own_eval_loss(**found)
         metrics, found["eval_step"] = latest_eval_metrics(state.get("log_history") or [], keep_loss=own_loss)
-        found["student_metrics"] = lm_metrics(metrics) if own_loss else metrics
+        # The task's metrics first (the model index's first metric is the one the Hub shows), then the losses.
+        losses = [k for k in metrics if k == "loss" or k.endswith("_loss")]
+        metrics = {**{k: v for k, v in metrics.items() if k not in losses}, **{k: metrics[k] for k in losses}}
+        found["student_metrics"] = lm_metrics(metrics) if _perplexity(**found, training=training) else metrics
         found["eval_lines"] = parse_log_history(state.get("log_history") or [])[1] or []
         if state.get("global_step"):
             training["steps"] = state["global_step"]
@@ -270,9 +286,19 @@ def distillation_facts(args: Any) -> dict[str, Any]:
     return facts
 
 
-def _own_eval_loss(pipeline_tag: str | None = None, distillation: dict[str, Any] | None = None, **_: Any) -> bool:
-    """Whether `eval_loss` is a causal LM's own next-token loss (known only with `eval_with_teacher=False`)."""
-    return pipeline_tag == "text-generation" and (distillation or {}).get("eval_with_teacher") is False
+_LANGUAGE_MODELS = ("text-generation", "text2text-generation")  # eval_loss: cross-entropy per predicted token
+
+
+def _own_eval_loss(distillation: dict[str, Any] | None = None, **_: Any) -> bool:
+    """Whether `eval_loss` is the student's own task loss, as a plain Trainer's (known only with
+    `eval_with_teacher=False`; with the teacher it is the distillation loss, which the card does not show)."""
+    return (distillation or {}).get("eval_with_teacher") is False
+
+
+def _perplexity(pipeline_tag: str | None = None, training: dict[str, Any] | None = None, **facts: Any) -> bool:
+    """Whether exp(`eval_loss`) is a perplexity: a language model's own token cross-entropy, not label-smoothed."""
+    return (_own_eval_loss(**facts) and pipeline_tag in _LANGUAGE_MODELS
+            and not (training or {}).get("label_smoothing_factor"))
 
 
 def lm_metrics(metrics: dict[str, float]) -> dict[str, float]:
@@ -293,8 +319,7 @@ def lm_metrics(metrics: dict[str, float]) -> dict[str, float]:
     return out
 
 
-_KD_METHODS = {"jsd": "gkd", "reverse_kl": "reverse-kl", "skew_kl": "distillm", "skew_reverse_kl": "distillm",
-               "tvd": "tvd-kd"}
+_KD_METHODS = KindMap("method")  # kd_loss -> the card's method tag: each divergence's registry entry's (a live view)
 _TERM_METHODS = (("attention_score_mse", "tinybert"), ("relation_kl", "minilm"), ("pkd_loss", "bert-pkd"),
                  ("cosine_loss", "distilbert"))
 

@@ -45,6 +45,8 @@ import torch
 from torch import nn
 from transformers import AutoModel, PreTrainedConfig, PreTrainedModel
 
+from ..base.recorded_names import recorded_name
+from ..compat import attn_implementation, model_from_config
 from ..features import families
 from ..features.families import Family, register_family
 
@@ -55,16 +57,6 @@ __all__ = [
     "register_family",
     "shrink",
 ]
-_PRUNE = ("DepthPruning", "block_importance", "prune_depth")  # moved to `prune`; still importable from here
-
-
-def __getattr__(name: str) -> Any:
-    if name in _PRUNE:
-        from . import prune
-
-        return getattr(prune, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 def get_family(config: PreTrainedConfig) -> Family:
     """Registry lookup with an error that says how to register the missing family."""
     model_type = getattr(config, "model_type", None)
@@ -115,8 +107,9 @@ def _reject_heterogeneous(config: PreTrainedConfig) -> None:
         )
 
 
-def _check_layers(layers: Sequence[int], num_teacher_layers: int) -> list[int]:
-    """Normalise to plain ints (the list is written to config.json) and reject anything ambiguous."""
+def _check_layers(layers: Sequence[int], num_teacher_layers: int, stack: str = "encoder") -> list[int]:
+    """Normalise to plain ints (the list is written to config.json) and reject anything ambiguous; `stack` names
+    the teacher's stack the indices refer to ("encoder" or "decoder"), for the message."""
     if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):
         raise TypeError(f"layers must be a sequence of ints, got {type(layers).__name__}.")
     if len(layers) == 0:
@@ -134,7 +127,7 @@ def _check_layers(layers: Sequence[int], num_teacher_layers: int) -> list[int]:
     bad = [i for i in checked if not 0 <= i < num_teacher_layers]
     if bad:
         raise ValueError(
-            f"layers {checked} has out-of-range index {bad[0]}: the teacher has {num_teacher_layers} encoder "
+            f"layers {checked} has out-of-range index {bad[0]}: the teacher has {num_teacher_layers} {stack} "
             f"layers, so valid indices are 0..{num_teacher_layers - 1} (negative indices are not accepted)."
         )
     if any(a >= b for a, b in zip(checked, checked[1:])):
@@ -193,7 +186,7 @@ def _from_one_stack(teacher: PreTrainedModel, family: Family, layers: Sequence[i
     """`from_teacher` for encoder-only and decoder-only models (one stack of blocks)."""
     teacher_layers = encoder_layers(teacher)
     num_teacher_layers = len(teacher_layers)
-    layers = _check_layers(layers, num_teacher_layers)
+    layers = _check_layers(layers, num_teacher_layers, "decoder" if family.causal else "encoder")
 
     config = copy.deepcopy(teacher.config)
     setattr(config, family.num_layers_field, len(layers))
@@ -204,15 +197,15 @@ def _from_one_stack(teacher: PreTrainedModel, family: Family, layers: Sequence[i
     config.distillation = {
         "init": "from_teacher",
         "teacher_layers": list(layers),
-        "teacher_name_or_path": teacher.config._name_or_path,
+        "teacher_name_or_path": recorded_name(teacher.config.name_or_path),
         "teacher_num_layers": num_teacher_layers,
     }
     # The student is not the teacher checkpoint; keep its name out of places (e.g. Trainer model cards) that
     # would otherwise present it as one. The teacher's name lives in `distillation` instead.
-    config._name_or_path = ""
+    config.name_or_path = ""
     config.validate()
 
-    student = type(teacher)._from_config(config, dtype=teacher.dtype)
+    student = model_from_config(type(teacher), config, dtype=teacher.dtype)
     prefix = next(name for name, module in teacher.named_modules() if module is teacher_layers) + "."
     new_index = {old: new for new, old in enumerate(layers)}
     state = {}
@@ -246,13 +239,14 @@ def _from_encoder_decoder(
     config = copy.deepcopy(teacher.config)
     teacher_state = teacher.state_dict()
     plans = []  # (state-dict prefix of the stack's blocks, {old: new}, its family)
-    record: dict[str, Any] = {"init": "from_teacher", "teacher_name_or_path": teacher.config._name_or_path}
+    record: dict[str, Any] = {"init": "from_teacher",
+                              "teacher_name_or_path": recorded_name(teacher.config.name_or_path)}
     for name, wanted in (("encoder", encoder), ("decoder", decoder)):
         stack = family.stack(name)
         blocks = teacher.base_model.get_submodule(stack.layers)
         total = len(blocks)
         try:
-            kept = list(range(total)) if wanted is None else _check_layers(wanted, total)
+            kept = list(range(total)) if wanted is None else _check_layers(wanted, total, name)
         except (TypeError, ValueError) as err:
             raise type(err)(f"{name}_layers: {err}") from None
         setattr(config, stack.num_layers_field, len(kept))
@@ -261,10 +255,10 @@ def _from_encoder_decoder(
         record[f"teacher_{name}_layers"] = kept
         record[f"teacher_num_{name}_layers"] = total
     config.distillation = record
-    config._name_or_path = ""  # see from_teacher: the student is not the teacher checkpoint
+    config.name_or_path = ""  # see from_teacher: the student is not the teacher checkpoint
     config.validate()
 
-    student = type(teacher)._from_config(config, dtype=teacher.dtype)
+    student = model_from_config(type(teacher), config, dtype=teacher.dtype)
     state = {}
     for key, tensor in teacher_state.items():
         plan = next((p for p in plans if key.startswith(p[0])), None)
@@ -290,7 +284,7 @@ def _build(model_class: Any, config: PreTrainedConfig) -> PreTrainedModel:
     # Auto classes expose `from_config`; concrete classes only the (dtype/attention aware) `_from_config`.
     if hasattr(model_class, "from_config"):
         return model_class.from_config(config)
-    return model_class._from_config(config)
+    return model_from_config(model_class, config)
 
 
 def shrink(
@@ -413,11 +407,11 @@ def shrink(
         values[head_dim_field] = hidden_size // num_attention_heads
     values.update(overrides)
     extra = {}
-    if teacher_config._attn_implementation is not None:
-        extra["attn_implementation"] = teacher_config._attn_implementation
+    if attn_implementation(teacher_config) is not None:
+        extra["attn_implementation"] = attn_implementation(teacher_config)
     # Rebuilding through the config class (not deepcopy + setattr) re-runs its validation and derived fields.
     config = type(teacher_config)(**values, **extra)
-    config.distillation = {"init": "shrink", "teacher_name_or_path": teacher_config._name_or_path}
+    config.distillation = {"init": "shrink", "teacher_name_or_path": recorded_name(teacher_config.name_or_path)}
 
     if seed is None:
         return _build(model_class, config)

@@ -6,7 +6,8 @@ inference, evaluation) each computes the same function as its training form with
 `inference_weights()`): at batch 1 a branch is a dozen small ops, and early exit must win back every branch it
 evaluates. Only public torch APIs are used: the folded weights of FastBERT's branch are cached until a parameter
 is replaced or converted (its memory moves), loaded (`load_state_dict`), stepped by any optimizer (a
-global optimizer step hook), or the branch changes mode; see `ExitBranch`.
+process-wide optimizer step hook, registered only while a fold is cached: `hf_distill.base.optimizer_steps`), or the
+branch changes mode; see `ExitBranch`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from ..base.optimizer_steps import StepWatch
 
 BRANCHES = {"fastbert": "FastBERT's branch, attention over every token",
             "deebert": "DeeBERT's off-ramp, a pooler on the first token"}
@@ -26,26 +28,6 @@ def check_branch(kind: str) -> None:
     if kind not in BRANCHES:
         choices = "; ".join(f"{k!r}: {v}" for k, v in BRANCHES.items())
         raise ValueError(f"branch must be one of {choices}. Got {kind!r}.")
-
-
-class _OptimizerSteps:
-    """How many optimizer steps ran in this process since a branch first cached folded weights. A fold records
-    the count it was made at and is refolded once any optimizer has stepped since: a step updates the weights in
-    place (same memory, so the address check cannot see it). Counting every optimizer is a few refolds too many at
-    worst; the hook (one integer increment per step) is registered once, on the first fold kept."""
-
-    count = 0
-    handle: Any = None
-
-    @classmethod
-    def watch(cls) -> int:
-        if cls.handle is None:
-            cls.handle = register_optimizer_step_post_hook(cls.step)
-        return cls.count
-
-    @classmethod
-    def step(cls, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
-        cls.count += 1
 
 
 def _drop_fold(module: ExitBranch, _incompatible_keys: Any) -> None:
@@ -81,7 +63,7 @@ class ExitBranch(nn.Module):
         self.out = nn.Linear(width, num_labels)
         self.heads = heads  # a plain attribute: read on every inference call
         # (views of `parameters()` when folded, their addresses, optimizer steps then, the weights `infer` takes)
-        self._folded: tuple[tuple[torch.Tensor, ...], list[int], int, tuple[torch.Tensor, ...]] | None = None
+        self._folded: tuple[tuple[torch.Tensor, ...], list[int], StepWatch, tuple[torch.Tensor, ...]] | None = None
         self.register_load_state_dict_post_hook(_drop_fold)
 
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -175,7 +157,7 @@ class ExitBranch(nn.Module):
         weights = views[:2] + folded + views[8:]
         if not params[8].is_inference():
             held = tuple(p.detach() for p in self.parameters())
-            self._folded = (held, [p.data_ptr() for p in held], _OptimizerSteps.watch(), weights)
+            self._folded = (held, [p.data_ptr() for p in held], StepWatch(), weights)
         return weights
 
     def flops(self, tokens: int) -> int:
@@ -189,7 +171,7 @@ def _current(fold: tuple[Any, ...], branch: nn.Module) -> bool:
     """Whether a fold still stands for `branch`'s parameters: no optimizer step since, and every parameter still
     at the address it was folded from (the fold holds views of that memory, so no other tensor can get it
     meanwhile; `parameters()` costs less than reading the ten by name, ~11 us against ~16)."""
-    return fold[2] == _OptimizerSteps.count and [p.data_ptr() for p in branch.parameters()] == fold[1]
+    return not fold[2].stepped() and [p.data_ptr() for p in branch.parameters()] == fold[1]
 
 
 class PoolerBranch(nn.Module):

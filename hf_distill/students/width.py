@@ -43,6 +43,8 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
+from ..base.recorded_names import recorded_name
+from ..compat import model_from_config
 from ..features.families import Family
 from .build import encoder_layers, from_teacher, get_family
 from .prune import _block_importance
@@ -381,7 +383,7 @@ def prune_width(
     record.update(
         {
             "init": "prune_width",
-            "teacher_name_or_path": teacher.config._name_or_path,
+            "teacher_name_or_path": recorded_name(teacher.config.name_or_path),
             "importance": "activation (Minitron)",
             "calibration_tokens": importance.num_tokens,
             "teacher_shape": {
@@ -397,10 +399,10 @@ def prune_width(
     if base is not teacher:
         record["block_importance"] = list(importance.blocks)
     config.distillation = record
-    config._name_or_path = ""  # the student is not the teacher checkpoint (see from_teacher)
+    config.name_or_path = ""  # the student is not the teacher checkpoint (see from_teacher)
     config.validate()
 
-    student = type(base)._from_config(config, dtype=base.dtype)
+    student = model_from_config(type(base), config, dtype=base.dtype)
     student.load_state_dict(_sliced_state(base, student, family, shape, kept_heads, kept_kv, kept_neurons,
                                           kept_hidden), strict=True)
     student.to(base.device)
