@@ -237,7 +237,10 @@ def methods_section(teacher_path: str, kept: list[int], train_file: str, eval_fi
     setup = {"teacher": teacher, "teacher_tok": teacher_tok, "student": student, "half": half,
              "rows": datasets.Dataset.from_list(prompt_rows(text, teacher_tok, half, steps * batch)),
              "eval_text": held_out(test, teacher_tok, eval_tokens)}
-    info = {"teacher": teacher_path, "kept_blocks": kept, "train_file": train_file, "eval_file": eval_file,
+    made = Path(teacher_path) / "teacher_info.json"  # written by recipes/causal_lm.py for a teacher it trained
+    info = {"teacher": teacher_path, "teacher_params": sum(p.numel() for p in teacher.parameters()),
+            **({"teacher_settings": json.loads(made.read_text())["settings"]} if made.is_file() else {}),
+            "kept_blocks": kept, "train_file": train_file, "eval_file": eval_file,
             "rows": len(setup["rows"]), "half": half, "steps": steps, "batch": batch, "seeds": seeds,
             "max_new_tokens": half, "threads": threads, "learning_rate": lr, "warmup": warmup,
             "eval_chars": len(setup["eval_text"]), "eval_tokens": eval_tokens,
@@ -310,10 +313,25 @@ def summarise(runs: list[dict], variants: list[str]) -> dict:
     return out
 
 
+def teacher_line(sec: dict) -> str:
+    """Which teacher ran (its size, and the recipe settings it was trained with): the recipe's default teacher or
+    a smaller one (the config's busy-machine settings) give different tables."""
+    if "teacher_params" not in sec:
+        return ""  # (older results)
+    st = sec.get("teacher_settings")
+    made = "" if st is None else (
+        f": {st['teacher_layers']} blocks, hidden {st['teacher_hidden_size']}, MLP {st['teacher_intermediate_size']}"
+        f", trained by the recipe {st['teacher_epochs']:g} epochs on "
+        + (f"the first {st['max_train_blocks']:,}" if st.get("max_train_blocks") else "all the")
+        + f" {st['block_size']}-token blocks")
+    return f" ({sec['teacher_params']:,} parameters{made})"
+
+
 def methods_lines(sec: dict) -> list[str]:
     """The section's table and protocol (markdown lines)."""
     sm, refs = sec["summary"], sec["references"]
-    lines = [f"Teacher {sec['teacher']}, student = its blocks {sec['kept_blocks']} (copied); {sec['steps']} steps x "
+    lines = [f"Teacher {sec['teacher']}{teacher_line(sec)}, student = its blocks {sec['kept_blocks']} (copied); "
+             f"{sec['steps']} steps x "
              f"{sec['batch']} rows of `{sec['train_file']}` ({sec['rows']} rows: {sec['half']} prompt tokens + "
              f"{sec['half'] - 1} completion tokens + EOS), 1.0 KD + 1.0 CE, T = 1, "
              f"LR {sec.get('learning_rate', 1e-3):g} cosine, {sec.get('warmup', 0.05):.0%} warm-up; generation: at "
