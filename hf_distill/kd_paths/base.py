@@ -3,6 +3,7 @@ the interface it implements (:class:`KDPath`) and the registry the Distiller cho
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -90,7 +91,7 @@ class PathBatch:
     task: Callable[[], torch.Tensor]
 
 
-class KDPath:
+class KDPath(abc.ABC):
     """One way the KD loss is computed. Subclasses set `name` and `priority` (the registry tries higher first),
     say when they apply (`applies`: from the context, the teacher's logits form, whether this is a training pass
     with the teacher), check the model once (`bind`: False hands the batch to the next path), say what they ask of
@@ -105,8 +106,9 @@ class KDPath:
         self.ctx = ctx
 
     @classmethod
+    @abc.abstractmethod
     def applies(cls, ctx: PathContext, form: str | None, training: bool) -> bool:
-        raise NotImplementedError
+        """Whether this path computes the KD loss for this context, teacher form and pass."""
 
     def bind(self, state: Any, model: nn.Module) -> bool:
         """Check the model this path will run on (`model` as the Trainer prepared it, `state` the Distiller's view
@@ -120,8 +122,9 @@ class KDPath:
     def student_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         return kwargs
 
+    @abc.abstractmethod
     def loss(self, batch: PathBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        raise NotImplementedError
+        """`(kd, task)` of one batch (either may be None: not computed here)."""
 
 
 PATHS: list[type[KDPath]] = []
