@@ -9,13 +9,19 @@ student's head and the teachers, which the arguments do not know, by the Distill
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from .base.generation_checks import validate_generation_arguments
+from .losses.cross_tokenizer import METHODS as CROSS_TOKENIZER_METHODS
+from .losses.cross_tokenizer import validate_cross_tokenizer
 from .losses.registry import KindNames
 from .losses.terms import parse_terms
 
-__all__ = ["validate_cross_tokenizer", "validate_distillation"]
+__all__ = [
+    "CHECKS", "CROSS_TOKENIZER_METHODS", "check_loss_fields", "check_model_fields", "check_weights",
+    "validate_cross_tokenizer", "validate_distillation",
+]
 
 # The accepted values of the fields (hf_distill.arguments re-exports them): here, with the checks that use them, so
 # the arguments import their checks and the checks import nothing of the arguments.
@@ -26,12 +32,10 @@ SKEW_KINDS = KindNames(mixture="skew_alpha")
 PROJECTION_KINDS = ("shared", "per_layer", "none")
 KD_TOKEN_MASKS = ("attention", "labels")
 MULTI_TEACHER_MODES = ("probs", "losses")
-CROSS_TOKENIZER_METHODS = ("uld", "aligned")  # hf_distill.losses.cross_tokenizer
 
 
-def validate_distillation(args: Any) -> None:
-    """Refuse bad distillation fields, each with the field and the fix (`DistillationArguments.__post_init__`), and
-    normalise `distill_terms` to plain dicts."""
+def check_loss_fields(args: Any) -> None:
+    """The KD loss: temperature, divergence (`kd_loss`, from the registry), its mixture parameters, chunking."""
     if args.temperature is not None and not args.temperature > 0:
         raise ValueError(
             f"DistillationArguments.temperature must be > 0, got {args.temperature}. "
@@ -70,6 +74,10 @@ def validate_distillation(args: Any) -> None:
             f"DistillationArguments.kd_chunk_size must be a positive number of tokens, got {args.kd_chunk_size!r}. "
             "Leave it unset for the default."
         )
+
+
+def check_model_fields(args: Any) -> None:
+    """How the models are compared: projections, counted token positions, how several teachers combine."""
     if args.projection not in PROJECTION_KINDS:
         raise ValueError(
             f"DistillationArguments.projection={args.projection!r} is unknown. "
@@ -85,8 +93,10 @@ def validate_distillation(args: Any) -> None:
             f"DistillationArguments.multi_teacher={args.multi_teacher!r} is unknown. "
             f"Known: {', '.join(MULTI_TEACHER_MODES)}."
         )
-    validate_cross_tokenizer(args)
-    validate_generation_arguments(args)
+
+
+def check_weights(args: Any) -> None:
+    """The weights of teachers, terms and projections (and `distill_terms` normalised to plain dicts, once)."""
     if args.teacher_weights is not None and any(w < 0 for w in args.teacher_weights):
         raise ValueError(f"DistillationArguments.teacher_weights must be >= 0, got {args.teacher_weights}.")
     for name in ("kd_weight", "task_weight"):
@@ -110,32 +120,18 @@ def validate_distillation(args: Any) -> None:
         )
 
 
-def validate_cross_tokenizer(args: Any) -> None:
-    """Refuse `cross_tokenizer` values, and settings beside it, that would do nothing or could not be honoured
-    (the student's head and the teachers are checked by the Distiller)."""
-    method = args.cross_tokenizer
-    if method is None:
-        return
-    if method not in CROSS_TOKENIZER_METHODS:
-        raise ValueError(
-            f"DistillationArguments.cross_tokenizer={method!r} is unknown. Known: "
-            f"{', '.join(CROSS_TOKENIZER_METHODS)}, or leave it unset for one shared tokenizer."
-        )
-    why = None
-    if args.kd_weight == 0:
-        why = "kd_weight=0 turns the KD term off, and cross_tokenizer only changes that term. Set kd_weight > 0"
-    elif args.distill_terms:
-        why = ("distill_terms compare features position by position, but the two tokenizations have different "
-               "positions. Remove distill_terms (logit KD only)")
-    elif args.kd_chunk_size is not None:
-        why = ("the chunked loss head (kd_chunk_size) compares two logits of one vocabulary at the same positions. "
-               "Leave kd_chunk_size unset")
-    elif method == "uld" and args.kd_loss != "kl":
-        why = (f"ULD is its own distance (sorted probabilities), so kd_loss={args.kd_loss!r} would do nothing. "
-               "Leave kd_loss unset, or use cross_tokenizer='aligned', which compares with kd_loss")
-    elif method == "aligned" and args.kd_loss == "mse":
-        why = ("kd_loss='mse' compares raw logits, not the distributions renormalised over the shared "
-               "vocabulary. Choose a divergence (kl, reverse_kl, jsd, ...)")
-    if why is not None:
-        raise ValueError(f"DistillationArguments.cross_tokenizer={method!r} cannot be used here: {why}.")
+CHECKS: tuple[Callable[[Any], None], ...] = (
+    check_loss_fields,
+    check_model_fields,
+    validate_cross_tokenizer,  # hf_distill.losses.cross_tokenizer
+    validate_generation_arguments,  # hf_distill.base.generation_checks
+    check_weights,
+)
+"""Every check of the distillation fields, in the order they run: each feature's checks live in its own module and
+are listed here once; a new feature adds its check to this list."""
 
+
+def validate_distillation(args: Any) -> None:
+    """Refuse bad distillation fields, each with the field and the fix (`DistillationArguments.__post_init__`)."""
+    for check in CHECKS:
+        check(args)

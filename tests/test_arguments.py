@@ -197,3 +197,21 @@ def test_readme_on_policy_snippet_resolves_to_gkds_loss():
     was 0.5 x KD, half GKD's gradient). tests/test_on_policy.py checks the loss itself."""
     run = DistillationArguments(output_dir="out", lmbda=0.5, kd_loss="jsd", task_weight=0.0, max_new_tokens=128)
     assert (run.kd_weight, run.task_weight) == (1.0, 0.0)
+
+
+def test_every_argument_check_runs_from_one_list(tmp_path, monkeypatch):
+    """Each feature's checks live in its module and are collected once (argument_checks.CHECKS): a check added
+    there runs when the arguments are built, and the features' own checks are in it."""
+    from hf_distill import argument_checks
+    from hf_distill.base.generation_checks import validate_generation_arguments
+    from hf_distill.losses.cross_tokenizer import validate_cross_tokenizer
+
+    assert validate_cross_tokenizer in argument_checks.CHECKS
+    assert validate_generation_arguments in argument_checks.CHECKS
+
+    def refuse(args):
+        raise ValueError("a feature's own check ran")
+
+    monkeypatch.setattr(argument_checks, "CHECKS", (*argument_checks.CHECKS, refuse))
+    with pytest.raises(ValueError, match="a feature's own check ran"):
+        DistillationArguments(output_dir=str(tmp_path), report_to="none")

@@ -45,6 +45,36 @@ from .normalise import kd_positions
 METHODS = ("uld", "aligned")
 
 
+def validate_cross_tokenizer(args: Any) -> None:
+    """Refuse `cross_tokenizer` values, and settings beside it, that would do nothing or could not be honoured
+    (the student's head and the teachers are checked by the Distiller)."""
+    method = args.cross_tokenizer
+    if method is None:
+        return
+    if method not in METHODS:
+        raise ValueError(
+            f"DistillationArguments.cross_tokenizer={method!r} is unknown. Known: "
+            f"{', '.join(METHODS)}, or leave it unset for one shared tokenizer."
+        )
+    why = None
+    if args.kd_weight == 0:
+        why = "kd_weight=0 turns the KD term off, and cross_tokenizer only changes that term. Set kd_weight > 0"
+    elif args.distill_terms:
+        why = ("distill_terms compare features position by position, but the two tokenizations have different "
+               "positions. Remove distill_terms (logit KD only)")
+    elif args.kd_chunk_size is not None:
+        why = ("the chunked loss head (kd_chunk_size) compares two logits of one vocabulary at the same positions. "
+               "Leave kd_chunk_size unset")
+    elif method == "uld" and args.kd_loss != "kl":
+        why = (f"ULD is its own distance (sorted probabilities), so kd_loss={args.kd_loss!r} would do nothing. "
+               "Leave kd_loss unset, or use cross_tokenizer='aligned', which compares with kd_loss")
+    elif method == "aligned" and args.kd_loss == "mse":
+        why = ("kd_loss='mse' compares raw logits, not the distributions renormalised over the shared "
+               "vocabulary. Choose a divergence (kl, reverse_kl, jsd, ...)")
+    if why is not None:
+        raise ValueError(f"DistillationArguments.cross_tokenizer={method!r} cannot be used here: {why}.")
+
+
 def _need(batch: dict[str, Any], keys: tuple[str, ...], method: str) -> None:
     require_tensors(batch, keys, f"cross_tokenizer={method!r} needs the teacher's own tokenization",
                     "Use hf_distill.data.cross_tokenizer.CrossTokenizerCollator(student_tokenizer, teacher_tokenizer) "
