@@ -11,9 +11,10 @@ export NO_MKDOCS_2_WARNING ?= 1
 
 # The test suite runs on pytest-xdist workers (a dev dependency): WORKERS=2 suits a 2-core machine, WORKERS=auto
 # takes one per core, WORKERS=0 runs in this process. Tests that start several processes (marked `distributed`)
-# run one at a time (a lock file, tests/conftest.py).
+# run one at a time (a lock file, tests/conftest.py). `--dist loadfile`: a test file's tests run in one worker, in
+# the file's order, as in one process (some build on a module fixture's earlier state, e.g. test_hub's pushed card).
 WORKERS ?= 2
-PYTEST := $(BIN)/python -m pytest -q -n $(WORKERS)
+PYTEST := $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile
 
 .PHONY: setup demo test test-fast docs lint clean
 
