@@ -18,7 +18,7 @@ None when neither you nor the preset gave them, and the run's loss settings fill
 when the labels mask the prompt), as TRL's GKD does; every other head keeps T = 2 on every real token.
 
 The arguments are validated once and hf_distill never changes them: what a run changes while training (schedules,
-stages) goes through the Distiller's settings (`trainer.distiller.settings.set(...)`, with the same checks), which
+stages) goes through the Distiller's settings (`trainer.settings.set(...)`, with the same checks), which
 start from these values when training starts (`SETTINGS_FIELDS`; a hyperparameter-search trial's values included).
 
 Fields that do nothing in the configuration you chose are refused when you give them (`jsd_beta` without

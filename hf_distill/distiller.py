@@ -303,7 +303,7 @@ class Distiller:
             inputs = {**inputs, "use_cache": False}
         distill = model.training or self.args.eval_with_teacher
         if model.training:  # a loss field a user's code set on the arguments mid-run: taken over, with the checks
-            self.settings.follow(self.args)
+            self.settings.follow(self.args, running=True)
         step_mean = model.training and self._step.take()  # token-level means rescaled to the optimizer step's
         if model.training and not step_mean and self.on_policy is not None and self.args.generates:
             check_step(self.on_policy, self.args, None)  # no start_step: nothing generated this batch's completions
@@ -336,6 +336,14 @@ class Distiller:
             for name, value in (own or {}).items():
                 components[name], weights[name] = value, 1.0
         if not components:
+            if distill:  # every weight is 0 now: a schedule or callback set them so (the arguments refuse it)
+                terms = {f"term:{t.name}": t.weight for t in self.settings.terms}
+                raise ValueError(
+                    f"Every loss weight is 0 at this step (kd_weight={self.settings.kd_weight}, task_weight="
+                    f"{self.settings.task_weight}{''.join(f', {k}={v}' for k, v in terms.items())}), so there is "
+                    "nothing to train: a schedule or callback set them through the run's settings. Keep one weight "
+                    "> 0 at every step (a warm-up can start from a small value instead of 0)."
+                )
             raise ValueError(
                 "Nothing to compute a loss from: the batch has no labels and distillation is off for it. "
                 "Set eval_with_teacher=True to evaluate the distillation loss on unlabeled data."

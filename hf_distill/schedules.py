@@ -51,7 +51,7 @@ def run_settings(kwargs: Mapping[str, Any], who: str) -> DistillSettings:
 
 def _checked(settings: Any) -> DistillSettings:
     if not isinstance(settings, DistillSettings):
-        raise TypeError(f"Loss fields are read and set on the run's settings (trainer.distiller.settings, a "
+        raise TypeError(f"Loss fields are read and set on the run's settings (trainer.settings, a "
                         f"DistillSettings), not on {type(settings).__name__}: the arguments are not changed.")
     return settings
 

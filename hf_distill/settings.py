@@ -131,11 +131,19 @@ class DistillSettings:
         else:
             self._values[name] = value
 
-    def follow(self, args: Any) -> list[str]:
+    def follow(self, args: Any, running: bool = False) -> list[str]:
         """Take over the fields set on `args` since these settings were built from them or last followed them (a
         hyperparameter-search trial before training, a user's callback during it), with the same checks; returns
-        their names. Cheap when nothing changed: one comparison per field."""
+        their names. Cheap when nothing changed: one comparison per field. `running` (a training step): the fields
+        that cannot change while training (`jsd_beta`, `skew_alpha`, `kd_token_mask`) are refused instead."""
         changed = [n for n in SETTINGS_FIELDS if getattr(args, n) != self._source[n]]
+        fixed = [n for n in changed if n not in FIELDS and n != "distill_terms"]
+        if running and fixed:  # checked against the student when the trainer was built: not re-checked mid-run
+            raise ValueError(
+                f"DistillationArguments.{', '.join(fixed)} changed during training: only "
+                f"{', '.join(FIELDS)} and the weights of distill_terms can change while a run trains (through "
+                "trainer.settings.set or a callback's distill_settings). Set it before training starts."
+            )
         for name in changed:
             value = copy.deepcopy(getattr(args, name))
             self._source[name] = copy.deepcopy(value)

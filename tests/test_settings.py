@@ -92,3 +92,35 @@ def test_a_loss_field_set_on_the_arguments_during_training_is_taken_over(tmp_pat
     trainer.args.kd_weight = -1.0  # the same checks as the arguments' own
     with pytest.raises(ValueError, match="must be >= 0"):
         trainer.settings.follow(trainer.args)
+
+
+def test_a_field_that_cannot_change_while_training_is_refused_when_set_mid_run(tmp_path):
+    """jsd_beta / skew_alpha / kd_token_mask were checked against the student when the trainer was built: set on the
+    arguments mid-run they are refused, not taken over unchecked."""
+    from transformers import TrainerCallback
+
+    class Beta(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                args.jsd_beta = 0.3
+
+    a = args(tmp_path, max_steps=3, kd_loss="kl")
+    trainer = DistillationTrainer(model=llama(0), teacher_model=llama(1), args=a, train_dataset=sft_rows(16),
+                                  data_collator=labelled_collate, callbacks=[Beta()])
+    with pytest.raises(ValueError, match=r"jsd_beta changed during training"):
+        trainer.train()
+
+
+def test_a_step_whose_every_weight_a_callback_set_to_0_names_the_weights(tmp_path):
+    """The callbacks guide's warm-up from 0 on a KD-only run: the error says the weights are 0 (it blamed labels)."""
+    from transformers import TrainerCallback
+
+    class WarmFromZero(TrainerCallback):
+        def on_step_begin(self, args, state, control, distill_settings=None, **kwargs):
+            distill_settings.set("kd_weight", min(1.0, state.global_step / 100))
+
+    a = args(tmp_path, max_steps=2, kd_weight=1.0, task_weight=0.0)
+    trainer = DistillationTrainer(model=llama(0), teacher_model=llama(1), args=a, train_dataset=sft_rows(16),
+                                  data_collator=labelled_collate, callbacks=[WarmFromZero()])
+    with pytest.raises(ValueError, match=r"Every loss weight is 0 at this step \(kd_weight=0.0, task_weight=0.0"):
+        trainer.train()
