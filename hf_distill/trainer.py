@@ -115,6 +115,8 @@ class DistillationMixin(ProjectionTraining):
             teachers = teacher_model if isinstance(teacher_model, list | tuple) else [teacher_model]
             check_generation_data(self.args, self._prompt_collator(), self.train_dataset, self.model,
                                   [t for t in teachers if t is not None])
+        # cross_tokenizer's chat rows: read before the Distiller loads a teacher given by path
+        check_first_rows(self.data_collator, self.train_dataset, self.eval_dataset)
         self.distiller = Distiller(
             self.model, self.args, teacher_model, processing_class=self.processing_class,
             teacher_processing_class=teacher_processing_class, train_dataset=self.train_dataset,
@@ -127,7 +129,6 @@ class DistillationMixin(ProjectionTraining):
             self.add_callback(_ClearProjectionGradients(self._projections()))
         self._check_projection_optimizer()
         self.data_collator = TeacherOutputsCollator(self.data_collator)
-        check_first_rows(self.data_collator, self.train_dataset, self.eval_dataset)  # cross_tokenizer's chat rows
         if self.args.eval_with_teacher and self.eval_dataset is not None:
             evals = self.eval_dataset if isinstance(self.eval_dataset, dict) else {"eval": self.eval_dataset}
             for name, data in evals.items():
