@@ -30,6 +30,11 @@ $(VENV)/.installed: pyproject.toml
 	# DeepSpeed compiles its CPU communication op on first use (about a minute): build it once here, not inside
 	# the ZeRO-3 test's time limit.
 	$(BIN)/python -c "from deepspeed.accelerator import get_accelerator; get_accelerator().create_op_builder('ShareMemCommBuilder').load()"
+	# espeak-ng (a Debian package) synthesises the offline speech data of the audio and Whisper tests; installed
+	# when this is a Debian machine where we are root, else those tests skip and say why.
+	command -v espeak-ng >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		{ apt-get install -y -q espeak-ng >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && \
+		  apt-get install -y -q espeak-ng >/dev/null 2>&1; }; } || echo "espeak-ng not installed: speech tests will skip"; }
 	touch $@
 
 demo: setup
