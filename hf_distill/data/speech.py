@@ -35,7 +35,7 @@ def espeak_ng() -> str | None:
 def require_espeak() -> str:
     found = espeak_ng()
     if found is None:
-        raise RuntimeError("espeak-ng is not installed: `apt-get install espeak-ng` (a Debian package) - it synthesises "
+        raise RuntimeError("espeak-ng is not installed: `apt-get install espeak-ng` (a Debian package): it makes "
                            "the offline speech data")
     return found
 
