@@ -196,7 +196,7 @@ class _SparseKDHead(torch.autograd.Function):
         stats = h_s.new_zeros(4, n, dtype=torch.float32)  # lse_s(T), lse_s(1), divergence statistic, tail shift
         shift_k = h_s.new_zeros(n, ids.shape[1], dtype=torch.float32) if spec is not None else None
         sums = h_s.new_zeros(2, dtype=torch.float32)
-        row_stats = _elementwise(_sparse_row_stats, h_s.device)
+        row_stats = _triton_or(h_s.device, "row_stats") or _elementwise(_sparse_row_stats, h_s.device)
 
         def chunk_stats(rows: slice, zs: torch.Tensor):
             lse1, ce, lse_a, log_q = row_stats(zs, ids[rows] if spec is not None else None,
@@ -226,14 +226,30 @@ class _SparseKDHead(torch.autograd.Function):
         s_head, spec, vocab, chunk, dtype_s = ctx.args
         kind, T, beta, alpha = _spec_args(spec)
         grad_block = _elementwise(_sparse_grad_block, h_s.device)
+        kernel = _triton_or(h_s.device, "grad_block")
 
         def block_grad(block: slice, zs: torch.Tensor, w_kd, w_ce, dtype: torch.dtype):
-            shift = _block_shift(ids, shift_k, stats[3], block) if spec is not None and block.start < vocab else None
+            kd_here = spec is not None and block.start < vocab
+            if kernel is not None:  # the shifts from the ids on the GPU: no (rows, columns) shift block
+                return kernel(zs, ids if kd_here else None, shift_k, stats[3], block.start, targets, stats[1], w_ce,
+                              stats[0], stats[2], w_kd, kind, T, beta, alpha, s_head.scale, s_head.cap, dtype)
+            shift = _block_shift(ids, shift_k, stats[3], block) if kd_here else None
             return grad_block(zs, shift, block.start, targets, stats[1], w_ce, stats[0], stats[2], w_kd,
                               kind if shift is not None else None, T, beta, alpha, s_head.scale, s_head.cap, dtype)
 
         return _backward_walk(ctx, grad, h_s, w_s, b_s, s_head, spec, targets, kd_rows, ce_rows, vocab, chunk,
                               dtype_s, _NO_SECOND_DERIVATIVE, block_grad)
+
+
+def _triton_or(device: torch.device, name: str):
+    """The Triton kernel `name` of :mod:`hf_distill.losses.triton_sparse` on CUDA (the dense head's switches:
+    `HF_DISTILL_TRITON=0` or `HF_DISTILL_COMPILE=0` turn it off), else None (the row math above)."""
+    import os
+
+    from . import triton_sparse
+
+    on = os.environ.get("HF_DISTILL_COMPILE", "1") != "0" and os.environ.get("HF_DISTILL_TRITON", "1") != "0"
+    return getattr(triton_sparse, name) if on and triton_sparse.available(device) else None
 
 
 # ---------------------------------------------------------------------------------------------- the module route
