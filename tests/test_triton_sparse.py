@@ -101,7 +101,8 @@ head = torch.nn.Linear(hdim, vocab + pad)
 with torch.no_grad():
     head.weight.copy_(torch.randn(vocab + pad, hdim, generator=g) * 0.8)
     head.bias.copy_(torch.randn(vocab + pad, generator=g) * 0.1)
-    t_logits = (h[:, :-1].double() + 0.1 * torch.randn(b, t - 1, hdim, generator=g).double()) @ head.weight[:vocab].T.double()
+    h_t = h[:, :-1].double() + 0.1 * torch.randn(b, t - 1, hdim, generator=g).double()
+    t_logits = h_t @ head.weight[:vocab].T.double()
 teacher = tuple(x.float() if x.is_floating_point() else x for x in losses.topk_with_tail(t_logits, 24, 2.0))
 kd_mask = torch.rand(b, t - 1, generator=g) > 0.2
 labels = torch.randint(0, vocab + pad, (b, t - 1), generator=g).masked_fill(torch.rand(b, t - 1, generator=g) < 0.2,
