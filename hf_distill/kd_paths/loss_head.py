@@ -38,13 +38,29 @@ def chunk_size(ctx: PathContext, student: nn.Module) -> int | None:
     hidden states is checked on the model being trained, at its first training step (`LossHead.bind`)."""
     asked = ctx.args.kd_chunk_size
     why = _refusal(ctx, student)
+    _check_head_mode(ctx, why)
     if why is not None:
         if asked is not None:
             raise ValueError(f"kd_chunk_size={asked} cannot be honoured: {why}. Leave kd_chunk_size unset.")
         if ctx.head is Head.CAUSAL_LM:
             logger.warning("Causal-LM logits are computed whole (not in chunks): %s.", why)
         return None
-    return asked if asked is not None else chunked.default_chunk(unwrap(student).config.vocab_size)
+    vocab = unwrap(student).config.vocab_size
+    return asked if asked is not None else chunked.default_chunk(vocab, getattr(ctx.args, "kd_head_mode", "recompute"))
+
+
+def _check_head_mode(ctx: PathContext, why: str | None) -> None:
+    """`kd_head_mode='fused'` is honoured by the loss head's direct route only: refused (before any training) where
+    the loss head does not run or calls the LM heads as modules (engines; a head that is not a plain nn.Linear is
+    refused at the first step, by hf_distill.losses.fused_grads, once the head is seen)."""
+    mode = getattr(ctx.args, "kd_head_mode", "recompute")
+    if mode != "fused":
+        return
+    engine = str(getattr(ctx.accelerator, "distributed_type", ""))
+    if why is None and (engine.endswith("DEEPSPEED") or engine.endswith("FSDP")):
+        why = "under DeepSpeed or FSDP the LM heads are called as modules, whose gradients autograd forms"
+    if why is not None:
+        raise ValueError(f"kd_head_mode='fused' cannot be honoured: {why}. Use kd_head_mode='recompute'.")
 
 
 def _refusal(ctx: PathContext, student: nn.Module) -> str | None:
@@ -149,7 +165,15 @@ class LossHead(KDPath):
     def _head(self, s_hidden, t_logits, t_hidden, kd_mask, ce_labels, kd_fn):
         teacher = self.t_head if t_hidden is not None else (shift(t_logits) if t_logits is not None else None)
         return chunked.chunked_kd_and_ce(s_hidden, self.s_head, teacher, t_hidden, kd_mask, ce_labels, kd_fn,
-                                         self.ctx.chunk, self.ctx.shared_vocab, route=self.ctx.route)
+                                         self.ctx.chunk, self.ctx.shared_vocab, route=self.ctx.route,
+                                         fused=self._fused())
+
+    def _fused(self) -> tuple[float, float] | None:
+        """kd_head_mode='fused': the weights the loss puts on the KD and CE means (the loss head forms the gradients
+        for them in its forward; other weights are recomputed exactly, hf_distill.losses.fused_grads)."""
+        if getattr(self.ctx.args, "kd_head_mode", "recompute") != "fused":
+            return None
+        return float(self.ctx.settings.kd_weight), float(self.ctx.settings.task_weight)
 
 
 @register_path
@@ -162,7 +186,7 @@ class SparseHead(LossHead):
 
     def _head(self, s_hidden, t_logits, t_hidden, kd_mask, ce_labels, kd_fn):
         return sparse_head.sparse_kd_and_ce(s_hidden, self.s_head, shift(t_logits), kd_mask, ce_labels, kd_fn,
-                                            self.ctx.chunk, self.ctx.shared_vocab, self.ctx.route)
+                                            self.ctx.chunk, self.ctx.shared_vocab, self.ctx.route, self._fused())
 
 
 def _unsharded(model: nn.Module):

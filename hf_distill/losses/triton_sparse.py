@@ -4,7 +4,7 @@ dense head's (:mod:`hf_distill.losses.triton_head`). :func:`hf_distill.losses.sp
 CPU interpreter where triton is installed (tests/test_triton_sparse.py) and on a GPU (`benchmarks/gpu_checks.sh`).
 
 Forward (:func:`row_stats`): the k ids' logits (and the CE's target logit) are gathered first, then the ids' columns
-of the chunk's float32 logits are set to -inf in place (the forward never reads a chunk again), and one program per
+of the chunk's float32 logits are set to -inf in place (restored after: k writes per row), and one program per
 row walks the row once with two online logsumexps: the tail's at T over the first `vocab` columns and, where the CE
 needs another normaliser, at T = 1 over every column. The student's normaliser is then the tail's plus the k ids'
 (a sum of two positive parts: exact however much mass the k ids hold, as the reference's masked logsumexp).
@@ -124,7 +124,7 @@ if triton is not None:
 def row_stats(zs: torch.Tensor, ids: torch.Tensor | None, targets: torch.Tensor | None, temperature: float,
               vocab: int):
     """The Triton version of :func:`hf_distill.losses.sparse_head._sparse_row_stats` (same arguments, same results).
-    Overwrites the ids' columns of `zs` with -inf (the forward's chunk of logits, not read again)."""
+    The ids' columns of `zs` are -inf during the kernel's walk, and restored after it."""
     if ids is None:  # the CE alone: the dense head's kernel
         from . import triton_head
 
@@ -141,6 +141,7 @@ def row_stats(zs: torch.Tensor, ids: torch.Tensor | None, targets: torch.Tensor 
     if n:
         _tail_lse_kernel[(n,)](zs, zs.stride(0), out, n, n_cols, vocab, inv_t, HAS_ONE=has_one, BLOCK=_BLOCK,
                                num_warps=_WARPS)
+    zs.scatter_(-1, ids, z_ids)  # the chunk as it was (the fused mode forms its gradient from it next)
     a_ids = z_ids * inv_t if temperature != 1.0 else z_ids
     rest = out[0]
     lse_a = torch.logaddexp(rest, torch.logsumexp(a_ids, -1))
