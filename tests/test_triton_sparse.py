@@ -109,11 +109,13 @@ labels = torch.randint(0, vocab + pad, (b, t - 1), generator=g).masked_fill(torc
                                                                               -100)
 h, head, kd_mask, labels = h.to(device), head.to(device), kd_mask.to(device), labels.to(device)
 teacher = tuple(x.to(device) for x in teacher)
-for kind, scale, cap in (("kl", 1.0, None), ("jsd", 0.5, 3.0), ("skew_reverse_kl", 1.0, None), ("tvd", 1.0, None)):
+for (kind, scale, cap), fused in zip((("kl", 1.0, None), ("jsd", 0.5, 3.0), ("skew_reverse_kl", 1.0, None),
+                                      ("tvd", 1.0, None)), (None, (0.6, 0.4), (0.6, 0.4), None)):
     x = h.clone().requires_grad_(True)
     head.zero_grad(set_to_none=True)
     kd, ce = sparse_head.sparse_kd_and_ce(x, chunked.LogitsHead(head, scale, cap), teacher, kd_mask, labels,
-                                          chunked.dense_kd(kind, 2.0, 0.3, 0.2), 16, vocab=vocab, route="direct")
+                                          chunked.dense_kd(kind, 2.0, 0.3, 0.2), 16, vocab=vocab, route="direct",
+                                          fused=fused)  # fused: the gradient kernels on token chunks, in the forward
     (0.6 * kd + 0.4 * ce).backward()
     x64 = h.detach().double().requires_grad_(True)
     w64 = head.weight.detach().double().requires_grad_(True)
@@ -129,6 +131,33 @@ for kind, scale, cap in (("kl", 1.0, None), ("jsd", 0.5, 3.0), ("skew_reverse_kl
     for got, want in ((x.grad, x64.grad), (head.weight.grad, w64.grad), (head.bias.grad, b64.grad)):
         assert float((got.double().cpu() - want.cpu()).norm() / want.norm()) < 1e-5, kind
 assert len(calls) >= 8, calls
+
+# ---- the dense head's fused mode through its kernels (triton_head), padded student vocabulary, against float64
+calls.clear()
+for name in ("row_stats", "grad_block"):
+    kernel = getattr(triton_head, name)
+    setattr(triton_head, name, lambda *a, _k=kernel, **kw: calls.append(1) or _k(*a, **kw))
+t_head = torch.nn.Linear(hdim, vocab, bias=False).to(device)
+with torch.no_grad():
+    t_head.weight.copy_(head.weight[:vocab] + 0.2 * torch.randn(vocab, hdim, generator=g).to(device))
+h_t = h + 0.1 * torch.randn(h.shape, generator=g).to(device)
+for kind in ("jsd", "skew_kl"):
+    x = h.clone().requires_grad_(True)
+    head.zero_grad(set_to_none=True)
+    kd, ce = chunked.chunked_kd_and_ce(x, chunked.LogitsHead(head), chunked.LogitsHead(t_head), h_t, kd_mask, labels,
+                                       chunked.dense_kd(kind, 2.0, 0.3, 0.2), 16, vocab, "direct", fused=(0.6, 0.4))
+    (0.6 * kd + 0.4 * ce).backward()
+    x64 = h.detach().double().requires_grad_(True)
+    w64 = head.weight.detach().double().requires_grad_(True)
+    b64 = head.bias.detach().double().requires_grad_(True)
+    z = x64[:, :-1] @ w64.T + b64
+    zt = h_t[:, :-1].double() @ t_head.weight.detach().double().T
+    kd64 = losses.logit_kd_loss(kind, z[..., :vocab], zt, 2.0, mask=kd_mask, beta=0.3, alpha=0.2)
+    ce64 = torch.nn.functional.cross_entropy(z.reshape(-1, vocab + pad), labels.reshape(-1), ignore_index=-100)
+    (0.6 * kd64 + 0.4 * ce64).backward()
+    for got, want in ((x.grad, x64.grad), (head.weight.grad, w64.grad), (head.bias.grad, b64.grad)):
+        assert float((got.double().cpu() - want.cpu()).norm() / want.norm()) < 1e-5, kind
+assert len(calls) >= 2 * 3 * 3, calls  # 3 chunks of 16: row statistics and two gradient blocks (padded columns) each
 print("ok")
 """
 
@@ -141,7 +170,9 @@ def test_sparse_head_triton_kernels_equal_the_reference_and_float64(tmp_path, wh
     mass; k = vocabulary; the CE alone) and backward kernels (a block with ids inside, at its edges and outside; CE
     targets inside and outside; soft cap, scale, bf16 and float32 output) against sparse_head's PyTorch row math for
     every divergence, then the whole head through them (padded student vocabulary, bias, rows counted by one term
-    only) against float64 whole logits. `-k triton` in benchmarks/gpu_checks.sh runs the [cuda] case."""
+    only) against float64 whole logits, in both modes (kd_head_mode 'fused': the gradient kernels on token chunks in
+    the forward), and the dense head's fused mode through its own kernels. `-k triton` in benchmarks/gpu_checks.sh
+    runs the [cuda] case."""
     pytest.importorskip("triton")
     if where == "interpreter":
         _skip_unless_the_interpreter_runs(tmp_path)
