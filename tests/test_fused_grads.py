@@ -220,3 +220,37 @@ def test_cuda_fused_mode_bf16_within_half_a_percent_of_float64(teacher):
                      WEIGHTS, WEIGHTS, chunk=64)
     for g, r in zip(got, want, strict=True):
         assert _relative(g.cpu(), r) < 5e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mask", ["labels", "attention"])
+def test_trainer_training_in_fused_mode_equals_the_default_mode(tmp_path, logits_calls, mask, caplog):
+    """Two SGD steps with gradient accumulation 2 (each term a mean over its step's tokens) on prompt-masked rows:
+    kd_head_mode='fused' gives the default mode's weights and logged losses (1e-6). Where the KD and CE count the same
+    tokens (kd_token_mask='labels') the fused gradients are used as formed; where they count different shares of the
+    micro-batches' tokens ('attention': the prompts too), the backward recomputes, saying so."""
+    from helpers import flat_params
+
+    from hf_distill import DistillationTrainer
+
+    fused_grads._WARNED.clear()
+    runs = []
+    for mode in ("fused", "recompute"):
+        before = logits_calls["recompute"]
+        trainer = DistillationTrainer(
+            model=llama(0), teacher_model=llama(1),
+            args=args(tmp_path / mode, max_steps=2, optim="sgd", learning_rate=0.5, kd_loss="jsd", kd_weight=0.6,
+                      task_weight=0.4, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                      kd_token_mask=mask, kd_head_mode=mode),
+            train_dataset=sft_rows(16), data_collator=labelled_collate)
+        with caplog.at_level("WARNING"):
+            trainer.train()
+        recomputed = logits_calls["recompute"] - before
+        runs.append(trainer)
+        if mode == "fused":
+            assert (recomputed == 0) == (mask == "labels"), recomputed
+            assert ("recomputed the gradient" in caplog.text) == (mask != "labels")
+    fused, default = runs
+    torch.testing.assert_close(flat_params(fused.model), flat_params(default.model), atol=1e-6, rtol=0)
+    for a, b in zip(*([r for r in t.state.log_history if "loss" in r] for t in runs), strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
