@@ -254,3 +254,15 @@ def test_trainer_training_in_fused_mode_equals_the_default_mode(tmp_path, logits
     torch.testing.assert_close(flat_params(fused.model), flat_params(default.model), atol=1e-6, rtol=0)
     for a, b in zip(*([r for r in t.state.log_history if "loss" in r] for t in runs), strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+
+
+def test_fused_mode_is_refused_with_a_lora_wrapped_lm_head(tmp_path):
+    """A LoRA-wrapped LM head is called as a module (autograd forms its gradients): refused when the trainer is built.
+    (LoRA on the attention only keeps a plain, frozen head: fused, it forms the hidden states' gradient alone.)"""
+    from peft import LoraConfig, get_peft_model
+
+    student = get_peft_model(llama(0), LoraConfig(r=4, target_modules=["lm_head", "q_proj"], lora_dropout=0.0))
+    with pytest.raises(ValueError, match="kd_head_mode='fused' cannot be honoured: the student's LM head"):
+        Distiller(student, args(tmp_path, kd_head_mode="fused"), llama(1))
+    attention_only = get_peft_model(llama(0), LoraConfig(r=4, target_modules=["q_proj"], lora_dropout=0.0))
+    Distiller(attention_only, args(tmp_path, kd_head_mode="fused"), llama(1))

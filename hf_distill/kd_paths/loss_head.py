@@ -38,7 +38,7 @@ def chunk_size(ctx: PathContext, student: nn.Module) -> int | None:
     hidden states is checked on the model being trained, at its first training step (`LossHead.bind`)."""
     asked = ctx.args.kd_chunk_size
     why = _refusal(ctx, student)
-    _check_head_mode(ctx, why)
+    _check_head_mode(ctx, student, why)
     if why is not None:
         if asked is not None:
             raise ValueError(f"kd_chunk_size={asked} cannot be honoured: {why}. Leave kd_chunk_size unset.")
@@ -49,16 +49,21 @@ def chunk_size(ctx: PathContext, student: nn.Module) -> int | None:
     return asked if asked is not None else chunked.default_chunk(vocab, getattr(ctx.args, "kd_head_mode", "recompute"))
 
 
-def _check_head_mode(ctx: PathContext, why: str | None) -> None:
-    """`kd_head_mode='fused'` is honoured by the loss head's direct route only: refused (before any training) where
-    the loss head does not run or calls the LM heads as modules (engines; a head that is not a plain nn.Linear is
-    refused at the first step, by hf_distill.losses.fused_grads, once the head is seen)."""
+def _check_head_mode(ctx: PathContext, student: nn.Module, why: str | None) -> None:
+    """`kd_head_mode='fused'` is honoured by the loss head's direct route only: refused before training where the
+    loss head does not run or calls the LM heads as modules (engines; an LM head that is not a plain nn.Linear, here
+    for the models given, and by hf_distill.losses.fused_grads at the first step for one a `model_init` returns)."""
     mode = getattr(ctx.args, "kd_head_mode", "recompute")
     if mode != "fused":
         return
     engine = str(getattr(ctx.accelerator, "distributed_type", ""))
     if why is None and (engine.endswith("DEEPSPEED") or engine.endswith("FSDP")):
         why = "under DeepSpeed or FSDP the LM heads are called as modules, whose gradients autograd forms"
+    for role, model in (("student", student), *(("teacher", t) for t in ctx.teachers)):
+        head = unwrap(model).get_output_embeddings() if why is None else None
+        if head is not None and not chunked.LogitsHead(head).direct:
+            why = (f"the {role}'s LM head ({type(head).__name__}) is not a plain nn.Linear (e.g. LoRA-wrapped), so it "
+                   "is called as a module, whose gradients autograd forms")
     if why is not None:
         raise ValueError(f"kd_head_mode='fused' cannot be honoured: {why}. Use kd_head_mode='recompute'.")
 
