@@ -159,6 +159,7 @@ def test_fused_mode_is_refused_on_the_module_route():
 
 def test_fused_default_chunk_is_four_times_longer():
     assert chunked.default_chunk(128_256) == 256 and chunked.default_chunk(128_256, "fused") == 1024
+    assert chunked.default_chunk(1000) == 4096 and chunked.default_chunk(1000, "fused") == 16384
 
 
 # ---------------------------------------------------------------------- the trainer's argument
@@ -174,6 +175,7 @@ def test_trainer_step_in_fused_mode_equals_the_default_mode(tmp_path, logits_cal
         student = llama(0).train()
         run = args(tmp_path / mode, kd_loss="jsd", kd_weight=0.6, task_weight=0.4, kd_head_mode=mode)
         distiller = Distiller(student, run, llama(1))
+        assert distiller.paths.chunk == chunked.default_chunk(student.config.vocab_size, mode)
         before = logits_calls["recompute"]
         loss = distiller.compute_loss(student, dict(batch))
         loss.backward()
