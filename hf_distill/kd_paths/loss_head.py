@@ -164,21 +164,24 @@ class LossHead(KDPath):
         # Mixed precision: accelerate's autocast covers the models' forwards, not this code; the LM heads multiply in
         # the dtype they would inside the forward (bf16/fp16 operands, float32 outputs), not in the weights' float32.
         with autocast(ctx.accelerator):
-            kd, ce = self._head(chunked.last_hidden(batch.outputs), t_logits, t_hidden, kd_mask, ce_labels, kd_fn)
+            kd, ce = self._head(chunked.last_hidden(batch.outputs), t_logits, t_hidden, kd_mask, ce_labels, kd_fn,
+                                self._fused(batch))
         return kd, (ctx.task.with_router_loss(batch.inner, batch.outputs, ce) if ce is not None else None)
 
-    def _head(self, s_hidden, t_logits, t_hidden, kd_mask, ce_labels, kd_fn):
+    def _head(self, s_hidden, t_logits, t_hidden, kd_mask, ce_labels, kd_fn, fused):
         teacher = self.t_head if t_hidden is not None else (shift(t_logits) if t_logits is not None else None)
         return chunked.chunked_kd_and_ce(s_hidden, self.s_head, teacher, t_hidden, kd_mask, ce_labels, kd_fn,
-                                         self.ctx.chunk, self.ctx.shared_vocab, route=self.ctx.route,
-                                         fused=self._fused())
+                                         self.ctx.chunk, self.ctx.shared_vocab, route=self.ctx.route, fused=fused)
 
-    def _fused(self) -> tuple[float, float] | None:
-        """kd_head_mode='fused': the weights the loss puts on the KD and CE means (the loss head forms the gradients
-        for them in its forward; other weights are recomputed exactly, hf_distill.losses.fused_grads)."""
+    def _fused(self, batch: PathBatch) -> tuple[float, float] | None:
+        """kd_head_mode='fused': the weights the loss puts on the KD and CE means, each term's weight times its
+        step-mean share (the loss head forms the gradients for them in its forward; a loss weighted otherwise is
+        recomputed exactly, hf_distill.losses.fused_grads)."""
         if getattr(self.ctx.args, "kd_head_mode", "recompute") != "fused":
             return None
-        return float(self.ctx.settings.kd_weight), float(self.ctx.settings.task_weight)
+        settings = self.ctx.settings
+        return (float(settings.kd_weight) * batch.scales.get("kd", 1.0),
+                float(settings.task_weight) * batch.scales.get("labels", 1.0))
 
 
 @register_path
@@ -189,9 +192,9 @@ class SparseHead(LossHead):
     priority = 21
     forms = (SIGNAL,)
 
-    def _head(self, s_hidden, t_logits, t_hidden, kd_mask, ce_labels, kd_fn):
+    def _head(self, s_hidden, t_logits, t_hidden, kd_mask, ce_labels, kd_fn, fused):
         return sparse_head.sparse_kd_and_ce(s_hidden, self.s_head, shift(t_logits), kd_mask, ce_labels, kd_fn,
-                                            self.ctx.chunk, self.ctx.shared_vocab, self.ctx.route, self._fused())
+                                            self.ctx.chunk, self.ctx.shared_vocab, self.ctx.route, fused)
 
 
 def _unsharded(model: nn.Module):

@@ -13,10 +13,10 @@ chunk is 4x longer (:func:`hf_distill.losses.chunked.default_chunk`), since each
 buffer once: 1,024 tokens at V = 128,256, whose float32 student and teacher logits take 0.5 GiB each.
 
 The forward forms the gradient of `c_kd * KD sum + c_ce * CE sum` for the coefficients it is given (the caller's
-weights over each term's counted rows). A backward whose upstream gradient is a multiple of those coefficients (a loss
-scale, gradient accumulation's division) scales the kept gradients; any other (the two terms weighted otherwise than
-announced) is not approximated: the backward recomputes the gradient as the default mode does (exact, slower), with a
-warning once.
+weights over each term's counted rows: the trainer's `kd_weight` and `task_weight` times each term's step-mean
+share). A backward whose upstream gradient is a multiple of those coefficients (a loss scale) scales the kept
+gradients; any other (the two terms weighted otherwise than announced) is not approximated: the backward recomputes
+the gradient as the default mode does (exact, slower), with a warning once.
 """
 
 from __future__ import annotations
