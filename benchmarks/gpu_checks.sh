@@ -54,7 +54,7 @@ for s in ${STEPS:-causal_lm_gpu head_modes kd_precision cuda_tests distributed_g
     llm_throughput) step llm_throughput 560 $PY benchmarks/llm_throughput_gpu.py --kd_head_mode both --out "$OUT" ;;
     head_modes) step head_modes 200 $PY benchmarks/head_modes_gpu.py --out "$OUT" ;;
     kd_precision) step kd_precision 150 $PY benchmarks/kd_precision.py --device cuda --out "$OUT" ;;
-    cuda_tests) step cuda_tests 150 $PY -m pytest -q -p no:cacheprovider -k "cuda or triton" tests/test_mixed_precision.py \
+    cuda_tests) step cuda_tests 240 $PY -m pytest -q -p no:cacheprovider -k "cuda or triton" tests/test_mixed_precision.py \
       tests/test_chunked.py tests/test_sparse_head.py tests/test_triton_sparse.py tests/test_fused_grads.py ;;
     distributed_gpu)
       step distributed_gpu 200 env PYTHON=$PY bash benchmarks/distributed_gpu.sh
