@@ -5,15 +5,22 @@
 #      benchmarks/head_profile.py       (step head_profile, not in the default list) each part of the head timed
 #                                       alone and a kernel table, to see where its time goes
 #      benchmarks/llm_throughput_gpu.py (step llm_throughput, not in the default list) off-policy KD of a ~1B
-#                                       student from a ~1B teacher vs student-only SFT, tokens/s (#32 item 5)
+#                                       student from a ~1B teacher vs student-only SFT, tokens/s (#32 item 5), with
+#                                       a second KD run in kd_head_mode="fused" (#41 item 6: target KD/SFT <= 1.30)
+#      benchmarks/head_modes_gpu.py     (step head_modes, in the default list) the sparse (top-k + tail) head at
+#                                       k = 64 and 256 beside the dense head, Liger-Kernel and TRL, and the fused
+#                                       mode beside the floor, time + peak + bf16 gradients vs float64 (#41 items 5-6;
+#                                       `--tiny` checks it on a CPU)
 #   2. benchmarks/kd_precision.py       bf16 gradients against float64 at 4,096 x 2,048 x 65,536 (issue #29)
-#   3. the CUDA tests                   tests/test_mixed_precision.py, tests/test_chunked.py on the GPU machine
+#   3. the CUDA tests                   tests/test_mixed_precision.py, tests/test_chunked.py, test_sparse_head.py,
+#                                       test_triton_sparse.py (the sparse head's kernels, #41 item 5) and
+#                                       test_fused_grads.py (kd_head_mode="fused") on the GPU machine
 #                                       (`-k "cuda or triton"`: with the loss head's walk through the real Triton
 #                                       kernels against float64, test_loss_head_through_the_triton_kernels_...[cuda];
 #                                       the [interpreter] variants skip, with the reason, where Triton's CPU
 #                                       interpreter cannot run a kernel: Triton 3.6 with numpy >= 2.3)
 #   4. benchmarks/distributed_gpu.sh    ZeRO-3 and FSDP2 through DistillationTrainer.train(), world_size 1 (#13)
-# STEPS="causal_lm_gpu kd_precision cuda_tests distributed_gpu" (the default) selects and orders them.
+# STEPS="causal_lm_gpu head_modes kd_precision cuda_tests distributed_gpu" (the default) selects and orders them.
 # The machine has torch but not datasets/deepspeed, and an older transformers: carry wheels in .gpuwheels
 # (see benchmarks/README.md, "GPU checks") and they are installed offline first. Results go to $OUT (or
 # benchmarks/results when OUT is unset); each step has its own time limit so one slow step cannot eat the rest.
@@ -40,14 +47,15 @@ step() {  # name, seconds, command...
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   echo "$name: rc=$? in $(( $(date +%s) - start )) s" >>"$log"
 }
-for s in ${STEPS:-causal_lm_gpu kd_precision cuda_tests distributed_gpu}; do
+for s in ${STEPS:-causal_lm_gpu head_modes kd_precision cuda_tests distributed_gpu}; do
   case $s in
     causal_lm_gpu) step causal_lm_gpu 220 $PY benchmarks/causal_lm_gpu.py --out "$OUT" --chunks ${CHUNKS:-256 512} ;;
     head_profile) step head_profile 150 $PY benchmarks/head_profile.py --out "$OUT" ;;
-    llm_throughput) step llm_throughput 420 $PY benchmarks/llm_throughput_gpu.py --out "$OUT" ;;
+    llm_throughput) step llm_throughput 560 $PY benchmarks/llm_throughput_gpu.py --kd_head_mode both --out "$OUT" ;;
+    head_modes) step head_modes 200 $PY benchmarks/head_modes_gpu.py --out "$OUT" ;;
     kd_precision) step kd_precision 150 $PY benchmarks/kd_precision.py --device cuda --out "$OUT" ;;
-    cuda_tests) step cuda_tests 150 $PY -m pytest -q -p no:cacheprovider -k "cuda or triton" tests/test_mixed_precision.py \
-      tests/test_chunked.py tests/test_sparse_head.py ;;
+    cuda_tests) step cuda_tests 240 $PY -m pytest -q -p no:cacheprovider -k "cuda or triton" tests/test_mixed_precision.py \
+      tests/test_chunked.py tests/test_sparse_head.py tests/test_triton_sparse.py tests/test_fused_grads.py ;;
     distributed_gpu)
       step distributed_gpu 200 env PYTHON=$PY bash benchmarks/distributed_gpu.sh
       cp benchmarks/results/distributed_gpu.json "$OUT/" 2>/dev/null

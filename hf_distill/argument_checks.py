@@ -74,6 +74,11 @@ def check_loss_fields(args: Any) -> None:
             f"DistillationArguments.kd_chunk_size must be a positive number of tokens, got {args.kd_chunk_size!r}. "
             "Leave it unset for the default."
         )
+    if args.kd_head_mode not in ("recompute", "fused"):
+        raise ValueError(
+            f"DistillationArguments.kd_head_mode must be 'recompute' (the default) or 'fused', got "
+            f"{args.kd_head_mode!r}."
+        )
 
 
 def check_model_fields(args: Any) -> None:

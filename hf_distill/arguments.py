@@ -113,6 +113,19 @@ class DistillationArguments(TrainingArguments):
             "label smoothing, several teachers); set: refused where it cannot be honoured. Must be > 0."
         },
     )
+    kd_head_mode: str = field(
+        default="recompute",
+        metadata={
+            "help": "Causal LMs, the loss head's speed/memory trade (issue #41 item 6). 'recompute' (default): the "
+            "backward recomputes both models' logits a vocabulary block at a time: six LM-head GEMMs, no buffer of "
+            "the head's size. 'fused': the gradients are formed in the forward, a token chunk at a time: four GEMMs, "
+            "at the cost of a float32 copy of the student LM head's weight gradient (V x H x 4 bytes: 2 GiB at "
+            "128,256 x 4,096) held from the forward to the backward, and a default kd_chunk_size 4x longer (1,024 "
+            "tokens at V = 128,256: its float32 logits take 0.5 GiB per model). Gradients as exact as the default. "
+            "Refused where the loss head does not run (whole logits), under DeepSpeed or FSDP, and with an LM head "
+            "that is not a plain nn.Linear (a LoRA-wrapped head): the heads are called as modules there."
+        },
+    )
     jsd_beta: float | None = field(
         default=None,
         metadata={

@@ -320,7 +320,8 @@ class Distiller:
         s_out, s_feats, head = self._student_forward(model, student, inputs, distill, path,
                                                      want_task and not own_task and path.whole_logits)
         kd, task = path.loss(PathBatch(model, student.inner, s_out, head, teacher, inputs, cached, want_task,
-                                       lambda: self.task.loss(s_out, inputs, head, num_items_in_batch, step_mean)))
+                                       lambda: self.task.loss(s_out, inputs, head, num_items_in_batch, step_mean),
+                                       self._mean_scales(head, local)))
         components: dict[str, torch.Tensor] = {}
         weights: dict[str, float] = {}
         if task is not None:
@@ -386,6 +387,12 @@ class Distiller:
         if kind == "labels" and count == 0:  # no counted label: adds nothing (a model's own mean over none is NaN)
             return _zero_like_graph(s_out)
         return value * self._step.scale(kind, count)
+
+    def _mean_scales(self, head: Head, local) -> dict[str, float]:
+        """The factors `_scaled` puts on the KD and task means (kd_head_mode="fused" forms its gradients for them)."""
+        if local is None or head not in TOKEN_LEVEL:
+            return {}
+        return {kind: self._step.scale(kind, float(local[COUNT_KINDS.index(kind)])) for kind in ("kd", "labels")}
 
     def _intermediate_terms(self, s_feats, t_feats, inputs, local) -> dict[str, torch.Tensor]:
         decoder_mask = decoder_positions(inputs, self._token_labels) if self._head is Head.SEQ2SEQ_LM else None

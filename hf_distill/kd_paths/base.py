@@ -89,6 +89,8 @@ class PathBatch:
     cached: dict[str, torch.Tensor]
     want_task: bool
     task: Callable[[], torch.Tensor]
+    # the factor the loss puts on each token-level term's mean ("kd", "labels"; a step-mean share), where known
+    scales: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 class KDPath(abc.ABC):

@@ -38,13 +38,34 @@ def chunk_size(ctx: PathContext, student: nn.Module) -> int | None:
     hidden states is checked on the model being trained, at its first training step (`LossHead.bind`)."""
     asked = ctx.args.kd_chunk_size
     why = _refusal(ctx, student)
+    _check_head_mode(ctx, student, why)
     if why is not None:
         if asked is not None:
             raise ValueError(f"kd_chunk_size={asked} cannot be honoured: {why}. Leave kd_chunk_size unset.")
         if ctx.head is Head.CAUSAL_LM:
             logger.warning("Causal-LM logits are computed whole (not in chunks): %s.", why)
         return None
-    return asked if asked is not None else chunked.default_chunk(unwrap(student).config.vocab_size)
+    vocab = unwrap(student).config.vocab_size
+    return asked if asked is not None else chunked.default_chunk(vocab, getattr(ctx.args, "kd_head_mode", "recompute"))
+
+
+def _check_head_mode(ctx: PathContext, student: nn.Module, why: str | None) -> None:
+    """`kd_head_mode='fused'` is honoured by the loss head's direct route only: refused before training where the
+    loss head does not run or calls the LM heads as modules (engines; an LM head that is not a plain nn.Linear, here
+    for the models given, and by hf_distill.losses.fused_grads at the first step for one a `model_init` returns)."""
+    mode = getattr(ctx.args, "kd_head_mode", "recompute")
+    if mode != "fused":
+        return
+    engine = str(getattr(ctx.accelerator, "distributed_type", ""))
+    if why is None and (engine.endswith("DEEPSPEED") or engine.endswith("FSDP")):
+        why = "under DeepSpeed or FSDP the LM heads are called as modules, whose gradients autograd forms"
+    for role, model in (("student", student), *(("teacher", t) for t in ctx.teachers)):
+        head = unwrap(model).get_output_embeddings() if why is None else None
+        if head is not None and not chunked.LogitsHead(head).direct:
+            why = (f"the {role}'s LM head ({type(head).__name__}) is not a plain nn.Linear (e.g. LoRA-wrapped), so it "
+                   "is called as a module, whose gradients autograd forms")
+    if why is not None:
+        raise ValueError(f"kd_head_mode='fused' cannot be honoured: {why}. Use kd_head_mode='recompute'.")
 
 
 def _refusal(ctx: PathContext, student: nn.Module) -> str | None:
@@ -143,13 +164,24 @@ class LossHead(KDPath):
         # Mixed precision: accelerate's autocast covers the models' forwards, not this code; the LM heads multiply in
         # the dtype they would inside the forward (bf16/fp16 operands, float32 outputs), not in the weights' float32.
         with autocast(ctx.accelerator):
-            kd, ce = self._head(chunked.last_hidden(batch.outputs), t_logits, t_hidden, kd_mask, ce_labels, kd_fn)
+            kd, ce = self._head(chunked.last_hidden(batch.outputs), t_logits, t_hidden, kd_mask, ce_labels, kd_fn,
+                                self._fused(batch))
         return kd, (ctx.task.with_router_loss(batch.inner, batch.outputs, ce) if ce is not None else None)
 
-    def _head(self, s_hidden, t_logits, t_hidden, kd_mask, ce_labels, kd_fn):
+    def _head(self, s_hidden, t_logits, t_hidden, kd_mask, ce_labels, kd_fn, fused):
         teacher = self.t_head if t_hidden is not None else (shift(t_logits) if t_logits is not None else None)
         return chunked.chunked_kd_and_ce(s_hidden, self.s_head, teacher, t_hidden, kd_mask, ce_labels, kd_fn,
-                                         self.ctx.chunk, self.ctx.shared_vocab, route=self.ctx.route)
+                                         self.ctx.chunk, self.ctx.shared_vocab, route=self.ctx.route, fused=fused)
+
+    def _fused(self, batch: PathBatch) -> tuple[float, float] | None:
+        """kd_head_mode='fused': the weights the loss puts on the KD and CE means, each term's weight times its
+        step-mean share (the loss head forms the gradients for them in its forward; a loss weighted otherwise is
+        recomputed exactly, hf_distill.losses.fused_grads)."""
+        if getattr(self.ctx.args, "kd_head_mode", "recompute") != "fused":
+            return None
+        settings = self.ctx.settings
+        return (float(settings.kd_weight) * batch.scales.get("kd", 1.0),
+                float(settings.task_weight) * batch.scales.get("labels", 1.0))
 
 
 @register_path
@@ -160,9 +192,9 @@ class SparseHead(LossHead):
     priority = 21
     forms = (SIGNAL,)
 
-    def _head(self, s_hidden, t_logits, t_hidden, kd_mask, ce_labels, kd_fn):
+    def _head(self, s_hidden, t_logits, t_hidden, kd_mask, ce_labels, kd_fn, fused):
         return sparse_head.sparse_kd_and_ce(s_hidden, self.s_head, shift(t_logits), kd_mask, ce_labels, kd_fn,
-                                            self.ctx.chunk, self.ctx.shared_vocab, self.ctx.route)
+                                            self.ctx.chunk, self.ctx.shared_vocab, self.ctx.route, fused)
 
 
 def _unsharded(model: nn.Module):

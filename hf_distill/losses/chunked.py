@@ -54,6 +54,7 @@ from torch import nn
 
 from ..features.taps import unwrap
 from . import sparse_head
+from .fused_grads import sum_coefficients
 from .head_common import (  # noqa: F401 - LogitsHead, KDSpec, dense_kd, ...: re-exported (the public module)
     DIVERGENCES,
     KDSpec,
@@ -158,10 +159,13 @@ def _dense_kd_sum(teacher, from_hidden: bool, kd: KDSpec, vocab: int | None, z: 
 # ---------------------------------------------------------------------------------------------- entry point
 
 
-def default_chunk(vocab: int) -> int:
+def default_chunk(vocab: int, mode: str = "recompute") -> int:
     """Tokens per chunk when `kd_chunk_size` is unset: about 2^25 logits (128 MiB of float32) per chunk, between
-    64 and 4,096 tokens, a multiple of 64 (256 at V = 128,256: Liger-Kernel's chunk at that shape is the same)."""
-    return int(min(4096, max(64, (1 << 25) // max(vocab, 1) // 64 * 64)))
+    64 and 4,096 tokens, a multiple of 64 (256 at V = 128,256: Liger-Kernel's chunk at that shape is the same).
+    `mode="fused"` (`kd_head_mode`): 4x that (1,024 tokens at V = 128,256, at most 16,384): each chunk reads and
+    writes the float32 weight-gradient buffer once (:mod:`.fused_grads`), so fewer chunks move less memory."""
+    factor = 4 if mode == "fused" else 1
+    return int(min(4096 * factor, max(64, factor * (1 << 25) // max(vocab, 1) // 64 * 64)))
 
 
 def chunked_kd_and_ce(
@@ -175,6 +179,7 @@ def chunked_kd_and_ce(
     chunk_size: int,
     vocab: int | None = None,
     route: str = "auto",
+    fused: tuple[float, float] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Next-token KD (mean over `kd_mask` positions) and the student's cross-entropy (mean over `labels != -100`).
 
@@ -183,8 +188,10 @@ def chunked_kd_and_ce(
     `t_hidden`) or cached dense logits `(B, T-1, V)`. `kd` is a :func:`dense_kd` objective. `vocab` cuts the KD
     to the ids both models share (padded vocabularies of one family); the CE is always over the student's whole
     vocabulary, as the model's own loss. `route`: `"direct"`, `"module"` (engines: see the module docstring) or
-    `"auto"` (direct where both heads are plain linears). Returns `(kd, ce)`, each None when not asked for; both
-    are ordinary differentiable tensors.
+    `"auto"` (direct where both heads are plain linears). `fused`: the weights the caller will put on the two means,
+    `(kd weight, ce weight)`: the gradients are then formed in the forward (four LM-head GEMMs instead of six; a float32
+    copy of the student head's weight gradient: :mod:`.fused_grads`), direct route only. Returns `(kd, ce)`, each None
+    when not asked for; both are ordinary differentiable tensors (any weights: others than `fused` are exact too).
     """
     if kd is not None and not isinstance(kd, KDSpec):
         raise TypeError("kd must be an hf_distill.losses.chunked.dense_kd(...) objective")
@@ -193,7 +200,7 @@ def chunked_kd_and_ce(
                          "from whole logits (DistillationTrainer does, for kd_loss='mse', unless kd_chunk_size is set)")
     if isinstance(teacher, tuple | list):  # a (log_probs, indices, log_tail) signal: losses.sparse_head
         return sparse_head.sparse_kd_and_ce(s_hidden, student_head, teacher, kd_mask, labels, kd, chunk_size, vocab,
-                                            route)
+                                            route, fused)
     counted = counted_rows(s_hidden, kd_mask, labels, kd)
     from_hidden = t_hidden is not None
     t_head = teacher if from_hidden else None
@@ -206,6 +213,9 @@ def chunked_kd_and_ce(
             raise ValueError(f"The student's and teacher's vocabularies differ in size ({sorted(sizes)}): pass "
                              "vocab=<the number of ids they share> (padded vocabularies of one tokenizer).")
 
+    direct_ok = student_head.direct and (t_head is None or t_head.direct)
+    coeffs = sum_coefficients(fused, counted.n_kd, counted.n_ce, route, direct_ok)
+
     def direct():
         v = vocab if vocab is not None else student_head.module.weight.shape[0]
         w_t = t_head.module.weight if t_head is not None else None
@@ -213,11 +223,10 @@ def chunked_kd_and_ce(
         return _KDHead.apply(
             counted.hidden, student_head.module.weight, student_head.module.bias, t_source if from_hidden else None,
             w_t, b_t, None if (from_hidden or kd is None) else t_source, counted.targets, counted.is_kd,
-            counted.is_ce, student_head, t_head, kd, v, chunk_size)
+            counted.is_ce, student_head, t_head, kd, v, chunk_size, coeffs)
 
     def module():
         kd_sum = functools.partial(_dense_kd_sum, teacher, from_hidden, kd, vocab) if kd is not None else None
         return module_sums(student_head, kd_sum, counted, (t_source,), chunk_size)
 
-    direct_ok = student_head.direct and (t_head is None or t_head.direct)
     return head_means(s_hidden, counted, kd, labels, route, direct_ok, "plain nn.Linear LM heads", direct, module)

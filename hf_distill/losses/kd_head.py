@@ -20,6 +20,7 @@ import torch
 
 from ..compat import recompile_limit
 from . import divergences as losses
+from .fused_grads import Fused, by_columns
 from .head_common import (  # noqa: F401 - re-exported: `kd_head.mm_f32`, ... (tests, benchmarks)
     DIVERGENCES,
     KDSpec,
@@ -253,19 +254,24 @@ def _spec_args(spec: KDSpec | None) -> tuple[str | None, float, float, float]:
 
 def _forward_chunks(h_s: torch.Tensor, w_s: torch.Tensor, b_s, s_head: LogitsHead, dtype_s: torch.dtype, chunk: int,
                     targets, ce_rows, lse1: torch.Tensor, sums: torch.Tensor,
-                    chunk_stats: Callable[[slice, torch.Tensor], tuple]) -> None:
+                    chunk_stats: Callable[[slice, torch.Tensor], tuple], fused: Fused | None = None,
+                    chunk_grad: Callable[[slice, torch.Tensor], torch.Tensor] | None = None) -> None:
     """The forward's walk of both heads: token chunks of `chunk` rows (every column of a row), each chunk's student
     logits in float32, then `chunk_stats(rows, zs)`, the head's row statistics: it keeps its KD's own and returns the
-    CE's normaliser and CE per row, kept here (`lse1[rows]`, their sum over the CE's rows into `sums[1]`)."""
+    CE's normaliser and CE per row, kept here (`lse1[rows]`, their sum over the CE's rows into `sums[1]`). Fused mode
+    (:mod:`hf_distill.losses.fused_grads`): then `chunk_grad(rows, zs)`, the chunk's logit gradient, into `fused`."""
     with torch.autocast(h_s.device.type, enabled=False), torch.no_grad():
         ws = w_s.to(dtype_s)  # float32 weights under autocast: cast once, not once per chunk
         for start in range(0, h_s.shape[0], chunk):
             rows = slice(start, start + chunk)
-            zs = _head_logits(h_s[rows].to(dtype_s), ws, b_s, s_head, dtype_s)
+            hs = h_s[rows].to(dtype_s)
+            zs = _head_logits(hs, ws, b_s, s_head, dtype_s)
             lse_1, ce = chunk_stats(rows, zs)
             if targets is not None:
                 lse1[rows] = lse_1
                 sums[1] += torch.where(ce_rows[rows], ce, 0.0).sum()
+            if fused is not None:
+                fused.add(chunk_grad(rows, zs), rows, hs, ws, dtype_s)
 
 
 def _backward_walk(ctx, grad, h_s: torch.Tensor, w_s: torch.Tensor, b_s, s_head: LogitsHead, spec: KDSpec | None,
@@ -299,7 +305,8 @@ class _KDHead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h_s, w_s, b_s, h_t, w_t, b_t, t_logits, targets, kd_rows, ce_rows,
-                s_head: LogitsHead, t_head: LogitsHead | None, spec: KDSpec | None, vocab: int, chunk: int):
+                s_head: LogitsHead, t_head: LogitsHead | None, spec: KDSpec | None, vocab: int, chunk: int,
+                fused: tuple[float, float] | None = None):
         dtype_s = _compute_dtype(h_s, w_s)
         dtype_t = _compute_dtype(h_t, w_t) if h_t is not None else None
         kind, T, beta, alpha = _spec_args(spec)
@@ -309,11 +316,14 @@ class _KDHead(torch.autograd.Function):
         # the teacher's float32 weights under autocast: cast once, not once per chunk
         wt = w_t[:vocab].to(dtype_t) if w_t is not None and spec is not None and t_logits is None else None
 
+        kept = {}  # the chunk's teacher logits, for the fused mode's gradient
+
         def chunk_stats(rows: slice, zs: torch.Tensor):
             zt = None
             if spec is not None:
                 zt = (_head_logits(h_t[rows].to(dtype_t), wt, b_t, t_head, dtype_t, slice(0, vocab))
                       if t_logits is None else t_logits[rows, :vocab].float())
+            kept["zt"] = zt
             lse1, ce, lse_a, lse_b, value, stat = row_stats(
                 zs, zt, targets[rows] if targets is not None else None, kind, T, beta, alpha, vocab)
             if spec is not None:
@@ -321,7 +331,23 @@ class _KDHead(torch.autograd.Function):
                 sums[0] += torch.where(kd_rows[rows], value, 0.0).sum() * spec.factor
             return lse1, ce
 
-        _forward_chunks(h_s, w_s, b_s, s_head, dtype_s, chunk, targets, ce_rows, stats[2], sums, chunk_stats)
+        state = _fused_state(ctx, fused, h_s, w_s, b_s, spec, kd_rows, ce_rows, targets)
+        grad_block = _grad_block_fn(h_s.device) if state is not None else None
+
+        def chunk_grad(rows: slice, zs: torch.Tensor) -> torch.Tensor:
+            dtype = state.dtype_out or dtype_s
+            tg, w_ce = (targets[rows], state.w_ce[rows]) if targets is not None else (None, None)
+            w_kd = state.w_kd[rows] if spec is not None else None
+
+            def part(cols: slice, kd: bool) -> torch.Tensor:
+                return grad_block(zs[:, cols], kept["zt"][:, cols] if kd else None, cols.start, tg, stats[2, rows],
+                                  w_ce, stats[0, rows], stats[1, rows], stats[3, rows], w_kd, kind, T, beta, alpha,
+                                  s_head.scale, s_head.cap, dtype)
+
+            return by_columns(zs, vocab, spec is not None, part, dtype)
+
+        _forward_chunks(h_s, w_s, b_s, s_head, dtype_s, chunk, targets, ce_rows, stats[2], sums, chunk_stats, state,
+                        chunk_grad)
         ctx.save_for_backward(h_s, w_s, b_s, h_t, w_t, b_t, t_logits, targets, kd_rows, ce_rows, stats)
         ctx.args = (s_head, t_head, spec, vocab, chunk, dtype_s, dtype_t)
         ctx.set_materialize_grads(False)
@@ -329,19 +355,53 @@ class _KDHead(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        h_s, w_s, b_s, h_t, w_t, b_t, t_logits, targets, kd_rows, ce_rows, stats = ctx.saved_tensors
-        s_head, t_head, spec, vocab, chunk, dtype_s, dtype_t = ctx.args
-        kind, T, beta, alpha = _spec_args(spec)
-        grad_block = _grad_block_fn(h_s.device)
-        ht = h_t.to(dtype_t) if h_t is not None else None
+        done = _fused_finish(ctx, grad, ctx.saved_tensors[:3])
+        return done if done is not None else recompute_backward(ctx, grad, ctx.saved_tensors, ctx.args)
 
-        def block_grad(block: slice, zs: torch.Tensor, w_kd, w_ce, dtype: torch.dtype):
-            zt = None
-            if spec is not None and block.start < vocab:
-                zt = (_head_logits(ht, w_t, b_t, t_head, dtype_t, block)
-                      if t_logits is None else t_logits[:, block].float())
-            return grad_block(zs, zt, block.start, targets, stats[2], w_ce, stats[0], stats[1], stats[3], w_kd,
-                              kind, T, beta, alpha, s_head.scale, s_head.cap, dtype)
 
-        return _backward_walk(ctx, grad, h_s, w_s, b_s, s_head, spec, targets, kd_rows, ce_rows, vocab, chunk,
-                              dtype_s, _NO_SECOND_DERIVATIVE, block_grad)
+def _fused_state(ctx, fused: tuple[float, float] | None, h_s, w_s, b_s, spec: KDSpec | None, kd_rows, ce_rows,
+                 targets) -> Fused | None:
+    """Both heads' fused-mode state (:mod:`hf_distill.losses.fused_grads`), kept on `ctx`: None in the default mode
+    or where no input wants a gradient (the entry points pass no coefficients under no_grad)."""
+    ctx.fused = None
+    want = tuple(ctx.needs_input_grad[:3])
+    if fused is None or not any(want):
+        return None
+    ctx.fused = Fused(fused, h_s, w_s, b_s, want, kd_rows, ce_rows,
+                      spec.factor / spec.temperature if spec is not None else None, targets is not None)
+    return ctx.fused
+
+
+def _fused_finish(ctx, grad, inputs: tuple) -> tuple | None:
+    """The fused mode's gradients (then None for the other inputs), or None: not fused, or recompute instead."""
+    if ctx.fused is None:
+        return None
+    if torch.is_grad_enabled():
+        raise RuntimeError(_NO_SECOND_DERIVATIVE)
+    rest = (None,) * (len(ctx.needs_input_grad) - 3)
+    if grad is None:
+        return None, None, None, *rest
+    done = ctx.fused.finish(grad, inputs)
+    ctx.fused = None  # a second backward (retain_graph) recomputes
+    return None if done is None else (*done, *rest)
+
+
+def recompute_backward(ctx, grad, saved: tuple, args: tuple) -> tuple:
+    """:class:`_KDHead`'s backward from its saved tensors and arguments (also the fused head's, where the upstream
+    gradient is not the one its forward formed the gradients for: :mod:`hf_distill.losses.fused_head`)."""
+    h_s, w_s, b_s, h_t, w_t, b_t, t_logits, targets, kd_rows, ce_rows, stats = saved
+    s_head, t_head, spec, vocab, chunk, dtype_s, dtype_t = args
+    kind, T, beta, alpha = _spec_args(spec)
+    grad_block = _grad_block_fn(h_s.device)
+    ht = h_t.to(dtype_t) if h_t is not None else None
+
+    def block_grad(block: slice, zs: torch.Tensor, w_kd, w_ce, dtype: torch.dtype):
+        zt = None
+        if spec is not None and block.start < vocab:
+            zt = (_head_logits(ht, w_t, b_t, t_head, dtype_t, block)
+                  if t_logits is None else t_logits[:, block].float())
+        return grad_block(zs, zt, block.start, targets, stats[2], w_ce, stats[0], stats[1], stats[3], w_kd,
+                          kind, T, beta, alpha, s_head.scale, s_head.cap, dtype)
+
+    return _backward_walk(ctx, grad, h_s, w_s, b_s, s_head, spec, targets, kd_rows, ce_rows, vocab, chunk,
+                          dtype_s, _NO_SECOND_DERIVATIVE, block_grad)

@@ -24,6 +24,7 @@ import functools
 import torch
 
 from . import divergences as losses
+from .fused_grads import by_columns, sum_coefficients
 from .head_common import (
     Counted,
     KDSpec,
@@ -34,7 +35,17 @@ from .head_common import (
     module_sums,
     vocab_size,
 )
-from .kd_head import _backward_walk, _ce_grad, _elementwise, _forward_chunks, _post_grad, _spec_args, row_gradient
+from .kd_head import (
+    _backward_walk,
+    _ce_grad,
+    _elementwise,
+    _forward_chunks,
+    _fused_finish,
+    _fused_state,
+    _post_grad,
+    _spec_args,
+    row_gradient,
+)
 from .teacher_forms import TopKTail, as_teacher
 
 SparseTeacher = TopKTail | tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -98,10 +109,12 @@ def sparse_kd_and_ce(
     chunk_size: int,
     vocab: int | None = None,
     route: str = "auto",
+    fused: tuple[float, float] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """:func:`hf_distill.losses.chunked.chunked_kd_and_ce` with a sparse teacher `(log_probs, indices, log_tail)` of
     shapes `(B, T-1, k)`, `(B, T-1, k)`, `(B, T-1)`, aligned with `kd_mask`. The student's distribution is its softmax
-    at T over its first `vocab` ids (default: all of them), which the ids must index."""
+    at T over its first `vocab` ids (default: all of them), which the ids must index. `fused`: as there (the
+    gradients formed in the forward)."""
     if kd is not None and not isinstance(kd, KDSpec):
         raise TypeError("kd must be an hf_distill.losses.chunked.dense_kd(...) objective")
     if kd is not None and kd.kind == "mse":
@@ -120,11 +133,12 @@ def sparse_kd_and_ce(
             raise ValueError(f"The sparse teacher's ids must lie in [0, {v}) (the student's compared vocabulary), got "
                              f"[{int(checked.min())}, {int(checked.max())}]: a signal of another vocabulary?")
     log_probs, ids, log_tail = parts if parts is not None else (None, None, None)
+    coeffs = sum_coefficients(fused, counted.n_kd, counted.n_ce, route, student_head.direct)
 
     def direct():
         return _SparseKDHead.apply(counted.hidden, student_head.module.weight, student_head.module.bias, log_probs,
                                    ids, log_tail, counted.targets, counted.is_kd, counted.is_ce, student_head, kd, v,
-                                   chunk_size)
+                                   chunk_size, coeffs)
 
     def module():
         kd_sum = functools.partial(_module_kd_sum, kd, v) if kd is not None else None
@@ -189,14 +203,14 @@ class _SparseKDHead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h_s, w_s, b_s, log_p, ids, log_tail, targets, kd_rows, ce_rows, s_head: LogitsHead,
-                spec: KDSpec | None, vocab: int, chunk: int):
+                spec: KDSpec | None, vocab: int, chunk: int, fused: tuple[float, float] | None = None):
         n = h_s.shape[0]
         dtype_s = _compute_dtype(h_s, w_s)
         kind, T, beta, alpha = _spec_args(spec)
         stats = h_s.new_zeros(4, n, dtype=torch.float32)  # lse_s(T), lse_s(1), divergence statistic, tail shift
         shift_k = h_s.new_zeros(n, ids.shape[1], dtype=torch.float32) if spec is not None else None
         sums = h_s.new_zeros(2, dtype=torch.float32)
-        row_stats = _elementwise(_sparse_row_stats, h_s.device)
+        row_stats = _triton_or(h_s.device, "row_stats") or _elementwise(_sparse_row_stats, h_s.device)
 
         def chunk_stats(rows: slice, zs: torch.Tensor):
             lse1, ce, lse_a, log_q = row_stats(zs, ids[rows] if spec is not None else None,
@@ -214,7 +228,18 @@ class _SparseKDHead(torch.autograd.Function):
                 shift_k[rows] = shift[:, :-1]
             return lse1, ce
 
-        _forward_chunks(h_s, w_s, b_s, s_head, dtype_s, chunk, targets, ce_rows, stats[1], sums, chunk_stats)
+        state = _fused_state(ctx, fused, h_s, w_s, b_s, spec, kd_rows, ce_rows, targets)
+        block_of = _block_grad_fn(h_s.device, ids, shift_k, targets, stats, s_head, spec, vocab)
+
+        def chunk_grad(rows: slice, zs: torch.Tensor) -> torch.Tensor:
+            dtype = state.dtype_out or dtype_s
+            w_ce = state.w_ce[rows] if targets is not None else None
+            w_kd = state.w_kd[rows] if spec is not None else None
+            return by_columns(zs, vocab, spec is not None,
+                              lambda cols, kd: block_of(zs[:, cols], rows, cols, w_kd, w_ce, dtype), dtype)
+
+        _forward_chunks(h_s, w_s, b_s, s_head, dtype_s, chunk, targets, ce_rows, stats[1], sums, chunk_stats, state,
+                        chunk_grad)
         ctx.save_for_backward(h_s, w_s, b_s, ids, targets, kd_rows, ce_rows, stats, shift_k)
         ctx.args = (s_head, spec, vocab, chunk, dtype_s)
         ctx.set_materialize_grads(False)
@@ -222,18 +247,53 @@ class _SparseKDHead(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        done = _fused_finish(ctx, grad, ctx.saved_tensors[:3])
+        if done is not None:
+            return done
         h_s, w_s, b_s, ids, targets, kd_rows, ce_rows, stats, shift_k = ctx.saved_tensors
         s_head, spec, vocab, chunk, dtype_s = ctx.args
-        kind, T, beta, alpha = _spec_args(spec)
-        grad_block = _elementwise(_sparse_grad_block, h_s.device)
+        block_of = _block_grad_fn(h_s.device, ids, shift_k, targets, stats, s_head, spec, vocab)
+        every = slice(None)
 
         def block_grad(block: slice, zs: torch.Tensor, w_kd, w_ce, dtype: torch.dtype):
-            shift = _block_shift(ids, shift_k, stats[3], block) if spec is not None and block.start < vocab else None
-            return grad_block(zs, shift, block.start, targets, stats[1], w_ce, stats[0], stats[2], w_kd,
-                              kind if shift is not None else None, T, beta, alpha, s_head.scale, s_head.cap, dtype)
+            return block_of(zs, every, block, w_kd, w_ce, dtype)
 
         return _backward_walk(ctx, grad, h_s, w_s, b_s, s_head, spec, targets, kd_rows, ce_rows, vocab, chunk,
                               dtype_s, _NO_SECOND_DERIVATIVE, block_grad)
+
+
+def _block_grad_fn(device: torch.device, ids, shift_k, targets, stats, s_head: LogitsHead, spec: KDSpec | None,
+                   vocab: int):
+    """`block_of(zs, rows, block, w_kd, w_ce, dtype)`: the logit gradient of the rows `rows` and vocabulary columns
+    `block` (`zs` their logits; the row weights already the rows'): the backward's blocks (every row) and the fused
+    mode's token chunks (every column). On CUDA the Triton kernels (shifts from the ids), else the row math."""
+    kind, T, beta, alpha = _spec_args(spec)
+    grad_block = _elementwise(_sparse_grad_block, device)
+    kernel = _triton_or(device, "grad_block")
+
+    def block_of(zs: torch.Tensor, rows: slice, block: slice, w_kd, w_ce, dtype: torch.dtype) -> torch.Tensor:
+        kd_here = spec is not None and block.start < vocab
+        tg = targets[rows] if targets is not None else None
+        lse1, lse_a, stat, tail = stats[1, rows], stats[0, rows], stats[2, rows], stats[3, rows]
+        if kernel is not None:  # the shifts from the ids on the GPU: no (rows, columns) shift block
+            return kernel(zs, ids[rows] if kd_here else None, shift_k[rows] if kd_here else None, tail, block.start,
+                          tg, lse1, w_ce, lse_a, stat, w_kd, kind, T, beta, alpha, s_head.scale, s_head.cap, dtype)
+        shift = _block_shift(ids[rows], shift_k[rows], tail, block) if kd_here else None
+        return grad_block(zs, shift, block.start, tg, lse1, w_ce, lse_a, stat, w_kd,
+                          kind if shift is not None else None, T, beta, alpha, s_head.scale, s_head.cap, dtype)
+
+    return block_of
+
+
+def _triton_or(device: torch.device, name: str):
+    """The Triton kernel `name` of :mod:`hf_distill.losses.triton_sparse` on CUDA (the dense head's switches:
+    `HF_DISTILL_TRITON=0` or `HF_DISTILL_COMPILE=0` turn it off), else None (the row math above)."""
+    import os
+
+    from . import triton_sparse
+
+    on = os.environ.get("HF_DISTILL_COMPILE", "1") != "0" and os.environ.get("HF_DISTILL_TRITON", "1") != "0"
+    return getattr(triton_sparse, name) if on and triton_sparse.available(device) else None
 
 
 # ---------------------------------------------------------------------------------------------- the module route
