@@ -108,8 +108,9 @@ def logits_fn(model: nn.Module) -> LogitsHead:
 
 
 @torch.no_grad()
-def check_logits_fn(model: nn.Module, vocab_size: int, role: str) -> None:
-    """Compare `logits_fn` with the model's own logits on two tokens; refuse a model whose logits differ."""
+def check_logits_fn(model: nn.Module, vocab_size: int, role: str, head: LogitsHead | None = None) -> None:
+    """Compare `logits_fn` (or `head`: the same head with its weight gathered, under a sharding engine) with the
+    model's own logits on two tokens; refuse a model whose logits differ."""
     inner = unwrap(model)
     device = next(inner.parameters()).device
     ids = torch.tensor([[1, min(2, vocab_size - 1)]], device=device)
@@ -117,7 +118,7 @@ def check_logits_fn(model: nn.Module, vocab_size: int, role: str) -> None:
     inner.eval()
     try:
         out = inner(input_ids=ids, output_hidden_states=True)
-        rebuilt = logits_fn(model)(out.hidden_states[-1])
+        rebuilt = (head or logits_fn(model))(out.hidden_states[-1])
     finally:
         inner.train(was_training)
     if not torch.allclose(rebuilt.float(), out.logits.float(), atol=1e-4, rtol=1e-4):
