@@ -42,7 +42,7 @@ def engine(accelerator: Any) -> str | None:
     if kind == "FSDP" and getattr(accelerator, "is_fsdp2", False):
         return FSDP2
     if kind == "DEEPSPEED":
-        plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+        plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
         config = getattr(plugin, "deepspeed_config", None) or {}
         if config.get("zero_optimization", {}).get("stage") == 3:
             return ZERO3
