@@ -13,6 +13,7 @@ micro-batch, whatever the chunk count: hf_distill.kd_paths.engine_heads).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -33,7 +34,11 @@ from hf_distill.kd_paths import engine_heads  # noqa: E402
 from hf_distill.losses import chunked  # noqa: E402
 
 # name: (tied embeddings, gradient accumulation steps, kd_chunk_size)
-SCENARIOS = {"untied_accumulation_chunks": (False, 2, 2), "tied": (True, 1, None)}
+SCENARIOS = {"untied_accumulation_chunks": (False, 2, 2), "tied": (True, 1, None), "resharded_head": (False, 1, 4)}
+# FSDP2 only: the unit of the final norm and the LM head resharded after the forward (accelerate keeps it whole),
+# so the student's head weight is a DTensor shard when the loss head runs: gathered by full_tensor(), its gradient
+# reduce-scattered back (elsewhere the same run as untied)
+FSDP2_ONLY = {"resharded_head"}
 STEPS = 2
 
 
@@ -80,13 +85,15 @@ class _Record:
             rows = (kd_mask if kd_mask is not None else torch.ones_like(labels, dtype=torch.bool)) | (labels != -100)
             n = int(rows.sum())
             if not self.calls or "length" in self.calls[-1]:  # no engine: the head is not gathered
-                self.calls.append({"student_calls": 0, "teacher_gathers": 0, "dtensor_gathers": 0})
+                self.calls.append({"student_calls": 0, "teacher_gathers": 0, "dtensor_gathers": 0,
+                                   "teacher_dtensor": 0})
             self.calls[-1].update(length=int(s_hidden.shape[1]), tokens=n, chunks=math.ceil(n / chunk))
             return real_head(s_hidden, s_head, teacher, t_hidden, kd_mask, labels, kd, chunk, *a, **k)
 
         def student(*a, **k):
-            self.calls.append({"student_calls": 1, "teacher_gathers": self.pending, "dtensor_gathers": 0})
-            self.pending = 0
+            self.calls.append({"student_calls": 1, "teacher_gathers": self.pending, "dtensor_gathers": 0,
+                               "teacher_dtensor": self.teacher_dtensor})
+            self.pending = self.teacher_dtensor = 0
             return real_student(*a, **k)
 
         def teacher(*a, **k):
@@ -94,11 +101,13 @@ class _Record:
             return real_teacher(*a, **k)
 
         def full(t, grad):
-            if t is not None and engine_heads._is_dtensor(t):
-                (self.calls[-1] if grad else {}).update(dtensor_gathers=1)
+            if t is not None and engine_heads._is_dtensor(t) and grad:
+                self.calls[-1]["dtensor_gathers"] += 1
+            elif t is not None and engine_heads._is_dtensor(t):
+                self.teacher_dtensor += 1
             return real_full(t, grad)
 
-        self.pending = 0
+        self.pending = self.teacher_dtensor = 0
         chunked.chunked_kd_and_ce, engine_heads.run_student = head, student
         engine_heads.teacher_head, engine_heads._full = teacher, full
         return self
@@ -114,7 +123,7 @@ def run_scenario(out: Path, engine: str, per_device_batch: int, name: str, use_c
     logging.getLogger("hf_distill").addHandler(warnings)
     try:
         trainer = scenario_trainer(out, engine, per_device_batch, name, use_cpu, deepspeed_config)
-        with _Record() as record:
+        with _Record() as record, _resharded_tail(name in FSDP2_ONLY):
             trainer.train()
     finally:
         logging.getLogger("hf_distill").removeHandler(warnings)
@@ -136,9 +145,31 @@ def run_scenario(out: Path, engine: str, per_device_batch: int, name: str, use_c
     return result
 
 
+@contextlib.contextmanager
+def _resharded_tail(on: bool):
+    """accelerate's FSDP2 preparation with its tail unit (final norm + LM head) resharded after the forward."""
+    if not on:
+        yield
+        return
+    import torch.distributed.fsdp as fsdp
+
+    real = fsdp.fully_shard
+
+    def fully_shard(module, **kw):
+        if isinstance(module, list):  # the tail: accelerate passes reshard_after_forward=False
+            kw["reshard_after_forward"] = True
+        return real(module, **kw)
+
+    fsdp.fully_shard = fully_shard
+    try:
+        yield
+    finally:
+        fsdp.fully_shard = real
+
+
 def run_all(out: Path, engine: str, per_device_batch: int, use_cpu: bool = True,
             deepspeed_config: str | None = None) -> None:
-    for name in SCENARIOS:
+    for name in (n for n in SCENARIOS if engine == "fsdp2" or n not in FSDP2_ONLY):
         run_scenario(out / name, engine, per_device_batch, name, use_cpu, deepspeed_config)
 
 

@@ -143,17 +143,23 @@ def _touch(out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def run_student(kind: str | None, head: LogitsHead, s_hidden: torch.Tensor, empty: bool,
-                fn: Callable[[LogitsHead, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                fn: Callable[[LogitsHead, torch.Tensor], torch.Tensor],
+                anchor: torch.Tensor | None = None) -> torch.Tensor:
     """`fn(head, s_hidden)` (the loss head, returning its terms stacked in one tensor) with the student's head whole.
 
     FSDP2: the weight gathered once (or read where FSDP2 keeps it whole); ZeRO-3: `fn` runs as the head module's
     forward, once, so ZeRO-3's hooks gather the weight around it and around its backward. `empty`: this process
-    counts no token (its terms do not read the weight)."""
+    counts no token (its terms do not read the weight). `anchor`: the model's own (empty) logits, the output of the
+    forward's call of the head: under FSDP2 FSDP registers the head unit's pre-backward gather on it, so the result
+    reads it (times 0): the unit is gathered again before the final norm's backward, as after a whole-logits forward
+    (without it, a unit resharded after the forward left the norm's backward reading freed storage: a segfault)."""
     if kind == ZERO3 and hasattr(head.module.weight, "ds_id"):
         return _call_as_module(head, s_hidden, empty, fn)
     if kind == FSDP2:
         head = fsdp2_head(head, grad=True)
     out = fn(head, s_hidden)
+    if kind == FSDP2 and anchor is not None and anchor.requires_grad:
+        out = out + anchor.sum() * 0
     return _touch(out, head.module.weight) if empty and kind is not None and torch.is_grad_enabled() else out
 
 

@@ -180,7 +180,9 @@ class LossHead(KDPath):
                     return torch.stack([zero if kd is None else kd.float(), zero if ce is None else ce.float()])
 
                 empty = not _counts_a_token(s_hidden, kd_mask, ce_labels, kd_fn is not None)
-                both = engine_heads.run_student(kind, self.s_head, s_hidden, empty, terms)
+                own = batch.outputs.get("logits") if isinstance(batch.outputs, dict) else getattr(
+                    batch.outputs, "logits", None)  # the forward's own (empty) call of the head: engine_heads
+                both = engine_heads.run_student(kind, self.s_head, s_hidden, empty, terms, anchor=own)
                 kd, ce = (both[0] if kd_fn is not None else None), (both[1] if ce_labels is not None else None)
         return kd, (ctx.task.with_router_loss(batch.inner, batch.outputs, ce) if ce is not None else None)
 
