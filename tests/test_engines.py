@@ -158,19 +158,22 @@ def test_causal_lm_on_two_cpu_processes_matches_one(tmp_path, engine):
         for key in ("loss", "loss_kd", "loss_task", "grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-5), key
     if engine == "fsdp2":
-        _check_head_scenarios(tmp_path / engine / "scenarios", tmp_path, "FSDP")
+        _check_head_scenarios(tmp_path / engine / "scenarios", tmp_path, "fsdp2")
 
 
 _SINGLE: dict[str, dict] = {}  # the scenarios' one-process references, shared by the FSDP2 and ZeRO-3 tests
 
 
-def _check_head_scenarios(folder: Path, tmp_path: Path, distributed_type: str) -> None:
+def _check_head_scenarios(folder: Path, tmp_path: Path, engine: str) -> None:
     """tests/engine_heads_run.py's scenarios (tied and untied heads, gradient accumulation, processes with different
-    lengths and numbers of token chunks) through the loss head on 2 processes: losses and weights equal one process
-    on the same global batch within 1e-6, and each head gathered once per micro-batch on every process."""
+    lengths and numbers of token chunks; FSDP2: a head resharded after the forward) through the loss head on 2
+    processes: losses and weights equal one process on the same global batch within 1e-6, and each head gathered
+    once per micro-batch on every process."""
     import engine_heads_run
 
-    for name, (_, accumulation, chunk) in engine_heads_run.SCENARIOS.items():
+    distributed_type = {"fsdp2": "FSDP", "zero3": "DEEPSPEED"}[engine]
+    for name in engine_heads_run.scenarios(engine):
+        _, accumulation, chunk = engine_heads_run.SCENARIOS[name]
         run = json.loads((folder / name / f"{name}.json").read_text())
         if name not in _SINGLE:
             _SINGLE[name] = engine_heads_run.run_scenario(tmp_path / "single" / name, "ddp", 8, name)
@@ -188,6 +191,8 @@ def _check_head_scenarios(folder: Path, tmp_path: Path, distributed_type: str) -
         for calls in (first, second):  # one gather of each head per micro-batch, whatever the chunk count
             assert all(c["student_calls"] == 1 and c["teacher_gathers"] == 1 for c in calls), (name, calls)
         assert {c["length"] for c in first}.isdisjoint({c["length"] for c in second}), name  # unequal lengths
+        resharded = name in engine_heads_run.FSDP2_ONLY  # the student's head a DTensor shard: full_tensor() once
+        assert all(c["dtensor_gathers"] == int(resharded) for c in first + second), (name, first, second)
         if chunk is not None:
             assert all(a["chunks"] != b["chunks"] for a, b in zip(first, second, strict=True)), name
 
@@ -211,4 +216,4 @@ def test_zero3_loss_head_with_unequal_chunk_counts_on_two_cpu_processes(tmp_path
            "--deepspeed_config", str(CONFIGS / "zero3_auto_no_optimizer.json")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420)  # a hang fails the test
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    _check_head_scenarios(tmp_path / "zero3", tmp_path, "DEEPSPEED")
+    _check_head_scenarios(tmp_path / "zero3", tmp_path, "zero3")
