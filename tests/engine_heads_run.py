@@ -100,12 +100,12 @@ class _Record:
             self.pending += 1
             return real_teacher(*a, **k)
 
-        def full(t, grad):
+        def full(t, grad, *a):
             if t is not None and engine_heads._is_dtensor(t) and grad:
                 self.calls[-1]["dtensor_gathers"] += 1
             elif t is not None and engine_heads._is_dtensor(t):
                 self.teacher_dtensor += 1
-            return real_full(t, grad)
+            return real_full(t, grad, *a)
 
         self.pending = self.teacher_dtensor = 0
         chunked.chunked_kd_and_ce, engine_heads.run_student = head, student

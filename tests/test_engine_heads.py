@@ -82,3 +82,16 @@ def test_the_forward_logits_anchor_the_result_under_fsdp2():
             seen.add(node)
             stack += [n for n, _ in node.next_functions]
     assert out.logits.grad_fn in seen
+
+
+def test_the_check_head_multiplies_in_the_hidden_states_dtype():
+    """FSDP2's mixed precision gathers a module's parameters in `param_dtype`, the dtype of the hidden states: the
+    head handed to the one-time logits check multiplies in that dtype too (a float32 weight against bf16 states
+    would not rebuild the model's own bf16 logits, and the check would refuse the loss head)."""
+    head = chunked.logits_fn(llama(0))
+    hidden = torch.randn(3, 32).bfloat16()
+    checked = engine_heads.check_head("fsdp2", head)(hidden)
+    assert checked.dtype == torch.bfloat16
+    torch.testing.assert_close(checked, torch.nn.functional.linear(hidden, head.module.weight.bfloat16()), atol=0,
+                               rtol=0)
+    assert engine_heads.check_head(None, head) is head  # no engine: the model's own head

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..losses.chunked import LogitsHead
@@ -80,11 +81,15 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def _full(t: torch.Tensor | None, grad: bool) -> torch.Tensor | None:
+def _full(t: torch.Tensor | None, grad: bool, dtype: torch.dtype | None = None) -> torch.Tensor | None:
     """The whole of an FSDP2 parameter: a `DTensor` shard gathered (its gradient reduce-scattered back and averaged
-    over the ranks when `grad`), a tensor that is already whole as it is."""
+    over the ranks when `grad`), a tensor that is already whole as it is. `dtype`: the dtype the module computes in
+    (FSDP2's mixed precision gathers its parameters in `param_dtype`, the dtype of the hidden states it gets): the
+    shard is cast before the gather, as FSDP2 casts it."""
     if t is None or not _is_dtensor(t):
         return t
+    if dtype is not None and t.is_floating_point() and dtype != t.dtype:
+        t = t.to(dtype)
     if not grad:
         return t.detach().full_tensor()
     from torch.distributed.tensor import Partial
@@ -93,12 +98,25 @@ def _full(t: torch.Tensor | None, grad: bool) -> torch.Tensor | None:
     return _ScaleGrad.apply(full, 1.0 / t.device_mesh.size())
 
 
-def fsdp2_head(head: LogitsHead, grad: bool) -> LogitsHead:
-    """The head with its weight (and bias) whole: see the module docstring."""
+def fsdp2_head(head: LogitsHead, grad: bool, dtype: torch.dtype | None = None) -> LogitsHead:
+    """The head with its weight (and bias) whole, in `dtype` where given (see :func:`_full`): the module docstring."""
     module = head.module
     if not (_is_dtensor(module.weight) or _is_dtensor(module.bias)):
         return head
-    return dataclasses.replace(head, module=_as_linear(_full(module.weight, grad), _full(module.bias, grad)))
+    return dataclasses.replace(head, module=_as_linear(_full(module.weight, grad, dtype),
+                                                       _full(module.bias, grad, dtype)))
+
+
+class _InputDtypeLinear(nn.Module):
+    """`F.linear` with the weight (and bias) cast to the input's dtype: a head whole for the one-time logits check,
+    multiplying in the dtype FSDP2's mixed precision would gather it in (that of the hidden states it gets)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.w, self.b = weight, bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.w.to(x.dtype), None if self.b is None else self.b.to(x.dtype))
 
 
 def zero3_teacher_head(head: LogitsHead) -> LogitsHead:
@@ -121,16 +139,17 @@ def check_head(kind: str | None, head: LogitsHead) -> LogitsHead:
         return head
     module = head.module
     bias = module.bias
-    return dataclasses.replace(head, module=_as_linear(_full(module.weight, False).detach(),
-                                                       None if bias is None else _full(bias, False).detach()))
+    return dataclasses.replace(head, module=_InputDtypeLinear(_full(module.weight, False).detach(),
+                                                              None if bias is None else _full(bias, False).detach()))
 
 
-def teacher_head(kind: str | None, head: LogitsHead | None) -> LogitsHead | None:
-    """The teacher's head as the loss head reads it: gathered once per step under a sharding engine."""
+def teacher_head(kind: str | None, head: LogitsHead | None, dtype: torch.dtype | None = None) -> LogitsHead | None:
+    """The teacher's head as the loss head reads it: gathered once per step under a sharding engine (FSDP2: in
+    `dtype`, that of the teacher's hidden states)."""
     if head is None or kind is None:
         return head
     if kind == FSDP2:
-        return fsdp2_head(head, grad=False)
+        return fsdp2_head(head, grad=False, dtype=dtype)
     if hasattr(head.module.weight, "ds_id"):  # a ZeRO-3 parameter (a teacher under ZeRO-0/1/2 is a replica)
         return zero3_teacher_head(head)
     return head
@@ -156,7 +175,7 @@ def run_student(kind: str | None, head: LogitsHead, s_hidden: torch.Tensor, empt
     if kind == ZERO3 and hasattr(head.module.weight, "ds_id"):
         return _call_as_module(head, s_hidden, empty, fn)
     if kind == FSDP2:
-        head = fsdp2_head(head, grad=True)
+        head = fsdp2_head(head, grad=True, dtype=s_hidden.dtype)
     out = fn(head, s_hidden)
     if kind == FSDP2 and anchor is not None and anchor.requires_grad:
         out = out + anchor.sum() * 0

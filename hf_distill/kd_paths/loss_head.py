@@ -158,7 +158,7 @@ class LossHead(KDPath):
         kind = engine_heads.engine(ctx.accelerator)
         gathered = kind is not None and self.s_head.direct and (self.t_head is None or self.t_head.direct)
         # under FSDP2 / ZeRO-3 the teacher's head whole, gathered once per step (every process: a collective)
-        t_head = engine_heads.teacher_head(kind, self.t_head) if gathered and t_hidden is not None and (
+        t_head = engine_heads.teacher_head(kind, self.t_head, t_hidden.dtype) if gathered and t_hidden is not None and (
             kd_fn is not None or ctx.shared_vocab is not None) else self.t_head
         if ctx.shared_vocab is not None and t_hidden is not None and 0 not in ctx.padding.checked:
             with torch.no_grad():  # the teacher's logits on the first batch's distilled tokens, a few rows at a time
