@@ -8,6 +8,10 @@ token chunks. Rank 0 writes `<name>.json` per scenario: the logged losses, the s
 the loss head ran, the package's warnings, and per process and per micro-batch the sequence length, the counted
 tokens, the token chunks and how many times the student's and the teacher's heads were gathered (once per
 micro-batch, whatever the chunk count: hf_distill.kd_paths.engine_heads).
+
+`--signal_dir DIR` runs the sparse head instead (an offline teacher signal; by hand, not in the test suite: how the
+engines guide's sparse-head cells under FSDP2 and ZeRO-3 were checked, against `run_scenario(..., "ddp", 8,
+"signal", signal_dir=DIR)` in one process).
 """
 
 from __future__ import annotations
@@ -116,13 +120,31 @@ class _Record:
         chunked.chunked_kd_and_ce, engine_heads.run_student, engine_heads.teacher_head, engine_heads._full = self.saved
 
 
+def signal_trainer(out: Path, engine: str, per_device_batch: int, signal_dir: Path,
+                   deepspeed_config: str | None = None) -> DistillationTrainer:
+    """The sparse head: a tiny Llama trained from an offline teacher signal (tests/signal_distributed_run.py's rows
+    and signal, made by `create_teacher_signal` into `signal_dir`), `kd_chunk_size=3`, rows in order."""
+    import signal_distributed_run as sig
+    from helpers import labelled_collate
+
+    from hf_distill.data.teacher_signal import attach_teacher_signal, load_teacher_signal
+
+    joined = attach_teacher_signal(sig.rows(), load_teacher_signal(signal_dir))
+    a = args(out, per_device_train_batch_size=per_device_batch, max_steps=3, optim="sgd", learning_rate=0.5,
+             temperature=sig.T, kd_loss="jsd", jsd_beta=0.3, kd_weight=0.6, task_weight=0.4, kd_chunk_size=3,
+             train_sampling_strategy="sequential", **engine_kwargs(engine, deepspeed_config, "LlamaDecoderLayer", True))
+    return DistillationTrainer(model=llama(0), teacher_model=None, args=a, train_dataset=joined,
+                               data_collator=labelled_collate, processing_class=sig.tokenizer())
+
+
 def run_scenario(out: Path, engine: str, per_device_batch: int, name: str, use_cpu: bool = True,
-                 deepspeed_config: str | None = None) -> dict:
+                 deepspeed_config: str | None = None, signal_dir: Path | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     warnings = _Warnings()
     logging.getLogger("hf_distill").addHandler(warnings)
     try:
-        trainer = scenario_trainer(out, engine, per_device_batch, name, use_cpu, deepspeed_config)
+        trainer = (signal_trainer(out, engine, per_device_batch, signal_dir, deepspeed_config) if name == "signal"
+                   else scenario_trainer(out, engine, per_device_batch, name, use_cpu, deepspeed_config))
         with _Record() as record, _resharded_tail(name in FSDP2_ONLY):
             trainer.train()
     finally:
@@ -172,9 +194,10 @@ def scenarios(engine: str) -> list[str]:
 
 
 def run_all(out: Path, engine: str, per_device_batch: int, use_cpu: bool = True,
-            deepspeed_config: str | None = None) -> None:
-    for name in scenarios(engine):
-        run_scenario(out / name, engine, per_device_batch, name, use_cpu, deepspeed_config)
+            deepspeed_config: str | None = None, signal_dir: Path | None = None) -> None:
+    """The scenarios; with `signal_dir` only the sparse head's (`signal`: a run by hand, not in the test suite)."""
+    for name in ["signal"] if signal_dir is not None else scenarios(engine):
+        run_scenario(out / name, engine, per_device_batch, name, use_cpu, deepspeed_config, signal_dir)
 
 
 if __name__ == "__main__":
@@ -183,7 +206,14 @@ if __name__ == "__main__":
     p.add_argument("--engine", choices=["ddp", "fsdp2", "zero3"], default="zero3")
     p.add_argument("--per_device_batch", type=int, default=4)
     p.add_argument("--deepspeed_config", default=None)
+    p.add_argument("--signal_dir", type=Path, default=None,
+                   help="the sparse head from this teacher signal instead (tests/signal_distributed_run.py's)")
+    p.add_argument("--fsdp_on_cpu", action="store_true")
     a = p.parse_args()
     torch.set_num_threads(1)
-    run_all(a.out, a.engine, a.per_device_batch, deepspeed_config=a.deepspeed_config)
+    if a.fsdp_on_cpu:
+        from engine_run import fsdp_on_cpu
+
+        fsdp_on_cpu()
+    run_all(a.out, a.engine, a.per_device_batch, deepspeed_config=a.deepspeed_config, signal_dir=a.signal_dir)
     leave_distributed_run()
