@@ -20,7 +20,11 @@
 #                                       the [interpreter] variants skip, with the reason, where Triton's CPU
 #                                       interpreter cannot run a kernel: Triton 3.6 with numpy >= 2.3)
 #   4. benchmarks/distributed_gpu.sh    ZeRO-3 and FSDP2 through DistillationTrainer.train(), world_size 1 (#13)
-# STEPS="causal_lm_gpu head_modes kd_precision cuda_tests distributed_gpu" (the default) selects and orders them.
+#   5. benchmarks/engine_memory.py --gpu  peak GPU memory of the KD step, loss head vs whole logits, under DDP, FSDP2
+#                                       and ZeRO-3 at world size 1 (V 128,256, bf16; issue #41 item 4). Checked on
+#                                       the CPU first: `python benchmarks/engine_memory.py --gpu --tiny`
+# STEPS="causal_lm_gpu head_modes kd_precision cuda_tests distributed_gpu engine_memory_gpu" (the default) selects
+# and orders them.
 # The machine has torch but not datasets/deepspeed, and an older transformers: carry wheels in .gpuwheels
 # (see benchmarks/README.md, "GPU checks") and they are installed offline first. Results go to $OUT (or
 # benchmarks/results when OUT is unset); each step has its own time limit so one slow step cannot eat the rest.
@@ -47,7 +51,7 @@ step() {  # name, seconds, command...
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   echo "$name: rc=$? in $(( $(date +%s) - start )) s" >>"$log"
 }
-for s in ${STEPS:-causal_lm_gpu head_modes kd_precision cuda_tests distributed_gpu}; do
+for s in ${STEPS:-causal_lm_gpu head_modes kd_precision cuda_tests distributed_gpu engine_memory_gpu}; do
   case $s in
     causal_lm_gpu) step causal_lm_gpu 220 $PY benchmarks/causal_lm_gpu.py --out "$OUT" --chunks ${CHUNKS:-256 512} ;;
     head_profile) step head_profile 150 $PY benchmarks/head_profile.py --out "$OUT" ;;
@@ -61,6 +65,7 @@ for s in ${STEPS:-causal_lm_gpu head_modes kd_precision cuda_tests distributed_g
       cp benchmarks/results/distributed_gpu.json "$OUT/" 2>/dev/null
       # the runs' own logs (ranks' tracebacks); $OUT/distributed_gpu.log is only the script's stdout
       cp benchmarks/results/distributed_gpu.log "$OUT/distributed_gpu_runs.log" 2>/dev/null ;;
+    engine_memory_gpu) step engine_memory_gpu 300 $PY benchmarks/engine_memory.py --gpu --results "$OUT" ;;
     *) echo "unknown step $s" >>"$log" ;;
   esac
 done

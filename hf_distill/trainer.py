@@ -167,9 +167,10 @@ class DistillationMixin(ProjectionTraining):
                                            num_items_in_batch=num_items_in_batch)
 
     def _loss_head_route(self) -> str:
-        """DeepSpeed gathers the LM heads' parameters inside the heads' own calls: call them as modules. (Under FSDP
-        the causal-LM logits are computed whole, hf_distill.kd_paths.loss_head.chunk_size; "module" keeps any other
-        use safe.)"""
+        """DeepSpeed gathers the LM heads' parameters inside the heads' own calls: call them as modules. (Under FSDP2
+        and ZeRO-3 the loss head takes the heads' weights whole once per step and reads them directly,
+        hf_distill.kd_paths.engine_heads; under FSDP1 the causal-LM logits are computed whole; "module" keeps any
+        other use safe.)"""
         return "module" if (self.is_deepspeed_enabled or self.is_fsdp_enabled) else "auto"
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):

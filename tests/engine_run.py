@@ -237,6 +237,8 @@ if __name__ == "__main__":
     p.add_argument("--causal_lm", action="store_true", help="a tiny Llama through the causal-LM loss head")
     p.add_argument("--kd_chunk_size", type=int, default=None, help="--causal_lm: the loss head's tokens per chunk")
     p.add_argument("--fsdp_on_cpu", action="store_true", help="FSDP on CPU processes (gloo): see fsdp_on_cpu()")
+    p.add_argument("--head_scenarios", action="store_true",
+                   help="--causal_lm: then tests/engine_heads_run.py's scenarios, in this process group")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
@@ -245,4 +247,8 @@ if __name__ == "__main__":
     run(a.out, a.engine, a.per_device_batch, a.steps, not a.gpu, a.deepspeed_config, a.push_to,
         student_width=a.student_width, resume_check=a.resume_check, learning_rate=a.learning_rate,
         causal_lm=a.causal_lm, kd_chunk_size=a.kd_chunk_size)
+    if a.head_scenarios:
+        import engine_heads_run
+
+        engine_heads_run.run_all(a.out / "scenarios", a.engine, a.per_device_batch, not a.gpu, a.deepspeed_config)
     leave_distributed_run()

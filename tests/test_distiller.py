@@ -144,11 +144,23 @@ def test_the_mixin_gives_trl_sft_trainer_the_same_distillation(tmp_path):
     assert "loss_kd" in sft.state.log_history[0]
 
 
-def test_fsdp_computes_causal_lm_logits_whole_and_refuses_a_chunk_size(tmp_path, caplog):
-    """Under FSDP the LM head is sharded outside the model's forward (FSDP1: the root unit; accelerate's FSDP2:
-    one unit with the final norm, resharded by the head's own call before the norm's backward): the causal-LM loss
-    head is not used there (tests/test_engines.py runs both engines with whole logits), and a kd_chunk_size asking
-    for it is refused."""
+class _LoraLikeHead(torch.nn.Module):
+    """An LM head that is not a plain nn.Linear (an adapter's wrapper): the loss head cannot read its weight."""
+
+    def __init__(self, inner: torch.nn.Linear) -> None:
+        super().__init__()
+        self.base_layer = inner
+        self.weight = inner.weight  # what logits_fn's callers would read: still not a plain linear
+
+    def forward(self, x):
+        return self.base_layer(x)
+
+
+def test_fsdp1_computes_causal_lm_logits_whole_fsdp2_takes_the_loss_head(tmp_path, caplog):
+    """FSDP1 keeps the LM head as a piece of a flat-parameter shard outside the model's forward: the causal-LM loss
+    head is not used there (whole logits, one warning naming the reason and FSDP2), and a kd_chunk_size asking for it
+    is refused. FSDP2 takes the loss head (the heads' weights whole once per step, kd_paths.engine_heads; run on 2
+    processes in tests/test_engines.py), unless an LM head is not a plain nn.Linear (refused, with the reason)."""
     from types import SimpleNamespace
 
     from accelerate.utils import DistributedType
@@ -156,22 +168,27 @@ def test_fsdp_computes_causal_lm_logits_whole_and_refuses_a_chunk_size(tmp_path,
     student = llama(seed=0)
     distiller = Distiller(student, args(tmp_path, kd_loss="jsd"), teacher_model=llama(seed=1))
     assert distiller.paths.chunk_size(student) is not None  # one process: the loss head
-    distiller.paths.context.accelerator = SimpleNamespace(distributed_type=DistributedType.FSDP)
+    distiller.paths.context.accelerator = SimpleNamespace(distributed_type=DistributedType.FSDP, is_fsdp2=False)
     with caplog.at_level("WARNING"):
         assert distiller.paths.chunk_size(student) is None
-    assert "computed whole" in caplog.text and "FSDP" in caplog.text
+    assert "computed whole" in caplog.text and "FSDP1" in caplog.text and "fsdp_config={'version': 2}" in caplog.text
     distiller.args.kd_chunk_size = 64
-    with pytest.raises(ValueError, match=r"kd_chunk_size=64 cannot be honoured: under FSDP the LM head is sharded"):
+    with pytest.raises(ValueError, match=r"kd_chunk_size=64 cannot be honoured: under FSDP1 the LM head is a piece"):
+        distiller.paths.chunk_size(student)
+    distiller.paths.context.accelerator = SimpleNamespace(distributed_type=DistributedType.FSDP, is_fsdp2=True)
+    assert distiller.paths.chunk_size(student) == 64  # FSDP2: the loss head
+    student.lm_head = _LoraLikeHead(student.lm_head)
+    with pytest.raises(ValueError, match=r"under FSDP2 the loss head reads the LM head's weight.*_LoraLikeHead"):
         distiller.paths.chunk_size(student)
     distiller.paths.context.accelerator = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED)
     assert distiller.paths.chunk_size(student) == 64  # ZeRO-3 gathers the head in its own call: the loss head
 
 
-def test_zero3_with_several_processes_computes_causal_lm_logits_whole(tmp_path, caplog):
-    """Under ZeRO-3 every call of the LM head is a collective gather; the loss head calls it once per token chunk,
-    and processes with different numbers of chunks hung (2 CPU processes, kd_chunk_size=2, tests/engine_run.py
-    --engine zero3 --causal_lm --kd_chunk_size 2). With several processes the logits are computed whole (one
-    warning) and a kd_chunk_size is refused; one process keeps the loss head, as does ZeRO-2."""
+def test_zero3_with_several_processes_takes_the_loss_head(tmp_path, caplog):
+    """Under ZeRO-3 with several processes the loss head runs with each LM head gathered once per step (the student's
+    module called once around the whole head: no collective per token chunk, so processes with different chunk
+    counts cannot wait for each other; tests/test_engines.py runs it on 2 processes). An LM head that is not a plain
+    nn.Linear would be called once per chunk: refused there with the reason; one process keeps the module route."""
     from types import SimpleNamespace
 
     from accelerate.utils import DistributedType
@@ -183,13 +200,13 @@ def test_zero3_with_several_processes_computes_causal_lm_logits_whole(tmp_path, 
 
     student = llama(seed=0)
     distiller = Distiller(student, args(tmp_path, kd_loss="jsd"), teacher_model=llama(seed=1))
-    for stage, processes in ((3, 1), (2, 2)):
+    for stage, processes in ((3, 1), (2, 2), (3, 2)):
         distiller.paths.context.accelerator = deepspeed(stage, processes)
         assert distiller.paths.chunk_size(student) is not None
-    distiller.paths.context.accelerator = deepspeed(3, 2)
-    with caplog.at_level("WARNING"):
-        assert distiller.paths.chunk_size(student) is None
-    assert "computed whole" in caplog.text and "ZeRO-3 with several processes" in caplog.text
     distiller.args.kd_chunk_size = 64
-    with pytest.raises(ValueError, match=r"kd_chunk_size=64 cannot be honoured: under DeepSpeed ZeRO-3 with several"):
+    assert distiller.paths.chunk_size(student) == 64
+    student.lm_head = _LoraLikeHead(student.lm_head)
+    with pytest.raises(ValueError, match=r"under DeepSpeed ZeRO-3 with several processes the loss head reads"):
         distiller.paths.chunk_size(student)
+    distiller.paths.context.accelerator = deepspeed(3, 1)
+    assert distiller.paths.chunk_size(student) == 64  # one process: the module route, no one to wait for

@@ -125,16 +125,18 @@ def test_zero3_generation_on_two_cpu_processes_matches_one(tmp_path):
 @pytest.mark.parametrize("engine", ["ddp", "fsdp1", "fsdp2"])
 def test_causal_lm_on_two_cpu_processes_matches_one(tmp_path, engine):
     """Off-policy causal-LM KD (a tiny Llama: JSD + CE on completion tokens, SGD) on 2 processes equals one process
-    on the same global batch. DDP goes through the loss head (hf_distill.losses.chunked); FSDP1 and FSDP2 compute
-    whole logits with a warning, as hf_distill chooses there (the LM head is sharded outside the model's forward).
-    FSDP runs on CPU processes by engine_run.fsdp_on_cpu (accelerate turns FSDP on only on accelerators)."""
+    on the same global batch. DDP and FSDP2 go through the loss head (hf_distill.losses.chunked; FSDP2 with the LM
+    heads' weights whole once per step, hf_distill.kd_paths.engine_heads); FSDP1 computes whole logits with a warning
+    that names the reason and FSDP2 (its LM head is a piece of a flat-parameter shard outside the forward). FSDP runs
+    on CPU processes by engine_run.fsdp_on_cpu (accelerate turns FSDP on only on accelerators). The FSDP2 launch then
+    runs tests/engine_heads_run.py's scenarios in the same process group (issue #41 item 1)."""
     root = str(Path(__file__).parents[1])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _free_port(),
            engine_run.__file__, str(tmp_path / engine), "--engine", engine, "--per_device_batch", "4", "--causal_lm",
-           *(["--fsdp_on_cpu"] if engine != "ddp" else [])]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+           *(["--fsdp_on_cpu"] if engine != "ddp" else []), *(["--head_scenarios"] if engine == "fsdp2" else [])]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420)  # a hang fails the test
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     run = json.loads((tmp_path / engine / "result.json").read_text())
     single = engine_run.run(tmp_path / "single", "ddp", per_device_batch=8, steps=3, causal_lm=True)
@@ -144,8 +146,8 @@ def test_causal_lm_on_two_cpu_processes_matches_one(tmp_path, engine):
                                    "fsdp2": "FSDPLlamaForCausalLM"}[engine]
     whole = [w for w in run["warnings"] if "computed whole" in w]
     assert single["loss_head"] is True and not any("computed whole" in w for w in single["warnings"])
-    if fsdp:
-        assert run["loss_head"] is None and len(whole) == 1 and "FSDP" in whole[0]
+    if engine == "fsdp1":
+        assert run["loss_head"] is None and len(whole) == 1 and "FSDP1" in whole[0] and "FSDP2" in whole[0]
     else:
         assert run["loss_head"] is True and not whole
     assert run["student_keys"] == single["student_keys"]
@@ -155,3 +157,63 @@ def test_causal_lm_on_two_cpu_processes_matches_one(tmp_path, engine):
     for a, b in zip(run["logs"], single["logs"], strict=True):
         for key in ("loss", "loss_kd", "loss_task", "grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-5), key
+    if engine == "fsdp2":
+        _check_head_scenarios(tmp_path / engine / "scenarios", tmp_path, "fsdp2")
+
+
+_SINGLE: dict[str, dict] = {}  # the scenarios' one-process references, shared by the FSDP2 and ZeRO-3 tests
+
+
+def _check_head_scenarios(folder: Path, tmp_path: Path, engine: str) -> None:
+    """tests/engine_heads_run.py's scenarios (tied and untied heads, gradient accumulation, processes with different
+    lengths and numbers of token chunks; FSDP2: a head resharded after the forward) through the loss head on 2
+    processes: losses and weights equal one process on the same global batch within 1e-6, and each head gathered
+    once per micro-batch on every process."""
+    import engine_heads_run
+
+    distributed_type = {"fsdp2": "FSDP", "zero3": "DEEPSPEED"}[engine]
+    for name in engine_heads_run.scenarios(engine):
+        _, accumulation, chunk = engine_heads_run.SCENARIOS[name]
+        run = json.loads((folder / name / f"{name}.json").read_text())
+        if name not in _SINGLE:
+            _SINGLE[name] = engine_heads_run.run_scenario(tmp_path / "single" / name, "ddp", 8, name)
+        single = _SINGLE[name]
+        assert (run["distributed_type"], run["world_size"], run["steps"]) == (distributed_type, 2, 2), name
+        assert run["loss_head"] is True and single["loss_head"] is True, name
+        assert not any("computed whole" in w for w in run["warnings"]), (name, run["warnings"])
+        torch.testing.assert_close(torch.tensor(run["student"]), torch.tensor(single["student"]), atol=1e-6, rtol=0)
+        assert len(run["logs"]) == 2, name
+        for a, b in zip(run["logs"], single["logs"], strict=True):
+            for key in ("loss", "loss_kd", "loss_task"):
+                assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-6), (name, key)
+        first, second = run["calls"]  # per process, per micro-batch
+        assert len(first) == len(second) == 2 * accumulation, name
+        for calls in (first, second):  # one gather of each head per micro-batch, whatever the chunk count
+            assert all(c["student_calls"] == 1 and c["teacher_gathers"] == 1 for c in calls), (name, calls)
+        assert {c["length"] for c in first}.isdisjoint({c["length"] for c in second}), name  # unequal lengths
+        resharded = name in engine_heads_run.FSDP2_ONLY  # the student's head a DTensor shard: full_tensor() once
+        assert all(c["dtensor_gathers"] == int(resharded) for c in first + second), (name, first, second)
+        if chunk is not None:
+            assert all(a["chunks"] != b["chunks"] for a, b in zip(first, second, strict=True)), name
+
+
+def test_zero3_loss_head_with_unequal_chunk_counts_on_two_cpu_processes(tmp_path):
+    """Multi-process ZeRO-3 through the loss head (issue #41 item 3): the processes hold rows of different lengths,
+    so different numbers of token chunks (kd_chunk_size=2), with and without tied embeddings and gradient
+    accumulation. The student's LM head is gathered by ZeRO-3 once per micro-batch around the whole head (its module
+    called once, hf_distill.kd_paths.engine_heads), the teacher's once: no collective depends on the chunk count, so
+    the run cannot hang by construction (before, each chunk called the head as a module, a gather each, and processes
+    with different chunk counts waited for each other forever; the head was refused there). A hang fails the time
+    limit. Losses and weights equal one process within 1e-6."""
+    import engine_heads_run
+
+    root = str(Path(__file__).parents[1])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(CONFIGS / "accelerate_zero3_cpu.yaml"), "--main_process_port", _free_port(), engine_heads_run.__file__,
+           str(tmp_path / "zero3"), "--engine", "zero3", "--per_device_batch", "4",
+           "--deepspeed_config", str(CONFIGS / "zero3_auto_no_optimizer.json")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420)  # a hang fails the test
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    _check_head_scenarios(tmp_path / "zero3", tmp_path, "zero3")

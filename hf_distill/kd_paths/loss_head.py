@@ -23,6 +23,7 @@ from ..losses import chunked, sparse_head
 from ..losses.normalise import kd_positions
 from ..placement import ZERO3_SHARDED, teacher_mode
 from ..teacher_sources import DENSE, MODEL, SIGNAL, TeacherRequest, autocast
+from . import engine_heads
 from .base import KDPath, PathBatch, PathContext, register_path, shift
 
 logger = logging.get_logger(__name__)
@@ -83,20 +84,36 @@ def _refusal(ctx: PathContext, student: nn.Module) -> str | None:
         return "label_smoothing_factor or compute_loss_func needs the student's full logits"
     if settings.kd_loss == "mse" and settings.kd_weight > 0:
         return "kd_loss='mse' compares raw logits, which the chunked loss head does not keep"
-    if str(getattr(ctx.accelerator, "distributed_type", "")).endswith("FSDP"):
-        # FSDP1 keeps the root unit's parameters (the LM head among them) sharded outside the model's forward;
-        # accelerate's FSDP2 shards the final norm and the LM head as one unit, which the head's own call after
-        # the forward reshards before the norm's backward (tests/engine_run.py --causal_lm: a segfault).
-        return "under FSDP the LM head is sharded outside the model's forward (use DDP for it)"
-    if _zero3_processes(ctx.accelerator) > 1:
-        # Each call of a ZeRO-3 LM head gathers it across processes; the head calls it once per token chunk, and
-        # processes whose batches give different numbers of chunks wait for each other (a hang, 2 CPU processes
-        # at kd_chunk_size=2). One process (world size 1) has no one to wait for.
-        return ("under DeepSpeed ZeRO-3 with several processes each call of the LM head is a collective gather, and "
-                "processes with different numbers of token chunks would wait for each other forever")
+    engine_why = _engine_refusal(ctx, student, teachers)
+    if engine_why is not None:
+        return engine_why
     teacher = teachers[0] if teachers else None
     if not chunked.supports_hidden_only(student) or (teacher is not None and not chunked.supports_hidden_only(teacher)):
         return "the model's forward has no `logits_to_keep` argument"
+    return None
+
+
+def _engine_refusal(ctx: PathContext, student: nn.Module, teachers: list) -> str | None:
+    """Why the loss head cannot run under this run's engine (FSDP1; a wrapped LM head under FSDP2 or multi-process
+    ZeRO-3), or None. FSDP2 and ZeRO-3 hand the head whole weights, gathered once per step (engine_heads)."""
+    if str(getattr(ctx.accelerator, "distributed_type", "")).endswith("FSDP") and engine_heads.engine(
+            ctx.accelerator) is None:
+        # FSDP1 keeps the LM head as a piece of the root unit's flat-parameter shard outside the model's forward
+        # (a 1-D slice, possibly split across ranks): no per-parameter way to gather it with its gradient.
+        return ("under FSDP1 the LM head is a piece of a flat-parameter shard outside the model's forward, which "
+                "the loss head cannot gather with its gradient; use FSDP2 (fsdp_config={'version': 2}) or DDP for "
+                "the loss head")
+    kind = engine_heads.engine(ctx.accelerator)
+    if kind is None or (kind == engine_heads.ZERO3 and _zero3_processes(ctx.accelerator) <= 1):
+        return None  # one ZeRO-3 process: a wrapped head is called as a module (no one to wait for)
+    models = [("student", student)] + [("teacher", t) for t in teachers[:1] if isinstance(t, nn.Module)]
+    for role, model in models:
+        with contextlib.suppress(ValueError, AttributeError):
+            if not chunked.logits_fn(model).direct:
+                return (f"under {'FSDP2' if kind == engine_heads.FSDP2 else 'DeepSpeed ZeRO-3 with several processes'} "
+                        f"the loss head reads the LM head's weight, gathered once per step, and the {role}'s LM head "
+                        f"({type(chunked.logits_fn(model).module).__name__}) is not a plain nn.Linear; merge or "
+                        "drop the adapter on the LM head")
     return None
 
 
@@ -124,11 +141,14 @@ class LossHead(KDPath):
         teacher = ctx.teacher_side.teacher
         if state.rebuilds is None:
             try:  # under the forward's autocast (mixed precision): the LM head multiplies in its dtype there too
+                kind = engine_heads.engine(ctx.accelerator)
                 with _unsharded(model), autocast(ctx.accelerator):
-                    chunked.check_logits_fn(state.inner, state.inner.config.vocab_size, "student")
+                    chunked.check_logits_fn(state.inner, state.inner.config.vocab_size, "student",
+                                            engine_heads.check_head(kind, chunked.logits_fn(state.inner)))
                 if teacher is not None and not ctx.teacher_rebuilds:
                     with _unsharded(teacher), autocast(ctx.accelerator):
-                        chunked.check_logits_fn(teacher, unwrap(teacher).config.vocab_size, "teacher")
+                        chunked.check_logits_fn(teacher, unwrap(teacher).config.vocab_size, "teacher",
+                                                engine_heads.check_head(kind, chunked.logits_fn(teacher)))
                     ctx.teacher_rebuilds = True
                 state.rebuilds = True
             except ValueError as err:
@@ -156,22 +176,42 @@ class LossHead(KDPath):
                                position_ids=inputs.get("position_ids"))  # packed rows: not across sequences
         teacher = batch.teacher
         t_logits, t_hidden = teacher.views[0][0] if teacher.views else None, teacher.hidden
+        kind = engine_heads.engine(ctx.accelerator)
+        gathered = kind is not None and self.s_head.direct and (self.t_head is None or self.t_head.direct)
+        # under FSDP2 / ZeRO-3 the teacher's head whole, gathered once per step (every process: a collective)
+        t_head = engine_heads.teacher_head(kind, self.t_head, t_hidden.dtype) if gathered and t_hidden is not None and (
+            kd_fn is not None or ctx.shared_vocab is not None) else self.t_head
         if ctx.shared_vocab is not None and t_hidden is not None and 0 not in ctx.padding.checked:
             with torch.no_grad():  # the teacher's logits on the first batch's distilled tokens, a few rows at a time
                 rows = t_hidden[:, :-1][kd_mask] if kd_mask is not None else t_hidden[:, :-1].flatten(0, 1)
-                ctx.padding(0, (self.t_head(part) for part in rows.split(256)))
+                ctx.padding(0, (t_head(part) for part in rows.split(256)))
         ce_labels = labels[:, 1:] if batch.want_task and labels is not None else None
+        s_hidden = chunked.last_hidden(batch.outputs)
         # Mixed precision: accelerate's autocast covers the models' forwards, not this code; the LM heads multiply in
         # the dtype they would inside the forward (bf16/fp16 operands, float32 outputs), not in the weights' float32.
         with autocast(ctx.accelerator):
-            kd, ce = self._head(chunked.last_hidden(batch.outputs), t_logits, t_hidden, kd_mask, ce_labels, kd_fn,
-                                self._fused(batch))
+            if not gathered:
+                kd, ce = self._head(self.s_head, t_head, ctx.route, s_hidden, t_logits, t_hidden, kd_mask,
+                                    ce_labels, kd_fn, self._fused(batch))
+            else:  # the student's head whole for this one call (engine_heads), the direct route inside it
+                def terms(s_head: chunked.LogitsHead, hidden: torch.Tensor) -> torch.Tensor:
+                    # (kd_head_mode='fused' is refused under FSDP / DeepSpeed when the trainer is built)
+                    kd, ce = self._head(s_head, t_head, "direct", hidden, t_logits, t_hidden, kd_mask, ce_labels,
+                                        kd_fn, None)
+                    zero = hidden.new_zeros((), dtype=torch.float32)
+                    return torch.stack([zero if kd is None else kd.float(), zero if ce is None else ce.float()])
+
+                empty = not _counts_a_token(s_hidden, kd_mask, ce_labels, kd_fn is not None)
+                own = batch.outputs.get("logits") if isinstance(batch.outputs, dict) else getattr(
+                    batch.outputs, "logits", None)  # the forward's own (empty) call of the head: engine_heads
+                both = engine_heads.run_student(kind, self.s_head, s_hidden, empty, terms, anchor=own)
+                kd, ce = (both[0] if kd_fn is not None else None), (both[1] if ce_labels is not None else None)
         return kd, (ctx.task.with_router_loss(batch.inner, batch.outputs, ce) if ce is not None else None)
 
-    def _head(self, s_hidden, t_logits, t_hidden, kd_mask, ce_labels, kd_fn, fused):
-        teacher = self.t_head if t_hidden is not None else (shift(t_logits) if t_logits is not None else None)
-        return chunked.chunked_kd_and_ce(s_hidden, self.s_head, teacher, t_hidden, kd_mask, ce_labels, kd_fn,
-                                         self.ctx.chunk, self.ctx.shared_vocab, route=self.ctx.route, fused=fused)
+    def _head(self, s_head, t_head, route, s_hidden, t_logits, t_hidden, kd_mask, ce_labels, kd_fn, fused):
+        teacher = t_head if t_hidden is not None else (shift(t_logits) if t_logits is not None else None)
+        return chunked.chunked_kd_and_ce(s_hidden, s_head, teacher, t_hidden, kd_mask, ce_labels, kd_fn,
+                                         self.ctx.chunk, self.ctx.shared_vocab, route=route, fused=fused)
 
     def _fused(self, batch: PathBatch) -> tuple[float, float] | None:
         """kd_head_mode='fused': the weights the loss puts on the KD and CE means, each term's weight times its
@@ -184,6 +224,15 @@ class LossHead(KDPath):
                 float(settings.task_weight) * batch.scales.get("labels", 1.0))
 
 
+def _counts_a_token(s_hidden: torch.Tensor, kd_mask, ce_labels, kd: bool) -> bool:
+    """Whether the head counts any position of this batch (the KD's, all without a mask, or the CE's)."""
+    if s_hidden.shape[1] < 2:
+        return False
+    if kd and (kd_mask is None or bool(kd_mask.any())):
+        return True
+    return ce_labels is not None and bool((ce_labels != -100).any())
+
+
 @register_path
 class SparseHead(LossHead):
     """The loss head against an offline teacher signal's `(log_probs, indices, log_tail)` (a top-k + tail)."""
@@ -192,9 +241,9 @@ class SparseHead(LossHead):
     priority = 21
     forms = (SIGNAL,)
 
-    def _head(self, s_hidden, t_logits, t_hidden, kd_mask, ce_labels, kd_fn, fused):
-        return sparse_head.sparse_kd_and_ce(s_hidden, self.s_head, shift(t_logits), kd_mask, ce_labels, kd_fn,
-                                            self.ctx.chunk, self.ctx.shared_vocab, self.ctx.route, fused)
+    def _head(self, s_head, t_head, route, s_hidden, t_logits, t_hidden, kd_mask, ce_labels, kd_fn, fused):
+        return sparse_head.sparse_kd_and_ce(s_hidden, s_head, shift(t_logits), kd_mask, ce_labels, kd_fn,
+                                            self.ctx.chunk, self.ctx.shared_vocab, route, fused)
 
 
 def _unsharded(model: nn.Module):

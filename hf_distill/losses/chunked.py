@@ -22,8 +22,9 @@ One path, two ways to reach the LM heads:
   at 32 chunks), accumulating `dL/dH` in float32. Cost: six LM-head GEMMs (two in the forward, four in the
   backward) against the three of a bare student head; no `(N, V)` tensor; the gradient is taken in the backward,
   so the loss may be weighted, scaled (fp16's GradScaler) or combined after the call like any other tensor.
-- **module** (DeepSpeed ZeRO-3, and heads that are not a plain `nn.Linear`, e.g. a LoRA-wrapped head; under FSDP
-  the trainer computes whole logits instead, docs/guides/engines.md): the engines gather parameters and reduce
+- **module** (DeepSpeed ZeRO-0/1/2, and heads that are not a plain `nn.Linear`, e.g. a LoRA-wrapped head; under
+  FSDP2 and ZeRO-3 the trainer hands the direct route the heads' weights whole, gathered once per step,
+  hf_distill.kd_paths.engine_heads; docs/guides/engines.md): the engines gather parameters and reduce
   gradients inside the head module's own call, so the head is called as a
   module, a chunk of tokens at a time inside a checkpoint, with its linear layers and matrix products (a custom
   or quantised head's `h @ W.T`) computed by :func:`mm_f32` (a `TorchFunctionMode` for the duration of the call;
@@ -109,8 +110,9 @@ def logits_fn(model: nn.Module) -> LogitsHead:
 
 
 @torch.no_grad()
-def check_logits_fn(model: nn.Module, vocab_size: int, role: str) -> None:
-    """Compare `logits_fn` with the model's own logits on two tokens; refuse a model whose logits differ."""
+def check_logits_fn(model: nn.Module, vocab_size: int, role: str, head: LogitsHead | None = None) -> None:
+    """Compare `logits_fn` (or `head`: the same head with its weight gathered, under a sharding engine) with the
+    model's own logits on two tokens; refuse a model whose logits differ."""
     inner = unwrap(model)
     device = next(inner.parameters()).device
     ids = torch.tensor([[1, min(2, vocab_size - 1)]], device=device)
@@ -118,7 +120,7 @@ def check_logits_fn(model: nn.Module, vocab_size: int, role: str) -> None:
     inner.eval()
     try:
         out = inner(input_ids=ids, output_hidden_states=True)
-        rebuilt = logits_fn(model)(out.hidden_states[-1])
+        rebuilt = (head or logits_fn(model))(out.hidden_states[-1])
     finally:
         inner.train(was_training)
     if not torch.allclose(rebuilt.float(), out.logits.float(), atol=1e-4, rtol=1e-4):
