@@ -299,5 +299,3 @@ for _model_type, _norm in (("bart", None), ("marian", None), ("mbart", "layer_no
         },
         **_BART,
     )
-
-from . import families_audio  # noqa: E402,F401  (registers wav2vec2, HuBERT and AST)
