@@ -8,12 +8,12 @@ Data: the ten digit words spoken by espeak-ng (`hf_distill.data.speech.spoken_di
 combinations are never heard in training). Waveforms are padded to 1 s at 16 kHz by one
 `Wav2Vec2FeatureExtractor` (zero mean, unit variance per clip; attention mask).
 
-Teacher: a 4-layer wav2vec2 classifier (hidden 128, conv feature encoder 4 x 32 channels, 20 ms frames) trained
-here from random weights (plain `Trainer`, seed 0). Student: `students.shrink` of it to 2 layers, hidden 64, conv
-encoder 4 x 16 channels, trained three ways from the same initialisation and data order per seed: no KD
+Teacher: a 4-layer wav2vec2 classifier (hidden 64, conv feature encoder 4 x 16 channels, 20 ms frames) trained
+here from random weights (plain `Trainer`, seed 0). Student: `students.shrink` of it to 2 layers, hidden 32, conv
+encoder 4 x 8 channels, trained three ways from the same initialisation and data order per seed: no KD
 (cross-entropy only,
 plain `Trainer`), logit KD (`DistillationTrainer`: 0.5 CE + 0.5 T^2 KL, T = 2) and logit KD + hidden-state MSE
-(uniform layer map, one shared projection 64 -> 128). Accuracy on the held-out speakers, parameters, and the
+(uniform layer map, one shared projection 32 -> 64). Accuracy on the held-out speakers, parameters, and the
 batch-1 speed-up of the student over the teacher (`publish.measure.speedup`, median of interleaved passes, one
 thread). Writes `benchmarks/results/audio_digits.{json,md}`.
 """
@@ -35,10 +35,10 @@ WORK = HERE / "runs" / "audio_digits"
 MAX_SAMPLES = 14_000  # the longest clip is 13,162 samples
 # A 4-layer conv feature encoder with a 320-sample hop (20 ms frames, as wav2vec2-base), sized for 2 CPU cores.
 CONV = {"conv_kernel": (10, 8, 4, 4), "conv_stride": (5, 4, 4, 4)}
-TEACHER = {"num_hidden_layers": 4, "hidden_size": 128, "num_attention_heads": 4, "intermediate_size": 256,
-           "conv_dim": (32,) * 4}
-STUDENT = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 2, "intermediate_size": 128,
+TEACHER = {"num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
            "conv_dim": (16,) * 4}
+STUDENT = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64,
+           "conv_dim": (8,) * 4}
 ROWS = ("no KD", "logit KD", "logit KD + hidden MSE")
 
 
@@ -91,8 +91,8 @@ def train(model, train_set, test_set, out: Path, epochs: int, seed: int, lr: flo
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--teacher-epochs", type=int, default=20)
-    parser.add_argument("--student-epochs", type=int, default=15)
+    parser.add_argument("--teacher-epochs", type=int, default=15)
+    parser.add_argument("--student-epochs", type=int, default=10)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.quick:
@@ -117,7 +117,7 @@ def main() -> None:
     torch.manual_seed(0)
     teacher = Wav2Vec2ForSequenceClassification(config)
     t0 = time.time()
-    teacher_acc = train(teacher, train_set, test_set, WORK / "teacher", args.teacher_epochs, 0, 1e-3)
+    teacher_acc = train(teacher, train_set, test_set, WORK / "teacher", args.teacher_epochs, 0, 2e-3)
     log(f"teacher: accuracy {teacher_acc:.3f} ({time.time() - t0:.0f} s)")
     teacher.eval()
     results: dict[str, list[float]] = {row: [] for row in ROWS}
@@ -131,7 +131,7 @@ def main() -> None:
                 kd.update(distill_terms=[{"loss": "hidden_mse", "layers": "uniform", "weight": 1.0}],
                           projection="shared")
             t0 = time.time()
-            acc = train(student, train_set, test_set, WORK / f"{row}-{seed}", args.student_epochs, seed, 1e-3,
+            acc = train(student, train_set, test_set, WORK / f"{row}-{seed}", args.student_epochs, seed, 2e-3,
                         teacher=teacher if kd else None, **kd)
             results[row].append(acc)
             log(f"seed {seed} {row}: accuracy {acc:.3f} ({time.time() - t0:.0f} s)")
@@ -157,9 +157,9 @@ def main() -> None:
     (out / "audio_digits.json").write_text(json.dumps(record, indent=2) + "\n")
     lines = ["| Model | Parameters | Held-out accuracy (mean ± std over seeds) | Speed-up (batch 1) |",
              "| --- | ---: | ---: | ---: |",
-             f"| teacher (wav2vec2, 4 x 128) | {record['teacher']['params']:,} | {teacher_acc:.3f} (seed 0) | 1.00x |"]
+             f"| teacher (wav2vec2, 4 x 64) | {record['teacher']['params']:,} | {teacher_acc:.3f} (seed 0) | 1.00x |"]
     for row, r in record["rows"].items():
-        lines.append(f"| student 2 x 64, {row} | {student_params:,} | {r['mean']:.3f} ± {r['std']:.3f} "
+        lines.append(f"| student 2 x 32, {row} | {student_params:,} | {r['mean']:.3f} ± {r['std']:.3f} "
                      f"({', '.join(f'{a:.3f}' for a in r['accuracy'])}) | {fast:.2f}x |")
     lines.append("")
     lines.append(f"Machine: {record['contention']}. Wall time {record['wall_seconds'] / 60:.1f} min.")
