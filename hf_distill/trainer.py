@@ -120,7 +120,7 @@ class DistillationMixin(ProjectionTraining):
         check_first_rows(self.data_collator, self.train_dataset, self.eval_dataset)
         # audio: the teacher's own input_values need the raw clips at the student's rate (hf_distill.data.audio)
         check_audio_inputs(self.data_collator, self.processing_class, teacher_processing_class, self.train_dataset,
-                           self.eval_dataset)
+                           self.eval_dataset, teacher_model=teacher_model)
         self.distiller = Distiller(
             self.model, self.args, teacher_model, processing_class=self.processing_class,
             teacher_processing_class=teacher_processing_class, train_dataset=self.train_dataset,

@@ -145,6 +145,11 @@ def test_refused_before_training_wrong_rate_raw_audio_gone_and_one_input_for_two
         _trainer(tmp_path, collator, gone)
     with pytest.raises(ValueError, match=r"processing_class differs .*AudioTeacherCollator\(student_extractor"):
         _trainer(tmp_path, None, gone, processing_class=extractor(), teacher_processing_class=spectrogram())
+    folder = tmp_path / "teacher"  # a teacher given by path: its saved extractor is compared, before it loads
+    extractor(8_000).save_pretrained(folder)
+    with pytest.raises(ValueError, match=r"differs from the student's feature extractor \(sampling_rate 16000 vs 8000"):
+        DistillationTrainer(model=wav2vec2(layers=2), teacher_model=str(folder), args=args(tmp_path),
+                            train_dataset=gone, processing_class=extractor())
 
 
 def test_trainer_distils_and_evaluates_the_teacher_on_its_own_inputs(tmp_path):

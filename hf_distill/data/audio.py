@@ -131,13 +131,17 @@ class AudioTeacherCollator:
         return batch
 
 
-def check_audio_inputs(collator: Any, processing_class: Any, teacher_processing_class: Any, *datasets: Any) -> None:
+def check_audio_inputs(collator: Any, processing_class: Any, teacher_processing_class: Any, *datasets: Any,
+                       teacher_model: Any = None) -> None:
     """A trainer's check at construction (before the teacher loads): an `AudioTeacherCollator` (possibly wrapped,
     `.base`) finds its raw audio column at the student's rate in each `datasets.Dataset` given; any other collator
     with a teacher feature extractor that differs from the student's is refused (the teacher would read the
-    student's input_values), unless the rows carry the teacher's own `teacher_input_values`."""
+    student's input_values), unless the rows carry the teacher's own `teacher_input_values`. The teacher's extractor
+    is `teacher_processing_class`, else the one saved in a teacher folder (`preprocessor_config.json`)."""
     import datasets as hf_datasets
 
+    if teacher_processing_class is None and _is_feature_extractor(processing_class):
+        teacher_processing_class = _saved_extractor(teacher_model)
     base = getattr(collator, "base", collator)
     parts = [p for d in datasets if d is not None for p in (d.values() if isinstance(d, dict) else [d])]
     if isinstance(base, AudioTeacherCollator):
@@ -156,6 +160,17 @@ def check_audio_inputs(collator: Any, processing_class: Any, teacher_processing_
             "teacher must read its own input_values from the raw audio: collate with hf_distill.data.audio."
             "AudioTeacherCollator(student_extractor, teacher_extractor) on rows that keep the audio column."
         )
+
+
+def _saved_extractor(teacher_model: Any) -> Any:
+    """The feature extractor saved beside a teacher given as a local folder (no model load), else None."""
+    from pathlib import Path
+
+    if not isinstance(teacher_model, str | Path) or not (Path(teacher_model) / "preprocessor_config.json").is_file():
+        return None
+    from transformers import AutoFeatureExtractor
+
+    return AutoFeatureExtractor.from_pretrained(str(teacher_model))
 
 
 def _is_feature_extractor(value: Any) -> bool:
