@@ -91,6 +91,21 @@ def test_multi_label_audio_students_distil_per_label(tmp_path, kind):
     assert loss.isfinite() and loss > 0
 
 
+def test_multi_hot_labels_for_wav2vec2_s_own_single_label_loss_are_refused_and_train_with_bce(tmp_path):
+    teacher = wav2vec2(seed=1, problem_type="multi_label_classification")
+    student = wav2vec2(layers=2, seed=2, problem_type="multi_label_classification")
+    batch = {**inputs(teacher), "labels": torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 0.0], [1.0, 1.0, 0.0]])}
+    student.train()
+    with pytest.raises(ValueError, match=r"own loss is single-label cross-entropy.*compute_loss_func"):
+        Distiller(student, args(tmp_path), teacher_model=teacher).compute_loss(student, dict(batch))
+
+    def bce(out, labels, num_items_in_batch=None):
+        return F.binary_cross_entropy_with_logits(out.logits, labels)
+
+    distiller = Distiller(student, args(tmp_path, kd_loss="soft_ce"), teacher_model=teacher, compute_loss_func=bce)
+    assert distiller.compute_loss(student, dict(batch)).isfinite()
+
+
 # ---------------------------------------------------------------------------------------------- own inputs
 
 

@@ -26,6 +26,8 @@ channels).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -99,4 +101,21 @@ def check_layerdrop(model: nn.Module, role: str) -> None:
         )
 
 
-__all__ = ["check_layerdrop", "frame_mask"]
+SINGLE_LABEL_LOSS = ("wav2vec2", "hubert")
+"""Audio classifiers whose own loss is single-label cross-entropy whatever `problem_type` says."""
+
+
+def check_own_loss(model: nn.Module, labels: Any) -> None:
+    """Refuse multi-hot labels for a wav2vec2 / HuBERT classifier computing its own task loss: it would flatten them
+    into class indices (torch's batch-size error). BCE through `compute_loss_func`, or `task_weight=0`, is the way."""
+    config = getattr(model, "config", None)
+    multi = isinstance(labels, torch.Tensor) and labels.is_floating_point() and labels.dim() == 2
+    if multi and getattr(config, "model_type", None) in SINGLE_LABEL_LOSS:
+        raise ValueError(
+            f"{type(model).__name__}'s own loss is single-label cross-entropy, but the labels are multi-hot "
+            f"{tuple(labels.shape)}: pass compute_loss_func=lambda out, labels, num_items_in_batch=None: "
+            "F.binary_cross_entropy_with_logits(out.logits, labels) to the trainer, or set task_weight=0."
+        )
+
+
+__all__ = ["SINGLE_LABEL_LOSS", "check_layerdrop", "check_own_loss", "frame_mask"]
