@@ -76,7 +76,7 @@ def train(model, train_set, test_set, out: Path, epochs: int, seed: int, lr: flo
 
     common = dict(output_dir=str(out), per_device_train_batch_size=16, per_device_eval_batch_size=32,
                   num_train_epochs=epochs, learning_rate=lr, warmup_steps=20, lr_scheduler_type="linear", seed=seed,
-                  data_seed=seed, save_strategy="no", eval_strategy="no", report_to=[], logging_steps=50,
+                  data_seed=seed, save_strategy="no", eval_strategy="no", report_to=[], logging_steps=10,
                   dataloader_num_workers=0, use_cpu=True, disable_tqdm=True)
     if teacher is None:
         trainer = Trainer(model=model, args=TrainingArguments(**common), train_dataset=train_set,
@@ -97,7 +97,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.seeds, args.teacher_epochs, args.student_epochs = "0", 2, 2
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)  # one thread: on contended cores a second one mostly waits at barriers
     from transformers import Wav2Vec2Config, Wav2Vec2FeatureExtractor, Wav2Vec2ForSequenceClassification
 
     from hf_distill import students
