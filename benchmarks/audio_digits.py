@@ -4,25 +4,27 @@
     python benchmarks/audio_digits.py --quick                 # a smoke run (1 seed, few epochs)
 
 Data: the ten digit words spoken by espeak-ng (`hf_distill.data.speech.spoken_digits`) in 54 speaker settings
-(6 voices x 3 speeds x 3 pitches), split by speaker: 36 settings train, 18 held out (their voice/speed/pitch
-combinations are never heard in training). Waveforms are padded to 1 s at 16 kHz by one
-`Wav2Vec2FeatureExtractor` (zero mean, unit variance per clip; attention mask).
+(6 voices x 3 speeds x 3 pitches), split by speaker: 36 settings train, 18 held out (those voice/speed/pitch
+combinations are never heard in training; each base voice is, at other speeds or pitches). Waveforms are padded or
+cut to 14,000 samples (0.875 s at 16 kHz; the longest clip has 13,162) by one `Wav2Vec2FeatureExtractor` (zero mean,
+unit variance per clip; attention mask).
 
 Teacher: a 4-layer wav2vec2 classifier (hidden 64, conv feature encoder 4 x 16 channels, 20 ms frames) trained
 here from random weights (plain `Trainer`, seed 0). Student: `students.shrink` of it to 2 layers, hidden 32, conv
 encoder 4 x 8 channels, trained three ways from the same initialisation and data order per seed: no KD
-(cross-entropy only,
-plain `Trainer`), logit KD (`DistillationTrainer`: 0.5 CE + 0.5 T^2 KL, T = 2) and logit KD + hidden-state MSE
-(uniform layer map, one shared projection 32 -> 64). Accuracy on the held-out speakers, parameters, and the
-batch-1 speed-up of the student over the teacher (`publish.measure.speedup`, median of interleaved passes, one
-thread). Writes `benchmarks/results/audio_digits.{json,md}`.
+(cross-entropy only, plain `Trainer`), logit KD (`DistillationTrainer`: 0.5 CE + 0.5 T^2 KL, T = 2) and logit KD +
+hidden-state MSE (uniform layer map, one shared projection 32 -> 64). Accuracy on the held-out speakers,
+parameters, and the batch-1 speed-up of the student over the teacher (`publish.measure.speedup`, median of
+interleaved passes, one thread). Writes `benchmarks/results/audio_digits.{json,md}`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -148,9 +150,10 @@ def main() -> None:
                        "std": statistics.stdev(accs) if len(accs) > 1 else 0.0} for row, accs in results.items()},
         "speedup_batch1": fast,
         "seeds": args.seeds,
-        "contention": "2 CPU cores shared with 7 other helpers' jobs (load average ~2-8); run under nice -n 19",
+        "contention": f"2 CPU cores shared with 7 other helpers' jobs (1-min load average {os.getloadavg()[0]:.0f} "
+                      "at the end); run under nice -n 19 with one torch thread",
         "wall_seconds": time.time() - started,
-        "command": "python benchmarks/audio_digits.py" + (" --quick" if args.quick else ""),
+        "command": " ".join(["python benchmarks/audio_digits.py", *sys.argv[1:]]),
     }
     out = (HERE / ".cache" / "quick") if args.quick else RESULTS
     out.mkdir(parents=True, exist_ok=True)
@@ -162,7 +165,9 @@ def main() -> None:
         lines.append(f"| student 2 x 32, {row} | {student_params:,} | {r['mean']:.3f} ± {r['std']:.3f} "
                      f"({', '.join(f'{a:.3f}' for a in r['accuracy'])}) | {fast:.2f}x |")
     lines.append("")
-    lines.append(f"Machine: {record['contention']}. Wall time {record['wall_seconds'] / 60:.1f} min.")
+    lines.append(f"`{record['command']}`: teacher {args.teacher_epochs} epochs, students {args.student_epochs} epochs, "
+                 f"{len(train_set)} training clips (36 speakers), {len(test_set)} held-out clips (18 other speakers). "
+                 f"Machine: {record['contention']}. Wall time {record['wall_seconds'] / 60:.1f} min.")
     (out / "audio_digits.md").write_text("\n".join(lines) + "\n")
     log("\n".join(lines))
 
