@@ -90,13 +90,32 @@ def train(model, train_set, test_set, out: Path, epochs: int, seed: int, lr: flo
     return trainer.evaluate()["eval_accuracy"]
 
 
+def render(record: dict) -> str:
+    """The results table (markdown) of a results record."""
+    student, teacher, data = record["student"], record["teacher"], record["data"]
+    lines = ["| Model | Parameters | Held-out accuracy (mean ± std over seeds) | Speed-up (batch 1) |",
+             "| --- | ---: | ---: | ---: |",
+             f"| teacher (wav2vec2, 4 x 64) | {teacher['params']:,} | {teacher['accuracy']:.3f} (seed 0) | 1.00x |"]
+    for row, r in record["rows"].items():
+        lines.append(f"| student 2 x 32, {row} | {student['params']:,} | {r['mean']:.3f} ± {r['std']:.3f} "
+                     f"({', '.join(f'{a:.3f}' for a in r['accuracy'])}) | {record['speedup_batch1']:.2f}x |")
+    lines += ["", f"`{record['command']}`: teacher {teacher['epochs']} epochs, students {student['epochs']} epochs, "
+                  f"{data['train_clips']} training clips (36 speakers), {data['held_out_clips']} held-out clips (18 "
+                  f"other speakers). Machine: {record['contention']}. Wall time {record['wall_seconds'] / 60:.1f} min."]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--teacher-epochs", type=int, default=15)
     parser.add_argument("--student-epochs", type=int, default=10)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--render", action="store_true", help="rewrite the .md from the .json, without running")
     args = parser.parse_args()
+    if args.render:
+        (RESULTS / "audio_digits.md").write_text(render(json.loads((RESULTS / "audio_digits.json").read_text())))
+        return
     if args.quick:
         args.seeds, args.teacher_epochs, args.student_epochs = "0", 2, 2
     torch.set_num_threads(1)  # one thread: on contended cores a second one mostly waits at barriers
@@ -158,18 +177,8 @@ def main() -> None:
     out = (HERE / ".cache" / "quick") if args.quick else RESULTS
     out.mkdir(parents=True, exist_ok=True)
     (out / "audio_digits.json").write_text(json.dumps(record, indent=2) + "\n")
-    lines = ["| Model | Parameters | Held-out accuracy (mean ± std over seeds) | Speed-up (batch 1) |",
-             "| --- | ---: | ---: | ---: |",
-             f"| teacher (wav2vec2, 4 x 64) | {record['teacher']['params']:,} | {teacher_acc:.3f} (seed 0) | 1.00x |"]
-    for row, r in record["rows"].items():
-        lines.append(f"| student 2 x 32, {row} | {student_params:,} | {r['mean']:.3f} ± {r['std']:.3f} "
-                     f"({', '.join(f'{a:.3f}' for a in r['accuracy'])}) | {fast:.2f}x |")
-    lines.append("")
-    lines.append(f"`{record['command']}`: teacher {args.teacher_epochs} epochs, students {args.student_epochs} epochs, "
-                 f"{len(train_set)} training clips (36 speakers), {len(test_set)} held-out clips (18 other speakers). "
-                 f"Machine: {record['contention']}. Wall time {record['wall_seconds'] / 60:.1f} min.")
-    (out / "audio_digits.md").write_text("\n".join(lines) + "\n")
-    log("\n".join(lines))
+    (out / "audio_digits.md").write_text(render(record))
+    log(render(record))
 
 
 if __name__ == "__main__":
