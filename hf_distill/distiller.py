@@ -36,6 +36,7 @@ from .data.collators import TEACHER_PREFIX
 from .data.teacher_columns import check_teacher_columns
 from .data.teacher_signal import check_teacher_signal
 from .features import heads as heads_mod
+from .features.families_audio import frame_mask
 from .features.heads import (
     TOKEN_LEVEL,
     Head,
@@ -396,7 +397,9 @@ class Distiller:
 
     def _intermediate_terms(self, s_feats, t_feats, inputs, local) -> dict[str, torch.Tensor]:
         decoder_mask = decoder_positions(inputs, self._token_labels) if self._head is Head.SEQ2SEQ_LM else None
-        terms = self.intermediate.losses(s_feats, t_feats, inputs.get("attention_mask"), decoder_mask)
+        student = self._student_cache.inner if self._student_cache is not None else None
+        mask = frame_mask(student, inputs.get("attention_mask"))  # a waveform's samples -> its frames
+        terms = self.intermediate.losses(s_feats, t_feats, mask, decoder_mask)
         if local is not None:
             for name, kind in self.intermediate.count_kinds().items():
                 if kind is not None and name in terms:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .features import heads as heads_mod
+from .features.families_audio import check_own_loss
 from .features.heads import Head
 from .losses.normalise import StepCounts
 
@@ -51,6 +52,8 @@ class TaskLoss:
                 "task_weight=0 to train on the teacher alone."
             )
         own_task = self.needs_full_logits and "labels" in inputs
+        if has_labels and not own_task and (not distill or self.settings.task_weight > 0):
+            check_own_loss(heads_mod.unwrap(model), inputs.get("labels"))  # wav2vec2/HuBERT: single-label loss
         return has_labels and (not distill or self.settings.task_weight > 0), own_task
 
     def loss(self, out: Any, inputs: dict[str, Any], head: Head, num_items_in_batch, step_mean: bool):

@@ -131,7 +131,11 @@ def validate_pair(
     # With `cross_tokenizer` the teacher reads its own tokenization (hf_distill.losses.cross_tokenizer): ids and
     # vocabulary sizes need not agree.
     cross = getattr(args, "cross_tokenizer", None)
-    if not shares_parameters(student, teacher) and not cross:  # self-distillation: one model, one tokenizer
+    from .features.heads import head_kind
+
+    kind = head_kind(student)  # an audio (or image) student reads no token ids: no tokenizer to compare
+    reads_text = kind is None or kind.facts.processor == "AutoTokenizer"
+    if not shares_parameters(student, teacher) and not cross and reads_text:  # self-distillation: one tokenizer
         t_tokenizer = _compare_tokenizers(tokenizer, teacher, teacher_tokenizer, source)
     if s_cfg is None or t_cfg is None:
         return None

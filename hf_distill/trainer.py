@@ -27,6 +27,7 @@ from transformers.utils import logging
 from .arguments import DistillationArguments, as_distillation_arguments
 from .compat import add_signature_columns, children_dict, prepare_inputs, signature_columns
 from .compat import num_items_in_batch as count_items
+from .data.audio import check_audio_inputs, teacher_own_inputs
 from .data.collators import TEACHER_PREFIX, KeepTeacherColumnsCollator, TeacherOutputsCollator
 from .data.cross_tokenizer import check_first_rows
 from .data.prompts import check_generation_data
@@ -117,6 +118,9 @@ class DistillationMixin(ProjectionTraining):
                                   [t for t in teachers if t is not None])
         # cross_tokenizer's chat rows: read before the Distiller loads a teacher given by path
         check_first_rows(self.data_collator, self.train_dataset, self.eval_dataset)
+        # audio: the teacher's own input_values need the raw clips at the student's rate (hf_distill.data.audio)
+        check_audio_inputs(self.data_collator, self.processing_class, teacher_processing_class, self.train_dataset,
+                           self.eval_dataset, teacher_model=teacher_model)
         self.distiller = Distiller(
             self.model, self.args, teacher_model, processing_class=self.processing_class,
             teacher_processing_class=teacher_processing_class, train_dataset=self.train_dataset,
@@ -328,7 +332,9 @@ class DistillationMixin(ProjectionTraining):
             from .losses.cross_tokenizer import teacher_batch
 
             inputs = teacher_batch(inputs, self.args.cross_tokenizer, names)
-        inputs = prepare_inputs(self, {k: v for k, v in inputs.items() if not k.startswith(TEACHER_PREFIX)})
+        own = {k: v for k, v in inputs.items() if k.startswith(TEACHER_PREFIX)}  # its own input_values (data.audio)
+        inputs = teacher_own_inputs({k: v for k, v in inputs.items() if k not in own}, own)
+        inputs = prepare_inputs(self, inputs)
         has_labels = bool(names) and all(inputs.get(k) is not None for k in names)
         labels = nested_detach(tuple(inputs[k] for k in names)) if has_labels else None
         labels = labels[0] if labels is not None and len(labels) == 1 else labels

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import audio_models
 import peft
 import pytest
 import torch
@@ -65,6 +66,7 @@ MODELS = {
     HeadKind.MASKED_LM: (lambda: BertForMaskedLM(bert_config(layers=1)), Head.TOKEN, None),
     HeadKind.MULTIPLE_CHOICE: (lambda: BertForMultipleChoice(bert_config(layers=1)), None, None),
     HeadKind.BASE: (lambda: BertModel(bert_config(layers=1)), None, None),
+    HeadKind.AUDIO_CLASSIFICATION: (lambda: audio_models.wav2vec2(layers=1), Head.SEQUENCE, 3),
 }
 
 

@@ -101,6 +101,14 @@ class Family:
     mlp_output: str = "output.dense"
     norms: tuple[str, ...] = ("attention.output.LayerNorm", "output.LayerNorm")
     projections: tuple[str, str, str] | None = None
+    # Audio encoders (hf_distill.features.families_audio). `fixed_hidden`: why prune_width cannot remove hidden
+    # channels (wav2vec2's grouped positional convolution), refused with that reason. `layerdrop_field`: the config
+    # field of LayerDrop, which skips whole blocks in training, so a student tapped for terms must set it to 0.
+    # `frames_from_samples`: the config fields (kernels, strides) of a conv feature encoder that turns a sample-level
+    # attention mask into the frame-level one the hidden states have.
+    fixed_hidden: str | None = None
+    layerdrop_field: str | None = None
+    frames_from_samples: tuple[str, str] | None = None
 
     def stack(self, name: str) -> Family | None:
         """The family of one stack of an encoder-decoder model (None when it has no such stack)."""

@@ -68,6 +68,7 @@ class HeadKind(enum.Enum):
     TOKEN_CLASSIFICATION = "token-classification"
     MASKED_LM = "masked-lm"
     MULTIPLE_CHOICE = "multiple-choice"
+    AUDIO_CLASSIFICATION = "audio-classification"  # wav2vec2, HuBERT, AST heads (hf_distill.features.families_audio)
     BASE = "base"  # no head: hidden states (feature extraction)
 
     @property
@@ -86,6 +87,7 @@ class HeadFacts:
     head: Head | None  # what logit KD compares (a sequence classifier's is refined by its config); None: its logits
     classifier: bool  # its logits are over config.num_labels (teacher and student must share the label set)
     encoder_decoder: bool | None = None  # the config.is_encoder_decoder it needs; None: either
+    processor: str = "AutoTokenizer"  # the transformers class that loads its inputs' processor (the card's usage)
 
     @property
     def pipeline_tag(self) -> str:
@@ -120,6 +122,11 @@ HEADS: dict[HeadKind, HeadFacts] = {  # in the order kinds are tried: a class in
     HeadKind.MULTIPLE_CHOICE: HeadFacts(
         "MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES", "AutoModelForMultipleChoice", "AutoPeftModel",
         ("multiple-choice",), None, False),
+    # Audio: a sequence head over the clip (single-label, or multi-label by problem_type / float labels); its input is
+    # a waveform or a spectrogram (input_values) made by a feature extractor. peft has no audio Auto class.
+    HeadKind.AUDIO_CLASSIFICATION: HeadFacts(
+        "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES", "AutoModelForAudioClassification", "AutoPeftModel",
+        ("audio-classification",), Head.SEQUENCE, True, processor="AutoFeatureExtractor"),
     HeadKind.BASE: HeadFacts(
         "MODEL_MAPPING_NAMES", "AutoModel", "AutoPeftModel", ("feature-extraction",), None, False),
 }

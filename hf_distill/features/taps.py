@@ -22,6 +22,7 @@ from torch import nn
 
 from ..compat import compiled_inner
 from .families import REGISTER_HINT, Family, get_family
+from .families_audio import check_layerdrop
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -189,6 +190,7 @@ class FeatureTaps:
 
     def __init__(self, model: nn.Module, request: TapRequest, role: str = "model", stack: str | None = None) -> None:
         self.request = request
+        self._role = role
         self.info = model_info(model, stack)
         self._targets: list[tuple[nn.Module, str | tuple[str, ...], int]] = []
         self._split: tuple[int, int, int] | None = None
@@ -298,6 +300,8 @@ class FeatureTaps:
 
     def run(self, model: nn.Module, kwargs: dict) -> tuple[object, Features]:
         """One forward pass with the hooks attached: the model's outputs and the captured features."""
+        if self._targets:
+            check_layerdrop(unwrap(model), self._role)
         with self.capture() as feats:
             out = model(**kwargs, **self.forward_kwargs())
         self.collect(feats, out)

@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from ..data.audio import teacher_own_inputs
 from ..features.heads import Head
 from ..task_loss import TaskLoss
 from ..teacher import check_padding_mass, padding_mass
@@ -118,8 +119,9 @@ class KDPath(abc.ABC):
         return True
 
     def teacher_inputs(self, inputs: dict[str, Any], cached: dict[str, torch.Tensor]) -> dict[str, Any]:
-        """The batch the teacher reads (its own tokenization, for a cross-tokenizer path)."""
-        return inputs
+        """The batch the teacher reads (its own tokenization, for a cross-tokenizer path; its own input_values or
+        pixel_values where the collator made them, hf_distill.data.audio)."""
+        return teacher_own_inputs(inputs, cached)
 
     def student_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         return kwargs

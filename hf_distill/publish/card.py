@@ -467,8 +467,10 @@ def _usage(r: DistillationReport) -> str:
         peft = kind.facts.peft_class if kind is not None else "AutoPeftModel"
         code = f'from peft import {peft}\n\nmodel = {peft}.from_pretrained("{repo}")  # base + adapters'
     else:
-        code = (f'from transformers import {auto}, AutoTokenizer\n\nmodel = {auto}.from_pretrained("{repo}")\n'
-                f'tokenizer = AutoTokenizer.from_pretrained("{repo}")')
+        processor = kind.facts.processor if kind is not None else "AutoTokenizer"
+        name = "tokenizer" if processor == "AutoTokenizer" else "feature_extractor"
+        code = (f'from transformers import {auto}, {processor}\n\nmodel = {auto}.from_pretrained("{repo}")\n'
+                f'{name} = {processor}.from_pretrained("{repo}")')
         if r.pipeline_tag in _SEQ2SEQ_TASKS:
             code += ('\n\ninputs = tokenizer(["Your source text"], return_tensors="pt")\n'
                      "outputs = model.generate(**inputs, max_new_tokens=64)\n"

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from ..features.families_audio import frame_mask
 from .build import encoder_layers, from_teacher
 
 __all__ = ["DepthPruning", "block_importance", "prune_depth"]
@@ -66,7 +67,7 @@ def _block_importance(
         def hook(_module, _args, output):
             out = output[0] if isinstance(output, tuple) else output
             cos = torch.nn.functional.cosine_similarity(inputs.pop(index).float(), out.float(), dim=-1)
-            real = current["real"]
+            real = frame_mask(model, current["real"], cos.shape[1])  # a waveform's samples -> its frames
             cos = cos.flatten() if real is None else cos[real]
             sums[index] += cos.double().sum().cpu()
             counts[index] += cos.numel()

@@ -46,6 +46,7 @@ from transformers.pytorch_utils import Conv1D
 from ..base.recorded_names import recorded_name
 from ..compat import model_from_config
 from ..features.families import Family
+from ..features.families_audio import frame_mask
 from .build import encoder_layers, from_teacher, get_family
 from .prune import _block_importance
 
@@ -196,7 +197,7 @@ def width_importance(model: PreTrainedModel, calibration_batches: Iterable[Mappi
 
     def accumulate(target: torch.Tensor, x: torch.Tensor) -> None:
         x = x.detach().float().abs()
-        mask = current["mask"]
+        mask = frame_mask(model, current["mask"], x.shape[1])  # a waveform's samples -> its frames
         if mask is not None and tuple(mask.shape) == tuple(x.shape[:2]):
             m = mask.to(x.dtype).unsqueeze(-1)
             per_row = (x * m).sum(1) / m.sum(1).clamp_min(1.0)  # mean over a row's real tokens
@@ -346,6 +347,13 @@ def prune_width(
     family = _width_family(teacher)
     shape = _shape(teacher, family)
     model_type = teacher.config.model_type
+    narrower = hidden_size not in (None, shape.hidden) or num_attention_heads not in (None, shape.heads)
+    if family.fixed_hidden and narrower:
+        raise ValueError(
+            f"prune_width keeps the hidden size of {model_type!r}: {family.fixed_hidden}; and its head size is "
+            "hidden_size / num_attention_heads, so its heads stay too. Prune intermediate_size and num_layers, or "
+            "build a narrower student with students.shrink."
+        )
     heads, kv_heads, inter, hidden = _targets(model_type, shape, num_attention_heads, intermediate_size, hidden_size)
     depth = _count("num_layers", num_layers, shape.layers, "blocks")
     if importance is None:
