@@ -107,6 +107,13 @@ def check(recipe: WhisperRecipeArguments, args) -> None:
     check_wer_threshold(recipe.wer_threshold)
     if args.kd_loss not in ("kl", "soft_ce", "jsd", "reverse_kl"):
         fail(f"kd_loss must be a softmax loss (kl, soft_ce, jsd, reverse_kl) for Whisper, got {args.kd_loss!r}")
+    if recipe.student_decoder_layers is not None:  # the teacher's depth from its config.json, before it loads
+        from hf_distill.students import check_decoder_layers
+
+        depth = recipe.teacher_decoder_layers
+        if recipe.teacher and (Path(recipe.teacher) / "config.json").is_file():
+            depth = json.loads((Path(recipe.teacher) / "config.json").read_text())["decoder_layers"]
+        check_decoder_layers(recipe.student_decoder_layers, depth)
 
 
 def teacher_folder(recipe: WhisperRecipeArguments, splits, args, train: bool):
@@ -211,8 +218,6 @@ def main() -> None:
     path, results["teacher_training"] = teacher_folder(recipe, splits, args, train="teacher" in recipe.stages)
     teacher, processor = load_whisper(path, "teacher")
     results["teacher"] = path
-    if recipe.student_decoder_layers is not None:  # before any expensive stage
-        students.check_decoder_layers(recipe.student_decoder_layers, teacher.config.decoder_layers)
     norm = english_normaliser(processor.tokenizer)
     gen = {"max_new_tokens": recipe.transcript_max_tokens}
     train = splits[recipe.train_split]
