@@ -39,8 +39,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import command_line, fail, parse_args, run_length, run_main, set_offline_defaults, write_results
 from _whisper_data import build_splits, load_splits
+from common import command_line, fail, parse_args, run_length, run_main, set_offline_defaults, write_results
 
 from hf_distill import DistillationSeq2SeqArguments, DistillationSeq2SeqTrainer
 from hf_distill.publish.report import distillation_facts
@@ -210,8 +210,9 @@ def main() -> None:
     results = json.loads(results_path.read_text()) if results_path.is_file() else {}
     results.update(recipe="distil_whisper", command=command_line(), config=config, stages_run=recipe.stages)
     splits = load_splits(recipe) if recipe.dataset_dir else build_splits(recipe)
-    for name, rows in splits.items():
-        check_audio(rows, recipe.audio_column, 16_000 if recipe.teacher is None else _extractor_rate(recipe.teacher))
+    rate = 16_000 if recipe.teacher is None else _extractor_rate(recipe.teacher)
+    for rows in splits.values():
+        check_audio(rows, recipe.audio_column, rate)
     results["rows"] = {name: len(rows) for name, rows in splits.items()}
 
     # 1. The teacher (and its processor), given or trained here.
