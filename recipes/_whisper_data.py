@@ -73,9 +73,11 @@ def load_splits(recipe) -> dict:
     if missing:
         fail(f"dataset_dir {recipe.dataset_dir!r} lacks split(s) {missing} (it has {sorted(data)})")
     for name in wanted:
-        for col in (recipe.audio_column, recipe.text_column):
-            if col not in data[name].column_names:
-                fail(f"dataset_dir split {name!r} has no column {col!r} (audio_column / text_column)")
+        cols = data[name].column_names
+        if recipe.text_column not in cols:
+            fail(f"dataset_dir split {name!r} has no column {recipe.text_column!r} (text_column)")
+        if recipe.audio_column not in cols and "input_features" not in cols:
+            fail(f"dataset_dir split {name!r} has neither {recipe.audio_column!r} (audio_column) nor input_features")
     return {name: data[name] for name in wanted}
 
 

@@ -74,6 +74,9 @@ class WhisperRecipeArguments:
     eval_voices: int = field(default=2, metadata={"help": "espeak-ng data: other voices again, the eval splits."})
     voice_seed: int = field(default=0, metadata={"help": "espeak-ng data: seed of the voice draw."})
     wer_threshold: float = field(default=0.1, metadata={"help": "Drop pseudo-labels with a WER above this (0..1)."})
+    student: str | None = field(default=None, metadata={"help": "A Whisper folder (model + processor) to start the "
+                                                        "student from instead of copying the teacher's layers; its "
+                                                        "feature extractor must be the teacher's."})
     student_decoder_layers: list[int] | None = field(default=None, metadata={"help": "Teacher decoder layers the "
                                                                              "student keeps; default first and last."})
     freeze_encoder: bool = field(default=True, metadata={"help": "Freeze the copied encoder (distil-whisper)."})
@@ -107,6 +110,8 @@ def check(recipe: WhisperRecipeArguments, args) -> None:
     check_wer_threshold(recipe.wer_threshold)
     if args.kd_loss not in ("kl", "soft_ce", "jsd", "reverse_kl"):
         fail(f"kd_loss must be a softmax loss (kl, soft_ce, jsd, reverse_kl) for Whisper, got {args.kd_loss!r}")
+    if recipe.student and recipe.student_decoder_layers is not None:
+        fail("student_decoder_layers: not used with --student (the given student keeps its own layers)")
     if recipe.student_decoder_layers is not None:  # the teacher's depth from its config.json, before it loads
         from hf_distill.students import check_decoder_layers
 
@@ -114,6 +119,24 @@ def check(recipe: WhisperRecipeArguments, args) -> None:
         if recipe.teacher and (Path(recipe.teacher) / "config.json").is_file():
             depth = json.loads((Path(recipe.teacher) / "config.json").read_text())["decoder_layers"]
         check_decoder_layers(recipe.student_decoder_layers, depth)
+
+
+def check_extractors(recipe: WhisperRecipeArguments, has_audio: bool) -> None:
+    """A given student whose feature extractor is not the teacher's is refused before anything loads (both are
+    read from their preprocessor files; the teacher trained here has the recipe's settings)."""
+    from transformers import WhisperFeatureExtractor
+
+    from hf_distill.data.asr import check_feature_extractors
+
+    if not recipe.student:
+        return
+    try:
+        theirs = WhisperFeatureExtractor.from_pretrained(recipe.student)
+        ours = WhisperFeatureExtractor.from_pretrained(recipe.teacher) if recipe.teacher else \
+            WhisperFeatureExtractor(feature_size=recipe.num_mel_bins, chunk_length=recipe.chunk_length)
+    except OSError as err:
+        fail(f"cannot read a feature extractor (teacher {recipe.teacher!r}, student {recipe.student!r}): {err}")
+    check_feature_extractors(ours, theirs, has_audio)
 
 
 def teacher_folder(recipe: WhisperRecipeArguments, splits, args, train: bool):
@@ -209,10 +232,15 @@ def main() -> None:
     results_path = out / "results.json"
     results = json.loads(results_path.read_text()) if results_path.is_file() else {}
     results.update(recipe="distil_whisper", command=command_line(), config=config, stages_run=recipe.stages)
+    if not recipe.dataset_dir:
+        check_extractors(recipe, has_audio=True)  # espeak-ng speech: raw audio, before it is synthesised
     splits = load_splits(recipe) if recipe.dataset_dir else build_splits(recipe)
+    if recipe.dataset_dir:
+        check_extractors(recipe, has_audio=all(recipe.audio_column in rows.column_names for rows in splits.values()))
     rate = 16_000 if recipe.teacher is None else _extractor_rate(recipe.teacher)
     for rows in splits.values():
-        check_audio(rows, recipe.audio_column, rate)
+        if recipe.audio_column in rows.column_names:  # else precomputed input_features
+            check_audio(rows, recipe.audio_column, rate)
     results["rows"] = {name: len(rows) for name, rows in splits.items()}
 
     # 1. The teacher (and its processor), given or trained here.
@@ -241,10 +269,14 @@ def main() -> None:
     # 4. The student: whole encoder (frozen) + chosen decoder layers.
     init_dir = out / "student_init"
     if "student" in recipe.stages:
-        student = students.whisper_student(teacher, recipe.student_decoder_layers, recipe.freeze_encoder)
+        if recipe.student:
+            student = load_whisper(recipe.student, "student")[0]
+            results["student_decoder_layers"] = f"given: {recipe.student}"
+        else:
+            student = students.whisper_student(teacher, recipe.student_decoder_layers, recipe.freeze_encoder)
+            results["student_decoder_layers"] = student.config.distillation["teacher_decoder_layers"]
         student.save_pretrained(init_dir)
         processor.save_pretrained(init_dir)
-        results["student_decoder_layers"] = student.config.distillation["teacher_decoder_layers"]
 
     # 5-6. Distillation on the kept pseudo-labels, and the CE-only baseline on the same rows' references.
     if "distil" in recipe.stages or "baseline" in recipe.stages:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from helpers import run_script
 from whisper_models import noise_rows
@@ -63,7 +64,7 @@ def test_recipe_end_to_end_then_stages_alone(tmp_path):
     labels = out / "pseudo_labels" / "pseudo_labels.jsonl"
     assert len(labels.read_text().splitlines()) == 8
     for folder in (out, out / "baseline", out / "student_init"):
-        assert (folder / "model.safetensors").is_file() and (folder / "preprocessor_config.json").is_file()
+        assert (folder / "model.safetensors").is_file() and (folder / "processor_config.json").is_file()
 
     # A stage alone: the teacher is found in its cache, and pseudo-labelling continues where the file stops.
     whole = labels.read_text()
@@ -99,4 +100,24 @@ def test_audio_at_the_wrong_sampling_rate_is_one_line_before_training(tmp_path):
     proc = run_script(RECIPE, *tiny(tmp_path, tmp_path / "out"), "--dataset_dir", data, cwd=ROOT)
     line = _one_error(proc)
     assert "audio_column 'audio' has audio at [8000] Hz, the feature extractor expects 16000 Hz" in line, line
+    assert not (tmp_path / "out").exists() and not (tmp_path / "teachers").exists()
+
+
+def test_a_student_with_another_feature_extractor_is_one_line_without_raw_audio(tmp_path):
+    """Precomputed 40-bin features and no audio column: a given 16-bin student could not get its own features."""
+    from datasets import Dataset, DatasetDict
+    from whisper_models import processor, tiny_whisper
+
+    proc = processor(num_mel_bins=16)
+    student = tmp_path / "student"
+    tiny_whisper(proc).save_pretrained(student)
+    proc.save_pretrained(student)
+    rows = Dataset.from_dict({"input_features": np.zeros((2, 40, 600), np.float32), "text": ["good film", "bad"]})
+    data = tmp_path / "data"
+    DatasetDict({name: rows for name in ("teacher", "train", "eval_seen_text", "eval_new_text")}).save_to_disk(data)
+    proc = run_script(RECIPE, *tiny(tmp_path, tmp_path / "out"), "--dataset_dir", data, "--student", student,
+                      cwd=ROOT)
+    line = _one_error(proc)
+    assert "feature extractors differ: feature_size 40 (teacher) vs 16 (student)" in line, line
+    assert "the dataset has no raw audio" in line, line
     assert not (tmp_path / "out").exists() and not (tmp_path / "teachers").exists()

@@ -201,8 +201,10 @@ def pseudo_label(model: Any, processor: Any, dataset: Any, folder: str | os.Path
                  **generate_kwargs: Any) -> list[str]:
     """The teacher's transcript of every row of `dataset` (in row order), generated `batch_size` rows at a time and
     appended to `folder/pseudo_labels.jsonl` batch by batch: a second call (after a kill, or to read them back)
-    generates only the rows the file lacks. A folder holding labels made with other settings is refused."""
-    check_audio(dataset, audio_column, processor.feature_extractor.sampling_rate)
+    generates only the rows the file lacks. A folder holding labels made with other settings is refused. Rows
+    without `audio_column` must hold precomputed `input_features`."""
+    if audio_column in dataset.column_names or "input_features" not in dataset.column_names:
+        check_audio(dataset, audio_column, processor.feature_extractor.sampling_rate)
     folder = Path(folder)
     key = _settings_key(model, dataset, audio_column, generate_kwargs)
     meta_path, path = folder / "pseudo_labels.meta.json", folder / PSEUDO_LABEL_FILE
