@@ -171,9 +171,10 @@ def transcribe(model: Any, processor: Any, rows: Sequence[dict] | Any, batch_siz
 
 
 def _settings_key(model: Any, dataset: Any, audio_column: str, generate_kwargs: dict) -> dict[str, Any]:
+    from ..compat import dataset_fingerprint
     from .cache_key import teacher_fingerprint
 
-    rows = getattr(dataset, "_fingerprint", None)
+    rows = dataset_fingerprint(dataset, None)
     if rows is None:
         raise ValueError("pseudo_label needs a datasets.Dataset (its fingerprint keys the resumable file)")
     return {"teacher": teacher_fingerprint(model), "rows": len(dataset), "dataset_fingerprint": rows,
