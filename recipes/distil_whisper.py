@@ -180,11 +180,11 @@ def train_student(student, teacher, rows, processor, args, out: str, kd: bool):
         args = dataclasses.replace(args, kd_weight=0.0, task_weight=1.0, output_dir=out)
     collate = SpeechSeq2SeqCollator(processor, text_column="target", decoder_start_token_id=
                                     student.config.decoder_start_token_id)
+    # processing_class: the teacher's vocabulary is checked against the student's, and the processor saved with it
     trainer = DistillationSeq2SeqTrainer(model=student, teacher_model=teacher if kd else None, args=args,
-                                         train_dataset=rows, data_collator=collate)
+                                         train_dataset=rows, data_collator=collate, processing_class=processor)
     result = trainer.train()
     trainer.save_model(out)
-    processor.save_pretrained(out)
     trainer.save_state()
     return trainer, result
 
