@@ -88,6 +88,7 @@ def test_collator_makes_features_labels_and_shifted_decoder_inputs(proc):
     assert torch.equal(asr.SpeechSeq2SeqCollator(proc)(pre)["input_features"], batch["input_features"])
 
 
+@pytest.mark.slow
 def test_pseudo_labelling_resumes_after_a_kill_without_redoing_rows(proc, tmp_path, monkeypatch):
     model = tiny_whisper(proc)
     rows = noise_rows(7)
@@ -118,6 +119,7 @@ def test_pseudo_labelling_resumes_after_a_kill_without_redoing_rows(proc, tmp_pa
     assert sorted(json.loads(x)["row"] for x in lines) == list(range(7))
 
 
+@pytest.mark.slow
 def test_pseudo_labels_of_other_settings_are_refused_not_mixed(proc, tmp_path):
     model = tiny_whisper(proc)
     rows = noise_rows(2)

@@ -50,6 +50,7 @@ def test_decoder_layers_not_a_subset_are_one_line(proc, layers):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.slow
 def test_distil_whisper_loss_is_0_8_ce_plus_t2_kl_and_the_encoder_stays(proc, tmp_path):
     """task_weight 0.8, kd_weight 1, T 2, kd_loss kl, kd_token_mask labels = distil-whisper's
     0.8 * CE + KL(teacher || student at T) * T^2, the KL summed over the vocabulary and averaged over label tokens;
