@@ -35,6 +35,7 @@ __all__ = [
     "audio_sampling_rates",
     "check_audio",
     "check_feature_extractors",
+    "digest",
     "pseudo_label",
     "transcribe",
     "whisper_processor",
