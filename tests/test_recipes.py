@@ -660,7 +660,8 @@ def _one_error_line(capsys) -> str:
     return errors[0]
 
 
-ALL_RECIPES = ["distilbert", "tinybert", "minilm", "pkd", "bilstm", "mobilebert", "fastbert", "causal_lm"]
+ALL_RECIPES = ["distilbert", "tinybert", "minilm", "pkd", "bilstm", "mobilebert", "fastbert", "causal_lm",
+               "distil_whisper"]
 
 
 @pytest.mark.parametrize("recipe", ALL_RECIPES)

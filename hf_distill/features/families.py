@@ -280,7 +280,10 @@ _BART = {
     "embeddings": (),
     "embeddings_from_block_input": True,
 }
-for _model_type, _norm in (("bart", None), ("marian", None), ("mbart", "layer_norm"), ("pegasus", "layer_norm")):
+# Whisper: the same layout, its encoder reading log-mel frames through two convolutions (they and the positions sit
+# outside the blocks, so hidden_states[0] is read at the first block's input here too).
+for _model_type, _norm in (("bart", None), ("marian", None), ("mbart", "layer_norm"), ("pegasus", "layer_norm"),
+                           ("whisper", "layer_norm")):
     register_encoder_decoder(
         _model_type,
         encoder={

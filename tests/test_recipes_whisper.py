@@ -1,0 +1,121 @@
+"""recipes/distil_whisper.py end to end on espeak-ng speech with a tiny Whisper trained here, each stage alone, and
+its refusals (one line each, before anything trains)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import run_script
+from whisper_models import noise_rows
+
+from hf_distill.data import speech
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPE = ROOT / "recipes" / "distil_whisper.py"
+CONFIG = ROOT / "recipes" / "configs" / "distil_whisper_espeak.yaml"
+
+
+def tiny(tmp: Path, out: Path) -> list:
+    """A 1-encoder / 3-decoder-layer width-32 teacher on 8 sentences x 2 voices, everything one or two steps."""
+    return ["--config", CONFIG, "--output_dir", out, "--teacher_cache_dir", tmp / "teachers", "--sentences_file",
+            _sentences(tmp), "--num_sentences", "8", "--eval_seen_sentences", "3", "--eval_new_sentences", "3",
+            "--teacher_voices", "2", "--train_voices", "1", "--eval_voices", "1", "--teacher_d_model", "32",
+            "--teacher_encoder_layers", "1", "--teacher_decoder_layers", "3", "--teacher_heads", "2",
+            "--teacher_ffn", "64", "--teacher_epochs", "1", "--vocab_size", "300", "--num_mel_bins", "40",
+            "--num_train_epochs", "1", "--per_device_train_batch_size", "8", "--speed_clips", "2",
+            "--speed_tokens", "3", "--transcript_max_tokens", "6", "--wer_threshold", "1.0", "--disable_tqdm",
+            "true", "--logging_steps", "1"]
+
+
+def _sentences(tmp: Path) -> Path:
+    path = tmp / "sentences.tsv"
+    words = ["good", "bad", "film", "movie", "great", "dull", "fun", "story", "plot", "actors", "funny", "slow"]
+    rows = [" ".join(words[(i + k * 5) % len(words)] for k in range(3 + i % 2)) for i in range(11)]
+    path.write_text("sentence\tlabel\n" + "".join(f"{r} ,\t{i % 2}\n" for i, r in enumerate(rows)))
+    return path
+
+
+def _one_error(proc) -> str:
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), proc.stderr[-3000:]
+    return lines[0]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(speech.espeak_ng() is None, reason="espeak-ng is not installed (`apt-get install espeak-ng`)")
+def test_recipe_end_to_end_then_stages_alone(tmp_path):
+    out = tmp_path / "out"
+    proc = run_script(RECIPE, *tiny(tmp_path, out), cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["rows"] == {"teacher": 16, "train": 8, "eval_seen_text": 3, "eval_new_text": 3}
+    assert results["kept_rows"] == 8 and results["kept_share"] == 1.0  # threshold 1.0: WER <= 1 keeps every row
+    assert results["student_decoder_layers"] == [0, 2]
+    facts = results["distillation"]
+    assert (facts["kd_loss"], facts["kd_weight"], facts["task_weight"], facts["temperature"]) == ("kl", 1.0, 0.8, 2.0)
+    for model in ("teacher", "student", "baseline"):
+        for split in ("eval_seen_text", "eval_new_text"):
+            assert 0.0 <= results[f"{model}_wer_{split}"], (model, split)
+    assert results["decode_speedup"] > 0 and results["params"] < results["teacher_params"]
+    assert "loss_kd" in proc.stdout + proc.stderr
+    labels = out / "pseudo_labels" / "pseudo_labels.jsonl"
+    assert len(labels.read_text().splitlines()) == 8
+    for folder in (out, out / "baseline", out / "student_init"):
+        assert (folder / "model.safetensors").is_file() and (folder / "processor_config.json").is_file()
+
+    # A stage alone: the teacher is found in its cache, and pseudo-labelling continues where the file stops.
+    whole = labels.read_text()
+    labels.write_text("".join(whole.splitlines(keepends=True)[:5]))
+    again = run_script(RECIPE, *tiny(tmp_path, out), "--stages", "pseudo_label", "filter", cwd=ROOT)
+    assert again.returncode == 0 and "teacher: reusing" in again.stdout, again.stderr[-3000:]
+    assert sorted(labels.read_text().splitlines()) == sorted(whole.splitlines())
+    updated = json.loads((out / "results.json").read_text())
+    assert updated["stages_run"] == ["pseudo_label", "filter"] and "student_wer_eval_new_text" in updated  # kept
+
+
+def test_wer_threshold_outside_0_1_is_one_line(tmp_path):
+    proc = run_script(RECIPE, *tiny(tmp_path, tmp_path / "out"), "--wer_threshold", "1.5", cwd=ROOT)
+    assert "wer_threshold must be in [0, 1]" in _one_error(proc)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "teachers").exists()
+
+
+def test_decoder_layers_not_a_subset_is_one_line(tmp_path):
+    proc = run_script(RECIPE, *tiny(tmp_path, tmp_path / "out"), "--student_decoder_layers", "0", "3", cwd=ROOT)
+    line = _one_error(proc)
+    assert "student_decoder_layers [0, 3] must be a subset of the teacher's 3 decoder layers" in line, line
+    assert not (tmp_path / "out").exists() and not (tmp_path / "teachers").exists()
+
+
+def test_audio_at_the_wrong_sampling_rate_is_one_line_before_training(tmp_path):
+    from datasets import DatasetDict
+
+    data = tmp_path / "data"
+    DatasetDict({name: noise_rows(2, rate=8_000) for name in ("teacher", "train", "eval_seen_text",
+                                                              "eval_new_text")}).save_to_disk(data)
+    proc = run_script(RECIPE, *tiny(tmp_path, tmp_path / "out"), "--dataset_dir", data, cwd=ROOT)
+    line = _one_error(proc)
+    assert "audio_column 'audio' has audio at [8000] Hz, the feature extractor expects 16000 Hz" in line, line
+    assert not (tmp_path / "out").exists() and not (tmp_path / "teachers").exists()
+
+
+def test_a_student_with_another_feature_extractor_is_one_line_without_raw_audio(tmp_path):
+    """Precomputed 40-bin features and no audio column: a given 16-bin student could not get its own features."""
+    from datasets import Dataset, DatasetDict
+    from whisper_models import processor, tiny_whisper
+
+    proc = processor(num_mel_bins=16)
+    student = tmp_path / "student"
+    tiny_whisper(proc).save_pretrained(student)
+    proc.save_pretrained(student)
+    rows = Dataset.from_dict({"input_features": np.zeros((2, 40, 600), np.float32), "text": ["good film", "bad"]})
+    data = tmp_path / "data"
+    DatasetDict({name: rows for name in ("teacher", "train", "eval_seen_text", "eval_new_text")}).save_to_disk(data)
+    proc = run_script(RECIPE, *tiny(tmp_path, tmp_path / "out"), "--dataset_dir", data, "--student", student,
+                      cwd=ROOT)
+    line = _one_error(proc)
+    assert "feature extractors differ: feature_size 40 (teacher) vs 16 (student)" in line, line
+    assert "the dataset has no raw audio" in line, line
+    assert not (tmp_path / "out").exists() and not (tmp_path / "teachers").exists()
