@@ -14,9 +14,10 @@ byte-level description another program reads it by):
 
 Reading: `l'_0 = 0`, `l'_j = -q_j * step`, then `log p_j = l'_j - logsumexp(l') + log(1 - exp(tail))`: the k + 1
 outcomes sum to 1 and the tail is the stored one. Error bound, tested against float64: a gap within the range
-`(2**value_bits - 1) * step` is off by at most `step / 2`, so each read log-probability is within `step` of the
-exact one plus the tail's float16 rounding (the renormalisation moves all of them by at most `step / 2`); a gap past
-the range is stored as the range (an id under `exp(-range)` times the top one's probability).
+`(2**value_bits - 1) * step` is off by at most `step / 2`, so at a position whose gaps all lie within the range each
+read log-probability is within `step` of the exact one plus the tail's float16 rounding (the renormalisation moves
+all of them by at most `step / 2`); a gap past the range is stored as the range (an id under `exp(-range)` times the
+top one's probability is read as that much: the default 16-nat range puts it below 1.2e-7 of the top one's).
 """
 
 from __future__ import annotations
