@@ -77,9 +77,10 @@ def hub(monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-def test_push_publishes_the_signal_with_its_card_and_loads_back_by_repo_id(tmp_path, hub, monkeypatch):
+@pytest.mark.parametrize("layout", [None, "compact"])
+def test_push_publishes_the_signal_with_its_card_and_loads_back_by_repo_id(tmp_path, hub, monkeypatch, layout):
     rows = sft_rows(8)
-    signal = _signal(tmp_path / "signal", rows)
+    signal = _signal(tmp_path / "signal", rows, layout=layout)
     (tmp_path / "signal" / ".shard-00002.arrow.123.tmp").write_bytes(b"an interrupted write")  # never published
     (tmp_path / "signal" / "notes.txt").write_text("mine")
     url = push_teacher_signal(tmp_path / "signal", "fake-org/tiny-signal", private=True)
@@ -104,6 +105,11 @@ def test_push_publishes_the_signal_with_its_card_and_loads_back_by_repo_id(tmp_p
     assert table["Tokens (stored positions)"] == str(meta["positions"]) and meta["positions"] > 0
     assert table["Bytes per token"].startswith(f"{meta['bytes_per_token']} (files)")
     assert table["hf_distill version"] == meta["hf_distill"]
+    # The card states the layout and its bytes per token (the compact one: its bits and step too).
+    want = ("compact (format 3): ids in 7 bits, log-probabilities quantised to 8 bits in steps of "
+            f"{meta.get('value_step', 0):.4g} nats" if layout else "packed (format 2)")
+    assert table["Layout"].startswith(want)
+    assert f"; {meta['payload_bytes_per_token']} bytes per token" in table["Layout"]
     assert meta["command"].startswith("create_teacher_signal(") and meta["command"] in card.text
     assert 'load_teacher_signal("fake-org/tiny-signal")' in card.text
 
@@ -435,12 +441,12 @@ def test_a_streamed_signal_trains_the_weights_of_the_dataset(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["dataset", "stream"])
-def test_resuming_from_a_mid_checkpoint_gives_the_uninterrupted_weights(tmp_path, mode):
+@pytest.mark.parametrize(("mode", "layout"), [("dataset", None), ("stream", None), ("stream", "compact")])
+def test_resuming_from_a_mid_checkpoint_gives_the_uninterrupted_weights(tmp_path, mode, layout):
     """6 AdamW steps over 16 rows (1.5 epochs: a reshuffle or a second pass inside), checkpoints every 2; resumed
     from checkpoint-2 in a new trainer, the same rows at steps 3-6 and the same final weights."""
     rows = sft_rows(16)
-    joined = attach_teacher_signal(rows, _signal(tmp_path / "signal", rows))
+    joined = attach_teacher_signal(rows, _signal(tmp_path / "signal", rows, layout=layout))
     data = (lambda: streamed(joined, num_shards=2)) if mode == "stream" else (lambda: joined)  # noqa: E731
     settings = dict(max_steps=6, save_strategy="steps", save_steps=2, learning_rate=1e-2)
     full = _trainer(tmp_path / "full", data(), **settings)

@@ -65,7 +65,8 @@ def compact_spec(k: int, vocab_size: int, value_bits: int, value_step: float | N
 def _bits(values: np.ndarray, width: int) -> np.ndarray:
     """(..., m) non-negative integers -> (..., m * width) bits, most significant first."""
     shifts = np.arange(width - 1, -1, -1, dtype=np.int64)
-    return ((values[..., None].astype(np.int64) >> shifts) & 1).astype(np.uint8).reshape(*values.shape[:-1], -1)
+    bits = ((values[..., None].astype(np.int64) >> shifts) & 1).astype(np.uint8)
+    return bits.reshape(*values.shape[:-1], values.shape[-1] * width)
 
 
 def _ints(bits: np.ndarray, width: int) -> np.ndarray:
