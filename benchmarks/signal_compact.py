@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import statistics
 import sys
@@ -30,6 +31,51 @@ ROOT = HERE.parent
 RESULTS = HERE / "results"
 
 
+def distillkit_files(teacher, train, folder: Path, k: int, exact_k: int, terms: list) -> None:
+    """The teacher's top-k over `train` written as DistillKit V2 writes them (its documented format, our code):
+    parquet rows of input_ids, compressed_logprobs and bytepacked_indices per position (n - 1 a row), delta
+    encoding, `exact_k` float32 values, a float32 least-squares fit of the rest at t = 0, 1, ... over `terms`, no
+    residual bins (the budget setting), and compression_config.yaml beside them."""
+    import math
+
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+    import yaml
+
+    vocab = teacher.config.vocab_size
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = {"d": vocab, "k": k, "exact_k": exact_k, "exact_dtype": "float32", "polynomial_terms": terms,
+           "term_dtype": "float32", "residual_bins": [], "delta_encoding": True, "error_diffusion": False,
+           "normalize_t": False}
+    (folder / "compression_config.yaml").write_text(yaml.safe_dump(cfg))
+    t = np.arange(k - exact_k, dtype=np.float64)
+    x = np.stack([t**p if isinstance(p, int) else np.sqrt(t) for p in terms], -1)
+    pinv = np.linalg.pinv(x)
+    id_bits = math.ceil(math.log2(vocab))
+    shifts = np.arange(id_bits - 1, -1, -1)
+    out = {"input_ids": [], "compressed_logprobs": [], "bytepacked_indices": []}
+    with torch.no_grad():
+        for i in range(0, len(train), 8):
+            ids = torch.tensor(train[i : i + 8]["input_ids"])
+            lp, top = teacher(input_ids=ids).logits[:, :-1].float().log_softmax(-1).topk(k, -1)
+            lp, top = lp.double().numpy(), top.numpy()
+            deltas = np.concatenate([lp[..., :1], np.diff(lp, axis=-1)], -1)
+            coeffs = (deltas[..., exact_k:] @ pinv.T).astype("<f4")
+            raw = np.concatenate([deltas[..., :exact_k].astype("<f4").view(np.uint8),
+                                  coeffs.view(np.uint8)], -1)
+            bits = ((top[..., None] >> shifts) & 1).astype(np.uint8).reshape(*top.shape[:-1], -1)
+            packed = np.packbits(bits, axis=-1)
+            for r in range(len(ids)):
+                out["input_ids"].append(ids[r].tolist())
+                out["compressed_logprobs"].append(raw[r].tolist())
+                out["bytepacked_indices"].append(packed[r].tolist())
+    schema = pa.schema([("input_ids", pa.list_(pa.uint64())), ("compressed_logprobs", pa.list_(pa.list_(pa.uint8()))),
+                        ("bytepacked_indices", pa.list_(pa.list_(pa.uint8())))])
+    pq.write_table(pa.table(out, schema=schema), folder / "data-00000.parquet")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--teacher", required=True)
@@ -39,6 +85,7 @@ def main() -> None:
     p.add_argument("--ks", default="8,64,256", help="k of the packed (format 2) signals")
     p.add_argument("--compact", default="32:8,24:8,48:6", help="k:value_bits of the compact signals")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--distillkit", default="50:1", help="k:exact_k of a DistillKit-style polynomial signal ('' none)")
     a = p.parse_args()
     import importlib.util
 
@@ -84,6 +131,21 @@ def main() -> None:
                          **({"value_step": meta["value_step"]} if "value_step" in meta else {})}
         print("signal", name, json.dumps(signals[name]), flush=True)
         signals[name]["rows"] = attach_teacher_signal(train, signal)
+    if a.distillkit:
+        from hf_distill.data.signal_interop import import_distillkit
+
+        k, exact = (int(x) for x in a.distillkit.split(":"))
+        name = f"distillkit_k{k}_exact{exact}"
+        distillkit_files(teacher, train, work / "distillkit", k, exact, [0, 1, 2, 3, 4, "sqrt"])
+        files = sum(f.stat().st_size for f in (work / "distillkit").glob("*.parquet"))
+        signal = import_distillkit(work / "distillkit", train, work / name, tokenizer=tok, temperature=1.0)
+        meta = signal_metadata(signal)
+        # Its own bytes: the parquet files DistillKit would publish (the imported copy here is format 2).
+        signals[name] = {"k": k, "create_s": float("nan"), "teacher_tokens_per_s": float("nan"),
+                         "bytes_per_token": round(files / meta["positions"], 2),
+                         "payload_bytes_per_token": (k * math.ceil(math.log2(len(tok))) + 7) // 8 + 4 * exact + 4 * 6,
+                         "rows": attach_teacher_signal(train, signal)}
+        print("signal", name, json.dumps({x: v for x, v in signals[name].items() if x != "rows"}), flush=True)
 
     class Clock(TrainerCallback):
         def __init__(self):
@@ -114,7 +176,7 @@ def main() -> None:
         print("run", name, json.dumps({x: v for x, v in runs[name].items() if x != "kd_loss"}), flush=True)
 
     run("online_dense", train, None, True)
-    for k in sorted({kw["k"] for kw in settings.values()}):
+    for k in sorted({s["k"] for s in signals.values()}):
         run(f"online_topk{k}", train, k, True)
     for name, s in signals.items():
         run(name, s.pop("rows"), s["k"], False)
