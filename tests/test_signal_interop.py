@@ -126,6 +126,10 @@ def test_columns_written_on_request_are_read_back_with_their_temperature(tmp_pat
     torch.testing.assert_close(lp, lp2, atol=2e-3, rtol=0)
     with pytest.raises(ValueError, match="another vocabulary"):
         import_topk_columns(exported, rows, tmp_path / "other", tokenizer=_tokenizer("x"))
+    before = (tmp_path / "back" / "shard-00000.arrow").read_bytes()
+    with pytest.raises(ValueError, match="already holds a teacher signal: choose a new output_dir"):
+        import_topk_columns(exported, rows, tmp_path / "back", tokenizer=_tokenizer())
+    assert (tmp_path / "back" / "shard-00000.arrow").read_bytes() == before
 
 
 # ------------------------------------------------------------------ DistillKit, built to its documented schema

@@ -421,6 +421,9 @@ def test_rescaling_a_signal_with_tail_mass_is_refused(tmp_path):
         rescale_teacher_signal(streamed(signal), 1.0)
     with pytest.raises(ValueError, match="rescale it with hf_distill.data.signal_rescale.rescale_teacher_signal"):
         _trainer(tmp_path / "t", attach_teacher_signal(rows, signal), temperature=1.0)
+    compact = _signal(tmp_path / "compact", rows, k=VOCAB, layout="compact")  # no tail, but relative values
+    with pytest.raises(ValueError, match=r"takes format 2 signals .*a compact signal \(format 3\).*create it at"):
+        rescale_teacher_signal(compact, 1.0)
 
 
 # ---------------------------------------------------------------------- streaming and resuming

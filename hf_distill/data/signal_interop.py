@@ -158,6 +158,8 @@ def _import(data, rows, output_dir, positions, *, tokenizer, temperature, record
         k = first or 1
     check_signal_settings(rows, output_dir, k=k, temperature=temperature, kd_token_mask=kd_token_mask,
                           vocab_size=vocab, rows_per_shard=1024)
+    if (Path(output_dir) / META_FILE).is_file():  # an import is not resumed: never write over a signal
+        raise ValueError(f"{output_dir} already holds a teacher signal: choose a new output_dir for the import.")
     spec = compact_spec(k, vocab, value_bits, value_step) if layout == "compact" else None
     if layout not in (None, "compact"):
         raise ValueError(f"layout={layout!r}: use None (format 2) or 'compact' (format 3).")
