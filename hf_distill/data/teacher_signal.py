@@ -213,7 +213,7 @@ def create_teacher_signal(
             tables = []
             for s in range(start, end, batch_size):
                 rows = source[s : min(s + batch_size, end)]
-                tables.append(pool.submit(_rows_table, *_teacher_topk(teacher, rows, meta, pad_id, run_on, dtype),
+                tables.append(pool.submit(_rows_table, *_signal_table(teacher, rows, meta, pad_id, run_on, dtype),
                                           meta))
                 while sum(not t.done() for t in tables) > 2:
                     next(t for t in tables if not t.done()).result()
@@ -241,7 +241,7 @@ def create_teacher_signal(
     return load_teacher_signal(folder)
 
 
-def _teacher_topk(teacher, rows: dict[str, list], meta: dict, pad_id: int, device, dtype) -> tuple:
+def _signal_table(teacher, rows: dict[str, list], meta: dict, pad_id: int, device, dtype) -> tuple:
     """One batch of rows: a right-padded teacher forward, then each counted position's top-k log-probabilities
     (float32, decreasing), ids and log tail mass on the CPU, with what `_rows_table` needs of the rows."""
     ids_rows = rows["input_ids"]
