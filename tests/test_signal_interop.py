@@ -159,6 +159,7 @@ def _distillkit_position(ids, logprobs, cfg):
     return list(raw), _bits(ids, math.ceil(math.log2(cfg["d"])))
 
 
+@pytest.mark.slow
 def test_distillkit_files_are_read_and_trained_from(tmp_path):
     rows, teacher = sft_rows(6), llama(1)
     topk = _teacher_topk(teacher, rows, k=K)
