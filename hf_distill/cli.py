@@ -100,7 +100,12 @@ def _signal_parser(sub: argparse._SubParsersAction) -> None:
             ("--device", str, None, "where to run the teacher, e.g. cuda (default: cpu)"),
             ("--split", str, None, "the split of a saved DatasetDict (default: train)"),
             ("--teacher_name", str, None, "the teacher's name in the metadata and card (default: the "
-             "teacher argument)")):
+             "teacher argument)"),
+            ("--layout", ("packed", "compact"), "packed", "packed: format 2 (17-bit id + float16 per entry); "
+             "compact: format 3 (bit-packed ids, quantised log-probabilities; docs/guides/teacher_signal.md)"),
+            ("--value_bits", int, 8, "compact layout: bits per quantised log-probability"),
+            ("--value_step", float, None, "compact layout: the quantisation step in nats (default: a 16-nat range "
+             "over value_bits)")):
         choices = kind if isinstance(kind, tuple) else None
         text += f" (default: {default})" if default is not None and "default" not in text else ""
         create.add_argument(flag, type=str if choices else kind, choices=choices, default=default, help=text)
@@ -246,6 +251,12 @@ def cmd_signal(args: argparse.Namespace, argv: list[str]) -> int:
     check_signal_settings(rows, args.output_dir, k=args.k, temperature=args.temperature,
                           kd_token_mask=args.kd_token_mask, vocab_size=vocab if isinstance(vocab, int) else None,
                           batch_size=args.batch_size, rows_per_shard=args.rows_per_shard)
+    layout = {"layout": "compact", "value_bits": args.value_bits, "value_step": args.value_step} \
+        if args.layout == "compact" else {}
+    if layout:
+        from .data.signal_compact import compact_spec
+
+        compact_spec(args.k, vocab if isinstance(vocab, int) else 2, args.value_bits, args.value_step)
     where = args.tokenizer or args.teacher
     tokenizer = _load("--tokenizer" if args.tokenizer else "teacher", where,
                       lambda: AutoTokenizer.from_pretrained(where))
@@ -262,7 +273,7 @@ def cmd_signal(args: argparse.Namespace, argv: list[str]) -> int:
             teacher, rows, args.output_dir, tokenizer=tokenizer, k=args.k, temperature=args.temperature,
             kd_token_mask=args.kd_token_mask, batch_size=args.batch_size, rows_per_shard=args.rows_per_shard,
             dtype=dtypes[args.dtype], teacher_name=args.teacher_name or args.teacher, progress=not args.no_progress,
-            command=recorded_command(["hf-distill", *argv]))  # no machine's absolute path
+            command=recorded_command(["hf-distill", *argv]), **layout)  # no machine's absolute path
     except KeyboardInterrupt:
         done, total = len(list(Path(args.output_dir).glob("shard-*.arrow"))), -(-len(rows) // args.rows_per_shard)
         raise CommandError(f"interrupted: {done} of {total} shards ({args.rows_per_shard} rows each) are written in "

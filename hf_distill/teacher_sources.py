@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .data.cache import LOGITS_COLUMN, TOPK_INDICES_COLUMN, TOPK_VALUES_COLUMN
-from .data.teacher_signal import SIGNAL_TOPK, signal_teacher
+from .data.teacher_signal import SIGNAL_CODES, SIGNAL_TOPK, signal_teacher
 from .features.heads import Head, head_logits
 from .features.taps import forward
 from .losses import chunked
@@ -94,7 +94,7 @@ class CachedColumns:
             return TeacherLogits(DENSE, [cached[LOGITS_COLUMN]])
         if self.settings.kd_loss != "mse" and TOPK_VALUES_COLUMN in cached:
             return TeacherLogits(TOPK, [(cached[TOPK_VALUES_COLUMN], cached[TOPK_INDICES_COLUMN])])
-        if self.settings.kd_loss != "mse" and SIGNAL_TOPK in cached:  # top-k + tail (teacher_signal)
+        if self.settings.kd_loss != "mse" and (SIGNAL_TOPK in cached or SIGNAL_CODES in cached):  # teacher_signal
             triple = signal_teacher(cached, inputs, self.label_name, self.settings.kd_token_mask)
             return TeacherLogits(SIGNAL, [triple])
         return None
@@ -161,7 +161,7 @@ class TeacherSide:
             return None
         if LOGITS_COLUMN in cached:
             return DENSE
-        if self.settings.kd_loss != "mse" and SIGNAL_TOPK in cached:
+        if self.settings.kd_loss != "mse" and (SIGNAL_TOPK in cached or SIGNAL_CODES in cached):
             return SIGNAL
         return MODEL
 

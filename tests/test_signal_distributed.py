@@ -28,6 +28,10 @@ def test_two_processes_train_from_their_own_rows_of_a_signal(tmp_path):
     signal_dir = tmp_path / "signal"
     create_teacher_signal(run.llama(1), run.rows(), signal_dir, tokenizer=run.tokenizer(), k=run.K,
                           temperature=run.T, rows_per_shard=run.ROWS_PER_SHARD, batch_size=12, progress=False)
+    compact_dir = tmp_path / "compact"  # the compact layout (format 3), streamed: each rank its own files too
+    create_teacher_signal(run.llama(1), run.rows(), compact_dir, tokenizer=run.tokenizer(), k=run.K,
+                          temperature=run.T, rows_per_shard=run.ROWS_PER_SHARD, batch_size=12, progress=False,
+                          layout="compact")
     with socket.socket() as sock:  # torchrun has no "any free port" option
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
@@ -35,7 +39,7 @@ def test_two_processes_train_from_their_own_rows_of_a_signal(tmp_path):
     out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
-           run.__file__, str(out), str(signal_dir)]
+           run.__file__, str(out), str(signal_dir), str(compact_dir)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -44,7 +48,9 @@ def test_two_processes_train_from_their_own_rows_of_a_signal(tmp_path):
     # global batch s is rows 4s..4s+3 and 24+4s..24+4s+3: one process sees the same batches in that order.
     interleaved = [i for s in range(3) for i in (*range(4 * s, 4 * s + 4), *range(24 + 4 * s, 28 + 4 * s))]
     singles = {"map": run.train(tmp_path / "single", signal_dir, "map", per_device_batch=8),
-               "stream": run.train(tmp_path / "single", signal_dir, "stream", per_device_batch=8, order=interleaved)}
+               "stream": run.train(tmp_path / "single", signal_dir, "stream", per_device_batch=8, order=interleaved),
+               "compact": run.train(tmp_path / "single", compact_dir, "compact", per_device_batch=8,
+                                    order=interleaved)}
     data = run.rows()
     for mode, single in singles.items():
         ddp = [r[mode] for r in ranks]
@@ -54,7 +60,7 @@ def test_two_processes_train_from_their_own_rows_of_a_signal(tmp_path):
             mine, theirs = _rows_of(ddp[0]["seen"][step]), _rows_of(ddp[1]["seen"][step])
             assert sum(mine.values()) == sum(theirs.values()) == 4 and not mine & theirs, (mode, step)
             assert mine + theirs == _rows_of(single["seen"][step]), (mode, step)
-        if mode == "stream":
+        if mode != "map":
             assert _rows_of(ddp[0]["seen"][0]) == _rows_of([data[i]["input_ids"] for i in range(4)])
             assert _rows_of(ddp[1]["seen"][0]) == _rows_of([data[i]["input_ids"] for i in range(24, 28)])
         # Same global batches, losses normalised over the whole step's tokens on every rank (hf_distill.losses

@@ -77,9 +77,10 @@ def hub(monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-def test_push_publishes_the_signal_with_its_card_and_loads_back_by_repo_id(tmp_path, hub, monkeypatch):
+@pytest.mark.parametrize("layout", [None, "compact"])
+def test_push_publishes_the_signal_with_its_card_and_loads_back_by_repo_id(tmp_path, hub, monkeypatch, layout):
     rows = sft_rows(8)
-    signal = _signal(tmp_path / "signal", rows)
+    signal = _signal(tmp_path / "signal", rows, layout=layout)
     (tmp_path / "signal" / ".shard-00002.arrow.123.tmp").write_bytes(b"an interrupted write")  # never published
     (tmp_path / "signal" / "notes.txt").write_text("mine")
     url = push_teacher_signal(tmp_path / "signal", "fake-org/tiny-signal", private=True)
@@ -104,6 +105,11 @@ def test_push_publishes_the_signal_with_its_card_and_loads_back_by_repo_id(tmp_p
     assert table["Tokens (stored positions)"] == str(meta["positions"]) and meta["positions"] > 0
     assert table["Bytes per token"].startswith(f"{meta['bytes_per_token']} (files)")
     assert table["hf_distill version"] == meta["hf_distill"]
+    # The card states the layout and its bytes per token (the compact one: its bits and step too).
+    want = ("compact (format 3): ids in 7 bits, log-probabilities quantised to 8 bits in steps of "
+            f"{meta.get('value_step', 0):.4g} nats" if layout else "packed (format 2)")
+    assert table["Layout"].startswith(want)
+    assert f"; {meta['payload_bytes_per_token']} bytes per token" in table["Layout"]
     assert meta["command"].startswith("create_teacher_signal(") and meta["command"] in card.text
     assert 'load_teacher_signal("fake-org/tiny-signal")' in card.text
 
@@ -231,6 +237,8 @@ def test_cli_signal_create_refuses_bad_settings_before_loading_the_teacher(tmp_p
         ([teacher, rows, "new", "--tokenizer", str(tmp_path / "no-tok")], 1, "--tokenizer"),
         ([teacher, rows, "new", "--batch_size", "0"], 1, "batch_size must be an integer >= 1, got 0"),
         ([teacher, rows, "new", "--rows_per_shard", "0"], 1, "rows_per_shard must be an integer >= 1, got 0"),
+        ([teacher, rows, "new", "--layout", "compact", "--value_bits", "0"], 1, "value_bits must be an integer in "
+                                                                                "1..16, got 0"),
     ]
     if not torch.cuda.is_available():
         cases.append(([teacher, rows, "new", "--device", "cuda"], 2, "--device cuda: this machine has no such device"))
@@ -413,6 +421,9 @@ def test_rescaling_a_signal_with_tail_mass_is_refused(tmp_path):
         rescale_teacher_signal(streamed(signal), 1.0)
     with pytest.raises(ValueError, match="rescale it with hf_distill.data.signal_rescale.rescale_teacher_signal"):
         _trainer(tmp_path / "t", attach_teacher_signal(rows, signal), temperature=1.0)
+    compact = _signal(tmp_path / "compact", rows, k=VOCAB, layout="compact")  # no tail, but relative values
+    with pytest.raises(ValueError, match=r"takes format 2 signals .*a compact signal \(format 3\).*create it at"):
+        rescale_teacher_signal(compact, 1.0)
 
 
 # ---------------------------------------------------------------------- streaming and resuming
@@ -435,12 +446,12 @@ def test_a_streamed_signal_trains_the_weights_of_the_dataset(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["dataset", "stream"])
-def test_resuming_from_a_mid_checkpoint_gives_the_uninterrupted_weights(tmp_path, mode):
+@pytest.mark.parametrize(("mode", "layout"), [("dataset", None), ("stream", None), ("stream", "compact")])
+def test_resuming_from_a_mid_checkpoint_gives_the_uninterrupted_weights(tmp_path, mode, layout):
     """6 AdamW steps over 16 rows (1.5 epochs: a reshuffle or a second pass inside), checkpoints every 2; resumed
     from checkpoint-2 in a new trainer, the same rows at steps 3-6 and the same final weights."""
     rows = sft_rows(16)
-    joined = attach_teacher_signal(rows, _signal(tmp_path / "signal", rows))
+    joined = attach_teacher_signal(rows, _signal(tmp_path / "signal", rows, layout=layout))
     data = (lambda: streamed(joined, num_shards=2)) if mode == "stream" else (lambda: joined)  # noqa: E731
     settings = dict(max_steps=6, save_strategy="steps", save_steps=2, learning_rate=1e-2)
     full = _trainer(tmp_path / "full", data(), **settings)

@@ -14,6 +14,7 @@ from helpers import VOCAB, args, flat_params, labelled_collate, llama, sft_rows,
 from hf_distill import DistillationTrainer, losses
 from hf_distill.data.collators import TeacherOutputsCollator
 from hf_distill.data.teacher_signal import (
+    SIGNAL_CODES,
     SIGNAL_POSITIONS,
     SIGNAL_ROW,
     SIGNAL_TAIL,
@@ -164,9 +165,10 @@ class _Interrupted(torch.nn.Module):
         return self.inner(input_ids=input_ids, attention_mask=attention_mask)
 
 
-def test_resumes_after_an_interruption(tmp_path):
+@pytest.mark.parametrize("layout", [None, "compact"])
+def test_resumes_after_an_interruption(tmp_path, layout):
     rows = sft_rows(8)
-    settings = dict(rows_per_shard=2, batch_size=2)  # one forward per shard, four shards
+    settings = dict(rows_per_shard=2, batch_size=2, layout=layout)  # one forward per shard, four shards
     with pytest.raises(KeyboardInterrupt):
         _signal(tmp_path, _Interrupted(llama(1), stop_at=3), rows, **settings)
     folder = tmp_path / "signal"
@@ -182,6 +184,7 @@ def test_resumes_after_an_interruption(tmp_path):
     fresh = create_teacher_signal(_Interrupted(llama(1)), rows, tmp_path / "fresh", tokenizer=_tokenizer(), k=K,
                                   temperature=T, progress=False, **settings)
     assert signal.to_dict() == fresh.to_dict()
+    assert signal_metadata(signal)["layout"] == (layout or "packed")
 
 
 def test_metadata_survives_save_load_and_streaming(tmp_path):
@@ -308,14 +311,16 @@ def test_accumulated_steps_from_the_signal_equal_the_big_batch(tmp_path):
     assert len(logged[0]) == 2 and logged[0] == pytest.approx(logged[1], rel=1e-5)
 
 
-def test_trains_from_a_streamed_signal(tmp_path):
+@pytest.mark.parametrize("layout", [None, "compact"])
+def test_trains_from_a_streamed_signal(tmp_path, layout):
     """Streamed rows (Python lists), one of them without a learnt token (an empty signal row)."""
     rows = datasets.concatenate_datasets([sft_rows(7), datasets.Dataset.from_list(
         [{"input_ids": [5, 6, 7], "labels": [-100, -100, -100]}])])
-    joined = streamed(attach_teacher_signal(rows, _signal(tmp_path, rows=rows)), num_shards=2)
+    joined = streamed(attach_teacher_signal(rows, _signal(tmp_path, rows=rows, layout=layout)), num_shards=2)
     streamed_rows = list(joined)
     last = TeacherOutputsCollator(labelled_collate)([streamed_rows[-1], streamed_rows[0]])  # [] reads as float32
-    assert last[SIGNAL_TOPK].dtype == torch.int64 and last[SIGNAL_TAIL][0].isnan().all()
+    entries = SIGNAL_CODES if layout else SIGNAL_TOPK
+    assert not last[entries].dtype.is_floating_point and last[SIGNAL_TAIL][0].isnan().all()
     trainer = _trainer(tmp_path, joined, max_steps=2, per_device_train_batch_size=4)
     trainer.train()
     assert [r for r in trainer.state.log_history if "loss_kd" in r]

@@ -30,8 +30,12 @@ from .cache import _attach
 from .collators import SIGNAL_PREFIX
 
 __all__ = [
+    "COMPACT_FORMAT",
+    "READABLE_FORMATS",
+    "SIGNAL_CODES",
     "SIGNAL_FORMAT",
     "SIGNAL_POSITIONS",
+    "SIGNAL_SPEC",
     "SIGNAL_ROW",
     "SIGNAL_TAIL",
     "SIGNAL_TOPK",
@@ -52,8 +56,13 @@ SIGNAL_VALUES = f"{SIGNAL_PREFIX}_values"
 SIGNAL_TAIL = f"{SIGNAL_PREFIX}_tail"
 SIGNAL_ROW = f"{SIGNAL_PREFIX}_row"
 SIGNAL_POSITIONS = f"{SIGNAL_PREFIX}_positions"
+SIGNAL_CODES = f"{SIGNAL_PREFIX}_codes"  # the compact layout's bit streams (hf_distill.data.signal_compact)
+SIGNAL_SPEC = f"{SIGNAL_PREFIX}_spec"  # its (k, id_bits, value_bits, value_step), on every row: batches decode alone
 # Bump when the layout changes: an old signal is then refused, never misread. 2: the counted positions' hash.
 SIGNAL_FORMAT = 2
+# 3: the compact layout (issue #45), written on request; format 2 (packed / split) stays the default and readable.
+COMPACT_FORMAT = 3
+READABLE_FORMATS = (SIGNAL_FORMAT, COMPACT_FORMAT)
 _MARKER = "hf_distill.data.teacher_signal "
 _RECREATE = ("create the signal again with this version (create_teacher_signal or `hf-distill signal create`, into "
              "a new folder)")
@@ -175,10 +184,11 @@ def _format_checked(meta: dict[str, Any] | None, what: str) -> dict[str, Any]:
     if meta is None:
         raise ValueError(f"{what} carries no teacher-signal metadata: load it with load_teacher_signal(path) (or "
                          "keep the Dataset it returned; to stream it use teacher_signal.streamed(...)).")
-    if meta.get("format") != SIGNAL_FORMAT:
+    if meta.get("format") not in READABLE_FORMATS or (meta.get("format") == COMPACT_FORMAT) != (
+            meta.get("layout") == "compact"):
         raise ValueError(f"{what} has format {meta.get('format')}, this hf_distill reads format {SIGNAL_FORMAT} "
-                         f"(it also hashes each row's counted positions, so rows whose labels moved are refused): "
-                         f"{_RECREATE}.")
+                         f"(it also hashes each row's counted positions, so rows whose labels moved are refused) and "
+                         f"{COMPACT_FORMAT} (the compact layout): {_RECREATE}.")
     return meta
 
 
@@ -250,7 +260,8 @@ def check_teacher_signal(
         raise ValueError(f"The student's tokenizer has another vocabulary than the teacher signal's (made with "
                          f"{meta['teacher'] or 'its teacher'}'s tokenizer, vocabulary hash {meta['vocab_hash']}): its "
                          "ids would mean other tokens. Use a student that shares the teacher's tokenizer.")
-    missing = [c for c in ("input_ids", SIGNAL_ROW, SIGNAL_POSITIONS, SIGNAL_TAIL, SIGNAL_TOPK) if c not in names]
+    entries = (SIGNAL_CODES, SIGNAL_SPEC) if meta.get("layout") == "compact" else (SIGNAL_TOPK,)
+    missing = [c for c in ("input_ids", SIGNAL_ROW, SIGNAL_POSITIONS, SIGNAL_TAIL, *entries) if c not in names]
     if missing:
         raise ValueError(f"The {which} dataset lacks {missing}: join the rows with attach_teacher_signal.")
     mode = meta["kd_token_mask"]

@@ -55,7 +55,9 @@ def signal_card(meta: dict[str, Any], repo_id: str | None = None) -> str:
         ("Rows", f"{meta['rows']:,}"),
         ("Tokens (stored positions)", f"{meta.get('positions', 0):,}"),
         ("Bytes per token", f"{meta.get('bytes_per_token')} (files), {meta.get('payload_bytes_per_token')} (data)"),
-        ("Layout", f"{meta['layout']} (format {meta['format']})"),
+        ("Layout", _layout(meta)),
+        *([("Imported from", f"{meta['imported_from']} (tail: {meta.get('tail')})")] if "imported_from" in meta
+          else []),
         ("Teacher dtype", f"{meta.get('dtype') or 'as loaded'}"),
         ("Rows digest", f"`{meta.get('dataset')}`"),
         ("hf_distill version", f"{meta.get('hf_distill')}"),
@@ -68,8 +70,8 @@ def signal_card(meta: dict[str, Any], repo_id: str | None = None) -> str:
 
 # Teacher signal of {teacher}
 
-The teacher's top-{k} log-probabilities (float16), their ids and the log of the remaining (tail) mass at each
-counted token of a tokenised dataset, made once with hf_distill so that a student trains without running the
+The teacher's top-{k} log-probabilities ({_values(meta)}), their ids and the log of the remaining (tail) mass at
+each counted token of a tokenised dataset, made once with hf_distill so that a student trains without running the
 teacher.
 
 {table}
@@ -98,11 +100,33 @@ trainer = DistillationTrainer(model=student, teacher_model=None, args=args, trai
 trainer.train()
 ```
 
-`teacher_signal.json` holds this metadata; each `shard-*.arrow` file is a block of rows (`teacher_signal_topk`:
-packed id and value entries, `teacher_signal_tail`: the log tail mass per token, `teacher_signal_row`: a hash of
-the row's `input_ids`, `teacher_signal_positions`: a hash of its counted positions, so rows whose labels moved are
-refused).
+`teacher_signal.json` holds this metadata; each `shard-*.arrow` file is a block of rows ({_columns(meta)},
+`teacher_signal_tail`: the log tail mass per token, `teacher_signal_row`: a hash of the row's `input_ids`,
+`teacher_signal_positions`: a hash of its counted positions, so rows whose labels moved are refused). The layout is
+specified byte by byte in hf_distill's teacher-signal guide (docs/guides/teacher_signal.md).
 """
+
+
+def _layout(meta: dict[str, Any]) -> str:
+    if meta["layout"] == "compact":
+        return (f"compact (format {meta['format']}): ids in {meta['id_bits']} bits, log-probabilities quantised to "
+                f"{meta['value_bits']} bits in steps of {meta['value_step']:.4g} nats below each token's largest "
+                f"(error <= one step), float16 log tail; {meta.get('payload_bytes_per_token')} bytes per token")
+    return f"{meta['layout']} (format {meta['format']}); {meta.get('payload_bytes_per_token')} bytes per token"
+
+
+def _values(meta: dict[str, Any]) -> str:
+    if meta["layout"] == "compact":
+        return f"{meta['value_bits']}-bit steps of {meta['value_step']:.4g} nats below each token's largest"
+    return "float16"
+
+
+def _columns(meta: dict[str, Any]) -> str:
+    if meta["layout"] == "compact":
+        return ("`teacher_signal_codes`: each row's bit stream of ids and quantised log-probabilities, "
+                "`teacher_signal_spec`: its k, id bits, value bits and step")
+    return "`teacher_signal_topk`: packed id and value entries" + (
+        ", `teacher_signal_values`: float16 log-probabilities" if meta["layout"] == "split" else "")
 
 
 def write_signal_card(folder: str | os.PathLike, repo_id: str | None = None) -> Path:

@@ -42,6 +42,10 @@ def rescale_teacher_signal(signal: datasets.Dataset, temperature: float) -> data
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}.")
     if float(temperature) == meta["temperature"]:
         return signal
+    if meta.get("layout") == "compact":
+        raise ValueError("rescale_teacher_signal takes format 2 signals (packed or split); a compact signal (format "
+                         "3) stores log-probabilities relative to each token's largest: create it at temperature "
+                         f"{temperature}.")
     tails = np.concatenate([c.flatten().to_numpy(zero_copy_only=False) for c in signal.data.column(SIGNAL_TAIL).chunks]
                            or [np.zeros(0, np.float32)])
     if not np.isneginf(tails).all():

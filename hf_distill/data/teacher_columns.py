@@ -46,7 +46,8 @@ def check_teacher_columns(
                 "labels. Recompute the cached logits with a teacher of the same label set, or drop the column."
             )
     if LOGITS_COLUMN not in names and teacher is None and kd_weight > 0:
-        topk = (TOPK_VALUES_COLUMN in names and TOPK_INDICES_COLUMN in names) or f"{TEACHER_PREFIX}signal_topk" in names
+        topk = (TOPK_VALUES_COLUMN in names and TOPK_INDICES_COLUMN in names) or any(
+            f"{TEACHER_PREFIX}signal_{c}" in names for c in ("topk", "codes"))
         if topk and kd_loss not in SOFTMAX_LOSSES:  # mse: raw logits
             raise ValueError(
                 f"kd_loss={kd_loss!r} needs teacher logits over the whole vocabulary, but the {which} dataset carries "

@@ -46,6 +46,7 @@ import contextlib
 import json
 import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -65,11 +66,15 @@ from ..teacher import teacher_tokenizer
 from .cache_key import _dataset_digest, teacher_fingerprint
 from .signal_checks import META_FILE as _META_FILE
 from .signal_checks import check_signal_run, check_signal_settings, check_signal_tokenizer
+from .signal_compact import CompactSpec, compact_spec, decode_rows, encode_rows, normalised
 from .signal_format import (
     _MARKER,
+    COMPACT_FORMAT,
+    SIGNAL_CODES,
     SIGNAL_FORMAT,
     SIGNAL_POSITIONS,
     SIGNAL_ROW,
+    SIGNAL_SPEC,
     SIGNAL_TAIL,
     SIGNAL_TOPK,
     SIGNAL_VALUES,
@@ -86,6 +91,7 @@ from .signal_format import (
 )
 
 __all__ = [
+    "SIGNAL_CODES",
     "SIGNAL_POSITIONS",
     "SIGNAL_ROW",
     "SIGNAL_TAIL",
@@ -126,6 +132,9 @@ def create_teacher_signal(
     teacher_name: str | None = None,
     progress: bool = True,
     command: str | None = None,
+    layout: str | None = None,
+    value_bits: int = 8,
+    value_step: float | None = None,
 ) -> datasets.Dataset:
     """The teacher signal of `teacher` over `dataset`, written to `output_dir` (resumed if it holds part of it).
 
@@ -147,6 +156,10 @@ def create_teacher_signal(
             name, hf_distill.recorded_names).
         command: how the signal was made, for its dataset card (the CLI gives its command line; default: this
             call, written as Python).
+        layout: None: format 2 ("packed", or "split" past 2**17 ids); "compact": format 3 (hf_distill.data
+            .signal_compact: bit-packed ids, log-probabilities quantised to `value_bits` bits in steps of
+            `value_step` nats below each position's largest; default step: a 16-nat range), about 80 bytes a token
+            at k = 32 of a 4,096-id vocabulary.
     """
     inner = unwrap(teacher)
     vocab = getattr(getattr(inner, "config", None), "vocab_size", None)
@@ -154,6 +167,9 @@ def create_teacher_signal(
         raise ValueError("The teacher has no config.vocab_size: give a transformers causal-LM teacher.")
     check_signal_settings(dataset, output_dir, k=k, temperature=temperature, kd_token_mask=kd_token_mask,
                           vocab_size=vocab, batch_size=batch_size, rows_per_shard=rows_per_shard)
+    if layout not in (None, "compact"):
+        raise ValueError(f"layout={layout!r}: use None (format 2, packed ids and float16 values) or 'compact'.")
+    spec = compact_spec(k, vocab, value_bits, value_step) if layout == "compact" else None
     check_signal_tokenizer(tokenizer, vocab, own=teacher_tokenizer(teacher)[0])
     run_on = check_signal_run(teacher, dtype, device)
     columns = [c for c in ("input_ids", "attention_mask", "labels") if c in dataset.column_names]
@@ -161,16 +177,20 @@ def create_teacher_signal(
                          or getattr(inner.config, "name_or_path", "") or "")  # never an absolute path
     import hf_distill
 
-    meta = {"format": SIGNAL_FORMAT, "teacher": name, "teacher_fingerprint": teacher_fingerprint(teacher),
+    meta = {"format": SIGNAL_FORMAT if spec is None else COMPACT_FORMAT, "teacher": name,
+            "teacher_fingerprint": teacher_fingerprint(teacher),
             "vocab_hash": vocabulary_hash(tokenizer), "vocab_size": vocab, "k": k, "temperature": float(temperature),
-            "kd_token_mask": kd_token_mask, "layout": "packed" if vocab <= 2**_ID_BITS else "split",
+            "kd_token_mask": kd_token_mask,
+            "layout": "compact" if spec else "packed" if vocab <= 2**_ID_BITS else "split",
+            **({"id_bits": spec.id_bits, "value_bits": spec.value_bits, "value_step": spec.value_step} if spec else {}),
             "dtype": None if dtype is None else str(dtype), "rows": len(dataset), "rows_per_shard": rows_per_shard,
             "dataset": _dataset_digest(dataset, columns), "hf_distill": hf_distill.__version__}
     folder = Path(output_dir)
     meta["command"] = command or (
         f"create_teacher_signal({name!r}, <{len(dataset)} rows>, {recorded_path(folder)!r}, k={k}, "
         f"temperature={float(temperature)}, kd_token_mask={kd_token_mask!r}, batch_size={batch_size}, "
-        f"dtype={meta['dtype']})")
+        f"dtype={meta['dtype']}" + (f", layout='compact', value_bits={value_bits}, value_step={spec.value_step}"
+                                    if spec else "") + ")")
     created = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
     _check_resumable(folder, meta)
@@ -184,22 +204,30 @@ def create_teacher_signal(
     teacher.eval()
     bar = tqdm(total=len(dataset), initial=len(dataset) - sum(shards[i][1] - shards[i][0] for i in todo),
                desc="Teacher signal", unit="rows", disable=not progress)
+    # The teacher's forwards on this thread; packing each batch and writing each shard on one worker thread, so the
+    # teacher runs the next batch meanwhile (torch and numpy release the GIL). At most two batches wait for it.
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="teacher-signal")
     try:
         for i in todo:
             start, end = shards[i]
             tables = []
             for s in range(start, end, batch_size):
                 rows = source[s : min(s + batch_size, end)]
-                tables.append(_signal_table(teacher, rows, meta, pad_id, run_on, dtype))
+                tables.append(pool.submit(_rows_table, *_signal_table(teacher, rows, meta, pad_id, run_on, dtype),
+                                          meta))
+                while sum(not t.done() for t in tables) > 2:
+                    next(t for t in tables if not t.done()).result()
                 bar.update(len(rows["input_ids"]))
-            _write_shard(_shard_path(folder, i), pa.concat_tables(tables), meta["layout"])
+            pool.submit(_write_shard, _shard_path(folder, i), [t.result() for t in tables], meta).result()
     except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
         if fresh and not any(folder.glob("shard-*.arrow")):  # nothing to resume: leave nothing that refuses a fix
             (folder / _META_FILE).unlink(missing_ok=True)
             if created and not any(folder.iterdir()):
                 folder.rmdir()
         raise
     finally:
+        pool.shutdown(wait=True)
         bar.close()
         teacher.train(was_training)
     paths = [_shard_path(folder, i) for i in range(len(shards))]
@@ -213,8 +241,9 @@ def create_teacher_signal(
     return load_teacher_signal(folder)
 
 
-def _signal_table(teacher, rows: dict[str, list], meta: dict, pad_id: int, device, dtype) -> pa.Table:
-    """One batch of rows: a right-padded teacher forward, then each counted position's top-k and tail."""
+def _signal_table(teacher, rows: dict[str, list], meta: dict, pad_id: int, device, dtype) -> tuple:
+    """One batch of rows: a right-padded teacher forward, then each counted position's top-k log-probabilities
+    (float32, decreasing), ids and log tail mass on the CPU, with what `_rows_table` needs of the rows."""
     ids_rows = rows["input_ids"]
     ids, mask, labels = padded_rows(rows, pad_id)
     counted = counted_positions(mask, labels, meta["kd_token_mask"])
@@ -236,18 +265,40 @@ def _signal_table(teacher, rows: dict[str, list], meta: dict, pad_id: int, devic
     v = torch.cat(values).cpu() if values else torch.zeros(0, k)
     idx = torch.cat(top).cpu() if top else torch.zeros(0, k, dtype=torch.long)
     tail = torch.cat(tails).cpu() if tails else torch.zeros(0)
-    topk, values16 = pack(v, idx, meta["layout"])
+    return v, idx, tail, counted.cpu(), mask, ids_rows
+
+
+def _rows_table(v: torch.Tensor, idx: torch.Tensor, tail: torch.Tensor, counted: torch.Tensor,
+                mask: torch.Tensor | None, ids_rows: list, meta: dict) -> pa.Table:
+    """The signal rows of one batch in the metadata's layout: positions' top-k `(n, k)` and tails `(n,)`, rows'
+    positions back to back (`counted`: (B, T - 1), kd_positions' causal mask of the right-padded rows)."""
+    k = meta["k"]
     per_row = counted.sum(-1).to(torch.int64)
     offsets = np.concatenate([[0], per_row.cumsum(0).numpy()]).astype(np.int32)
-    table = {
-        SIGNAL_TOPK: pa.ListArray.from_arrays(pa.array(offsets * k), pa.array(topk.reshape(-1))),
-        SIGNAL_TAIL: pa.ListArray.from_arrays(pa.array(offsets), pa.array(tail.numpy().astype(np.float32))),
-        SIGNAL_ROW: pa.array([row_hash(r) for r in ids_rows], pa.int64()),
-        SIGNAL_POSITIONS: pa.array(positions_hashes(counted, mask), pa.int64()),
-    }
-    if values16 is not None:
-        table[SIGNAL_VALUES] = pa.ListArray.from_arrays(pa.array(offsets * k), pa.array(values16.reshape(-1)))
+    table = {}
+    if meta["layout"] == "compact":
+        spec = _spec(meta)
+        codes = encode_rows(v, idx, per_row.tolist(), spec)
+        sizes = np.concatenate([[0], np.cumsum([len(c) for c in codes])]).astype(np.int32)
+        table[SIGNAL_CODES] = pa.ListArray.from_arrays(pa.array(sizes), pa.array(
+            np.concatenate(codes) if codes else np.zeros(0, np.uint8)))
+        table[SIGNAL_SPEC] = pa.array([[spec.k, spec.id_bits, spec.value_bits, spec.value_step]] * len(ids_rows),
+                                      pa.list_(pa.float64()))
+        tail16 = tail.numpy().astype(np.float16)
+    else:
+        topk, values16 = pack(v, idx, meta["layout"])
+        table[SIGNAL_TOPK] = pa.ListArray.from_arrays(pa.array(offsets * k), pa.array(topk.reshape(-1)))
+        if values16 is not None:
+            table[SIGNAL_VALUES] = pa.ListArray.from_arrays(pa.array(offsets * k), pa.array(values16.reshape(-1)))
+        tail16 = tail.numpy().astype(np.float32)
+    table[SIGNAL_TAIL] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(tail16))
+    table[SIGNAL_ROW] = pa.array([row_hash(r) for r in ids_rows], pa.int64())
+    table[SIGNAL_POSITIONS] = pa.array(positions_hashes(counted, mask), pa.int64())
     return pa.table(table)
+
+
+def _spec(meta: dict) -> CompactSpec:
+    return CompactSpec(meta["k"], meta["id_bits"], meta["value_bits"], meta["value_step"])
 
 
 def pack(log_probs: torch.Tensor, ids: torch.Tensor, layout: str) -> tuple[np.ndarray, np.ndarray | None]:
@@ -272,10 +323,15 @@ def unpack(topk: torch.Tensor, values: torch.Tensor | None = None) -> tuple[torc
 
 
 def _features(layout: str) -> datasets.Features:
-    features = {SIGNAL_TOPK: datasets.List(datasets.Value("uint32"))}
-    if layout == "split":
-        features[SIGNAL_VALUES] = datasets.List(datasets.Value("float16"))
-    features[SIGNAL_TAIL] = datasets.List(datasets.Value("float32"))
+    if layout == "compact":
+        features = {SIGNAL_CODES: datasets.List(datasets.Value("uint8")),
+                    SIGNAL_SPEC: datasets.List(datasets.Value("float64")),
+                    SIGNAL_TAIL: datasets.List(datasets.Value("float16"))}
+    else:
+        features = {SIGNAL_TOPK: datasets.List(datasets.Value("uint32"))}
+        if layout == "split":
+            features[SIGNAL_VALUES] = datasets.List(datasets.Value("float16"))
+        features[SIGNAL_TAIL] = datasets.List(datasets.Value("float32"))
     features[SIGNAL_ROW] = datasets.Value("int64")
     features[SIGNAL_POSITIONS] = datasets.Value("int64")
     return datasets.Features(features)
@@ -285,9 +341,10 @@ def _shard_path(folder: Path, i: int) -> Path:
     return folder / f"shard-{i:05d}.arrow"
 
 
-def _write_shard(path: Path, table: pa.Table, layout: str) -> None:
+def _write_shard(path: Path, tables: list[pa.Table], meta: dict) -> None:
     """Written beside, then renamed: a shard file exists only when complete."""
-    features = _features(layout)
+    table = pa.concat_tables(tables)
+    features = _features(meta["layout"])
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     writer = ArrowWriter(features=features, path=str(tmp))
     try:
@@ -392,14 +449,24 @@ def signal_teacher(
                 "labels or attention mask differ from the rows' when the signal was made (a collator that changes "
                 "labels, truncation or kd_token_mask). Collate the rows as they were when the signal was created.")
     check_batch_positions(cached, counted, inputs.get("attention_mask"))
-    topk = torch.as_tensor(cached[SIGNAL_TOPK]).to(ids.device)
-    k = topk.shape[1] // tails.shape[1] if tails.shape[1] else 1
-    entries = stored.repeat_interleave(k, dim=1)  # each stored position's k entries
     n_total = int(stored.sum())
-    split = torch.as_tensor(cached[SIGNAL_VALUES]).to(ids.device)[entries] if SIGNAL_VALUES in cached else None
-    values, indices = unpack(topk[entries], split)
-    outcomes = torch.cat([values.view(n_total, k), tails[stored].view(n_total, 1)], -1)
-    outcomes = outcomes - outcomes.logsumexp(-1, keepdim=True)  # float16 rounding: the k + 1 outcomes sum to 1 again
+    if SIGNAL_CODES in cached:  # the compact layout: each row's bit stream, its spec on every row
+        spec_row = torch.as_tensor(cached[SIGNAL_SPEC])[0].tolist()
+        spec = CompactSpec(int(spec_row[0]), int(spec_row[1]), int(spec_row[2]), float(spec_row[3]))
+        k = spec.k
+        relative, indices = decode_rows(list(torch.as_tensor(cached[SIGNAL_CODES]).cpu().numpy()),
+                                        stored.sum(-1).tolist(), spec)
+        tail = tails[stored].view(n_total)
+        outcomes = torch.cat([normalised(relative.to(ids.device), tail), tail[:, None]], -1)
+        indices = indices.to(ids.device)
+    else:
+        topk = torch.as_tensor(cached[SIGNAL_TOPK]).to(ids.device)
+        k = topk.shape[1] // tails.shape[1] if tails.shape[1] else 1
+        entries = stored.repeat_interleave(k, dim=1)  # each stored position's k entries
+        split = torch.as_tensor(cached[SIGNAL_VALUES]).to(ids.device)[entries] if SIGNAL_VALUES in cached else None
+        values, indices = unpack(topk[entries], split)
+        outcomes = torch.cat([values.view(n_total, k), tails[stored].view(n_total, 1)], -1)
+        outcomes = outcomes - outcomes.logsumexp(-1, keepdim=True)  # float16 rounding: k + 1 outcomes sum to 1
     b, t = ids.shape
     log_probs = torch.zeros(b, t, k, device=ids.device)
     index = torch.zeros(b, t, k, dtype=torch.long, device=ids.device)
