@@ -287,7 +287,8 @@ class Distiller:
         if self.on_policy is not None or self.args.generates:
             check_step(self.on_policy, self.args, model)
             self.on_policy.prepare(batches, model, step, teachers=self.teachers, shared_base=self.shared_base,
-                                   accelerator=self.accelerator, label_name=self._token_labels)
+                                   accelerator=self.accelerator, label_name=self._token_labels,
+                                   served=self.served.get(0))
         for source in self.served.values():  # every row of the step scored before any of it trains
             source.wait(batches, step)
         counts = sum((self._counts(b) for b in batches), torch.zeros(len(COUNT_KINDS), dtype=torch.float64))

@@ -53,6 +53,9 @@ def fake_vllm(model, tokenizer, name: str = "fake/teacher", max_logprobs: int = 
             return web.json_response({"object": "error", "message": f"Requested prompt logprobs of {k}, which is "
                                       f"greater than max allowed: {max_logprobs}", "code": 400}, status=400)
         prompts = body["prompt"] if isinstance(body["prompt"][0], list) else [body["prompt"]]
+        if k is None:  # a vLLM before return_token_ids: text only
+            return web.json_response({"id": "cmpl-1", "object": "text_completion", "model": name, "choices": [
+                {"index": i, "text": "w5", "logprobs": None, "finish_reason": "length"} for i in range(len(prompts))]})
         choices = []
         for i, ids in enumerate(prompts):
             lp = _log_probs(model, ids)

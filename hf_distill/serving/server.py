@@ -239,13 +239,13 @@ def build_app(served: ServedModel, api_key: str | None = None, max_batch_tokens:
     app.on_cleanup.append(batcher.stop)
     app.router.add_get(METADATA_PATH, metadata)
     app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", lambda request: _ok())
+    app.router.add_get("/health", _ok)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/v1/completions", completions)
     return app
 
 
-async def _ok() -> web.Response:
+async def _ok(request: web.Request) -> web.Response:
     return web.Response(text="ok")
 
 

@@ -221,6 +221,47 @@ class ServedTeacher:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
 
+    # ------------------------------------------------------------------ seq_kd: completions from the server
+
+    def check_generation(self, tokenizer: Any) -> None:
+        """seq_kd asks the server for completions: refused before training when a one-token probe does not come
+        back as token ids (a server that cannot generate, or vLLM before return_token_ids)."""
+        probe = [int(t) for t in tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"][:4]] or [0]
+        try:
+            self.client.generate([probe], max_new_tokens=1, temperature=0.0, top_p=1.0, stop_ids=[], seed=0)
+        except (TeacherRefused, MalformedAnswer, TeacherUnreachable) as err:
+            raise ValueError(f"seq_kd=True asks the teacher server at {self.client.root} to generate completions, "
+                             f"which it cannot ({err}): set seq_kd=False, or serve the teacher with vLLM (>= 0.10.2), "
+                             "SGLang or `hf-distill teacher serve`.") from None
+
+    def completion_rows(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, on_policy: Any, label_name: str,
+                        seed: int) -> tuple[dict[str, torch.Tensor], int]:
+        """The training rows of one micro-batch's prompts completed by the server, as hf_distill.on_policy makes
+        them from `generate` (its sampling settings, stop and pad ids), and the number of completion tokens."""
+        from ..on_policy import completion_rows
+
+        kwargs = on_policy.generation_kwargs()
+        prompts = [row[m != 0].tolist() for row, m in zip(prompt_ids.cpu(), prompt_mask.cpu(), strict=True)]
+        sampled = bool(kwargs["do_sample"])
+        outs = self.client.generate(prompts, max_new_tokens=kwargs["max_new_tokens"],
+                                    temperature=float(kwargs.get("temperature", 0.0)) if sampled else 0.0,
+                                    top_p=float(kwargs.get("top_p", 1.0)), stop_ids=list(on_policy.stop_ids),
+                                    seed=seed)
+        made, total = [], 0
+        for prompt, out in zip(prompts, outs, strict=True):
+            out = out[: kwargs["max_new_tokens"]]
+            one = torch.tensor([prompt], dtype=prompt_ids.dtype)
+            sequences = torch.tensor([prompt + out], dtype=prompt_ids.dtype)
+            rows, n = completion_rows(one, torch.ones_like(one), sequences, on_policy.stop_ids, on_policy.pad_id,
+                                      label_name)
+            made.append(rows)
+            total += n
+        width = max(r["input_ids"].shape[1] for r in made)
+        fill = {"input_ids": on_policy.pad_id, "attention_mask": 0, label_name: -100}
+        batch = {key: torch.cat([torch.nn.functional.pad(r[key], (0, width - r[key].shape[1]), value=value)
+                                 for r in made]).to(prompt_ids.device) for key, value in fill.items()}
+        return batch, total
+
     # ------------------------------------------------------------------ the teacher of a batch
 
     def logits(self, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -300,6 +341,8 @@ def served_teachers(places: dict[int, str], args: Any, settings: Any, *, causal:
         teacher = ServedTeacher(url, args, settings, "labels")
         teacher.check(tokenizer, settings.temperature, vocab_size)
         served[place] = teacher
+    if args.seq_kd and 0 in served:
+        served[0].check_generation(tokenizer)
     return served
 
 
