@@ -238,7 +238,8 @@ class Distiller:
 
     def check_dataset(self, dataset: Any, which: str = "train") -> None:
         """Refuse cached teacher columns the run cannot use (hf_distill.data.teacher_columns)."""
-        check_teacher_columns(dataset, which, head=self._head, teacher=self.teacher, kd_weight=self.settings.kd_weight,
+        teacher = self.teacher if self.teacher is not None else next(iter(self.served.values()), None)
+        check_teacher_columns(dataset, which, head=self._head, teacher=teacher, kd_weight=self.settings.kd_weight,
                               kd_loss=self.settings.kd_loss, num_labels=self._student_shape[2],
                               intermediate=self.intermediate)
         check_teacher_signal(dataset, which, temperature=self.settings.temperature,

@@ -132,14 +132,22 @@ class ServedTeacher:
             raise ValueError(f"{where}: {err}. Check teacher_protocol (the server's kind).") from None
 
     def _check_tokenizer(self, tokenizer: Any, where: str) -> None:
+        """The server's tokenization of probe texts against the student's: a fixed text, and one decoded from ids
+        spread over the student's vocabulary (so that tokenizers agreeing on common words still differ)."""
+        size = len(tokenizer)
+        spread = list(range(0, size, max(1, size // 64)))[:64]
+        for text in (PROBE_TEXT, tokenizer.decode(spread, skip_special_tokens=True)):
+            self._compare(tokenizer, text, where)
+
+    def _compare(self, tokenizer: Any, text: str, where: str) -> None:
         try:
-            theirs = self.client.tokenize(PROBE_TEXT)
+            theirs = self.client.tokenize(text)
         except (TeacherRefused, MalformedAnswer) as err:
             raise ValueError(f"{where}: the server's tokenize endpoint did not answer ({err}), so its vocabulary "
                              "cannot be compared with the student's: enable it (vLLM serves POST /tokenize; SGLang "
                              "from versions that have it) or serve the teacher with `hf-distill teacher serve`.") \
                 from None
-        ours = [int(t) for t in tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]]
+        ours = [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
         if theirs != ours:
             raise ValueError(f"{where} tokenizes a probe text into other ids than the student's tokenizer (server "
                              f"{theirs[:6]}..., student {ours[:6]}...): another vocabulary. Serve a teacher that "
