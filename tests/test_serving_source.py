@@ -241,11 +241,41 @@ def test_api_key_never_written_or_logged(tmp_path, server, monkeypatch, capfd, c
     assert "tiny-teacher" in card
 
 
-def test_on_policy_completions_are_scored_and_seq_kd_asks_the_server(tmp_path, server):
-    from hf_distill.data.prompts import PromptCompletionCollator  # noqa: F401 - the prompt rows' collator
+def _real(batch) -> list[tuple]:
+    return [tuple(r[m != 0].tolist()) for r, m in zip(batch["input_ids"], batch["attention_mask"], strict=True)]
 
-    log = []
-    url = server("vllm", log=log).url
+
+@pytest.mark.slow
+def test_on_policy_completions_are_scored_and_seq_kd_asks_the_server(tmp_path, server):
+    from test_on_policy import _rows, _tokenizer
+
+    from hf_distill.data.prompts import PromptCompletionCollator
+
+    tok, log = _tokenizer(), []
+    url = server("vllm", tokenizer=tok, log=log).url
     with pytest.raises(ValueError, match="seq_kd=True asks the teacher server .* which it cannot"):
-        Distiller(llama(0), _run(tmp_path, seq_kd=True, max_new_tokens=3), url, processing_class=_tok())
-    assert os.environ.get("HF_HUB_OFFLINE") == "1"
+        Distiller(llama(0), _run(tmp_path, seq_kd=True, max_new_tokens=3), url, processing_class=tok)
+    log.clear()
+    student, generated = llama(0), []
+    trainer = DistillationTrainer(
+        model=student, teacher_model=url, processing_class=tok, train_dataset=_rows(8),
+        data_collator=PromptCompletionCollator(tok),
+        args=_run(tmp_path / "gkd", lmbda=1.0, max_new_tokens=3, max_steps=2, per_device_train_batch_size=4))
+    log.clear()  # the set-up's probe
+    original = trainer.distiller.compute_loss
+    trainer.distiller.compute_loss = lambda model, inputs, **kw: (generated.extend(_real(inputs)),
+                                                                   original(model, inputs, **kw))[1]
+    trainer.train()
+    asked = {tuple(r) for _, _, body in log for r in body["prompt"]}
+    assert generated and asked == set(generated)  # the student's completions were scored, nothing else
+    # seq_kd: the completions come from the teacher's server (the student never generates)
+    ours = server("hf_distill", tokenizer=tok).url
+    student = llama(0)
+    student.generate = None  # would fail if called
+    trainer = DistillationTrainer(
+        model=student, teacher_model=ours, processing_class=tok, train_dataset=_rows(8),
+        data_collator=PromptCompletionCollator(tok),
+        args=_run(tmp_path / "seq", seq_kd=True, max_new_tokens=3, max_steps=1, per_device_train_batch_size=4))
+    trainer.train()
+    assert trainer.state.global_step == 1 and [r for r in trainer.state.log_history if "loss_kd" in r]
+    assert trainer.state.log_history[0]["generated_tokens"] > 0
