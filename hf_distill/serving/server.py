@@ -305,7 +305,7 @@ class ServerThread:
         self.loop.run_until_complete(self.runner.setup())
         site = web.TCPSite(self.runner, self.host, self.port)
         self.loop.run_until_complete(site.start())
-        self.port = site._server.sockets[0].getsockname()[1]
+        self.port = self.runner.addresses[0][1]
         ready.set()
         self.loop.run_forever()
 
