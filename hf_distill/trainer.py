@@ -217,6 +217,9 @@ class DistillationMixin(ProjectionTraining):
             with self._projections_attached():
                 return super().train(*args, **kwargs)
         finally:  # a stage that froze modules hands them back even when training stops on an exception
+            self._served_ahead = None  # requests of a step read ahead are not waited for (issue #42)
+            for source in self.distiller.served.values():
+                source.cancel()
             for callback in self.callback_handler.callbacks:
                 if callable(getattr(callback, "restore_trainable", None)):
                     callback.restore_trainable(self.model)

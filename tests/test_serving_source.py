@@ -5,7 +5,6 @@ everything written."""
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
@@ -121,6 +120,8 @@ def test_refusals_before_training_name_the_fix(tmp_path, server, case, kind, wor
 
 
 def test_what_a_served_teacher_cannot_give_is_refused(tmp_path, server):
+    with pytest.raises(ValueError, match="teacher_top_k=16, teacher_protocol='vllm' do nothing without"):
+        Distiller(llama(0), args(tmp_path, teacher_top_k=16, teacher_protocol="vllm"), llama(1))
     url = server().url
     with pytest.raises(ValueError, match="kd_loss='mse'"):
         Distiller(llama(0), _run(tmp_path, kd_loss="mse"), url, processing_class=_tok())
@@ -137,17 +138,21 @@ def _trainer(tmp_path, url, rows=None, callbacks=(), **kw):
 def test_5xx_answers_are_retried_and_garbage_or_short_answers_stop_training(tmp_path, server):
     fault = {}
     url = server("vllm", fault=fault).url
-    trainer = _trainer(tmp_path / "a", url, max_steps=1, teacher_retries=2)
+    batch = labelled_collate([sft_rows(2)[i] for i in range(2)])
+    source = Distiller(llama(0), _run(tmp_path, teacher_retries=2), url, processing_class=_tok()).served[0]
     fault["fail_first"] = 2  # two 503s, then answers: within teacher_retries=2
-    trainer.train()
-    assert fault["fail_first"] == 0 and trainer.state.global_step == 1
-    for what, words in (("garbage", "not JSON"), ("short", "short answer")):
-        fault.clear()
-        trainer = _trainer(tmp_path / what, url, max_steps=1)
-        fault[what] = True
-        with pytest.raises(MalformedAnswer, match=words):
-            trainer.train()
-        assert trainer.state.global_step == 0  # never a step without its signal
+    source.wait([batch])
+    assert fault["fail_first"] == 0
+    source = Distiller(llama(0), _run(tmp_path), url, processing_class=_tok()).served[0]
+    fault["short"] = True  # (a short answer to the set-up's probe is refused there already)
+    with pytest.raises(MalformedAnswer, match="short answer"):
+        source.wait([batch])
+    fault.clear()
+    trainer = _trainer(tmp_path / "garbage", url, max_steps=1)
+    fault["garbage"] = True
+    with pytest.raises(MalformedAnswer, match="not JSON"):
+        trainer.train()
+    assert trainer.state.global_step == 0  # never a step without its signal
 
 
 def test_a_slow_server_past_the_time_out_stops_training_naming_no_checkpoint(tmp_path, server):
@@ -188,7 +193,8 @@ def test_server_killed_mid_run_then_resume_gives_the_uninterrupted_weights(tmp_p
     checkpoint = found.group(1)
     step = int(checkpoint.rsplit("-", 1)[1])
     assert step >= 2 and run.state.global_step == step  # the step after the checkpoint was not trained
-    again = ServerThread(_app("hf_distill", teacher=teacher, max_batch_tokens=1), port=second.port)  # restarted on the same port
+    # restarted on the same port
+    again = ServerThread(_app("hf_distill", teacher=teacher, max_batch_tokens=1), port=second.port)
     try:
         resumed = _trainer(tmp_path / "cut", second.url, **common)
         resumed.train(resume_from_checkpoint=checkpoint)

@@ -25,6 +25,9 @@ from ..base.positions import kd_positions
 from .client import TeacherClient, TeacherRefused, TeacherUnreachable
 from .protocol import PROBE_TEXT, MalformedAnswer, RowScores
 
+SERVED_DEFAULTS = {"teacher_top_k": 64, "teacher_protocol": None, "teacher_api_key_env": None, "teacher_retries": 3,
+                   "teacher_timeout": 60.0, "teacher_backoff": 0.5, "teacher_requests": 4, "teacher_prefetch": True}
+"""The served-teacher fields and their defaults (hf_distill.arguments): another value without a URL is refused."""
 _MAX_KEPT = 4096  # rows' answers kept by a loop that never calls wait() (Distiller.start_step)
 
 
@@ -322,6 +325,11 @@ def served_teachers(places: dict[int, str], args: Any, settings: Any, *, causal:
     """The served teachers of a run by their place among all teachers, after refusing (before any model loads or
     trains) what a served teacher cannot give, and checking each server (ServedTeacher.check)."""
     if not places:
+        given = [f"{name}={getattr(args, name)!r}" for name, default in SERVED_DEFAULTS.items()
+                 if getattr(args, name, default) != default]
+        if given:
+            raise ValueError(f"{', '.join(given)} do nothing without a teacher behind a URL (teacher_model="
+                             "'http://host:port/v1'): remove them.")
         return {}
     if not causal:
         raise ValueError("teacher_model is a URL: a served teacher gives next-token log-probabilities, so the student "
