@@ -131,6 +131,7 @@ def main(argv=None) -> int:
     lat = opts.latency_ms / 1000
     plan = [("local", 0.0, True), ("served", 0.0, True), ("served", 0.0, False), ("served", lat, True),
             ("served", lat, False)]
+    load_before = os.getloadavg()[0]
     rounds = [[run_mode(name, teacher, opts.steps, work / f"r{r}", latency, prefetch)
                for name, latency, prefetch in (plan if r % 2 == 0 else plan[::-1])] for r in range(opts.rounds)]
     rounds = [rounds[r] if r % 2 == 0 else rounds[r][::-1] for r in range(opts.rounds)]
@@ -146,7 +147,8 @@ def main(argv=None) -> int:
         "added_latency_s_per_step_with_prefetch": lat_p - served,
         "hidden_by_prefetch": 1 - (lat_p - served) / (lat_np - served_np) if lat_np > served_np else None,
         "bytes_per_token": results[1].get("bytes_per_token"),
-        "contention": f"{os.cpu_count()} CPU cores shared with other jobs (nice 19); server and student in one process",
+        "contention": f"{os.cpu_count()} CPU cores shared with other jobs (nice 19, load average "
+                      f"{load_before:.1f} before and {os.getloadavg()[0]:.1f} after); server and student in one process",
         "command": "python benchmarks/served_teacher.py " + " ".join(sys.argv[1:] if argv is None else argv),
     }
     lines = ["| mode | added latency (ms) | prefetch | s/step | bytes/token |", "| --- | ---: | --- | ---: | ---: |"]
