@@ -285,3 +285,17 @@ def test_on_policy_completions_are_scored_and_seq_kd_asks_the_server(tmp_path, s
     trainer.train()
     assert trainer.state.global_step == 1 and [r for r in trainer.state.log_history if "loss_kd" in r]
     assert trainer.state.log_history[0]["generated_tokens"] > 0
+
+
+def test_a_key_the_server_wants_and_packed_rows_are_refused(tmp_path, server):
+    s = ServerThread(build_app(ServedModel(llama(1), _tok(), "tiny", max_k=K), api_key="the-key"))
+    try:
+        with pytest.raises(ValueError, match="HTTP 401.*set teacher_api_key_env"):
+            Distiller(llama(0), _run(tmp_path), s.url, processing_class=_tok())
+    finally:
+        s.stop()
+    source = Distiller(llama(0), _run(tmp_path), server().url, processing_class=_tok()).served[0]
+    batch = labelled_collate([sft_rows(1)[0]])
+    batch["position_ids"] = torch.arange(batch["input_ids"].shape[1])[None]
+    with pytest.raises(ValueError, match="packs several sequences per row"):
+        source.logits(batch)

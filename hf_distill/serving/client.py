@@ -126,9 +126,10 @@ class TeacherClient:
             path = {"hf_distill": METADATA_PATH, "sglang": "/get_model_info", "vllm": "/v1/models"}[protocol]
             try:
                 info = self.request("GET", path)
-            except TeacherRefused:
-                if self.protocol:
-                    raise
+            except TeacherRefused as err:
+                if self.protocol or " 401 " in f" {err} " or "HTTP 403" in str(err):
+                    raise TeacherRefused(f"{err} (an API key the server wants? set teacher_api_key_env to the name "
+                                         "of the variable holding it)") from None
                 continue
             except MalformedAnswer:
                 continue

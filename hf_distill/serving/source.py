@@ -94,6 +94,8 @@ class ServedTeacher:
         except TeacherRefused as err:
             raise ValueError(f"{where} refused the info request ({err}): check teacher_api_key_env and "
                              "teacher_protocol.") from None
+        except ValueError as err:  # no protocol answered: an API key the server wants is the usual cause
+            raise ValueError(f"{where}: {err}") from None
         self.vocab_size = vocab_size
         if tokenizer is None:
             raise ValueError(f"{where}: a served teacher needs the student's tokenizer (processing_class=...) to "
@@ -282,6 +284,10 @@ class ServedTeacher:
         zeros, which the KD mask leaves out."""
         ids = inputs["input_ids"]
         b, t = ids.shape
+        if isinstance(inputs.get("position_ids"), torch.Tensor):
+            raise ValueError("This batch packs several sequences per row (position_ids): a served teacher scores each "
+                             "row as one sequence and would attend across them. Train without packing (padding_free"
+                             "=False / a padding collator) with a served teacher.")
         mask = inputs.get("attention_mask")
         counted = kd_positions(mask, inputs.get(self.label_name), self.settings.kd_token_mask, causal=True)
         if counted is None:
