@@ -9,6 +9,10 @@ median of the wall time between consecutive optimizer steps after 2 warm-up step
 middleware sleeping before each answer. `hidden` = 1 - (added step time with prefetch) / (added step time without),
 each against the same mode without latency.
 
+Threads: 1 by default (`--threads`): with 2 intra-op threads on this oversubscribed machine the main thread's ops stall
+(the local teacher measured 8 s/step with 2 threads, 1.2 s with 1; the served run, whose teacher forward runs in the
+server's thread, 1.5 s either way).
+
 CPU contention: the server's teacher forward runs on the same cores as the student (one process, 2 cores shared with
 the other work on this machine); the served/local ratio measures that, not a network. Run under `nice -n 19`;
 `python benchmarks/served_teacher.py [--steps 14] [--latency-ms 50]`; writes benchmarks/results/served_teacher.json
@@ -122,10 +126,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=14)
     parser.add_argument("--latency-ms", type=float, default=50.0)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (1: on an oversubscribed machine 2 intra-op threads stall the main "
+                        "thread's ops, 8 s/step for the local teacher vs 1.2 s with 1, measured)")
     parser.add_argument("--rounds", type=int, default=2, help="each mode this many times, in alternating order")
     parser.add_argument("--out", default=str(HERE / "results"))
     opts = parser.parse_args(argv)
-    torch.set_num_threads(2)
+    torch.set_num_threads(opts.threads)
     teacher = _model(4, 256, 1).eval()
     work = Path(tempfile.mkdtemp(prefix="served_teacher_"))  # the runs' output_dir: nothing is kept
     lat = opts.latency_ms / 1000
@@ -147,8 +154,10 @@ def main(argv=None) -> int:
         "added_latency_s_per_step_with_prefetch": lat_p - served,
         "hidden_by_prefetch": 1 - (lat_p - served) / (lat_np - served_np) if lat_np > served_np else None,
         "bytes_per_token": results[1].get("bytes_per_token"),
+        "threads": opts.threads,
         "contention": f"{os.cpu_count()} CPU cores shared with other jobs (nice 19, load average "
-                      f"{load_before:.1f} before and {os.getloadavg()[0]:.1f} after); server and student in one process",
+                      f"{load_before:.1f} before and {os.getloadavg()[0]:.1f} after); server and student in one "
+                      "process",
         "command": "python benchmarks/served_teacher.py " + " ".join(sys.argv[1:] if argv is None else argv),
     }
     lines = ["| mode | added latency (ms) | prefetch | s/step | bytes/token |", "| --- | ---: | --- | ---: | ---: |"]
@@ -157,7 +166,8 @@ def main(argv=None) -> int:
                      f"{r['s_per_step']:.3f} | {r.get('bytes_per_token', '')} |")
     hidden = summary["hidden_by_prefetch"]
     lines += ["", f"served / local: {summary['served_over_local']:.2f}x; latency hidden by prefetch: "
-              f"{'n/a' if hidden is None else f'{hidden:.0%}'}; {summary['contention']}."]
+              f"{'n/a' if hidden is None else f'{hidden:.0%}'}; torch threads {opts.threads}; "
+              f"{summary['contention']}."]
     table = "\n".join(lines)
     print(table)
     out = Path(opts.out)
