@@ -85,8 +85,9 @@ def test_a_served_teacher_beside_a_local_one(tmp_path, server):
     distiller = Distiller(student, run, [url, local], processing_class=_tok())
     batch = labelled_collate([sft_rows(2)[i] for i in range(2)])
     both = distiller.compute_loss(student, dict(batch))
-    alone = [Distiller(student, _run(tmp_path), t, processing_class=_tok()).compute_loss(student, dict(batch))
-             for t in (url, local)]
+    plain = args(tmp_path, kd_loss="kl", temperature=1.0, kd_weight=1.0, task_weight=0.0)  # no served fields
+    alone = [Distiller(student, run, t, processing_class=_tok()).compute_loss(student, dict(batch))
+             for t, run in ((url, _run(tmp_path)), (local, plain))]
     assert both.item() == pytest.approx(0.5 * alone[0].item() + 0.5 * alone[1].item(), rel=1e-4)
 
 
