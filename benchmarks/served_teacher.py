@@ -131,6 +131,7 @@ def main(argv=None) -> int:
                         "thread's ops, 8 s/step for the local teacher vs 1.2 s with 1, measured)")
     parser.add_argument("--rounds", type=int, default=2, help="each mode this many times, in alternating order")
     parser.add_argument("--out", default=str(HERE / "results"))
+    parser.add_argument("--name", default="served_teacher", help="results file stem (default: served_teacher)")
     opts = parser.parse_args(argv)
     torch.set_num_threads(opts.threads)
     teacher = _model(4, 256, 1).eval()
@@ -172,9 +173,9 @@ def main(argv=None) -> int:
     print(table)
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "served_teacher.json").write_text(json.dumps({"results": results, "summary": summary}, indent=2) + "\n")
-    title = "# Served teacher step time (benchmarks/served_teacher.py)\n\n"
-    (out / "served_teacher.md").write_text(title + table + "\n")
+    (out / f"{opts.name}.json").write_text(json.dumps({"results": results, "summary": summary}, indent=2) + "\n")
+    title = f"# Served teacher step time (benchmarks/served_teacher.py, {opts.latency_ms:g} ms added latency)\n\n"
+    (out / f"{opts.name}.md").write_text(title + table + "\n")
     return 0
 
 

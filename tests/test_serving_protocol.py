@@ -63,3 +63,15 @@ def test_malformed_or_short_answers_are_refused_naming_what_was_wrong(what, answ
 def test_log_tail_is_minus_inf_when_the_top_k_hold_everything():
     assert log_tail(np.log(np.array([0.25, 0.75]))) == -math.inf
     assert log_tail(np.log(np.array([0.5]))) == pytest.approx(math.log(0.5))
+
+
+def test_our_compact_arrays_round_trip_and_a_short_one_is_refused():
+    from hf_distill.serving.protocol import encode_arrays
+
+    lp = np.log(np.array([[0.5, 0.25], [0.6, 0.3]]))
+    ids, tail = np.array([[3, 4], [5, 6]]), np.log(np.array([0.25, 0.1]))
+    answer = {"choices": [{"index": 0, "hf_distill_arrays": encode_arrays(lp, ids, tail)}]}
+    (scores,) = parse_scores(answer, "hf_distill", [[1, 2, 3]], k=2)
+    assert scores.ids.tolist() == ids.tolist() and np.allclose(scores.log_tail, tail, atol=1e-7)
+    with pytest.raises(MalformedAnswer, match=r"arrays for \(positions, k\) = \(2, 2\), \(3, 2\) asked"):
+        parse_scores(answer, "hf_distill", [[1, 2, 3, 4]], k=2)

@@ -47,7 +47,9 @@ def test_metadata_and_the_exact_tail_of_the_offline_signal(served):
     assert meta["teacher_fingerprint"] == teacher_fingerprint(model.model)
     assert meta["vocab_hash"] == vocabulary_hash(_tok()) and meta["max_top_k"] == K and meta["temperature"] == 2.0
     rows = [[5, 9, 30, 7], [8, 3]]
+    before = client.bytes_received
     got = client.score(rows)
+    compact = client.bytes_received - before
     for row, scores in zip(rows, got, strict=True):
         with torch.no_grad():
             z = model.model(input_ids=torch.tensor([row])).logits[0, :-1]
@@ -55,6 +57,13 @@ def test_metadata_and_the_exact_tail_of_the_offline_signal(served):
         assert scores.ids.tolist() == ids.tolist()
         torch.testing.assert_close(torch.from_numpy(scores.log_probs).float(), values, rtol=0, atol=1e-6)
         torch.testing.assert_close(torch.from_numpy(scores.log_tail).float(), tail, rtol=0, atol=1e-6)
+    # a vLLM client gets vLLM's JSON answer (prompt_logprobs objects, plus prompt_logprobs_tail)
+    as_vllm = TeacherClient(server.url, k=K, protocol="vllm")
+    as_vllm.detect()
+    before = as_vllm.bytes_received
+    json_scores = as_vllm.score(rows)
+    assert [s.ids.tolist() for s in json_scores] == [s.ids.tolist() for s in got]
+    assert as_vllm.bytes_received - before > 2 * compact  # the base64 arrays are the compact answer
 
 
 def test_concurrent_requests_share_one_forward(served):
@@ -88,7 +97,7 @@ def test_concurrent_requests_share_one_forward(served):
     for t in threads:
         t.join(30)
     assert batcher.forwards == 2 and all(a is not None and a[0].positions == 2 for a in answers)
-    assert answers[3][0].ids.tolist() == real([[5, 9, 7]], K)[0][1]  # each row got its own answer
+    assert answers[3][0].ids.tolist() == real([[5, 9, 7]], K)[0][1].tolist()  # each row got its own answer
 
 
 def test_api_key_is_required_when_set(monkeypatch):

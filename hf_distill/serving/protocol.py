@@ -19,6 +19,7 @@ the server sent its own.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import math
 from typing import Any
@@ -55,9 +56,35 @@ def score_request(protocol: str, model: str | None, rows: list[list[int]], k: in
         return "/generate", {"input_ids": rows, "return_logprob": True, "top_logprobs_num": k,
                              "logprob_start_len": 0, "sampling_params": {"max_new_tokens": 0, "temperature": 0.0}}
     body = {"prompt": rows, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": k}
+    if protocol == "hf_distill":  # our server: the arrays as base64 (4 + 4 bytes per entry, no JSON per entry)
+        body["hf_distill_format"] = "base64"
     if model is not None:
         body["model"] = model
     return "/v1/completions", body
+
+
+def encode_arrays(log_probs: np.ndarray, ids: np.ndarray, tail: np.ndarray) -> dict[str, Any]:
+    """One row's (n, k) float32 log-probabilities, int32 ids and (n,) float32 tail as base64 (our server's compact
+    answer, `hf_distill_format="base64"`)."""
+    n, k = log_probs.shape
+    return {"positions": n, "k": k, "logprobs": base64.b64encode(log_probs.astype("<f4").tobytes()).decode(),
+            "ids": base64.b64encode(ids.astype("<i4").tobytes()).decode(),
+            "tail": base64.b64encode(tail.astype("<f4").tobytes()).decode()}
+
+
+def _decode_arrays(item: Any, r: int, n: int, k: int) -> RowScores:
+    if not isinstance(item, dict) or item.get("positions") != n or item.get("k") != k:
+        got = (item.get("positions"), item.get("k")) if isinstance(item, dict) else None
+        raise MalformedAnswer(f"row {r}: arrays for (positions, k) = {got}, ({n}, {k}) asked")
+    try:
+        lp = np.frombuffer(base64.b64decode(item["logprobs"]), "<f4").astype(np.float64).reshape(n, k)
+        ids = np.frombuffer(base64.b64decode(item["ids"]), "<i4").astype(np.int64).reshape(n, k)
+        tail = np.frombuffer(base64.b64decode(item["tail"]), "<f4").astype(np.float64).reshape(n)
+    except (KeyError, ValueError, TypeError) as err:
+        raise MalformedAnswer(f"row {r}: arrays that do not decode ({err})") from None
+    if np.isnan(lp).any() or (lp > 1e-6).any() or np.isnan(tail).any() or (tail > 1e-6).any():
+        raise MalformedAnswer(f"row {r}: log-probabilities must be <= 0")
+    return RowScores(np.minimum(lp, 0.0), ids, np.minimum(tail, 0.0))
 
 
 def generate_request(protocol: str, model: str | None, rows: list[list[int]], max_new_tokens: int,
@@ -130,6 +157,19 @@ def parse_scores(answer: Any, protocol: str, rows: list[list[int]], k: int, voca
     was wrong: another number of rows or positions, fewer than k entries at a position, ids outside the vocabulary,
     log-probabilities that are not finite and <= 0, or top-k mass above 1."""
     out = []
+    compact = protocol == "hf_distill" and isinstance(answer, dict) and isinstance(answer.get("choices"), list) and \
+        all(isinstance(c, dict) and "hf_distill_arrays" in c for c in answer["choices"])
+    if compact:
+        choices = sorted(answer["choices"], key=lambda c: c.get("index", 0))
+        if len(choices) != len(rows):
+            raise MalformedAnswer(f"{len(choices)} choices for {len(rows)} rows")
+        for r, (row, c) in enumerate(zip(rows, choices, strict=True)):
+            scores = _decode_arrays(c["hf_distill_arrays"], r, len(row) - 1, k)
+            top = int(scores.ids.max()) if scores.ids.size else 0
+            if scores.ids.size and (scores.ids.min() < 0 or (vocab_size is not None and top >= vocab_size)):
+                raise MalformedAnswer(f"row {r}: token ids outside the vocabulary")
+            out.append(scores)
+        return out
     for r, (row, (entries, tails)) in enumerate(zip(rows, _entries(answer, protocol, len(rows)), strict=True)):
         n = len(row) - 1
         if len(entries) != len(row):
@@ -192,5 +232,5 @@ def parse_generation(answer: Any, protocol: str, n_rows: int) -> list[list[int]]
     return ids
 
 
-__all__ = ["METADATA_PATH", "PROBE_TEXT", "PROTOCOLS", "MalformedAnswer", "RowScores", "generate_request",
-           "log_tail", "parse_generation", "parse_scores", "score_request"]
+__all__ = ["METADATA_PATH", "PROBE_TEXT", "PROTOCOLS", "MalformedAnswer", "RowScores", "encode_arrays",
+           "generate_request", "log_tail", "parse_generation", "parse_scores", "score_request"]

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from aiohttp import web
 
-from .protocol import METADATA_PATH
+from .protocol import METADATA_PATH, encode_arrays
 
 
 @dataclasses.dataclass
@@ -80,7 +80,7 @@ class ServedModel:
             log_p = F.log_softmax(logits[i, : len(r) - 1].float() / self.temperature, dim=-1)
             values, top = log_p.topk(k, dim=-1)
             tail = log_p.scatter(-1, top, float("-inf")).logsumexp(-1)
-            out.append((values.cpu().tolist(), top.cpu().tolist(), tail.cpu().tolist()))
+            out.append((values.cpu().numpy(), top.cpu().numpy(), tail.cpu().numpy()))
         return out
 
     def generate(self, rows: list[list[int]], max_new_tokens: int, temperature: float, top_p: float,
@@ -217,7 +217,12 @@ def build_app(served: ServedModel, api_key: str | None = None, max_batch_tokens:
                 return _error(400, f"Requested prompt logprobs of {k}, which is greater than max allowed: "
                                    f"{served.max_k}")
             scored = await batcher.score(rows, max(k, 1))
-            choices = [_scored_choice(i, lp, ids, tail, k) for i, (lp, ids, tail) in enumerate(scored)]
+            if body.get("hf_distill_format") == "base64":  # hf_distill's client: the arrays, compact
+                choices = [{"index": i, "text": "", "finish_reason": "length", "prompt_logprobs": None,
+                            "hf_distill_arrays": encode_arrays(*row)} for i, row in enumerate(scored)]
+            else:
+                choices = [_scored_choice(i, lp.tolist(), ids.tolist(), tail.tolist(), k)
+                           for i, (lp, ids, tail) in enumerate(scored)]
         else:
             if not isinstance(max_tokens, int) or max_tokens < 1:
                 return _error(400, "max_tokens must be an integer >= 1")
