@@ -19,8 +19,8 @@ from .losses.registry import KindNames
 from .losses.terms import parse_terms
 
 __all__ = [
-    "CHECKS", "CROSS_TOKENIZER_METHODS", "check_loss_fields", "check_model_fields", "check_weights",
-    "validate_cross_tokenizer", "validate_distillation",
+    "CHECKS", "CROSS_TOKENIZER_METHODS", "check_loss_fields", "check_model_fields", "check_served_fields",
+    "check_weights", "validate_cross_tokenizer", "validate_distillation",
 ]
 
 # The accepted values of the fields (hf_distill.arguments re-exports them): here, with the checks that use them, so
@@ -125,12 +125,30 @@ def check_weights(args: Any) -> None:
         )
 
 
+def check_served_fields(args: Any) -> None:
+    """A teacher behind a URL (issue #42): k, protocol and the request limits."""
+    for name, low in (("teacher_top_k", 1), ("teacher_retries", 0), ("teacher_requests", 1)):
+        value = getattr(args, name, None)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}.")
+    for name in ("teacher_timeout", "teacher_backoff"):
+        value = getattr(args, name, None)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0 or (
+                name == "teacher_timeout" and value == 0):
+            bound = "> 0" if name == "teacher_timeout" else ">= 0"
+            raise ValueError(f"{name} must be a number {bound}, got {value!r}.")
+    if args.teacher_protocol not in (None, "vllm", "sglang", "hf_distill"):
+        raise ValueError(f"teacher_protocol={args.teacher_protocol!r}: use 'vllm', 'sglang' or 'hf_distill', or "
+                         "leave it unset to detect it from the server.")
+
+
 CHECKS: tuple[Callable[[Any], None], ...] = (
     check_loss_fields,
     check_model_fields,
     validate_cross_tokenizer,  # hf_distill.losses.cross_tokenizer
     validate_generation_arguments,  # hf_distill.base.generation_checks
     check_weights,
+    check_served_fields,  # a teacher behind a URL (hf_distill.serving)
 )
 """Every check of the distillation fields, in the order they run: each feature's checks live in its own module and
 are listed here once; a new feature adds its check to this list."""

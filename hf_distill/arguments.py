@@ -293,6 +293,33 @@ class DistillationArguments(TrainingArguments):
             "`generation_config.eos_token_id`. Refused when nothing is generated."
         },
     )
+    # -- a teacher behind a URL (teacher_model="http://host:port/v1"; hf_distill.serving, issue #42)
+    teacher_top_k: int = field(
+        default=64,
+        metadata={"help": "Served teacher: the log-probabilities asked per position (k of the top-k + tail signal)."},
+    )
+    teacher_protocol: str | None = field(
+        default=None,
+        metadata={"help": "Served teacher: `vllm` (OpenAI completions with prompt_logprobs), `sglang` (native "
+                  "/generate) or `hf_distill` (hf-distill teacher serve). Unset: detected from the server."},
+    )
+    teacher_api_key_env: str | None = field(
+        default=None,
+        metadata={"help": "Served teacher: the NAME of the environment variable holding the API key (sent as a "
+                  "bearer token; the key itself is never stored or logged)."},
+    )
+    teacher_retries: int = field(
+        default=3, metadata={"help": "Served teacher: retries of a request after a connection error, a time-out or "
+                             "a 5xx answer (exponential backoff), before training stops."})
+    teacher_timeout: float = field(
+        default=60.0, metadata={"help": "Served teacher: seconds one request may take."})
+    teacher_backoff: float = field(
+        default=0.5, metadata={"help": "Served teacher: seconds before the first retry, doubled at each retry."})
+    teacher_requests: int = field(
+        default=4, metadata={"help": "Served teacher: requests in flight at once (one per micro-batch)."})
+    teacher_prefetch: bool = field(
+        default=True, metadata={"help": "Served teacher: send the next optimizer step's requests while the current "
+                                "step computes (its completions generated on-policy are sent once generated)."})
     eval_with_teacher: bool = field(
         default=False,
         metadata={

@@ -1,4 +1,5 @@
-"""`hf-distill`: the command line of hf_distill (demo, run, card, push, report, signal, auto; docs/guides/cli.md).
+"""`hf-distill`: the command line of hf_distill (demo, run, card, push, report, signal, auto, teacher;
+docs/guides/cli.md).
 
 Exit codes: 0 success, 2 usage error, 1 failure (one `error: ...` line on stderr, no traceback), 130 Ctrl-C.
 """
@@ -70,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .auto.command import add_parser as auto_parser
 
     auto_parser(sub)
+    from .serving.command import add_parser as teacher_parser
+
+    teacher_parser(sub)  # hf-distill teacher serve (issue #42)
     return parser
 
 
@@ -351,6 +355,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise CommandError("`hf-distill signal` needs an action: create or push (see hf-distill signal "
                                    "--help).", code=2)
             return cmd_signal(args, argv)
+        if args.command == "teacher":
+            from .serving.command import cmd_teacher
+
+            return cmd_teacher(args, CommandError, _signal_device, _load)
         if args.command == "auto":
             from .auto.command import cmd_auto
 

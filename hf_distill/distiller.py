@@ -53,6 +53,8 @@ from .losses.normalise import COUNT_KINDS, StepCounts, batch_counts, decoder_pos
 from .model_inputs import StudentState, check_same_kind, forward_params, student_shape
 from .on_policy import PROMPT_KEYS, OnPolicy, check_on_policy, check_step
 from .placement import place_teacher, teacher_input_device
+from .serving.client import is_teacher_url
+from .serving.source import served_teachers
 from .settings import DistillSettings
 from .task_loss import TaskLoss
 from .teacher import (
@@ -116,16 +118,24 @@ class Distiller:
         self.label_names = list(label_names)
         teachers = teacher_model if isinstance(teacher_model, list | tuple) else [teacher_model]
         teachers = [t for t in teachers if t is not None]
+        # Teachers behind a URL (hf_distill.serving), by their place among all teachers; the rest are local models
+        served_at = {i: t for i, t in enumerate(teachers) if is_teacher_url(t)}
+        teachers = [t for t in teachers if not is_teacher_url(t)]
+        n_teachers = len(teachers) + len(served_at)
         sources = [str(t) if isinstance(t, str | os.PathLike) else None for t in teachers]  # their tokenizers too
+        # What the loss reads at each call and what callbacks change while training (hf_distill.settings)
+        self.settings = DistillSettings.for_student(args, static_head(student), n_teachers)
+        # Each server checked (reachable, vocabulary, k, temperature) before any local teacher loads
+        self.served = served_teachers(served_at, args, self.settings, causal=static_head(student) is Head.CAUSAL_LM,
+                                      n_teachers=n_teachers, tokenizer=processing_class, train_dataset=train_dataset,
+                                      vocab_size=getattr(getattr(unwrap(student), "config", None), "vocab_size", None))
         teachers = [load_teacher(str(t), like=student) if isinstance(t, str | os.PathLike) else t for t in teachers]
         t_tokenizers = per_teacher(teacher_processing_class, len(teachers))
-        # What the loss reads at each call and what callbacks change while training (hf_distill.settings)
-        self.settings = DistillSettings.for_student(args, static_head(student), len(teachers))
-        check_on_policy(args, causal=static_head(student) is Head.CAUSAL_LM, n_teachers=len(teachers),
+        check_on_policy(args, causal=static_head(student) is Head.CAUSAL_LM, n_teachers=n_teachers,
                         accelerator=accelerator, train_dataset=train_dataset)
         # lmbda / seq_kd: who completes each micro-batch's prompts, and the generation (hf_distill.on_policy)
         self.on_policy = OnPolicy(args, unwrap(student), processing_class) if args.generates else None
-        self.teacher_weights = teacher_weights(args.teacher_weights, len(teachers))
+        self.teacher_weights = teacher_weights(args.teacher_weights, n_teachers)
         # Self-distillation on one PEFT base: the "teacher" is the student with its adapters off. It must not
         # be frozen or put in eval mode for good (that would freeze or un-dropout the student too).
         self.shared_base = bool(teachers) and shares_parameters(teachers[0], student)
@@ -162,7 +172,7 @@ class Distiller:
         # cross_tokenizer="aligned": the (student ids, teacher ids) of the tokens both vocabularies hold
         cross_vocab = check_cross_tokenizer(args.cross_tokenizer, student, self.teachers, self.shared_base,
                                             processing_class, t_tokenizers, sources)
-        if len(self.teachers) > 1 and args.kd_weight > 0 and args.kd_loss == "mse" and args.multi_teacher != "losses":
+        if n_teachers > 1 and args.kd_weight > 0 and args.kd_loss == "mse" and args.multi_teacher != "losses":
             raise ValueError(
                 "multi_teacher='probs' averages probability distributions, which kd_loss='mse' does not use. "
                 "Use multi_teacher='losses' (a weighted sum of one MSE per teacher) or kd_loss='kl'/'soft_ce'."
@@ -184,7 +194,9 @@ class Distiller:
         self.teacher_side = TeacherSide(
             CachedColumns(self.settings, self._token_labels, self.intermediate),
             LocalTeachers(self.teachers, self.shared_base, self.label_names, self._head, accelerator),
-            self.settings, self.intermediate)
+            self.settings, self.intermediate, self.served)
+        for source in self.served.values():
+            source.label_name = self._token_labels
         self.paths = KDPaths(PathContext(args, self.settings, self._head, self.teacher_side, self.teacher_weights,
                                          self.task, shared_vocab, cross_vocab, accelerator, route), student)
         self.tracker = ComponentTracker()
@@ -227,7 +239,8 @@ class Distiller:
 
     def check_dataset(self, dataset: Any, which: str = "train") -> None:
         """Refuse cached teacher columns the run cannot use (hf_distill.data.teacher_columns)."""
-        check_teacher_columns(dataset, which, head=self._head, teacher=self.teacher, kd_weight=self.settings.kd_weight,
+        teacher = self.teacher if self.teacher is not None else next(iter(self.served.values()), None)
+        check_teacher_columns(dataset, which, head=self._head, teacher=teacher, kd_weight=self.settings.kd_weight,
                               kd_loss=self.settings.kd_loss, num_labels=self._student_shape[2],
                               intermediate=self.intermediate)
         check_teacher_signal(dataset, which, temperature=self.settings.temperature,
@@ -276,12 +289,25 @@ class Distiller:
         if self.on_policy is not None or self.args.generates:
             check_step(self.on_policy, self.args, model)
             self.on_policy.prepare(batches, model, step, teachers=self.teachers, shared_base=self.shared_base,
-                                   accelerator=self.accelerator, label_name=self._token_labels)
+                                   accelerator=self.accelerator, label_name=self._token_labels,
+                                   served=self.served.get(0))
+        for source in self.served.values():  # every row of the step scored before any of it trains
+            source.wait(batches, step)
         counts = sum((self._counts(b) for b in batches), torch.zeros(len(COUNT_KINDS), dtype=torch.float64))
         processes = self._processes() if self.args.average_tokens_across_devices else 1
         if processes > 1:
             counts = self.accelerator.reduce(counts.to(self.args.device), "sum").cpu()
         self._step.start(counts, len(batches), processes)
+
+    def prefetch(self, batches: list[dict[str, Any]], step: int | None = None) -> None:
+        """Send the served teachers the rows of optimizer step `step` ahead of it (`teacher_prefetch`), except the
+        micro-batches whose completions will be generated at that step (sent once generated, by `start_step`)."""
+        if not self.served or not self.args.teacher_prefetch:
+            return
+        if self.on_policy is not None and step is not None:
+            batches = [b for i, b in enumerate(batches) if self.on_policy.source(step, i) is None]
+        for source in self.served.values():
+            source.prefetch(batches)
 
     def compute_loss(
         self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None,

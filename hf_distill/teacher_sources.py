@@ -145,8 +145,17 @@ class TeacherSide:
     """The Distiller's teachers as one object: cached columns first, else the teacher models. `settings` is read at
     each call (kd_weight, kd_loss)."""
 
-    def __init__(self, columns: CachedColumns, models: LocalTeachers, settings: Any, intermediate: Any = None) -> None:
+    def __init__(self, columns: CachedColumns, models: LocalTeachers, settings: Any, intermediate: Any = None,
+                 served: dict[int, Any] | None = None) -> None:
         self.columns, self.models, self.settings, self.intermediate = columns, models, settings, intermediate
+        # Teachers behind a URL by their place among all teachers (hf_distill.serving.source.ServedTeacher: its
+        # `logits(inputs)` is a top-k + tail triple); the local models fill the other places, in order.
+        self.served = dict(served or {})
+
+    @property
+    def count(self) -> int:
+        """Every teacher: local models and served ones."""
+        return len(self.models.teachers) + len(self.served)
 
     @property
     def teacher(self) -> nn.Module | None:
@@ -159,6 +168,8 @@ class TeacherSide:
             return TOPK
         if self.settings.kd_weight <= 0:
             return None
+        if 0 in self.served:  # a served first teacher gives the offline signal's form
+            return SIGNAL
         if LOGITS_COLUMN in cached:
             return DENSE
         if self.settings.kd_loss != "mse" and (SIGNAL_TOPK in cached or SIGNAL_CODES in cached):
@@ -169,11 +180,32 @@ class TeacherSide:
                 request: TeacherRequest = TeacherRequest()) -> TeacherOutputs:
         """Every teacher's logits and the first one's features, from the batch's columns when they hold them, else
         a forward; with `request.hidden` the first teacher's last hidden state instead of its logits when it runs."""
+        if self.served:
+            return self._with_served(inputs, cached, request)
         first, feats, hidden = self._first(inputs, cached, request.hidden)
         if self.settings.kd_weight <= 0:
             return TeacherOutputs([], feats, hidden)
         extra = [self._extra(i, inputs, cached) for i in range(1, len(self.models.teachers))]
         return TeacherOutputs([first, *extra], feats, hidden)
+
+    def _with_served(self, inputs: dict[str, Any], cached: dict[str, torch.Tensor],
+                     request: TeacherRequest) -> TeacherOutputs:
+        """Every teacher in its place: a served one's top-k + tail, the local models' logits (the first local model
+        gives the features and, when asked, its last hidden state)."""
+        logits, feats, hidden, local = [], None, None, 0
+        want = self.settings.kd_weight > 0
+        for place in range(self.count):
+            if place in self.served:
+                if want:
+                    logits.append(TeacherLogits(SIGNAL, [self.served[place].logits(inputs)]))
+                continue
+            if local == 0:
+                first, feats, hidden = self._first(inputs, cached, request.hidden)
+                logits.append(first)
+            elif want:
+                logits.append(self._extra(local, inputs, cached))
+            local += 1
+        return TeacherOutputs(logits if want else [], feats, hidden)
 
     def _first(self, inputs: dict[str, Any], cached: dict[str, torch.Tensor], hidden_only: bool):
         t_logits = self.columns.logits(cached, inputs, 0)

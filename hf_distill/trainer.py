@@ -35,6 +35,7 @@ from .distiller import Distiller
 from .features import heads as heads_mod
 from .features.taps import unwrap
 from .placement import check_engine, check_fsdp2_wrap
+from .serving.client import is_teacher_url
 from .task_loss import plain_task_loss
 from .trainer_projections import PROJECTIONS_ATTR, PROJECTIONS_FILE, ProjectionTraining, _ClearProjectionGradients
 
@@ -115,7 +116,7 @@ class DistillationMixin(ProjectionTraining):
         if self.args.generates and heads_mod.static_head(self.model) is heads_mod.Head.CAUSAL_LM:
             teachers = teacher_model if isinstance(teacher_model, list | tuple) else [teacher_model]
             check_generation_data(self.args, self._prompt_collator(), self.train_dataset, self.model,
-                                  [t for t in teachers if t is not None])
+                                  [t for t in teachers if t is not None and not is_teacher_url(t)])
         # cross_tokenizer's chat rows: read before the Distiller loads a teacher given by path
         check_first_rows(self.data_collator, self.train_dataset, self.eval_dataset)
         # audio: the teacher's own input_values need the raw clips at the student's rate (hf_distill.data.audio)
@@ -180,11 +181,23 @@ class DistillationMixin(ProjectionTraining):
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
         """The Trainer's prefetch of one optimizer step's micro-batches: the distiller counts their tokens, so that
         token-level terms are means over the whole step (hf_distill.losses.normalise)."""
-        batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        ahead = self.distiller.served and self.args.teacher_prefetch
+        kept = getattr(self, "_served_ahead", None)  # the step read ahead for a served teacher (teacher_prefetch)
+        self._served_ahead = None
+        if ahead and kept is not None and kept[0] is epoch_iterator:
+            batch_samples = kept[1]
+            num_items_in_batch = count_items(self, batch_samples, device)
+        else:
+            batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
         # lmbda / seq_kd: generated first (on_policy); the step number draws the coin, so a resumed run draws the same
         self.distiller.start_step(batch_samples, model=self.model, step=self.state.global_step)
         if self.distiller.on_policy is not None and num_items_in_batch is not None:  # counted on the new labels
             num_items_in_batch = count_items(self, batch_samples, device)
+        if ahead:  # the next step's rows go to the server while this step computes
+            following, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+            if following:
+                self._served_ahead = (epoch_iterator, following)
+                self.distiller.prefetch(following, step=self.state.global_step + 1)
         return batch_samples, num_items_in_batch
 
     def call_model_init(self, trial=None) -> nn.Module:
@@ -209,6 +222,9 @@ class DistillationMixin(ProjectionTraining):
             with self._projections_attached():
                 return super().train(*args, **kwargs)
         finally:  # a stage that froze modules hands them back even when training stops on an exception
+            self._served_ahead = None  # requests of a step read ahead are not waited for (issue #42)
+            for source in self.distiller.served.values():
+                source.cancel()
             for callback in self.callback_handler.callbacks:
                 if callable(getattr(callback, "restore_trainable", None)):
                     callback.restore_trainable(self.model)

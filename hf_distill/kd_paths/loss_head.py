@@ -74,7 +74,7 @@ def _refusal(ctx: PathContext, student: nn.Module) -> str | None:
     teachers, settings = ctx.teachers, ctx.settings
     if ctx.head is not Head.CAUSAL_LM:
         return "the student is not a causal LM"
-    if len(teachers) > 1:
+    if len(teachers) > 1 or ctx.teacher_side.count > 1:
         return "several teachers are combined"
     if ctx.teacher_side.models.shared_base:
         return "the teacher is the student's own base (adapters off)"

@@ -132,6 +132,9 @@ class DistillationReport:
             evaluated = getattr(trainer, "teacher_metrics", None) or {}
             kept = {k: v for k, v in evaluated.items() if k in found.get("student_metrics", {})}
             found["teacher_metrics"] = lm_metrics(kept) if _perplexity(**found) else kept
+        served = getattr(getattr(trainer, "distiller", None), "served", None)
+        if teacher is None and served:  # a teacher behind a URL: the model name its server states (issue #42)
+            found["teacher"] = found.get("teacher") or served[min(served)].name
         if teacher is not None and measure_speed:
             found.update(measure.trainer_speedup(trainer, student, teacher, speed_batches))
         return cls.from_dict(_merge(found, fields))
