@@ -47,24 +47,29 @@ STUDENTS = {"L3": {"layers": [0, 2, 5]}, "L2": {"layers": [0, 5]},
             "shrunk": {"shrink": {"num_layers": 3, "hidden_size": 256, "num_attention_heads": 4,
                                   "intermediate_size": 1024}}}
 MAX_SEQ = 128
+START = time.time()
+
+
+def stage(text: str) -> None:
+    print(f"[{(time.time() - START) / 60:5.1f} min] {text}", flush=True)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--sst2-sentences", type=int, default=4000, help="SST-2 training sentences to distil on")
-    p.add_argument("--wiki-sentences", type=int, default=2000, help="WikiText-2 validation sentences to distil on")
-    p.add_argument("--epochs", type=float, default=2.0)
-    p.add_argument("--probe-rows", type=int, default=3000)
-    p.add_argument("--heldout-wiki", type=int, default=400, help="WikiText-2 test sentences for the cosine")
+    p.add_argument("--sst2-sentences", type=int, default=1000, help="SST-2 training sentences to distil on")
+    p.add_argument("--wiki-sentences", type=int, default=500, help="WikiText-2 validation sentences to distil on")
+    p.add_argument("--epochs", type=float, default=1.0)
+    p.add_argument("--probe-rows", type=int, default=1000)
+    p.add_argument("--heldout-wiki", type=int, default=200, help="WikiText-2 test sentences for the cosine")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--students", default=",".join(STUDENTS))
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "sentence_embeddings"))
     args = p.parse_args(argv)
     if args.quick:
-        args.seeds, args.sst2_sentences, args.wiki_sentences, args.epochs = "0", 256, 64, 1.0
-        args.probe_rows, args.heldout_wiki = 300, 50
+        args.seeds, args.sst2_sentences, args.wiki_sentences, args.epochs = "0", 96, 32, 1.0
+        args.probe_rows, args.heldout_wiki = 200, 20
         args.out = str(ROOT / "benchmarks" / "results" / "sentence_embeddings_quick")
     return args
 
@@ -88,14 +93,26 @@ def wiki_sentences(name: str) -> list[str]:
     return out
 
 
-def encode(model, texts: list[str], projection=None):
+def encode(model, texts: list[str]):
+    return model.encode(texts, batch_size=64, convert_to_tensor=True, show_progress_bar=False).float().cpu()
+
+
+def views(model, probe_x, val_x, wiki, projection=None) -> dict:
+    """A model's embeddings of the probe's training sentences, the SST-2 validation sentences (the probe's test set
+    and, with the WikiText-2 test sentences, the held-out set of the cosine), each encoded once."""
     import torch
 
-    emb = model.encode(texts, batch_size=64, convert_to_tensor=True, show_progress_bar=False).float().cpu()
-    if projection is not None:
-        with torch.no_grad():
-            emb = torch.nn.functional.normalize(projection.cpu()(emb), dim=-1)
-    return emb
+    val = encode(model, val_x)
+    held = torch.cat([val, encode(model, wiki)])
+    return {"probe": encode(model, probe_x), "val": val,
+            "held": held if projection is None else encode_projected(held, projection)}
+
+
+def encode_projected(emb, projection):
+    import torch
+
+    with torch.no_grad():
+        return torch.nn.functional.normalize(projection.cpu()(emb), dim=-1)
 
 
 def probe(train_x, train_y, test_x, test_y) -> float:
@@ -113,12 +130,12 @@ def cosine(a, b) -> float:
 
 
 def speedups(teacher, student, texts: list[str], rounds: int = 3) -> dict[str, float]:
-    """Teacher time / student time at batch 1 (the first 64 texts, one at a time) and batch 32 (all): median of
+    """Teacher time / student time at batch 1 (the first 32 texts, one at a time) and batch 32 (all): median of
     the per-round ratios of interleaved passes."""
     import torch
 
     out = {}
-    for name, batch, rows in (("batch1", 1, texts[:64]), ("batch32", 32, texts)):
+    for name, batch, rows in (("batch1", 1, texts[:32]), ("batch32", 32, texts)):
         ratios = []
         for _ in range(rounds):
             times = []
@@ -215,12 +232,15 @@ def main(argv: list[str] | None = None) -> int:
         kd_idx = order[args.probe_rows:args.probe_rows + args.sst2_sentences]
         val_x, val_y = sst2("validation.tsv")
         train_texts = [texts[i] for i in kd_idx] + wiki_sentences("wiki.valid.raw")[:args.wiki_sentences]
-        heldout = val_x + wiki_sentences("wiki.test.raw")[:args.heldout_wiki]
+        wiki_held = wiki_sentences("wiki.test.raw")[:args.heldout_wiki]
+        heldout = val_x + wiki_held
         probe_x, probe_y = [texts[i] for i in probe_idx], [labels[i] for i in probe_idx]
+        stage(f"caching the teacher's embeddings of {len(train_texts)} training sentences")
         t0 = time.time()
         train = cache_teacher_embeddings(datasets.Dataset.from_dict({"sentence": train_texts}), teacher, "sentence")
         cache_s = time.time() - t0
-        t_held, t_probe, t_val = encode(teacher, heldout), encode(teacher, probe_x), encode(teacher, val_x)
+        stage(f"teacher: encoding {len(heldout)} held-out, {len(probe_x)} probe and {len(val_x)} validation sentences")
+        t = views(teacher, probe_x, val_x, wiki_held)
         data = {"machine": machine(), "contention": (
                     f"shared machine: 2 CPU cores used by ~8 helpers at once (load average at start "
                     f"{os.getloadavg()[0]:.1f}); speed-ups are ratios of interleaved passes, absolute times mean "
@@ -229,34 +249,39 @@ def main(argv: list[str] | None = None) -> int:
                     kd_idx), "epochs": args.epochs, "probe_rows": args.probe_rows, "heldout": len(heldout),
                     "max_seq_length": MAX_SEQ, "threads": args.threads, "batch": 32, "lr": 1e-4,
                     "embedding_loss": "mse", "students": {k: STUDENTS[k] for k in args.students.split(",")}},
-                "teacher": {"probe": probe(t_probe, probe_y, t_val, val_y),
+                "teacher": {"probe": probe(t["probe"], probe_y, t["val"], val_y),
                             "parameters": sum(p.numel() for p in teacher.parameters()), "cache_seconds": cache_s},
                 "students": {}}
-        print(f"teacher probe {data['teacher']['probe']:.4f}", flush=True)
+        stage(f"teacher probe {data['teacher']['probe']:.4f}")
         for name in args.students.split(","):
             spec, runs = STUDENTS[name], []
             no_kd = {}
             for seed in seeds:
                 if "layers" not in spec or not no_kd:  # copied students are the same for every seed
-                    base = build(teacher, spec, seed)
-                    no_kd[seed] = probe(encode(base, probe_x), probe_y, encode(base, val_x), val_y)
+                    base = build(teacher, spec, seed).eval()
+                    b = views(base, probe_x, val_x, wiki_held)
+                    no_kd[seed] = probe(b["probe"], probe_y, b["val"], val_y)
                     if "layers" in spec:
-                        no_kd["cosine"] = cosine(encode(base, heldout), t_held)
+                        no_kd["cosine"] = cosine(b["held"], t["held"])
                 student = build(teacher, spec, seed)
+                stage(f"{name} seed {seed}: distilling")
                 proj, loss, secs = distil(student, train, seed, args.epochs, Path(tempfile.mkdtemp(prefix="st_kd_")))
                 student.eval()
+                v = views(student, probe_x, val_x, wiki_held, proj)
                 runs.append({"seed": seed, "train_loss": loss, "train_seconds": secs,
-                             "cosine": cosine(encode(student, heldout, proj), t_held),
-                             "probe": probe(encode(student, probe_x), probe_y, encode(student, val_x), val_y)})
-                print(name, runs[-1], flush=True)
+                             "cosine": cosine(v["held"], t["held"]),
+                             "probe": probe(v["probe"], probe_y, v["val"], val_y)})
+                stage(f"{name} {runs[-1]}")
             no_kd_accs = [v for k, v in no_kd.items() if k != "cosine"]
             r = {"shape": f"{student[0].auto_model.config.num_hidden_layers} x {student.get_embedding_dimension()}",
                  "parameters": sum(p.numel() for p in student.parameters()), "runs": runs,
                  "cosine_kd": mean_std([x["cosine"] for x in runs]), "probe_kd": mean_std([x["probe"] for x in runs]),
                  "probe_no_kd": mean_std(no_kd_accs), "cosine_no_kd": no_kd.get("cosine"),
-                 "speedup": speedups(teacher, student, heldout[:512])}
+                 "speedup": speedups(teacher, student, heldout[:256])}
             data["students"][name] = r
-            print(name, r["speedup"], flush=True)
+            stage(f"{name} {r['speedup']}")
+            partial = {**data, "partial": "written after each student; the run had not finished"}
+            Path(f"{out}.json").write_text(json.dumps(portable_tree(partial), indent=1) + "\n")
     data["meta"] = meta
     data = portable_tree(data)
     Path(f"{out}.json").write_text(json.dumps(data, indent=1) + "\n")

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 pytest.importorskip("sentence_transformers")
 datasets = pytest.importorskip("datasets")
 
-from sentence_transformers import SentenceTransformer, losses  # noqa: E402
+from sentence_transformers import SentenceTransformer  # noqa: E402
+from sentence_transformers.sentence_transformer import losses  # noqa: E402
 from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer  # noqa: E402
 from transformers import BertConfig, BertModel, BertTokenizerFast  # noqa: E402
 
@@ -262,3 +263,25 @@ def test_without_sentence_transformers_the_import_error_names_the_extra(monkeypa
     monkeypatch.delitem(sys.modules, "hf_distill.sentence", raising=False)
     with pytest.raises(ImportError, match=r"hf-distill\[sentence\]"):
         import hf_distill.sentence  # noqa: F401
+
+
+def test_per_dataset_losses_are_each_wrapped_and_st_arguments_upgraded(tokenizer_dir, tmp_path):
+    from sentence_transformers import SentenceTransformerTrainingArguments
+
+    teacher = tiny(tokenizer_dir, tmp_path, "t", width=32)
+    student = tiny(tokenizer_dir, tmp_path, "s", width=32, layers=2, seed=1)
+    train = {"pairs": datasets.Dataset.from_dict({k: PAIRS[k] for k in ("anchor", "positive")}),
+             "scored": datasets.Dataset.from_dict(PAIRS)}
+    plain = SentenceTransformerTrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[],
+                                                 per_device_train_batch_size=4, learning_rate=3e-5)
+    trainer = DistillationSentenceTransformerTrainer(
+        model=student, teacher_model=teacher, args=plain, train_dataset=train,
+        loss={"pairs": losses.MultipleNegativesRankingLoss(student), "scored": losses.CosineSimilarityLoss(student)})
+    assert isinstance(trainer.args, DistillationSentenceTransformerArguments) and trainer.args.learning_rate == 3e-5
+    assert {k: type(v.loss).__name__ for k, v in trainer.loss.items()} == {
+        "pairs": "MultipleNegativesRankingLoss", "scored": "CosineSimilarityLoss"}
+    rows = next(iter(trainer.get_train_dataloader()))
+    assert rows["dataset_name"] in train
+    student.train()
+    trainer.compute_loss(student, rows).backward()
+    assert {"kd", "task"} <= set(trainer.accum_loss_components["train"])

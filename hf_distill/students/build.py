@@ -159,7 +159,8 @@ def from_teacher(
     per-layer state such as ``layer_idx`` is renumbered and tied weights are tied), then filled from the
     teacher's state dict. Nothing is shared with the teacher, the teacher's ``requires_grad`` flags are not
     inherited (a frozen teacher still gives a trainable student), and the student ends up on the teacher's
-    (first) device, in its dtype and train/eval mode.
+    (first) device, in its dtype and train/eval mode. A SentenceTransformer teacher gives a SentenceTransformer
+    student: its other modules (tokenizer, Pooling, Normalize) are copied around the student transformer.
     """
     if sentence.is_sentence_transformer(teacher):  # its Pooling/Normalize kept around the student transformer
         return sentence.rebuild(teacher, lambda auto: from_teacher(auto, layers, encoder_layers=encoder_layers,
@@ -314,7 +315,8 @@ def shrink(
     Decoders with grouped-query attention: ``num_key_value_heads`` defaults to the teacher's when it divides
     ``num_attention_heads`` (and to ``num_attention_heads`` when the teacher has as many K/V heads as heads);
     ``head_dim`` follows ``hidden_size // num_attention_heads`` unless the teacher set it apart from its own
-    ratio (Gemma), in which case the teacher's value is kept (override it with ``head_dim=...``).
+    ratio (Gemma), in which case the teacher's value is kept (override it with ``head_dim=...``). A SentenceTransformer
+    teacher gives a SentenceTransformer student (its modules copied, Pooling following ``hidden_size``).
     """
     if sentence.is_sentence_transformer(teacher_or_config):  # Pooling follows hidden_size; Normalize kept
         return sentence.rebuild(teacher_or_config, lambda auto: shrink(
