@@ -49,7 +49,7 @@ from .sentence_loss import (
     EmbeddingDistillationLoss,
     pooling_module,
 )
-from .trainer_projections import ProjectionTraining, _ClearProjectionGradients
+from .trainer_projections import PROJECTIONS_FILE, ProjectionTraining, _ClearProjectionGradients
 
 try:
     from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
@@ -270,6 +270,17 @@ class SentenceDistillationMixin(ProjectionTraining):
 
     def _projections(self) -> nn.Module | None:
         return getattr(self, "_distill_projections", None)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """sentence-transformers' own (it takes no model), then the projections, which the checkpoint must hold."""
+        super(ProjectionTraining, self)._load_from_checkpoint(resume_from_checkpoint)
+        proj = self._projections()
+        if proj is not None:
+            path = os.path.join(resume_from_checkpoint, PROJECTIONS_FILE)
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{resume_from_checkpoint} has no {PROJECTIONS_FILE}: it was not written by a "
+                                        "run with the same projection, so resuming would restart it from scratch.")
+            proj.load_state_dict(torch.load(path, map_location=self.args.device, weights_only=True))
 
     def _distill_losses(self) -> list[EmbeddingDistillationLoss]:
         return list(self.loss.values()) if isinstance(self.loss, dict) else [self.loss]

@@ -285,3 +285,27 @@ def test_per_dataset_losses_are_each_wrapped_and_st_arguments_upgraded(tokenizer
     student.train()
     trainer.compute_loss(student, rows).backward()
     assert {"kd", "task"} <= set(trainer.accum_loss_components["train"])
+
+
+@pytest.mark.slow
+def test_checkpoints_hold_the_projection_and_resume_with_it(tokenizer_dir, tmp_path):
+    teacher = tiny(tokenizer_dir, tmp_path, "t", width=32)
+    data = datasets.Dataset.from_dict({"text": PAIRS["anchor"] * 2})
+
+    def trainer(seed: int):
+        student = tiny(tokenizer_dir, tmp_path, "s", width=16, layers=2, seed=1)
+        return DistillationSentenceTransformerTrainer(model=student, teacher_model=teacher, train_dataset=data,
+                                                      args=args(tmp_path, save_strategy="steps", save_steps=1,
+                                                                seed=seed))
+
+    trainer(0).train()
+    folder = tmp_path / "out" / "checkpoint-1"
+    saved = torch.load(folder / "distill_projections.pt", weights_only=True)
+    assert not any("projection" in k or "embedding.weight" == k for k in __import__("safetensors.torch").torch
+                   .load_file(str(folder / "model.safetensors")))
+    resumed = trainer(1)  # another seed: another initial projection, which the checkpoint's replaces
+    assert not torch.equal(resumed._projections().state_dict()["embedding.weight"], saved["embedding.weight"])
+    resumed._load_from_checkpoint(str(folder))
+    assert torch.equal(resumed._projections().state_dict()["embedding.weight"], saved["embedding.weight"])
+    resumed.train(resume_from_checkpoint=str(folder))
+    assert resumed.state.global_step == 2
