@@ -19,7 +19,8 @@ C=1, lbfgs) trained on frozen embeddings of `--probe-rows` SST-2 training senten
 KD; the same student without KD, as built), and encode speed-ups over the teacher at batch 1 and batch 32 (float32,
 `--threads` torch threads, median of the per-round ratios of interleaved passes). The copied students without KD
 are the same for every seed; the shrunk one without KD is its random initialisation (seeded). Results:
-benchmarks/results/sentence_embeddings.{json,md}.
+benchmarks/results/sentence_embeddings.{json,md} (`--report` rewrites the .md from the .json); the guide
+docs/guides/sentence-embeddings.md includes the .md.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--students", default=",".join(STUDENTS))
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--report", action="store_true", help="only rewrite the .md from the .json of a finished run")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "sentence_embeddings"))
     args = p.parse_args(argv)
     if args.quick:
@@ -177,9 +179,10 @@ def mean_std(values: list[float]) -> tuple[float, float]:
 
 def report(data: dict) -> str:
     t = data["teacher"]
-    lines = ["# Sentence-embedding distillation (issue #44)", "",
-             f"Command: `{data['meta']['command']}`, {data['meta']['date']}, {data['meta']['seconds'] / 60:.1f} min, "
-             f"load before / after: {data['meta']['load_before']} / {data['meta']['load_after']}.", "",
+    meta = data.get("meta") or {}
+    lines = [f"Command: `{meta.get('command')}`, {meta.get('date')}, {meta.get('seconds', 0) / 60:.1f} min, "
+             f"load before / after: {meta.get('load_before')} / {meta.get('load_after')}.", "",
+             *([f"**Partial**: {data['partial']}.", ""] if data.get("partial") else []),
              f"Machine: {data['machine']}; {data['contention']}", "",
              f"Teacher all-MiniLM-L6-v2: SST-2 probe accuracy {t['probe']:.4f} ({data['config']['probe_rows']} "
              f"training sentences, 872 validation), {t['parameters'] / 1e6:.1f} M parameters.", "",
@@ -209,6 +212,9 @@ def report(data: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.report:
+        Path(f"{args.out}.md").write_text(report(json.loads(Path(f"{args.out}.json").read_text())))
+        return 0
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import datasets
