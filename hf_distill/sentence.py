@@ -206,7 +206,7 @@ class SentenceDistillationMixin(ProjectionTraining):
             raise ValueError("distill_terms need the teacher's intermediate features, which cached embeddings do not "
                              "hold: give teacher_model= and no cached embedding column, or remove distill_terms.")
         if isinstance(teacher_model, str | os.PathLike):
-            teacher_model = SentenceTransformer(str(teacher_model), device=str(model.device))
+            teacher_model = SentenceTransformer(str(teacher_model), device=str(args.device))
         if teacher_model is not None and not isinstance(teacher_model, SentenceTransformer):
             raise TypeError(f"teacher_model must be a SentenceTransformer (or its folder / Hub id), got "
                             f"{type(teacher_model).__name__}.")
@@ -214,8 +214,8 @@ class SentenceDistillationMixin(ProjectionTraining):
         for role, m in (("student", model), ("teacher", teacher_model)):
             if m is not None and space == "pooled" and pooling_module(m) is None:
                 raise ValueError(f"embedding_space='pooled' but the {role} has no Pooling module. Use 'output'.")
-        if teacher_model is not None:
-            teacher_model.to(model.device).eval().requires_grad_(False)
+        if teacher_model is not None:  # where the Trainer will put the student (args.device), frozen
+            teacher_model.to(args.device).eval().requires_grad_(False)
             t_width = _width(teacher_model, space)
         else:
             first = next(d for _, d in _datasets(train_dataset))
@@ -236,14 +236,14 @@ class SentenceDistillationMixin(ProjectionTraining):
                                  "with projection='none'. Set projection='shared' to learn a Linear between them.")
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(args.seed)
-                projection = nn.Linear(s_width, t_width).to(model.device)
+                projection = nn.Linear(s_width, t_width).to(args.device)
         intermediate = None
         if args.terms:
             intermediate = IntermediateDistiller(args.terms, model[0].auto_model, teacher_model[0].auto_model,
                                                  args.projection, seed=args.seed)
         parts = {"embedding": projection,
                  "intermediate": intermediate.projections if intermediate is not None else None}
-        parts = {k: v.to(model.device) for k, v in parts.items() if v is not None}
+        parts = {k: v.to(args.device) for k, v in parts.items() if v is not None}
         self._distill_projections = nn.ModuleDict(parts) if parts else None
         self.teacher = teacher_model
         config = {"teacher": _name(teacher_model) if teacher_model is not None else f"cached column {column!r}",
