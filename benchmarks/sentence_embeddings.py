@@ -58,15 +58,16 @@ def stage(text: str) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--sst2-sentences", type=int, default=1000, help="SST-2 training sentences to distil on")
-    p.add_argument("--wiki-sentences", type=int, default=500, help="WikiText-2 validation sentences to distil on")
-    p.add_argument("--epochs", type=float, default=1.0)
-    p.add_argument("--probe-rows", type=int, default=1000)
-    p.add_argument("--heldout-wiki", type=int, default=200, help="WikiText-2 test sentences for the cosine")
+    p.add_argument("--sst2-sentences", type=int, default=400, help="SST-2 training sentences to distil on")
+    p.add_argument("--wiki-sentences", type=int, default=200, help="WikiText-2 validation sentences to distil on")
+    p.add_argument("--epochs", type=float, default=2.0)
+    p.add_argument("--probe-rows", type=int, default=500)
+    p.add_argument("--heldout-wiki", type=int, default=100, help="WikiText-2 test sentences for the cosine")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--students", default=",".join(STUDENTS))
     p.add_argument("--quick", action="store_true")
     p.add_argument("--report", action="store_true", help="only rewrite the .md from the .json of a finished run")
+    p.add_argument("--merge", default="", help="with --report: .json files of other students' runs to add")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "sentence_embeddings"))
     args = p.parse_args(argv)
     if args.quick:
@@ -198,6 +199,11 @@ def report(data: dict) -> str:
                      f"{f' (no KD {cos0:.4f})' if cos0 is not None else ''} | {acc:.4f} ± {acc_sd:.4f} | "
                      f"{100 * acc / t['probe']:.1f}% | {no_kd:.4f} ± {no_kd_sd:.4f} | {r['speedup']['batch1']:.2f}x "
                      f"| {r['speedup']['batch32']:.2f}x |")
+    for part in data.get("merged", []):
+        meta = part.get("meta") or {}
+        lines += [f"Measured at the same time by a separate process ({part['file']}): `{meta.get('command')}`, "
+                  f"{meta.get('date')}, {meta.get('seconds', 0) / 60:.1f} min"
+                  + (f"; partial: {part['partial']}" if part.get("partial") else "") + "."]
     lines += ["", f"Seeds {data['config']['seeds']} (mean ± standard deviation over them); target (issue #44): the "
               "3-layer student within 98% of the teacher's probe accuracy and >= 1.8x faster.", ""]
     if "L3" in data["students"]:
@@ -213,7 +219,15 @@ def report(data: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.report:
-        Path(f"{args.out}.md").write_text(report(json.loads(Path(f"{args.out}.json").read_text())))
+        data = json.loads(Path(f"{args.out}.json").read_text())
+        for other in filter(None, args.merge.split(",")):  # students measured by other processes, at the same time
+            part = json.loads(Path(other).read_text())
+            data["students"].update(part["students"])
+            data.setdefault("merged", []).append({"file": portable(other), "meta": part.get("meta"),
+                                                  "partial": part.get("partial")})
+        if args.merge:
+            Path(f"{args.out}.json").write_text(json.dumps(data, indent=1) + "\n")
+        Path(f"{args.out}.md").write_text(report(data))
         return 0
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
