@@ -199,6 +199,7 @@ def report(data: dict) -> str:
                      f"{f' (no KD {cos0:.4f})' if cos0 is not None else ''} | {acc:.4f} ± {acc_sd:.4f} | "
                      f"{100 * acc / t['probe']:.1f}% | {no_kd:.4f} ± {no_kd_sd:.4f} | {r['speedup']['batch1']:.2f}x "
                      f"| {r['speedup']['batch32']:.2f}x |")
+    lines += [""] if data.get("merged") else []
     for part in data.get("merged", []):
         meta = part.get("meta") or {}
         lines += [f"Measured at the same time by a separate process ({part['file']}): `{meta.get('command')}`, "
