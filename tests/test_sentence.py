@@ -225,7 +225,7 @@ REFUSALS = [
     (dict(teacher=False, cached=True, kw=dict(distill_terms=["loss=hidden_mse,layers=last"])), "distill_terms need"),
     (dict(student_normalize=True, two_columns=True, cached=True), "covers one text column"),
     (dict(model="bad"), "must be a SentenceTransformer"),
-    (dict(teacher_obj="bad"), "teacher_model must be a SentenceTransformer"),
+    (dict(teacher_obj=torch.nn.Linear(2, 2)), "teacher_model must be a SentenceTransformer"),
 ]
 
 
