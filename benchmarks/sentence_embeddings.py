@@ -204,7 +204,9 @@ def report(data: dict) -> str:
         meta = part.get("meta") or {}
         lines += [f"Measured at the same time by a separate process ({part['file']}): `{meta.get('command')}`, "
                   f"{meta.get('date')}, {meta.get('seconds', 0) / 60:.1f} min"
-                  + (f"; partial: {part['partial']}" if part.get("partial") else "") + "."]
+                  + (f"; partial: {part['partial']}" if part.get("partial") else "")
+                  + f". Its students ({', '.join(part.get('students', []))}) ran the seeds of its command: with one "
+                  "seed, their ± 0.0000 is no spread."]
     lines += ["", f"Seeds {data['config']['seeds']} (mean ± standard deviation over them); target (issue #44): the "
               "3-layer student within 98% of the teacher's probe accuracy and >= 1.8x faster.", ""]
     if "L3" in data["students"]:
@@ -225,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             part = json.loads(Path(other).read_text())
             data["students"].update(part["students"])
             data.setdefault("merged", []).append({"file": portable(other), "meta": part.get("meta"),
-                                                  "partial": part.get("partial")})
+                                                  "partial": part.get("partial"), "students": list(part["students"])})
         if args.merge:
             Path(f"{args.out}.json").write_text(json.dumps(data, indent=1) + "\n")
         Path(f"{args.out}.md").write_text(report(data))
