@@ -2,7 +2,8 @@
 
 Swap `Trainer` for `DistillationTrainer` and `TrainingArguments` for `DistillationArguments` (`Seq2SeqTrainer` for
 `DistillationSeq2SeqTrainer` and `Seq2SeqTrainingArguments` for `DistillationSeq2SeqArguments`; TRL's `SFTTrainer`
-for `DistillationSFTTrainer` and `SFTConfig` for `DistillationSFTConfig`, with the `trl` extra).
+for `DistillationSFTTrainer` and `SFTConfig` for `DistillationSFTConfig`, with the `trl` extra; sentence-transformers'
+`SentenceTransformerTrainer` for `DistillationSentenceTransformerTrainer`, with the `sentence` extra).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ _CLASSES = {
     "DistillationSeq2SeqTrainer": "seq2seq",
     "DistillationSFTConfig": "trl",  # needs the `trl` extra (ImportError naming it otherwise)
     "DistillationSFTTrainer": "trl",
+    "DistillationSentenceTransformerArguments": "sentence",  # needs the `sentence` extra (#44)
+    "DistillationSentenceTransformerTrainer": "sentence",
     "DistillationMixin": "trainer",
     "DistillationTrainer": "trainer",
     "Distiller": "distiller",
@@ -47,6 +50,8 @@ __all__ = [
     "DistillationSeq2SeqTrainer",
     "DistillationSFTConfig",
     "DistillationSFTTrainer",
+    "DistillationSentenceTransformerArguments",
+    "DistillationSentenceTransformerTrainer",
     "DistillationMixin",
     "PromptCompletionCollator",
     "DistillationTrainer",
@@ -85,6 +90,7 @@ if TYPE_CHECKING:
     from .distiller import Distiller
     from .features import families, layer_map, taps
     from .losses.terms import DistillTerm
+    from .sentence import DistillationSentenceTransformerArguments, DistillationSentenceTransformerTrainer
     from .seq2seq import DistillationSeq2SeqArguments, DistillationSeq2SeqTrainer
     from .trainer import DistillationMixin, DistillationTrainer
     from .trl import DistillationSFTConfig, DistillationSFTTrainer

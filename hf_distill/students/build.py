@@ -49,6 +49,7 @@ from ..base.recorded_names import recorded_name
 from ..compat import attn_implementation, model_from_config
 from ..features import families
 from ..features.families import Family, register_family
+from . import sentence
 
 __all__ = [
     "encoder_layers",
@@ -158,8 +159,12 @@ def from_teacher(
     per-layer state such as ``layer_idx`` is renumbered and tied weights are tied), then filled from the
     teacher's state dict. Nothing is shared with the teacher, the teacher's ``requires_grad`` flags are not
     inherited (a frozen teacher still gives a trainable student), and the student ends up on the teacher's
-    (first) device, in its dtype and train/eval mode.
+    (first) device, in its dtype and train/eval mode. A SentenceTransformer teacher gives a SentenceTransformer
+    student: its other modules (tokenizer, Pooling, Normalize) are copied around the student transformer.
     """
+    if sentence.is_sentence_transformer(teacher):  # its Pooling/Normalize kept around the student transformer
+        return sentence.rebuild(teacher, lambda auto: from_teacher(auto, layers, encoder_layers=encoder_layers,
+                                                                   decoder_layers=decoder_layers))
     if not isinstance(teacher, PreTrainedModel):
         raise TypeError(f"teacher must be a transformers PreTrainedModel, got {type(teacher).__name__}.")
     _reject_heterogeneous(teacher.config)
@@ -310,8 +315,13 @@ def shrink(
     Decoders with grouped-query attention: ``num_key_value_heads`` defaults to the teacher's when it divides
     ``num_attention_heads`` (and to ``num_attention_heads`` when the teacher has as many K/V heads as heads);
     ``head_dim`` follows ``hidden_size // num_attention_heads`` unless the teacher set it apart from its own
-    ratio (Gemma), in which case the teacher's value is kept (override it with ``head_dim=...``).
+    ratio (Gemma), in which case the teacher's value is kept (override it with ``head_dim=...``). A SentenceTransformer
+    teacher gives a SentenceTransformer student (its modules copied, Pooling following ``hidden_size``).
     """
+    if sentence.is_sentence_transformer(teacher_or_config):  # Pooling follows hidden_size; Normalize kept
+        return sentence.rebuild(teacher_or_config, lambda auto: shrink(
+            auto, num_layers, hidden_size, num_attention_heads, intermediate_size,
+            num_key_value_heads=num_key_value_heads, model_class=model_class, seed=seed, **config_overrides))
     if isinstance(teacher_or_config, PreTrainedModel):
         teacher_config = teacher_or_config.config
         model_class = model_class if model_class is not None else type(teacher_or_config)
