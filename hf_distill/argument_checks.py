@@ -120,12 +120,20 @@ def check_weights(args: Any) -> None:
         )
 
 
+def check_distillation_token(args: Any) -> None:
+    """DeiT's distillation head (hf_distill.kd_paths.distillation_token): hard or soft."""
+    if args.distillation_token not in ("hard", "soft"):
+        raise ValueError(f"DistillationArguments.distillation_token must be 'hard' or 'soft', got "
+                         f"{args.distillation_token!r}.")
+
+
 CHECKS: tuple[Callable[[Any], None], ...] = (
     check_loss_fields,
     check_model_fields,
     validate_cross_tokenizer,  # hf_distill.losses.cross_tokenizer
     validate_generation_arguments,  # hf_distill.base.generation_checks
     check_weights,
+    check_distillation_token,  # issue #43
 )
 """Every check of the distillation fields, in the order they run: each feature's checks live in its own module and
 are listed here once; a new feature adds its check to this list."""

@@ -33,6 +33,7 @@ from .data.prompts import check_generation_data
 from .distiller import Distiller
 from .features import heads as heads_mod
 from .features.taps import unwrap
+from .kd_paths.distillation_token import has_distillation_token
 from .placement import check_engine, check_fsdp2_wrap
 from .task_loss import plain_task_loss
 from .trainer_projections import PROJECTIONS_ATTR, PROJECTIONS_FILE, ProjectionTraining, _ClearProjectionGradients
@@ -115,6 +116,8 @@ class DistillationMixin(ProjectionTraining):
             teachers = teacher_model if isinstance(teacher_model, list | tuple) else [teacher_model]
             check_generation_data(self.args, self._prompt_collator(), self.train_dataset, self.model,
                                   [t for t in teachers if t is not None])
+        if self.args.label_names is None and not self.label_names and has_distillation_token(unwrap(self.model)):
+            self.label_names = ["labels"]  # DeiT's two heads take no labels: the class head's task loss reads them
         # cross_tokenizer's chat rows: read before the Distiller loads a teacher given by path
         check_first_rows(self.data_collator, self.train_dataset, self.eval_dataset)
         self.distiller = Distiller(

@@ -68,6 +68,7 @@ class HeadKind(enum.Enum):
     TOKEN_CLASSIFICATION = "token-classification"
     MASKED_LM = "masked-lm"
     MULTIPLE_CHOICE = "multiple-choice"
+    IMAGE_CLASSIFICATION = "image-classification"  # issue #43 (vision): ViT, DeiT, BEiT, Swin, ConvNeXt, ResNet
     BASE = "base"  # no head: hidden states (feature extraction)
 
     @property
@@ -120,6 +121,10 @@ HEADS: dict[HeadKind, HeadFacts] = {  # in the order kinds are tried: a class in
     HeadKind.MULTIPLE_CHOICE: HeadFacts(
         "MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES", "AutoModelForMultipleChoice", "AutoPeftModel",
         ("multiple-choice",), None, False),
+    # Images (issue #43): logits over config.num_labels, single- or multi-label by problem_type as text classifiers
+    HeadKind.IMAGE_CLASSIFICATION: HeadFacts(
+        "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "AutoModelForImageClassification", "AutoPeftModel",
+        ("image-classification",), Head.SEQUENCE, True),
     HeadKind.BASE: HeadFacts(
         "MODEL_MAPPING_NAMES", "AutoModel", "AutoPeftModel", ("feature-extraction",), None, False),
 }

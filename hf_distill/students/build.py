@@ -144,6 +144,7 @@ def from_teacher(
     *,
     encoder_layers: Sequence[int] | None = None,
     decoder_layers: Sequence[int] | None = None,
+    distillation_token: bool = False,
 ) -> PreTrainedModel:
     """Student of the teacher's class keeping only the blocks ``layers`` (0-based, strictly increasing): encoder
     layers, or decoder layers of a causal LM (its final norm, rotary embedding and ``lm_head`` are kept, tied to
@@ -154,6 +155,9 @@ def from_teacher(
     named keeps all its blocks; DistilBART keeps the encoder and alternating decoder layers). A student that can
     generate gets a copy of the teacher's generation config, so it generates with the same settings.
 
+    ``distillation_token=True`` (a ViT or DeiT teacher): a transformers ``DeiTForImageClassificationWithTeacher`` with
+    the kept blocks, both heads copied from the teacher's classifier (hf_distill.students.distillation_token).
+
     The student is built fresh from the reduced config, exactly as ``from_pretrained`` would build it (so
     per-layer state such as ``layer_idx`` is renumbered and tied weights are tied), then filled from the
     teacher's state dict. Nothing is shared with the teacher, the teacher's ``requires_grad`` flags are not
@@ -162,6 +166,12 @@ def from_teacher(
     """
     if not isinstance(teacher, PreTrainedModel):
         raise TypeError(f"teacher must be a transformers PreTrainedModel, got {type(teacher).__name__}.")
+    if distillation_token:  # issue #43: a DeiT student with class and distillation heads (students.distillation_token)
+        from .distillation_token import token_student_from_teacher
+
+        if layers is None:
+            raise TypeError("from_teacher(..., distillation_token=True) needs layers=[...]: the teacher blocks it keeps.")
+        return token_student_from_teacher(teacher, layers)
     _reject_heterogeneous(teacher.config)
     family = get_family(teacher.config)
     if family.stacks:
@@ -297,6 +307,7 @@ def shrink(
     num_key_value_heads: int | None = None,
     model_class: Any = None,
     seed: int | None = None,
+    distillation_token: bool = False,
     **config_overrides: Any,
 ) -> PreTrainedModel:
     """Randomly initialised, smaller model of the teacher's family, head and label space.
@@ -311,6 +322,9 @@ def shrink(
     ``num_attention_heads`` (and to ``num_attention_heads`` when the teacher has as many K/V heads as heads);
     ``head_dim`` follows ``hidden_size // num_attention_heads`` unless the teacher set it apart from its own
     ratio (Gemma), in which case the teacher's value is kept (override it with ``head_dim=...``).
+
+    ``distillation_token=True`` (a ViT or DeiT teacher): a random transformers ``DeiTForImageClassificationWithTeacher``
+    of the teacher's image and label space, trained by ``distillation_token`` (hf_distill.students.distillation_token).
     """
     if isinstance(teacher_or_config, PreTrainedModel):
         teacher_config = teacher_or_config.config
@@ -323,6 +337,12 @@ def shrink(
             "teacher_or_config must be a transformers PreTrainedModel or PreTrainedConfig, "
             f"got {type(teacher_or_config).__name__}."
         )
+    if distillation_token:  # issue #43: a DeiT student with class and distillation heads (students.distillation_token)
+        from .distillation_token import token_student_shrink
+
+        return token_student_shrink(teacher_config, seed, num_hidden_layers=num_layers, hidden_size=hidden_size,
+                                    num_attention_heads=num_attention_heads, intermediate_size=intermediate_size,
+                                    **config_overrides)
     _reject_heterogeneous(teacher_config)
     family = get_family(teacher_config)
 
