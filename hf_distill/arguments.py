@@ -283,9 +283,9 @@ class DistillationArguments(TrainingArguments):
     distillation_token: str = field(
         default="hard",
         metadata={
-            "help": "A student with DeiT's class and distillation tokens (`cls_classifier` + `distillation_classifier`, "
-            "transformers' DeiTForImageClassificationWithTeacher): the task loss trains the class head and the KD term "
-            "the distillation head, against the teacher's argmax (`hard`, DeiT's best) or its softened distribution "
+            "help": "A student with DeiT's class and distillation tokens (`cls_classifier` + "
+            "`distillation_classifier`, transformers' DeiTForImageClassificationWithTeacher): the task loss trains "
+            "the class head and the KD term the distillation head, against the teacher's argmax (`hard`, DeiT's best) or its softened distribution "
             "(`soft`: kd_loss at temperature). Ignored for students without both heads."
         },
     )

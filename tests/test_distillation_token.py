@@ -95,8 +95,9 @@ def test_from_teacher_copies_the_vit_blocks_and_both_heads():
     pos = student.deit.embeddings.position_embeddings
     assert torch.equal(pos[:, 2:], teacher.vit.embeddings.position_embeddings[:, 1:])
     with pytest.raises(ValueError, match="ViT or DeiT teacher"):
-        from hf_distill.students.distillation_token import deit_config
         from transformers import BertConfig
+
+        from hf_distill.students.distillation_token import deit_config
 
         deit_config(BertConfig())
 

@@ -64,5 +64,6 @@ class KDPaths:
                 yield cls(self.context)
 
 
-__all__ = ["PATHS", "CrossTokenizer", "DistillationToken", "KDPath", "KDPaths", "LossHead", "PaddingCheck", "PathBatch", "PathContext",
+__all__ = ["PATHS", "CrossTokenizer", "DistillationToken",
+           "KDPath", "KDPaths", "LossHead", "PaddingCheck", "PathBatch", "PathContext",
            "SparseHead", "WholeLogits", "chunk_size", "register_path", "shift"]

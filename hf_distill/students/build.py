@@ -170,7 +170,7 @@ def from_teacher(
         from .distillation_token import token_student_from_teacher
 
         if layers is None:
-            raise TypeError("from_teacher(..., distillation_token=True) needs layers=[...]: the teacher blocks it keeps.")
+            raise TypeError("from_teacher(..., distillation_token=True) needs layers=[...]: the blocks it keeps.")
         return token_student_from_teacher(teacher, layers)
     _reject_heterogeneous(teacher.config)
     family = get_family(teacher.config)

@@ -36,13 +36,15 @@ def _check(config: PreTrainedConfig) -> None:
 def deit_config(config: PreTrainedConfig, **sizes: Any) -> DeiTConfig:
     """A DeiT config with the teacher's fields (image and patch size, labels, activation, ...) and `sizes` changed."""
     _check(config)
-    values = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures", "transformers_version")}
+    skip = ("model_type", "architectures", "transformers_version")
+    values = {k: v for k, v in config.to_dict().items() if k not in skip}
     values.update(sizes)
     values["architectures"] = ["DeiTForImageClassificationWithTeacher"]
     return DeiTConfig(**values)
 
 
-def token_student_from_teacher(teacher: PreTrainedModel, layers: Sequence[int]) -> DeiTForImageClassificationWithTeacher:
+def token_student_from_teacher(teacher: PreTrainedModel,
+                               layers: Sequence[int]) -> DeiTForImageClassificationWithTeacher:
     """`from_teacher(teacher, layers, distillation_token=True)`: see the module's docstring."""
     _check(teacher.config)
     base = teacher.base_model
