@@ -286,7 +286,8 @@ class DistillationArguments(TrainingArguments):
             "help": "A student with DeiT's class and distillation tokens (`cls_classifier` + "
             "`distillation_classifier`, transformers' DeiTForImageClassificationWithTeacher): the task loss trains "
             "the class head and the KD term the distillation head, against the teacher's argmax (`hard`, DeiT's "
-            "best) or its softened distribution (`soft`: kd_loss at temperature). Ignored for students without both heads."
+            "best) or its softened distribution (`soft`: kd_loss at temperature). Ignored for students without "
+            "both heads."
         },
     )
     eval_with_teacher: bool = field(

@@ -131,7 +131,9 @@ def validate_pair(
     # With `cross_tokenizer` the teacher reads its own tokenization (hf_distill.losses.cross_tokenizer): ids and
     # vocabulary sizes need not agree.
     cross = getattr(args, "cross_tokenizer", None)
-    if not shares_parameters(student, teacher) and not cross:  # self-distillation: one model, one tokenizer
+    # An image (or audio) student reads no token ids: its processors are compared by hf_distill.data.image_inputs
+    reads_tokens = getattr(unwrap(student), "main_input_name", "input_ids") == "input_ids"
+    if not shares_parameters(student, teacher) and not cross and reads_tokens:  # self-distillation: one tokenizer
         t_tokenizer = _compare_tokenizers(tokenizer, teacher, teacher_tokenizer, source)
     if s_cfg is None or t_cfg is None:
         return None

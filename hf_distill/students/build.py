@@ -69,6 +69,9 @@ def get_family(config: PreTrainedConfig) -> Family:
             "dotted path of the encoder-layer nn.ModuleList relative to model.base_model "
             "(e.g. 'encoder.layer' for BERT-like models)."
         )
+    if family.refuse_pruning:  # issue #43: stage-wise vision models
+        raise ValueError(f"hf_distill.students cannot build a student of {model_type!r} from its teacher's blocks: "
+                         f"{family.refuse_pruning}")
     return family
 
 
@@ -397,6 +400,9 @@ def shrink(
             )
 
     values = teacher_config.to_dict()
+    if "stage_names" in values:  # a backbone config (BEiT): its stages follow the depth, picked again by the config
+        for key in ("stage_names", "out_features", "out_indices"):
+            values.pop(key)
     # Encoder-decoder models: every stack gets the depth and sizes (fields may differ: BART's encoder_*/decoder_*).
     for _, stack in family.stacks:
         values.update({stack.num_layers_field: num_layers, stack.num_heads_field: num_attention_heads,
