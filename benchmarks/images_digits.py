@@ -11,9 +11,9 @@ augmentation every epoch shows the same images, so the collator runs once over e
 logits on its own training inputs are computed once and ride in the rows (`teacher_logits`, as
 `hf_distill.data.cache` stores them): the same numbers an online teacher gives, for a fraction of the CPU.
 
-- teacher: a CNN, transformers' `ResNetForImageClassification` (3 stages of basic blocks, 48/96/192 channels,
-  depths 1/2/2), trained once with cross-entropy (seed 0) and cached under benchmarks/runs/images_digits.
-- students: a small ViT (4 blocks, width 64, 4 heads, MLP 128, patch 4: 16 patches), from scratch, the same
+- teacher: a CNN, transformers' `ResNetForImageClassification` (3 stages of one basic block, 32/64/128 channels),
+  trained once with cross-entropy (seed 0) and cached under benchmarks/runs/images_digits.
+- students: a small ViT (3 blocks, width 48, 3 heads, MLP 96, patch 4: 16 patches), from scratch, the same
   rows, order, epochs, lr and schedule per seed:
   no KD (`DistillationTrainer` with kd_weight 0: cross-entropy); logit KD (0.5 CE + 0.5 T^2 KL, T = 2); DeiT's
   distillation token (the same ViT with a distillation token and head, transformers'
@@ -82,7 +82,7 @@ def student_config(distillation_token: bool):
 
     from hf_distill.students.distillation_token import deit_config
 
-    config = ViTConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128,
+    config = ViTConfig(hidden_size=48, num_hidden_layers=3, num_attention_heads=3, intermediate_size=96,
                        image_size=16, patch_size=4, num_channels=1, num_labels=10)
     return deit_config(config) if distillation_token else config
 
@@ -111,7 +111,7 @@ def teacher_model(train, test, t_proc, epochs: int, work: Path, log):
         return ResNetForImageClassification.from_pretrained(folder).eval(), json.loads((folder / "acc.json")
                                                                                         .read_text())["accuracy"]
     torch.manual_seed(0)
-    config = ResNetConfig(num_channels=1, embedding_size=32, hidden_sizes=[48, 96, 192], depths=[1, 2, 2],
+    config = ResNetConfig(num_channels=1, embedding_size=32, hidden_sizes=[32, 64, 128], depths=[1, 1, 1],
                           layer_type="basic", num_labels=10)
     model = ResNetForImageClassification(config)
     trainer = Trainer(model=model, args=TrainingArguments(**train_args(work / "teacher_run", 0, epochs)),
@@ -221,8 +221,8 @@ def verdict(rows: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--epochs", type=int, default=30)
-    parser.add_argument("--teacher-epochs", type=int, default=15)
+    parser.add_argument("--epochs", type=int, default=15)
+    parser.add_argument("--teacher-epochs", type=int, default=10)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rows", default=",".join(ROWS))
     a = parser.parse_args()

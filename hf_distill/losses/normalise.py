@@ -39,6 +39,9 @@ def _positions_shape(batch: dict[str, Any]) -> tuple[int, int] | None:
         value = batch.get(name)
         if isinstance(value, torch.Tensor) and value.dim() == 2:
             return value.shape[0], value.shape[1]
+    pixels = batch.get("pixel_values")  # images (issue #43): every row has the same positions, so a row counts one
+    if isinstance(pixels, torch.Tensor) and pixels.dim() == 4:
+        return pixels.shape[0], 1
     return None
 
 
