@@ -20,7 +20,7 @@ logits on its own training inputs are computed once and ride in the rows (`teach
   `DeiTForImageClassificationWithTeacher`: 0.5 CE on the class head + 0.5 KD on the distillation head, hard =
   cross-entropy against the teacher's argmax, soft = T^2 KL at T = 2); prediction = the two heads' average.
 - reported: test accuracy (mean and sample standard deviation over seeds 0, 1, 2), parameters, and the batch-1
-  CPU speed-up over the teacher (median over 200 test images of interleaved teacher/student forwards, each model
+  CPU speed-up over the teacher (median over 100 test images of interleaved teacher/student forwards, each model
   on its own input, 1 thread).
 
 Writes benchmarks/results/images_digits.{json,md} (`--quick`: benchmarks/.cache/quick/).
@@ -149,7 +149,7 @@ def run_row(row: str, seed: int, train, test, epochs: int, work: Path):
     return student.eval(), accuracy(trainer, test), time.time() - t0
 
 
-def speedup(teacher, student, raw_test, s_proc, t_proc, n: int = 200) -> float:
+def speedup(teacher, student, raw_test, s_proc, t_proc, n: int = 100) -> float:
     """Median over `n` test images of teacher time / student time, batch 1, interleaved, each on its own input."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -221,7 +221,7 @@ def verdict(rows: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--epochs", type=int, default=15)
+    parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--teacher-epochs", type=int, default=10)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rows", default=",".join(ROWS))
