@@ -300,5 +300,3 @@ for _model_type, _norm in (("bart", None), ("marian", None), ("mbart", "layer_no
         },
         **_BART,
     )
-
-from . import families_vision  # noqa: E402,F401  (ViT, DeiT, BEiT, Swin, ConvNeXt, ResNet: issue #43)
