@@ -2,6 +2,9 @@
 
     nice -n 19 python benchmarks/images_digits.py             # teacher (cached) + 4 rows x 3 seeds
     python benchmarks/images_digits.py --quick                # a smoke run (1 seed, 2 epochs) under benchmarks/.cache
+    for r in no_kd logit_kd token_hard token_soft; do        # or one process per row, then merge
+      nice -n 19 python benchmarks/images_digits.py --rows $r --part & done; wait
+    python benchmarks/images_digits.py --collect
 
 Data: the 1,797 real 8x8 digit images of `sklearn.datasets.load_digits`, a fixed stratified 70/30 split (1,257
 train, 540 test, `random_state=0`), kept as raw 8-bit grayscale PIL images. Each model has its own image processor
@@ -225,7 +228,25 @@ def main() -> None:
     parser.add_argument("--teacher-epochs", type=int, default=10)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument("--part", action="store_true",
+                        help="write only this run's rows under benchmarks/.cache/images_digits_parts (run rows in "
+                        "parallel processes), then `--collect`")
+    parser.add_argument("--collect", action="store_true", help="merge the parts into the results files")
     a = parser.parse_args()
+    parts = HERE / ".cache" / "images_digits_parts"
+    if a.collect:
+        found = [json.loads(p.read_text()) for p in sorted(parts.glob("*.json"))]
+        data = found[0]
+        sec = data["digits"]
+        sec["rows"] = {row: f["digits"]["rows"][row] for row in ROWS for f in found if row in f["digits"]["rows"]}
+        sec["meta"]["parts"] = [f["digits"]["meta"] for f in found]
+        sec["meta"]["seconds"] = max(f["digits"]["meta"]["seconds"] for f in found)
+        sec["verdict"] = verdict(sec["rows"]) if set(ROWS) <= set(sec["rows"]) else ""
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / "images_digits.json").write_text(json.dumps(data, indent=1) + "\n")
+        (RESULTS / "images_digits.md").write_text(report(data))
+        print(report(data))
+        return
     seeds = [int(s) for s in a.seeds.split(",")]
     epochs, t_epochs = a.epochs, a.teacher_epochs
     results, work = RESULTS, WORK
@@ -275,6 +296,10 @@ def main() -> None:
                        "rows": rows_out}}
     data["digits"]["verdict"] = verdict(rows_out) if set(ROWS) <= set(rows_out) else ""
     data = sections.portable_tree(data)
+    if a.part:
+        parts.mkdir(parents=True, exist_ok=True)
+        (parts / f"{a.rows.replace(',', '_')}.json").write_text(json.dumps(data, indent=1) + "\n")
+        return
     (results / "images_digits.json").write_text(json.dumps(data, indent=1) + "\n")
     (results / "images_digits.md").write_text(report(data))
     log(report(data))
