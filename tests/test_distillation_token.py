@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import args
 from transformers import (
     AutoModelForImageClassification,
     DeiTForImageClassificationWithTeacher,
@@ -14,7 +15,6 @@ from transformers import (
 
 from hf_distill import DistillationTrainer, losses
 from hf_distill.students import from_teacher, shrink
-from tests.helpers import args
 
 
 def vit_teacher(seed: int = 0, **kw) -> ViTForImageClassification:

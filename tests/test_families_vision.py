@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as T
+from helpers import args
 
 from hf_distill import DistillationTrainer
 from hf_distill.features import heads
@@ -13,7 +14,6 @@ from hf_distill.features.heads import Head, HeadKind
 from hf_distill.features.taps import FeatureTaps, TapRequest, attention_scores, model_info
 from hf_distill.students import from_teacher, prune_depth, shrink
 from hf_distill.students.width import prune_width
-from tests.helpers import args
 
 _VIT = dict(num_hidden_layers=2, num_attention_heads=2, intermediate_size=48, image_size=16, patch_size=4,
             num_channels=1, num_labels=3)

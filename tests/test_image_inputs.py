@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import args
 from hub_server import FakeHub, online
 from PIL import Image
 from transformers import (
@@ -21,7 +22,6 @@ from transformers import (
 
 from hf_distill import DistillationArguments, DistillationTrainer
 from hf_distill.data.image_inputs import ImageProcessorsCollator, TeacherImages, renormalise
-from tests.helpers import args
 
 SIZE = 16
 
