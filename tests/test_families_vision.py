@@ -90,6 +90,7 @@ def _collate(rows):
             "labels": torch.tensor([r["labels"] for r in rows])}
 
 
+@pytest.mark.slow
 def test_vit_student_trains_on_hidden_attention_and_relation_terms_with_a_projection(tmp_path):
     teacher = model("vit", hidden_size=32)
     student = model("vit", seed=1, hidden_size=16)
