@@ -224,7 +224,7 @@ def verdict(rows: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--teacher-epochs", type=int, default=10)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rows", default=",".join(ROWS))
@@ -239,8 +239,9 @@ def main() -> None:
         data = found[0]
         sec = data["digits"]
         sec["rows"] = {row: f["digits"]["rows"][row] for row in ROWS for f in found if row in f["digits"]["rows"]}
-        sec["meta"]["parts"] = [f["digits"]["meta"] for f in found]
-        sec["meta"]["seconds"] = max(f["digits"]["meta"]["seconds"] for f in found)
+        metas = [dict(f["digits"]["meta"]) for f in found]
+        sec["meta"] = {**metas[0], "parts": metas, "seconds": max(m["seconds"] for m in metas),
+                       "command": f"{len(metas)} parallel processes, e.g. {metas[0]['command']}"}
         sec["verdict"] = verdict(sec["rows"]) if set(ROWS) <= set(sec["rows"]) else ""
         RESULTS.mkdir(parents=True, exist_ok=True)
         (RESULTS / "images_digits.json").write_text(json.dumps(data, indent=1) + "\n")
