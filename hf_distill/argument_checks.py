@@ -140,6 +140,11 @@ def check_served_fields(args: Any) -> None:
     if args.teacher_protocol not in (None, "vllm", "sglang", "hf_distill"):
         raise ValueError(f"teacher_protocol={args.teacher_protocol!r}: use 'vllm', 'sglang' or 'hf_distill', or "
                          "leave it unset to detect it from the server.")
+def check_distillation_token(args: Any) -> None:
+    """DeiT's distillation head (hf_distill.kd_paths.distillation_token): hard or soft."""
+    if args.distillation_token not in ("hard", "soft"):
+        raise ValueError(f"DistillationArguments.distillation_token must be 'hard' or 'soft', got "
+                         f"{args.distillation_token!r}.")
 
 
 CHECKS: tuple[Callable[[Any], None], ...] = (
@@ -149,6 +154,7 @@ CHECKS: tuple[Callable[[Any], None], ...] = (
     validate_generation_arguments,  # hf_distill.base.generation_checks
     check_weights,
     check_served_fields,  # a teacher behind a URL (hf_distill.serving)
+    check_distillation_token,  # issue #43
 )
 """Every check of the distillation fields, in the order they run: each feature's checks live in its own module and
 are listed here once; a new feature adds its check to this list."""

@@ -320,6 +320,16 @@ class DistillationArguments(TrainingArguments):
     teacher_prefetch: bool = field(
         default=True, metadata={"help": "Served teacher: send the next optimizer step's requests while the current "
                                 "step computes (its completions generated on-policy are sent once generated)."})
+    distillation_token: str = field(
+        default="hard",
+        metadata={
+            "help": "A student with DeiT's class and distillation tokens (`cls_classifier` + "
+            "`distillation_classifier`, transformers' DeiTForImageClassificationWithTeacher): the task loss trains "
+            "the class head and the KD term the distillation head, against the teacher's argmax (`hard`, DeiT's "
+            "best) or its softened distribution (`soft`: kd_loss at temperature). Ignored for students without "
+            "both heads."
+        },
+    )
     eval_with_teacher: bool = field(
         default=False,
         metadata={

@@ -33,6 +33,7 @@ from transformers.utils import find_labels, logging
 from .arguments import DistillationArguments
 from .data.cache import cached_teacher_info
 from .data.collators import TEACHER_PREFIX
+from .data.image_inputs import TeacherImages
 from .data.teacher_columns import check_teacher_columns
 from .data.teacher_signal import check_teacher_signal
 from .features import heads as heads_mod
@@ -146,6 +147,10 @@ class Distiller:
             t if (i == 0 and self.shared_base) else self._place(t, student) for i, t in enumerate(teachers)
         ]
         self.teacher = self.teachers[0] if self.teachers else None
+        # An image student: the pixel_values its teacher reads (issue #43, hf_distill.data.image_inputs)
+        self.images = TeacherImages.for_run(unwrap(student), processing_class,
+                                            t_tokenizers[0] if t_tokenizers else None,
+                                            sources[0] if sources else None, n_teachers=len(teachers))
         self.intermediate: IntermediateDistiller | None = None
         if self.settings.terms:
             # Without a teacher, its shape (layers, width) comes from the hidden states cached in the dataset.
@@ -343,7 +348,10 @@ class Distiller:
         # Teacher first (its forward would evict the student's activations from the CPU caches, benchmarks/speed.py)
         teacher = None
         if distill:
-            teacher = self.teacher_side.outputs(path.teacher_inputs(inputs, cached), cached, path.request)
+            t_inputs = path.teacher_inputs(inputs, cached)
+            if self.images is not None:  # its own pixel_values, or the student's re-normalised its way
+                t_inputs = self.images.teacher_inputs(t_inputs, cached)
+            teacher = self.teacher_side.outputs(t_inputs, cached, path.request)
         s_out, s_feats, head = self._student_forward(model, student, inputs, distill, path,
                                                      want_task and not own_task and path.whole_logits)
         kd, task = path.loss(PathBatch(model, student.inner, s_out, head, teacher, inputs, cached, want_task,

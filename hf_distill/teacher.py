@@ -133,8 +133,11 @@ def validate_pair(
     cross = getattr(args, "cross_tokenizer", None)
     from .features.heads import head_kind
 
-    kind = head_kind(student)  # an audio (or image) student reads no token ids: no tokenizer to compare
-    reads_text = kind is None or kind.facts.processor == "AutoTokenizer"
+    # An audio or image student reads no token ids: no tokenizer to compare (their processors are compared by
+    # hf_distill.data.audio / hf_distill.data.image_inputs)
+    kind = head_kind(student)
+    reads_text = (kind is None or kind.facts.processor == "AutoTokenizer") and getattr(
+        unwrap(student), "main_input_name", "input_ids") == "input_ids"
     if not shares_parameters(student, teacher) and not cross and reads_text:  # self-distillation: one tokenizer
         t_tokenizer = _compare_tokenizers(tokenizer, teacher, teacher_tokenizer, source)
     if s_cfg is None or t_cfg is None:

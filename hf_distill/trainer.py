@@ -30,10 +30,12 @@ from .compat import num_items_in_batch as count_items
 from .data.audio import check_audio_inputs, teacher_own_inputs
 from .data.collators import TEACHER_PREFIX, KeepTeacherColumnsCollator, TeacherOutputsCollator
 from .data.cross_tokenizer import check_first_rows
+from .data.image_inputs import TeacherImages
 from .data.prompts import check_generation_data
 from .distiller import Distiller
 from .features import heads as heads_mod
 from .features.taps import unwrap
+from .kd_paths.distillation_token import has_distillation_token
 from .placement import check_engine, check_fsdp2_wrap
 from .serving.client import is_teacher_url
 from .task_loss import plain_task_loss
@@ -117,6 +119,15 @@ class DistillationMixin(ProjectionTraining):
             teachers = teacher_model if isinstance(teacher_model, list | tuple) else [teacher_model]
             check_generation_data(self.args, self._prompt_collator(), self.train_dataset, self.model,
                                   [t for t in teachers if t is not None and not is_teacher_url(t)])
+        if self.args.label_names is None and not self.label_names and has_distillation_token(unwrap(self.model)):
+            self.label_names = ["labels"]  # DeiT's two heads take no labels: the class head's task loss reads them
+        # an image teacher that needs its own processing of the raw images: refused before it loads (issue #43)
+        many = isinstance(teacher_model, list | tuple)
+        t_proc = teacher_processing_class
+        TeacherImages.for_run(unwrap(self.model), self.processing_class,
+                              t_proc[0] if isinstance(t_proc, list | tuple) and t_proc else t_proc,
+                              teacher_model[0] if many and teacher_model else teacher_model, self.data_collator,
+                              len(teacher_model) if many else 1)
         # cross_tokenizer's chat rows: read before the Distiller loads a teacher given by path
         check_first_rows(self.data_collator, self.train_dataset, self.eval_dataset)
         # audio: the teacher's own input_values need the raw clips at the student's rate (hf_distill.data.audio)
@@ -350,6 +361,8 @@ class DistillationMixin(ProjectionTraining):
             inputs = teacher_batch(inputs, self.args.cross_tokenizer, names)
         own = {k: v for k, v in inputs.items() if k.startswith(TEACHER_PREFIX)}  # its own input_values (data.audio)
         inputs = teacher_own_inputs({k: v for k, v in inputs.items() if k not in own}, own)
+        if self.distiller.images is not None:  # an image teacher reads its own pixel_values (issue #43)
+            inputs = self.distiller.images.teacher_inputs(inputs, own)
         inputs = prepare_inputs(self, inputs)
         has_labels = bool(names) and all(inputs.get(k) is not None for k in names)
         labels = nested_detach(tuple(inputs[k] for k in names)) if has_labels else None

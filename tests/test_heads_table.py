@@ -65,6 +65,9 @@ MODELS = {
                                     5),
     HeadKind.MASKED_LM: (lambda: BertForMaskedLM(bert_config(layers=1)), Head.TOKEN, None),
     HeadKind.MULTIPLE_CHOICE: (lambda: BertForMultipleChoice(bert_config(layers=1)), None, None),
+    HeadKind.IMAGE_CLASSIFICATION: (lambda: transformers.ViTForImageClassification(transformers.ViTConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16, image_size=8, patch_size=4,
+        num_labels=3)), Head.SEQUENCE, 3),  # issue #43
     HeadKind.BASE: (lambda: BertModel(bert_config(layers=1)), None, None),
     HeadKind.AUDIO_CLASSIFICATION: (lambda: audio_models.wav2vec2(layers=1), Head.SEQUENCE, 3),
 }

@@ -164,3 +164,13 @@ def test_a_micro_batch_without_counted_labels_adds_nothing(tmp_path):
     log = next(r for r in trainer.state.log_history if "loss" in r)
     assert log["loss_task"] == 0.0 and log["loss_kd"] > 0
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+@pytest.mark.parametrize("name, shape", [("pixel_values", (3, 3, 8, 8)), ("input_values", (3, 1600)),
+                                         ("input_values", (3, 64, 16)), ("input_features", (3, 80, 30))],
+                         ids=["image", "waveform", "ast-spectrogram", "whisper-features"])
+def test_a_batch_without_a_token_mask_counts_its_rows(name, shape):
+    """Images and unmasked audio: one unit per row for every term (zeros scaled their terms by 0 in train())."""
+    counts = dict(zip(COUNT_KINDS, batch_counts({name: torch.zeros(shape), "labels": torch.tensor([0, 1, 2])},
+                                                "labels", "all", causal=False).tolist(), strict=True))
+    assert counts["tokens"] == 3 and counts["kd"] == 3

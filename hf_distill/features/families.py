@@ -109,6 +109,15 @@ class Family:
     fixed_hidden: str | None = None
     layerdrop_field: str | None = None
     frames_from_samples: tuple[str, str] | None = None
+    # Vision families (issue #43, hf_distill.features.families_vision). `channels_first`: its hidden states are
+    # (B, C, H, W) feature maps (ConvNeXt, ResNet stages), compared as (B, H*W, C); stage widths and the pairs a
+    # hidden-state term may compare: families_vision.stage_width. `refuse_attention` / `refuse_pruning` /
+    # `refuse_width`: why Q/K/V terms, student building (from_teacher, shrink, prune_depth) or prune_width do not
+    # apply; empty: they do.
+    channels_first: bool = False
+    refuse_attention: str = ""
+    refuse_pruning: str = ""
+    refuse_width: str = ""
 
     def stack(self, name: str) -> Family | None:
         """The family of one stack of an encoder-decoder model (None when it has no such stack)."""

@@ -69,6 +69,7 @@ class HeadKind(enum.Enum):
     MASKED_LM = "masked-lm"
     MULTIPLE_CHOICE = "multiple-choice"
     AUDIO_CLASSIFICATION = "audio-classification"  # wav2vec2, HuBERT, AST heads (hf_distill.features.families_audio)
+    IMAGE_CLASSIFICATION = "image-classification"  # issue #43 (vision): ViT, DeiT, BEiT, Swin, ConvNeXt, ResNet
     BASE = "base"  # no head: hidden states (feature extraction)
 
     @property
@@ -127,6 +128,10 @@ HEADS: dict[HeadKind, HeadFacts] = {  # in the order kinds are tried: a class in
     HeadKind.AUDIO_CLASSIFICATION: HeadFacts(
         "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES", "AutoModelForAudioClassification", "AutoPeftModel",
         ("audio-classification",), Head.SEQUENCE, True, processor="AutoFeatureExtractor"),
+    # Images (issue #43): logits over config.num_labels, single- or multi-label by problem_type as text classifiers
+    HeadKind.IMAGE_CLASSIFICATION: HeadFacts(
+        "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "AutoModelForImageClassification", "AutoPeftModel",
+        ("image-classification",), Head.SEQUENCE, True, processor="AutoImageProcessor"),
     HeadKind.BASE: HeadFacts(
         "MODEL_MAPPING_NAMES", "AutoModel", "AutoPeftModel", ("feature-extraction",), None, False),
 }

@@ -23,6 +23,7 @@ from torch import nn
 from ..compat import compiled_inner
 from .families import REGISTER_HINT, Family, get_family
 from .families_audio import check_layerdrop
+from .families_vision import stage_width
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -123,7 +124,10 @@ def model_info(model: nn.Module, stack: str | None = None) -> ModelInfo:
         if blocks is not None:
             num_layers = len(blocks)
     hidden = getattr(config, "hidden_size", None)
+    if hidden is None and family is not None and family.channels_first and num_layers is not None:
+        hidden = stage_width(config, num_layers)  # a CNN's last stage (families_vision)
     heads = getattr(config, "num_attention_heads", None)
+    heads = heads if isinstance(heads, int) else None  # Swin: one count per stage (no attention terms there)
     kv_field = family.num_kv_heads_field if family is not None else None
     kv_heads = (getattr(config, kv_field, None) if kv_field else None) or heads
     dim_field = family.head_dim_field if family is not None else None
@@ -194,6 +198,7 @@ class FeatureTaps:
         self.info = model_info(model, stack)
         self._targets: list[tuple[nn.Module, str | tuple[str, ...], int]] = []
         self._split: tuple[int, int, int] | None = None
+        self._channels_first = False  # (B, C, H, W) feature maps, stored as (B, H*W, C)
         # Without a registered family, hidden states still come from `output_hidden_states`.
         self.use_hidden_states_output = False
         self._stacks = {name: FeatureTaps(model, sub, role, name) for name, sub in request.stacks.items() if sub}
@@ -210,6 +215,10 @@ class FeatureTaps:
                 )
             self.use_hidden_states_output = True
             return
+        if family.refuse_attention and (request.q or request.k or request.v):
+            raise ValueError(f"The {role} ({self.info.model_type}) has no attention or Q/K/V terms: "
+                             f"{family.refuse_attention} Use hidden-state terms (hidden_mse, hidden_cos).")
+        self._channels_first = family.channels_first
         base = getattr(unwrap(model), "base_model", unwrap(model))
         blocks = base.get_submodule(family.layers)
         for i in sorted(request.hidden):
@@ -291,8 +300,13 @@ class FeatureTaps:
             return store_slices
         store = getattr(feats, kind)
 
+        channels_first = self._channels_first and kind == "hidden"
+
         def hook(_m, _inp, out):
             out = out[0] if isinstance(out, tuple) else out
+            if channels_first and out.dim() == 4:  # a CNN stage's feature map: one position per pixel
+                store[i] = out.flatten(2).transpose(1, 2)
+                return
             # per-head modules (Qwen3's q_norm/k_norm) return (B, T, heads, head_dim)
             store[i] = out.flatten(2) if kind != "hidden" and out.dim() == 4 else out
 

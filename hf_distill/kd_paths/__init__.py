@@ -6,6 +6,7 @@
 | loss head | :class:`LossHead` | causal LMs in training: KD and CE from hidden states, no `(B, T, V)` logits |
 | sparse head | :class:`SparseHead` | the loss head against an offline top-k + tail teacher signal |
 | cross-tokenizer | :class:`CrossTokenizer` | `cross_tokenizer`: a teacher with another tokenizer |
+| distillation token | :class:`DistillationToken` | a DeiT student's two heads (class and distillation token) |
 
 Each path owns what it asks of the teacher (`request`, `teacher_inputs`) and of the student (`whole_logits`,
 `student_kwargs`), its refusals (`applies`, `bind`; the loss head's that need no model: :func:`chunk_size`, before
@@ -22,6 +23,7 @@ from torch import nn
 
 from .base import PATHS, KDPath, PaddingCheck, PathBatch, PathContext, register_path, shift
 from .cross_tokenizer import CrossTokenizer
+from .distillation_token import DistillationToken
 from .loss_head import LossHead, SparseHead, chunk_size
 from .whole_logits import WholeLogits
 
@@ -62,5 +64,6 @@ class KDPaths:
                 yield cls(self.context)
 
 
-__all__ = ["PATHS", "CrossTokenizer", "KDPath", "KDPaths", "LossHead", "PaddingCheck", "PathBatch", "PathContext",
+__all__ = ["PATHS", "CrossTokenizer", "DistillationToken",
+           "KDPath", "KDPaths", "LossHead", "PaddingCheck", "PathBatch", "PathContext",
            "SparseHead", "WholeLogits", "chunk_size", "register_path", "shift"]

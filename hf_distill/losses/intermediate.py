@@ -33,6 +33,7 @@ from torch import nn
 
 from ..base.batch_keys import TEACHER_PREFIX
 from ..features import layer_map
+from ..features.families_vision import STAGE_MODELS, check_stage_pairs
 from ..features.projections import Projections
 from ..features.taps import (
     Features,
@@ -83,7 +84,21 @@ class IntermediateDistiller:
             if term.loss == "incremental_mse":
                 check_incremental_pairs(pairs, what)
                 pairs = sorted(pairs, key=lambda p: p[1])  # by teacher layer: each target needs the next one up
-            if feature in ("hidden", "cls"):
+            for info, role in ((s, "student"), (t, "teacher")):  # issue #43: Swin's windows, CNNs
+                if feature not in ("hidden", "cls") and info.family is not None and info.family.refuse_attention:
+                    raise ValueError(f"{what}: the {role} ({info.model_type}) has no attention or Q/K/V terms: "
+                                     f"{info.family.refuse_attention} Use hidden-state terms (hidden_mse, hidden_cos).")
+            stages = s.model_type in STAGE_MODELS or t.model_type in STAGE_MODELS  # issue #43: vision stage models
+            if feature in ("hidden", "cls") and stages:
+                if feature == "cls":
+                    raise ValueError(f"{what}: a stage model ({s.model_type} / {t.model_type}) has no [CLS] position; "
+                                     "use hidden_mse or hidden_cos on its stage features.")
+                t_config = None if isinstance(teacher, ModelInfo) else getattr(unwrap(teacher), "config", None)
+                check_stage_pairs(getattr(unwrap(student), "config", None), t_config, pairs, what)
+                for ls, lt in pairs:
+                    s_req.hidden.add(ls)
+                    t_req.hidden.add(lt)
+            elif feature in ("hidden", "cls"):
                 if s.hidden_size != t.hidden_size:
                     if projection == "none":
                         raise ValueError(

@@ -39,6 +39,12 @@ def _positions_shape(batch: dict[str, Any]) -> tuple[int, int] | None:
         value = batch.get(name)
         if isinstance(value, torch.Tensor) and value.dim() == 2:
             return value.shape[0], value.shape[1]
+    # images, and audio without a mask (a wav2vec2 extractor with return_attention_mask=False; AST's spectrograms;
+    # issue #43): every row has the same positions, so a row counts one (else every term was scaled by 0)
+    for name, dims in (("pixel_values", (4,)), ("input_values", (2, 3)), ("input_features", (3,))):
+        value = batch.get(name)
+        if isinstance(value, torch.Tensor) and value.dim() in dims:
+            return value.shape[0], 1
     return None
 
 

@@ -47,6 +47,8 @@ METHODS = {  # tag -> (what the card calls it, BibTeX keys)
 }
 _SEQ2SEQ_TASKS = HEADS[HeadKind.SEQ2SEQ_LM].tasks  # no pipeline in transformers 5: the card shows `generate`
 # Token-level heads: the card says which of their tokens the logit loss covered (`kd_token_mask`).
+_IMAGE_TASKS = HEADS[HeadKind.IMAGE_CLASSIFICATION].tasks
+IMAGE_WIDGET = "https://huggingface.co/datasets/mishig/sample_images/resolve/main/tiger.jpg"  # the Hub's own sample
 _TOKEN_TASKS = tuple(task for facts in HEADS.values() if facts.token_level for task in facts.tasks)
 # transformers indexes results only for the tasks of its own name table: the card's copy of its `create_model_index`
 # reads that table extended with the student tasks it lacks (transformers' own table is left as it is).
@@ -154,6 +156,8 @@ class DistillationSummary(TrainingSummary):
             del meta["model-index"]
         if self.report.adapter:
             meta["library_name"] = "peft"
+        if self.tasks in _IMAGE_TASKS:  # the Hub's image widget needs an image to classify (issue #43)
+            meta["widget"] = [{"src": IMAGE_WIDGET, "example_title": "Tiger"}]
         return {"pipeline_tag": self.tasks, **meta} if self.tasks else meta
 
     def to_model_card(self) -> str:
@@ -466,6 +470,11 @@ def _usage(r: DistillationReport) -> str:
     if r.adapter:
         peft = kind.facts.peft_class if kind is not None else "AutoPeftModel"
         code = f'from peft import {peft}\n\nmodel = {peft}.from_pretrained("{repo}")  # base + adapters'
+    elif r.pipeline_tag in _IMAGE_TASKS:  # an image processor, not a tokenizer (issue #43)
+        code = (f'from transformers import {auto}, AutoImageProcessor, pipeline\n\n'
+                f'model = {auto}.from_pretrained("{repo}")\n'
+                f'image_processor = AutoImageProcessor.from_pretrained("{repo}")\n\n# or\n'
+                f'pipe = pipeline("{r.pipeline_tag}", model="{repo}")\nprint(pipe("{IMAGE_WIDGET}"))')
     else:
         processor = kind.facts.processor if kind is not None else "AutoTokenizer"
         name = "tokenizer" if processor == "AutoTokenizer" else "feature_extractor"

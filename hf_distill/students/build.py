@@ -70,6 +70,9 @@ def get_family(config: PreTrainedConfig) -> Family:
             "dotted path of the encoder-layer nn.ModuleList relative to model.base_model "
             "(e.g. 'encoder.layer' for BERT-like models)."
         )
+    if family.refuse_pruning:  # issue #43: stage-wise vision models
+        raise ValueError(f"hf_distill.students cannot build a student of {model_type!r} from its teacher's blocks: "
+                         f"{family.refuse_pruning}")
     return family
 
 
@@ -145,6 +148,7 @@ def from_teacher(
     *,
     encoder_layers: Sequence[int] | None = None,
     decoder_layers: Sequence[int] | None = None,
+    distillation_token: bool = False,
 ) -> PreTrainedModel:
     """Student of the teacher's class keeping only the blocks ``layers`` (0-based, strictly increasing): encoder
     layers, or decoder layers of a causal LM (its final norm, rotary embedding and ``lm_head`` are kept, tied to
@@ -154,6 +158,9 @@ def from_teacher(
     Encoder-decoder teachers take ``encoder_layers`` and/or ``decoder_layers`` instead of ``layers`` (a stack not
     named keeps all its blocks; DistilBART keeps the encoder and alternating decoder layers). A student that can
     generate gets a copy of the teacher's generation config, so it generates with the same settings.
+
+    ``distillation_token=True`` (a ViT or DeiT teacher): a transformers ``DeiTForImageClassificationWithTeacher`` with
+    the kept blocks, both heads copied from the teacher's classifier (hf_distill.students.distillation_token).
 
     The student is built fresh from the reduced config, exactly as ``from_pretrained`` would build it (so
     per-layer state such as ``layer_idx`` is renumbered and tied weights are tied), then filled from the
@@ -167,6 +174,12 @@ def from_teacher(
                                                                    decoder_layers=decoder_layers))
     if not isinstance(teacher, PreTrainedModel):
         raise TypeError(f"teacher must be a transformers PreTrainedModel, got {type(teacher).__name__}.")
+    if distillation_token:  # issue #43: a DeiT student with class and distillation heads (students.distillation_token)
+        from .distillation_token import token_student_from_teacher
+
+        if layers is None:
+            raise TypeError("from_teacher(..., distillation_token=True) needs layers=[...]: the blocks it keeps.")
+        return token_student_from_teacher(teacher, layers)
     _reject_heterogeneous(teacher.config)
     family = get_family(teacher.config)
     if family.stacks:
@@ -302,6 +315,7 @@ def shrink(
     num_key_value_heads: int | None = None,
     model_class: Any = None,
     seed: int | None = None,
+    distillation_token: bool = False,
     **config_overrides: Any,
 ) -> PreTrainedModel:
     """Randomly initialised, smaller model of the teacher's family, head and label space.
@@ -317,6 +331,9 @@ def shrink(
     ``head_dim`` follows ``hidden_size // num_attention_heads`` unless the teacher set it apart from its own
     ratio (Gemma), in which case the teacher's value is kept (override it with ``head_dim=...``). A SentenceTransformer
     teacher gives a SentenceTransformer student (its modules copied, Pooling following ``hidden_size``).
+
+    ``distillation_token=True`` (a ViT or DeiT teacher): a random transformers ``DeiTForImageClassificationWithTeacher``
+    of the teacher's image and label space, trained by ``distillation_token`` (hf_distill.students.distillation_token).
     """
     if sentence.is_sentence_transformer(teacher_or_config):  # Pooling follows hidden_size; Normalize kept
         return sentence.rebuild(teacher_or_config, lambda auto: shrink(
@@ -333,6 +350,12 @@ def shrink(
             "teacher_or_config must be a transformers PreTrainedModel or PreTrainedConfig, "
             f"got {type(teacher_or_config).__name__}."
         )
+    if distillation_token:  # issue #43: a DeiT student with class and distillation heads (students.distillation_token)
+        from .distillation_token import token_student_shrink
+
+        return token_student_shrink(teacher_config, seed, num_hidden_layers=num_layers, hidden_size=hidden_size,
+                                    num_attention_heads=num_attention_heads, intermediate_size=intermediate_size,
+                                    **config_overrides)
     _reject_heterogeneous(teacher_config)
     family = get_family(teacher_config)
 
@@ -387,6 +410,9 @@ def shrink(
             )
 
     values = teacher_config.to_dict()
+    if "stage_names" in values:  # a backbone config (BEiT): its stages follow the depth, picked again by the config
+        for key in ("stage_names", "out_features", "out_indices"):
+            values.pop(key)
     # Encoder-decoder models: every stack gets the depth and sizes (fields may differ: BART's encoder_*/decoder_*).
     for _, stack in family.stacks:
         values.update({stack.num_layers_field: num_layers, stack.num_heads_field: num_attention_heads,

@@ -115,6 +115,8 @@ def _width_family(model: PreTrainedModel) -> Family:
             "model. Drop its blocks with students.from_teacher(teacher, decoder_layers=[...]) or build a narrower "
             "one with students.shrink."
         )
+    if family.refuse_width:
+        raise ValueError(f"prune_width does not prune {model_type!r}: {family.refuse_width}")
     if family.attention_size_field:
         raise ValueError(
             f"prune_width does not prune {model_type!r}: its attention runs at a bottleneck width "
