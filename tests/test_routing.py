@@ -1,0 +1,117 @@
+"""Routing per row (hf_distill.routing, issue #42 item 6): each row distilled from the named teacher its `teacher_id`
+column names (local models and a served one, mixed), the KD loss a mean over all counted tokens, a teacher asked only
+for its rows, one teacher bitwise the single-teacher path, per-teacher losses, the card's line, the refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import VOCAB, args, flat_params, labelled_collate, llama, sft_rows, word_tokenizer
+from served_fakes import fake_vllm
+
+from hf_distill import DistillationTrainer
+from hf_distill.distiller import Distiller
+from hf_distill.losses.normalise import COUNT_KINDS
+from hf_distill.publish.card import model_card
+from hf_distill.publish.report import DistillationReport
+from hf_distill.serving.server import ServerThread
+
+K = 8
+RUN = dict(kd_loss="kl", temperature=1.0, kd_weight=1.0, task_weight=0.0)
+SERVED = dict(teacher_top_k=K, teacher_retries=1, teacher_backoff=0.0, teacher_timeout=5.0)
+
+
+def _tok():
+    return word_tokenizer([f"w{i}" for i in range(VOCAB - 2)])
+
+
+@pytest.fixture
+def served():
+    log, running = [], []
+    running.append(ServerThread(fake_vllm(llama(2), _tok(), log=log)))
+    yield running[0].url, log
+    running[0].stop()
+
+
+def _rows(ids: list[str]):
+    return sft_rows(len(ids)).add_column("teacher_id", ids)
+
+
+def test_each_row_is_distilled_from_its_own_teacher(tmp_path, served):
+    """A local and a served teacher in one batch: the loss is the mean over all counted tokens of each row's KD
+    against its own teacher (the two single-teacher losses weighted by their token counts); the server is asked for
+    its rows only; each teacher's KD is tracked."""
+    url, log = served
+    student, local = llama(0).train(), llama(1)
+    ids = ["local", "big", "local", "big"]
+    data = _rows(ids)
+    distiller = Distiller(student, args(tmp_path, **RUN, **SERVED), {"local": local, "big": url},
+                          processing_class=_tok(), train_dataset=data)
+    batch = labelled_collate([data[i] for i in range(4)])
+    log.clear()
+    got = distiller.compute_loss(student, {**batch, "teacher_id": ids})
+    asked = [len(body["prompt"]) if isinstance(body["prompt"], list) else 1 for kind, _, body in log]
+    assert sum(asked) == 2  # rows 1 and 3 only
+    parts, counts = [], []
+    for rows, teacher, run in (([0, 2], local, args(tmp_path, **RUN)), ([1, 3], url, args(tmp_path, **RUN, **SERVED))):
+        sub = {k: v[rows] for k, v in batch.items()}
+        alone = Distiller(student, run, teacher, processing_class=_tok())
+        parts.append(alone.compute_loss(student, dict(sub)))
+        counts.append(float(alone._counts(sub)[COUNT_KINDS.index("kd")]))
+    want = sum(p * c for p, c in zip(parts, counts, strict=True)) / sum(counts)
+    assert got.item() == pytest.approx(want.item(), rel=1e-5)
+    means = distiller.tracker.pop_means()
+    assert means["kd/local"] == pytest.approx(parts[0].item(), rel=1e-5)
+    assert means["kd/big"] == pytest.approx(parts[1].item(), rel=1e-5)
+    assert dict(distiller.router.rows) == {"local": 2, "big": 2}
+
+
+def _train(tmp_path, name, teacher, data, log=None, **kw):
+    run = args(tmp_path / name, **RUN, per_device_train_batch_size=4, max_steps=3, **kw)
+    trainer = DistillationTrainer(model=llama(0), teacher_model=teacher, args=run, train_dataset=data,
+                                  data_collator=labelled_collate, processing_class=_tok())
+    if log is not None:
+        log.clear()  # the set-up's probe requests
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return trainer, torch.tensor(losses), flat_params(trainer.model)
+
+
+def test_one_teacher_is_bitwise_the_single_teacher_path(tmp_path, served):
+    """Every row routed to one of two named teachers, and a dict of one: the losses and weights of the plain run."""
+    url, log = served
+    data = sft_rows(12)
+    _, base_losses, base_weights = _train(tmp_path, "plain", llama(1), data)
+    routed = data.add_column("teacher_id", ["a"] * 12)
+    trainer, losses, weights = _train(tmp_path, "two", {"a": llama(1), "b": url}, routed, log, **SERVED)
+    assert torch.equal(losses, base_losses) and torch.equal(weights, base_weights)
+    assert not [e for e in log if e[0] == "completions"]  # the server was never asked: no row went to it
+    _, losses, weights = _train(tmp_path, "one", {"a": llama(1)}, routed)
+    assert torch.equal(losses, base_losses) and torch.equal(weights, base_weights)
+    report = DistillationReport.from_trainer(trainer)
+    assert report.routing["a"]["rows"] == 12 and report.routing["b"] == {"teacher": "fake/teacher (served)", "rows": 0}
+    assert "`a` = " in model_card(report) and "`b` = fake/teacher (served) (0 rows)" in model_card(report)
+
+
+@pytest.mark.parametrize("case, words", [
+    ("unknown", r"column names \['c'\], which teacher_model does not \(a, b\)"),
+    ("column without names", "has a 'teacher_id' column but teacher_model names no teachers"),
+    ("names without column", "has no 'teacher_id' column"),
+    ("multi_teacher", "multi_teacher with teachers routed per row"),
+    ("distill_terms", "distill_terms with teachers routed per row"),
+])
+def test_what_routing_cannot_honour_is_refused_before_training(tmp_path, case, words):
+    data, teacher, kw = _rows(["a", "b"]), {"a": llama(1), "b": llama(2)}, {}
+    if case == "unknown":
+        data = _rows(["a", "c"])
+    if case == "column without names":
+        teacher = llama(1)
+    if case == "names without column":
+        data = sft_rows(2)
+    if case == "multi_teacher":
+        kw = dict(multi_teacher="losses")
+    if case == "distill_terms":
+        kw = dict(distill_terms=["loss=hidden_mse,layers=uniform"])
+    with pytest.raises(ValueError, match=words) as err:
+        Distiller(llama(0), args(tmp_path, **RUN, **kw), teacher, processing_class=_tok(), train_dataset=data)
+    assert "\n" not in str(err.value)
