@@ -18,7 +18,8 @@ PROMPT_KEYS = (PROMPT_IDS, PROMPT_MASK)
 """The batch keys of the left-padded prompts (hf_distill.data.prompts.PromptCompletionCollator): generation reads
 them, the loss never passes them to a model."""
 
-__all__ = ["PROMPT_IDS", "ROUTE_COLUMN", "PROMPT_KEYS", "PROMPT_MASK", "SIGNAL_PREFIX", "TEACHER_PREFIX", "require_tensors"]
+__all__ = ["PROMPT_IDS", "PROMPT_KEYS", "PROMPT_MASK", "ROUTE_COLUMN", "SIGNAL_PREFIX", "TEACHER_PREFIX",
+           "require_tensors"]
 
 
 def require_tensors(batch: dict[str, Any], keys: tuple[str, ...], needs: str, fix: str) -> None:
