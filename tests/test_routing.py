@@ -64,10 +64,12 @@ def test_each_row_is_distilled_from_its_own_teacher(tmp_path, served):
     assert means["kd/local"] == pytest.approx(parts[0].item(), rel=1e-5)
     assert means["kd/big"] == pytest.approx(parts[1].item(), rel=1e-5)
     assert dict(distiller.router.rows) == {"local": 2, "big": 2}
+    distiller.start_step([{**batch, "teacher_id": ids}])  # one optimizer step: each part its share of the step mean
+    assert distiller.compute_loss(student, {**batch, "teacher_id": ids}).item() == pytest.approx(want.item(), rel=1e-5)
 
 
 def _train(tmp_path, name, teacher, data, log=None, **kw):
-    run = args(tmp_path / name, **RUN, per_device_train_batch_size=4, max_steps=3, **kw)
+    run = args(tmp_path / name, **{**RUN, "per_device_train_batch_size": 4, "max_steps": 3, **kw})
     trainer = DistillationTrainer(model=llama(0), teacher_model=teacher, args=run, train_dataset=data,
                                   data_collator=labelled_collate, processing_class=_tok())
     if log is not None:
@@ -115,3 +117,44 @@ def test_what_routing_cannot_honour_is_refused_before_training(tmp_path, case, w
     with pytest.raises(ValueError, match=words) as err:
         Distiller(llama(0), args(tmp_path, **RUN, **kw), teacher, processing_class=_tok(), train_dataset=data)
     assert "\n" not in str(err.value)
+
+
+def test_a_mixed_run_asks_each_teacher_for_its_rows_and_logs_each_loss(tmp_path, served):
+    """Through the Trainer (gradient accumulation, the served teacher's prefetch): the server scores the rows routed
+    to it and no other; both teachers' KD losses are logged; the rows are counted per teacher."""
+    url, log = served
+    ids = ["big", "local", "local", "big", "local", "big", "big", "local"] * 2
+    data = _rows(ids)
+    trainer, losses, _ = _train(tmp_path, "mixed", {"local": llama(1), "big": url}, data, log,
+                                gradient_accumulation_steps=2, per_device_train_batch_size=2, **SERVED)
+    assert torch.isfinite(losses).all() and len(losses) == 3
+    asked = {tuple(p) for kind, _, body in log if kind == "completions" for p in body["prompt"]}
+    rows = {tuple(r["input_ids"]): i for r, i in zip(data, ids, strict=True)}
+    assert asked and {rows[p] for p in asked} == {"big"}  # only rows routed to the server were sent
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert all(any(k.startswith("loss_kd/") for k in h) for h in logged)  # each logged step: its teachers' KD
+    assert {"loss_kd/local", "loss_kd/big"} <= {k for h in logged for k in h}
+    assert sum(trainer.distiller.router.rows.values()) == 12 and trainer.distiller.router.rows["big"] > 0
+
+
+def test_eval_with_teacher_splits_the_batch_and_keeps_row_order(tmp_path):
+    """Evaluation with eval_with_teacher: each group's loss by its share of the KD-counted tokens, the predictions
+    put back in the batch's row order."""
+    student, a, b = llama(0).eval(), llama(1), llama(2)
+    ids = ["b", "a", "b"]
+    data = _rows(ids)
+    run = args(tmp_path, **RUN, eval_with_teacher=True)
+    distiller = Distiller(student, run, {"a": a, "b": b}, processing_class=_tok(), train_dataset=data)
+    batch = labelled_collate([data[i] for i in range(3)])
+    loss, out = distiller.compute_loss(student, {**batch, "teacher_id": ids}, return_outputs=True)
+    with torch.no_grad():
+        whole = student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    torch.testing.assert_close(out["logits"], whole)
+    parts, counts = [], []
+    for rows, teacher in (([1], a), ([0, 2], b)):
+        sub = {k: v[rows] for k, v in batch.items()}
+        alone = Distiller(student, args(tmp_path, **RUN, eval_with_teacher=True), teacher, processing_class=_tok())
+        parts.append(alone.compute_loss(student, dict(sub)))
+        counts.append(float(alone._counts(sub)[COUNT_KINDS.index("kd")]))
+    want = sum(p.item() * c for p, c in zip(parts, counts, strict=True)) / sum(counts)
+    assert loss.item() == pytest.approx(want, rel=1e-5)
