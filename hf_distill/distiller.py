@@ -81,7 +81,9 @@ class Distiller:
         args: `DistillationArguments`, validated once; the loss reads the run's `settings` built from them
             (hf_distill.settings: what schedules and stages change while training).
         teacher_model: as `DistillationTrainer`'s: a model, a folder or Hub id, a list of them, the student itself
-            (a PEFT model: self-distillation with adapters off), or None when the rows carry cached teacher outputs.
+            (a PEFT model: self-distillation with adapters off), a URL (hf_distill.serving), a dict of named teachers
+            (each row distilled from the one its `teacher_id` column names, hf_distill.routing), or None when the rows
+            carry cached teacher outputs.
         processing_class: the student's tokenizer, to compare vocabularies.
         teacher_processing_class: the teacher's tokenizer (or one per teacher).
         train_dataset: checked for cached teacher columns (and read for the cached teacher's shape when no
@@ -98,7 +100,7 @@ class Distiller:
         self,
         student: nn.Module,
         args: DistillationArguments,
-        teacher_model: nn.Module | str | list[nn.Module | str] | None = None,
+        teacher_model: nn.Module | str | list[nn.Module | str] | dict[str, nn.Module | str] | None = None,
         *,
         processing_class: Any = None,
         teacher_processing_class: Any = None,
@@ -267,7 +269,9 @@ class Distiller:
         return teacher if teacher_input_device(teacher) is not None else teacher.to(_device(student, None))
 
     def check_dataset(self, dataset: Any, which: str = "train") -> None:
-        """Refuse cached teacher columns the run cannot use (hf_distill.data.teacher_columns)."""
+        """Refuse cached teacher columns the run cannot use (hf_distill.data.teacher_columns), and a `teacher_id`
+        column that does not fit the named teachers (hf_distill.routing)."""
+        routing.check_routing(self.router.names if self.router is not None else None, self.args, dataset, which)
         teacher = self.teacher if self.teacher is not None else next(iter(self.served.values()), None)
         check_teacher_columns(dataset, which, head=self._head, teacher=teacher, kd_weight=self.settings.kd_weight,
                               kd_loss=self.settings.kd_loss, num_labels=self._student_shape[2],

@@ -45,12 +45,14 @@ def check_routing(names: list[str] | None, args: Any, dataset: Any, which: str =
             raise ValueError(f"The {which} dataset has a {ROUTE_COLUMN!r} column but teacher_model names no teachers: "
                              "give teacher_model={name: model or URL, ...} to route rows, or drop the column.")
         return
-    if dataset is None:
+    import datasets
+
+    if not isinstance(dataset, datasets.Dataset):  # streamed or plain rows: each batch is checked (Router.index)
         return
-    if ROUTE_COLUMN not in columns:
+    if ROUTE_COLUMN not in columns and (which == "train" or args.eval_with_teacher):
         raise ValueError(f"teacher_model names teachers ({', '.join(names)}) but the {which} dataset has no "
                          f"{ROUTE_COLUMN!r} column saying which one each row is distilled from: add it.")
-    unknown = sorted({str(v) for v in dataset[ROUTE_COLUMN]} - set(names))
+    unknown = sorted({str(v) for v in dataset[ROUTE_COLUMN]} - set(names)) if ROUTE_COLUMN in columns else []
     if unknown:
         raise ValueError(f"The {which} dataset's {ROUTE_COLUMN!r} column names {unknown[:5]}, which teacher_model "
                          f"does not ({', '.join(names)}): fix the column or add those teachers.")
@@ -115,6 +117,10 @@ class Router:
 
     def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool, num_items_in_batch: Any):
         d = self.distiller
+        distill = model.training or d.args.eval_with_teacher
+        if ROUTE_COLUMN not in inputs and not distill:  # evaluation without the teacher: no row needs one
+            with self.use(0, model):
+                return d.compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if ROUTE_COLUMN not in inputs:
             raise ValueError(f"teacher_model names teachers ({', '.join(self.names)}) but this batch has no "
                              f"{ROUTE_COLUMN!r}: keep the column in the rows (and through the collator).")
@@ -125,7 +131,6 @@ class Router:
         if model.training:
             for place, rows in groups.items():
                 self.rows[self.names[place]] += len(rows)
-        distill = model.training or d.args.eval_with_teacher
         if len(groups) == 1 or not distill:  # one teacher (or none running): its single-teacher loss, unchanged
             place = next(iter(groups))
             with self.use(place, model):

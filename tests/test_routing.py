@@ -79,6 +79,7 @@ def _train(tmp_path, name, teacher, data, log=None, **kw):
     return trainer, torch.tensor(losses), flat_params(trainer.model)
 
 
+@pytest.mark.slow
 def test_one_teacher_is_bitwise_the_single_teacher_path(tmp_path, served):
     """Every row routed to one of two named teachers, and a dict of one: the losses and weights of the plain run."""
     url, log = served
