@@ -75,12 +75,14 @@ def check_routing(names: list[str] | None, args: Any, dataset: Any, which: str =
 
 class Router:
     """The teachers of a Distiller by name: per teacher its own teacher side and KD paths (as a single-teacher
-    Distiller builds them), the rows routed to each while training, and each one's KD loss logged as `kd/<name>`."""
+    Distiller builds them), the rows routed to each while training, and each one's KD loss (:meth:`log_values`)."""
 
     def __init__(self, distiller: Any, names: list[str], sides: list[Any], paths: list[Any]) -> None:
         self.distiller, self.names, self.sides, self.paths = distiller, names, sides, paths
         self.rows = collections.Counter({name: 0 for name in names})
         self.active = False
+        # each teacher's KD since the last log: the sum of its sub-batch means times their counted tokens, the tokens
+        self._kd = torch.zeros(2, len(names), dtype=torch.float64)
 
     def index(self, ids: Any) -> list[int]:
         """Each row's teacher, by its place in `names`; an id naming no teacher is refused."""
@@ -135,7 +137,7 @@ class Router:
             place = next(iter(groups))
             with self.use(place, model):
                 out = d.compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            self._log(place, model)
+            self._log(place, model, inputs)
             return out
         return self._split(model, inputs, groups, return_outputs, num_items_in_batch)
 
@@ -156,9 +158,10 @@ class Router:
         for n, (place, rows) in enumerate(groups.items()):
             if model.training:
                 d._step._left += 1  # each sub-batch is a share of this micro-batch's (already taken) step mean
+            sub = _rows(inputs, rows)
             with self.use(place, model):
-                got = d.compute_loss(model, _rows(inputs, rows), return_outputs, num_items_in_batch)
-            self._log(place, model)
+                got = d.compute_loss(model, sub, return_outputs, num_items_in_batch)
+            self._log(place, model, sub)
             loss = got[0] if return_outputs else got
             loss = loss * share[n] if share is not None else loss
             total = loss if total is None else total + loss
@@ -172,10 +175,28 @@ class Router:
                   if isinstance(outs[0][k], torch.Tensor)}
         return total, merged
 
-    def _log(self, place: int, model: Any) -> None:
+    def _log(self, place: int, model: Any, inputs: dict[str, Any]) -> None:
         kd = getattr(self.distiller, "last_kd", None)
         if model.training and kd is not None:
-            self.distiller.tracker.add({f"kd/{self.names[place]}": kd})
+            from .losses.normalise import COUNT_KINDS
+
+            tokens = float(self.distiller._counts(inputs)[COUNT_KINDS.index("kd")]) or 1.0  # sequence level: a row
+            self._kd[:, place] += torch.tensor([float(kd) * tokens, tokens], dtype=torch.float64)
+
+    def reset(self) -> None:
+        """Forget the rows counted and the KD logged so far (a training starts: hand calls before it are not its)."""
+        self.rows = collections.Counter({name: 0 for name in self.names})
+        self._kd = torch.zeros_like(self._kd)
+
+    def log_values(self, accelerator: Any = None) -> dict[str, float]:
+        """`loss_kd/<name>`: each teacher's KD mean over the tokens routed to it since the last call (summed over
+        processes, every process calling: one fixed-size reduce); teachers that saw no row are left out."""
+        sums = self._kd
+        if accelerator is not None and accelerator.num_processes > 1:
+            sums = accelerator.reduce(sums.to(accelerator.device), "sum").cpu()
+        self._kd = torch.zeros_like(self._kd)
+        return {f"loss_kd/{name}": float(sums[0, i] / sums[1, i]) for i, name in enumerate(self.names)
+                if sums[1, i] > 0}
 
     def describe(self) -> dict[str, dict[str, Any]]:
         """Every teacher's name, what it is (a model's name or folder, a server's model name) and its rows."""

@@ -221,6 +221,8 @@ class DistillationMixin(ProjectionTraining):
         self.distiller.tracker.reset()
         if self.distiller.pairing is not None:
             self.distiller.pairing.reset()
+        if self.distiller.router is not None:  # rows routed per teacher: this training's
+            self.distiller.router.reset()
         try:
             with self._projections_attached():
                 return super().train(*args, **kwargs)
@@ -236,6 +238,8 @@ class DistillationMixin(ProjectionTraining):
         if "loss" in logs and self.distiller.tracker:
             for name, value in self.distiller.tracker.pop_means(self.accelerator).items():
                 logs[f"loss_{name}"] = value
+        if "loss" in logs and self.distiller.router is not None:  # teachers routed per row: loss_kd/<name>
+            logs.update(self.distiller.router.log_values(self.accelerator))
         if "loss" in logs and self.distiller.pairing is not None:  # cross_tokenizer: xtok_paired_share
             logs.update(self.distiller.pairing.log_values(self.accelerator))
         if "loss" in logs and self.distiller.on_policy is not None:  # generated_tokens(_per_second)

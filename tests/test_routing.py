@@ -60,9 +60,9 @@ def test_each_row_is_distilled_from_its_own_teacher(tmp_path, served):
         counts.append(float(alone._counts(sub)[COUNT_KINDS.index("kd")]))
     want = sum(p * c for p, c in zip(parts, counts, strict=True)) / sum(counts)
     assert got.item() == pytest.approx(want.item(), rel=1e-5)
-    means = distiller.tracker.pop_means()
-    assert means["kd/local"] == pytest.approx(parts[0].item(), rel=1e-5)
-    assert means["kd/big"] == pytest.approx(parts[1].item(), rel=1e-5)
+    means = distiller.router.log_values()
+    assert means["loss_kd/local"] == pytest.approx(parts[0].item(), rel=1e-5)
+    assert means["loss_kd/big"] == pytest.approx(parts[1].item(), rel=1e-5)
     assert dict(distiller.router.rows) == {"local": 2, "big": 2}
     distiller.start_step([{**batch, "teacher_id": ids}])  # one optimizer step: each part its share of the step mean
     assert distiller.compute_loss(student, {**batch, "teacher_id": ids}).item() == pytest.approx(want.item(), rel=1e-5)
