@@ -33,6 +33,10 @@ def named_teachers(teacher_model: Any) -> dict[str, Any] | None:
     if bad:
         raise ValueError(f"teacher_model's keys name the teachers of the {ROUTE_COLUMN!r} column and must be "
                          f"non-empty strings: {bad!r}.")
+    empty = [n for n, t in teacher_model.items() if t is None]
+    if empty:
+        raise ValueError(f"teacher_model names {empty} without a teacher (None): an offline signal (or cached columns) "
+                         "as a named teacher is not done; give a model, folder or URL for each name.")
     return dict(teacher_model)
 
 

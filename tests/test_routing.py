@@ -102,6 +102,7 @@ def test_one_teacher_is_bitwise_the_single_teacher_path(tmp_path, served):
     ("names without column", "has no 'teacher_id' column"),
     ("multi_teacher", "multi_teacher with teachers routed per row"),
     ("distill_terms", "distill_terms with teachers routed per row"),
+    ("offline signal", r"names \['b'\] without a teacher \(None\): an offline signal .* is not done"),
 ])
 def test_what_routing_cannot_honour_is_refused_before_training(tmp_path, case, words):
     data, teacher, kw = _rows(["a", "b"]), {"a": llama(1), "b": llama(2)}, {}
@@ -115,6 +116,8 @@ def test_what_routing_cannot_honour_is_refused_before_training(tmp_path, case, w
         kw = dict(multi_teacher="losses")
     if case == "distill_terms":
         kw = dict(distill_terms=["loss=hidden_mse,layers=uniform"])
+    if case == "offline signal":
+        teacher["b"] = None
     with pytest.raises(ValueError, match=words) as err:
         Distiller(llama(0), args(tmp_path, **RUN, **kw), teacher, processing_class=_tok(), train_dataset=data)
     assert "\n" not in str(err.value)
