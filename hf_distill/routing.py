@@ -60,6 +60,9 @@ def check_routing(names: list[str] | None, args: Any, dataset: Any, which: str =
     if unknown:
         raise ValueError(f"The {which} dataset's {ROUTE_COLUMN!r} column names {unknown[:5]}, which teacher_model "
                          f"does not ({', '.join(names)}): fix the column or add those teachers.")
+    if which == "train" and args.generates:
+        raise ValueError(f"lmbda/seq_kd with teachers named in a dict ({ROUTE_COLUMN!r}): on-policy generation is not "
+                         "done for routed teachers. Remove lmbda/seq_kd, or give one teacher (not a dict).")
     if which != "train" or len(names) < 2:
         return
     cached = [c for c in columns if c.startswith(TEACHER_PREFIX) and c != ROUTE_COLUMN]
@@ -68,7 +71,6 @@ def check_routing(names: list[str] | None, args: Any, dataset: Any, which: str =
         "teacher_weights": (args.teacher_weights is not None, "each row has one teacher, nothing is weighed"),
         "distill_terms": (bool(args.distill_terms), "intermediate terms would compare teachers of different shapes"),
         "cross_tokenizer": (bool(args.cross_tokenizer), "not done for routed teachers"),
-        "lmbda/seq_kd": (bool(args.generates), "on-policy generation is not done for routed teachers"),
         f"cached columns {cached}": (bool(cached), "an offline signal as a named teacher is not done"),
     }
     for option, (given, why) in refused.items():

@@ -102,6 +102,7 @@ def test_one_teacher_is_bitwise_the_single_teacher_path(tmp_path, served):
     ("names without column", "has no 'teacher_id' column"),
     ("multi_teacher", "multi_teacher with teachers routed per row"),
     ("distill_terms", "distill_terms with teachers routed per row"),
+    ("on-policy", "lmbda/seq_kd with teachers named in a dict"),
     ("offline signal", r"names \['b'\] without a teacher \(None\): an offline signal .* is not done"),
 ])
 def test_what_routing_cannot_honour_is_refused_before_training(tmp_path, case, words):
@@ -116,6 +117,8 @@ def test_what_routing_cannot_honour_is_refused_before_training(tmp_path, case, w
         kw = dict(multi_teacher="losses")
     if case == "distill_terms":
         kw = dict(distill_terms=["loss=hidden_mse,layers=uniform"])
+    if case == "on-policy":
+        kw, teacher, data = dict(lmbda=0.5), {"a": llama(1)}, _rows(["a", "a"])  # a dict of one too
     if case == "offline signal":
         teacher["b"] = None
     with pytest.raises(ValueError, match=words) as err:
