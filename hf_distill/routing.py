@@ -148,21 +148,29 @@ class Router:
         return self._split(model, inputs, groups, return_outputs, num_items_in_batch)
 
     def _split(self, model, inputs, groups, return_outputs, num_items_in_batch):
-        """Several teachers in one batch: each sub-batch's loss as its share of the step's mean (training), or of the
-        batch's KD-counted tokens (evaluation with eval_with_teacher)."""
-        d = self.distiller
-        share = None
-        if model.training and not d._step.take():  # a loop without start_step: this batch is its own step
-            d._step.start(d._counts(inputs), 1, 1)
-            d._step.take()
-        elif not model.training:
-            from .losses.normalise import COUNT_KINDS
+        """Several teachers in one batch: each sub-batch's loss as its share of the step's mean (training, token-level
+        heads), of the batch's KD-counted tokens (evaluation with eval_with_teacher), or of its rows (sequence-level
+        heads, whose losses are means over rows)."""
+        from .features.heads import TOKEN_LEVEL
+        from .losses.normalise import COUNT_KINDS
 
+        d = self.distiller
+        share, token_level = None, d._head in TOKEN_LEVEL
+        if not token_level:
+            size = sum(len(rows) for rows in groups.values())
+            share = [len(rows) / size for rows in groups.values()]
+        elif not model.training:
             counts = [float(d._counts(_rows(inputs, rows))[COUNT_KINDS.index("kd")]) for rows in groups.values()]
             share = [c / max(sum(counts), 1.0) for c in counts]
+        elif not d._step.take():  # a loop without start_step: this batch is its own step
+            d._step.start(d._counts(inputs), 1, 1)
+            d._step.take()
+        stepped = model.training and token_level
+        if model.training and not token_level and d._step.take():  # the sub-batches share this micro-batch's step
+            stepped = True
         total, outs, order = None, [], []
         for n, (place, rows) in enumerate(groups.items()):
-            if model.training:
+            if stepped:
                 d._step._left += 1  # each sub-batch is a share of this micro-batch's (already taken) step mean
             sub = _rows(inputs, rows)
             with self.use(place, model):

@@ -6,7 +6,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import VOCAB, args, flat_params, labelled_collate, llama, sft_rows, word_tokenizer
+from helpers import (
+    VOCAB,
+    args,
+    bert,
+    collate,
+    flat_params,
+    labelled_collate,
+    llama,
+    sft_rows,
+    token_dataset,
+    word_tokenizer,
+)
+from helpers import (
+    teacher as bert_teacher,
+)
 from served_fakes import fake_vllm
 
 from hf_distill import DistillationTrainer
@@ -165,3 +179,17 @@ def test_eval_with_teacher_splits_the_batch_and_keeps_row_order(tmp_path):
         counts.append(float(alone._counts(sub)[COUNT_KINDS.index("kd")]))
     want = sum(p.item() * c for p, c in zip(parts, counts, strict=True)) / sum(counts)
     assert loss.item() == pytest.approx(want, rel=1e-5)
+
+
+def test_a_classifier_batch_is_the_row_mean_over_its_teachers(tmp_path):
+    """Sequence-level KD (a mean over rows): the routed loss of a batch is each teacher's loss weighted by its rows."""
+    student, a, b = bert(layers=2).train(), bert_teacher(layers=2, seed=1), bert_teacher(layers=2, seed=2)
+    ids = ["a", "b", "b", "b"]
+    data = token_dataset(4).add_column("teacher_id", ids)
+    run = dict(kd_loss="kl", temperature=2.0, kd_weight=1.0, task_weight=0.5)
+    distiller = Distiller(student, args(tmp_path, **run), {"a": a, "b": b}, train_dataset=data)
+    batch = collate([{k: v for k, v in data[i].items() if k != "teacher_id"} for i in range(4)])
+    got = distiller.compute_loss(student, {**batch, "teacher_id": ids})
+    parts = [Distiller(student, args(tmp_path, **run), t).compute_loss(student, {k: v[rows] for k, v in batch.items()})
+             for rows, t in (([0], a), ([1, 2, 3], b))]
+    assert got.item() == pytest.approx(0.25 * parts[0].item() + 0.75 * parts[1].item(), rel=1e-5)
