@@ -124,6 +124,8 @@ class Router:
             self.active = False
 
     def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool, num_items_in_batch: Any):
+        """`Distiller.compute_loss` of a batch whose rows name their teachers: one teacher's rows are its
+        single-teacher loss as it is; several are split (:meth:`_split`)."""
         d = self.distiller
         distill = model.training or d.args.eval_with_teacher
         if ROUTE_COLUMN not in inputs and not distill:  # evaluation without the teacher: no row needs one
