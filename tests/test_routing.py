@@ -95,7 +95,8 @@ def _train(tmp_path, name, teacher, data, log=None, **kw):
 
 @pytest.mark.slow
 def test_one_teacher_is_bitwise_the_single_teacher_path(tmp_path, served):
-    """Every row routed to one of two named teachers, and a dict of one: the losses and weights of the plain run."""
+    """Every row routed to one of two named teachers (local or served), and a dict of one: the losses and weights of
+    the plain single-teacher run."""
     url, log = served
     data = sft_rows(12)
     _, base_losses, base_weights = _train(tmp_path, "plain", llama(1), data)
@@ -104,6 +105,11 @@ def test_one_teacher_is_bitwise_the_single_teacher_path(tmp_path, served):
     assert torch.equal(losses, base_losses) and torch.equal(weights, base_weights)
     assert not [e for e in log if e[0] == "completions"]  # the server was never asked: no row went to it
     _, losses, weights = _train(tmp_path, "one", {"a": llama(1)}, routed)
+    assert torch.equal(losses, base_losses) and torch.equal(weights, base_weights)
+    # every row to the served teacher, second in the dict: the plain served run (its sparse head), bitwise
+    _, base_losses, base_weights = _train(tmp_path, "served", url, data, **SERVED)
+    to_b = data.add_column("teacher_id", ["b"] * 12)
+    _, losses, weights = _train(tmp_path, "to_b", {"a": llama(1), "b": url}, to_b, **SERVED)
     assert torch.equal(losses, base_losses) and torch.equal(weights, base_weights)
     report = DistillationReport.from_trainer(trainer)
     assert report.routing["a"]["rows"] == 12 and report.routing["b"] == {"teacher": "fake/teacher (served)", "rows": 0}
