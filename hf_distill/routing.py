@@ -56,7 +56,8 @@ def check_routing(names: list[str] | None, args: Any, dataset: Any, which: str =
     if ROUTE_COLUMN not in columns and (which == "train" or args.eval_with_teacher):
         raise ValueError(f"teacher_model names teachers ({', '.join(names)}) but the {which} dataset has no "
                          f"{ROUTE_COLUMN!r} column saying which one each row is distilled from: add it.")
-    unknown = sorted({str(v) for v in dataset[ROUTE_COLUMN]} - set(names)) if ROUTE_COLUMN in columns else []
+    # (Arrow's unique: no Python list of every row's id)
+    unknown = sorted({str(v) for v in dataset.unique(ROUTE_COLUMN)} - set(names)) if ROUTE_COLUMN in columns else []
     if unknown:
         raise ValueError(f"The {which} dataset's {ROUTE_COLUMN!r} column names {unknown[:5]}, which teacher_model "
                          f"does not ({', '.join(names)}): fix the column or add those teachers.")
