@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from transformers.utils import find_labels, logging
 
+from . import routing
 from .arguments import DistillationArguments
 from .data.cache import cached_teacher_info
 from .data.collators import TEACHER_PREFIX
@@ -81,7 +82,9 @@ class Distiller:
         args: `DistillationArguments`, validated once; the loss reads the run's `settings` built from them
             (hf_distill.settings: what schedules and stages change while training).
         teacher_model: as `DistillationTrainer`'s: a model, a folder or Hub id, a list of them, the student itself
-            (a PEFT model: self-distillation with adapters off), or None when the rows carry cached teacher outputs.
+            (a PEFT model: self-distillation with adapters off), a URL (hf_distill.serving), a dict of named teachers
+            (each row distilled from the one its `teacher_id` column names, hf_distill.routing), or None when the rows
+            carry cached teacher outputs.
         processing_class: the student's tokenizer, to compare vocabularies.
         teacher_processing_class: the teacher's tokenizer (or one per teacher).
         train_dataset: checked for cached teacher columns (and read for the cached teacher's shape when no
@@ -98,7 +101,7 @@ class Distiller:
         self,
         student: nn.Module,
         args: DistillationArguments,
-        teacher_model: nn.Module | str | list[nn.Module | str] | None = None,
+        teacher_model: nn.Module | str | list[nn.Module | str] | dict[str, nn.Module | str] | None = None,
         *,
         processing_class: Any = None,
         teacher_processing_class: Any = None,
@@ -117,6 +120,11 @@ class Distiller:
         if label_names is None:
             label_names = args.label_names if args.label_names is not None else find_labels(type(unwrap(student)))
         self.label_names = list(label_names)
+        # Named teachers (a dict): each row goes to the one its `teacher_id` column names (hf_distill.routing)
+        named = routing.named_teachers(teacher_model)
+        routing.check_routing(list(named) if named is not None else None, args, train_dataset)
+        teacher_model = list(named.values()) if named is not None else teacher_model
+        routed = named is not None and len(named) > 1  # each teacher is a single-teacher run on its own rows
         teachers = teacher_model if isinstance(teacher_model, list | tuple) else [teacher_model]
         teachers = [t for t in teachers if t is not None]
         # Teachers behind a URL (hf_distill.serving), by their place among all teachers; the rest are local models
@@ -125,10 +133,11 @@ class Distiller:
         n_teachers = len(teachers) + len(served_at)
         sources = [str(t) if isinstance(t, str | os.PathLike) else None for t in teachers]  # their tokenizers too
         # What the loss reads at each call and what callbacks change while training (hf_distill.settings)
-        self.settings = DistillSettings.for_student(args, static_head(student), n_teachers)
+        self.settings = DistillSettings.for_student(args, static_head(student), 1 if routed else n_teachers)
         # Each server checked (reachable, vocabulary, k, temperature) before any local teacher loads
         self.served = served_teachers(served_at, args, self.settings, causal=static_head(student) is Head.CAUSAL_LM,
-                                      n_teachers=n_teachers, tokenizer=processing_class, train_dataset=train_dataset,
+                                      n_teachers=1 if routed else n_teachers, tokenizer=processing_class,
+                                      train_dataset=train_dataset,
                                       vocab_size=getattr(getattr(unwrap(student), "config", None), "vocab_size", None))
         teachers = [load_teacher(str(t), like=student) if isinstance(t, str | os.PathLike) else t for t in teachers]
         t_tokenizers = per_teacher(teacher_processing_class, len(teachers))
@@ -136,7 +145,7 @@ class Distiller:
                         accelerator=accelerator, train_dataset=train_dataset)
         # lmbda / seq_kd: who completes each micro-batch's prompts, and the generation (hf_distill.on_policy)
         self.on_policy = OnPolicy(args, unwrap(student), processing_class) if args.generates else None
-        self.teacher_weights = teacher_weights(args.teacher_weights, n_teachers)
+        self.teacher_weights = teacher_weights(args.teacher_weights, 1 if routed else n_teachers)
         # Self-distillation on one PEFT base: the "teacher" is the student with its adapters off. It must not
         # be frozen or put in eval mode for good (that would freeze or un-dropout the student too).
         self.shared_base = bool(teachers) and shares_parameters(teachers[0], student)
@@ -173,11 +182,12 @@ class Distiller:
             validate_pair(student, t, args, tokenizer=processing_class, teacher_tokenizer=tok, source=src)
             for t, tok, src in zip(self.teachers, t_tokenizers, sources, strict=True)
         ]
-        shared_vocab = min((v for v in shared_vocab if v is not None), default=None)
+        vocabs, shared_vocab = shared_vocab, min((v for v in shared_vocab if v is not None), default=None)
         # cross_tokenizer="aligned": the (student ids, teacher ids) of the tokens both vocabularies hold
         cross_vocab = check_cross_tokenizer(args.cross_tokenizer, student, self.teachers, self.shared_base,
                                             processing_class, t_tokenizers, sources)
-        if n_teachers > 1 and args.kd_weight > 0 and args.kd_loss == "mse" and args.multi_teacher != "losses":
+        if n_teachers > 1 and not routed and args.kd_weight > 0 and args.kd_loss == "mse" and \
+                args.multi_teacher != "losses":
             raise ValueError(
                 "multi_teacher='probs' averages probability distributions, which kd_loss='mse' does not use. "
                 "Use multi_teacher='losses' (a weighted sum of one MSE per teacher) or kd_loss='kl'/'soft_ce'."
@@ -202,8 +212,28 @@ class Distiller:
             self.settings, self.intermediate, self.served)
         for source in self.served.values():
             source.label_name = self._token_labels
-        self.paths = KDPaths(PathContext(args, self.settings, self._head, self.teacher_side, self.teacher_weights,
-                                         self.task, shared_vocab, cross_vocab, accelerator, route), student)
+        self.router: routing.Router | None = None
+        self.last_kd: torch.Tensor | None = None  # the last batch's KD term before its step share (routing logs it)
+        if routed:  # per teacher, the teacher side and KD paths a single-teacher Distiller of it would build
+            sides, paths, local = [], [], 0
+            for place in range(n_teachers):
+                models = [] if place in self.served else [self.teachers[local]]
+                side = TeacherSide(CachedColumns(self.settings, self._token_labels, None),
+                                   LocalTeachers(models, False, self.label_names, self._head, accelerator),
+                                   self.settings, None, {0: self.served[place]} if place in self.served else {})
+                sides.append(side)
+                paths.append(KDPaths(PathContext(args, self.settings, self._head, side, self.teacher_weights,
+                                                 self.task, None if place in self.served else vocabs[local],
+                                                 None, accelerator, route), student))
+                local += place not in self.served
+            self.router = routing.Router(self, list(named), sides, paths)
+            self.teacher_side, self.paths = sides[0], paths[0]
+        else:
+            self.paths = KDPaths(PathContext(args, self.settings, self._head, self.teacher_side,
+                                             self.teacher_weights, self.task, shared_vocab, cross_vocab, accelerator,
+                                             route), student)
+            if named is not None:  # a dict of one: the single-teacher path; the column is only checked and counted
+                self.router = routing.Router(self, list(named), [self.teacher_side], [self.paths])
         self.tracker = ComponentTracker()
         # cross_tokenizer: the share of the student's distilled positions paired with the teacher's, per log window
         self.pairing = (cross_tokenizer.PairedShare(args.cross_tokenizer, self._token_labels,
@@ -221,7 +251,8 @@ class Distiller:
 
     @route.setter
     def route(self, value: str) -> None:
-        self.paths.context.route = value
+        for paths in self.router.paths if self.router is not None else [self.paths]:
+            paths.context.route = value
 
     @property
     def teacher_params(self) -> set[str]:
@@ -243,7 +274,9 @@ class Distiller:
         return teacher if teacher_input_device(teacher) is not None else teacher.to(_device(student, None))
 
     def check_dataset(self, dataset: Any, which: str = "train") -> None:
-        """Refuse cached teacher columns the run cannot use (hf_distill.data.teacher_columns)."""
+        """Refuse cached teacher columns the run cannot use (hf_distill.data.teacher_columns), and a `teacher_id`
+        column that does not fit the named teachers (hf_distill.routing)."""
+        routing.check_routing(self.router.names if self.router is not None else None, self.args, dataset, which)
         teacher = self.teacher if self.teacher is not None else next(iter(self.served.values()), None)
         check_teacher_columns(dataset, which, head=self._head, teacher=teacher, kd_weight=self.settings.kd_weight,
                               kd_loss=self.settings.kd_loss, num_labels=self._student_shape[2],
@@ -296,8 +329,8 @@ class Distiller:
             self.on_policy.prepare(batches, model, step, teachers=self.teachers, shared_base=self.shared_base,
                                    accelerator=self.accelerator, label_name=self._token_labels,
                                    served=self.served.get(0))
-        for source in self.served.values():  # every row of the step scored before any of it trains
-            source.wait(batches, step)
+        for place, source in self.served.items():  # every row of the step scored before any of it trains
+            source.wait(self._routed(place, batches), step)
         counts = sum((self._counts(b) for b in batches), torch.zeros(len(COUNT_KINDS), dtype=torch.float64))
         processes = self._processes() if self.args.average_tokens_across_devices else 1
         if processes > 1:
@@ -311,8 +344,12 @@ class Distiller:
             return
         if self.on_policy is not None and step is not None:
             batches = [b for i, b in enumerate(batches) if self.on_policy.source(step, i) is None]
-        for source in self.served.values():
-            source.prefetch(batches)
+        for place, source in self.served.items():
+            source.prefetch(self._routed(place, batches))
+
+    def _routed(self, place: int, batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The rows of these micro-batches that teacher `place` is asked for: all of them, or its routed rows."""
+        return self.router.batches_for(place, batches) if self.router is not None else batches
 
     def compute_loss(
         self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None,
@@ -323,6 +360,8 @@ class Distiller:
 
         Top to bottom: the batch, its KD path, the teacher's outputs, the student's forward, the path's loss, the
         intermediate terms, the weights."""
+        if self.router is not None and not self.router.active:  # rows routed to named teachers (hf_distill.routing)
+            return self.router.compute_loss(model, inputs, return_outputs, num_items_in_batch)
         # The batch: cached teacher columns apart, the model as the Trainer prepared it (not the one it was built with)
         cached = {k: inputs.pop(k) for k in list(inputs) if k.startswith(TEACHER_PREFIX)}
         for key in PROMPT_KEYS:  # the prompts generation reads (hf_distill.data.prompts): never a model input
@@ -357,6 +396,7 @@ class Distiller:
         kd, task = path.loss(PathBatch(model, student.inner, s_out, head, teacher, inputs, cached, want_task,
                                        lambda: self.task.loss(s_out, inputs, head, num_items_in_batch, step_mean),
                                        self._mean_scales(head, local)))
+        self.last_kd = kd.detach() if kd is not None else None
         components: dict[str, torch.Tensor] = {}
         weights: dict[str, float] = {}
         if task is not None:

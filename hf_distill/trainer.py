@@ -71,7 +71,9 @@ class DistillationMixin(ProjectionTraining):
             list of them (multi-teacher logit distillation, see `teacher_weights` and `multi_teacher`;
             intermediate terms use the first). It may be the student itself when the student is a PEFT
             model: the teacher is then the shared base with adapters off (self-distillation). May be `None`
-            when every training row carries cached teacher outputs (hf_distill.data.cache).
+            when every training row carries cached teacher outputs (hf_distill.data.cache). A dict names several
+            teachers (models, paths, URLs), each row distilled from the one its `teacher_id` column names
+            (hf_distill.routing).
         teacher_processing_class: the teacher's tokenizer (or a list, one per teacher; None entries allowed), so that
             its vocabulary can be compared with the student's (`processing_class`). Not needed for a teacher given
             as a folder or Hub id (its saved tokenizer is read) or one whose `name_or_path` holds a tokenizer; where
@@ -89,7 +91,7 @@ class DistillationMixin(ProjectionTraining):
         model: PreTrainedModel | nn.Module | None = None,
         args: DistillationArguments | None = None,
         *trainer_args: Any,
-        teacher_model: nn.Module | str | list[nn.Module | str] | None = None,
+        teacher_model: nn.Module | str | list[nn.Module | str] | dict[str, nn.Module | str] | None = None,
         teacher_processing_class: Any | list[Any] | None = None,
         **trainer_kwargs: Any,
     ) -> None:
@@ -117,6 +119,7 @@ class DistillationMixin(ProjectionTraining):
         # head is refused by the Distiller, with the message that says so
         if self.args.generates and heads_mod.static_head(self.model) is heads_mod.Head.CAUSAL_LM:
             teachers = teacher_model if isinstance(teacher_model, list | tuple) else [teacher_model]
+            teachers = list(teacher_model.values()) if isinstance(teacher_model, dict) else teachers  # named
             check_generation_data(self.args, self._prompt_collator(), self.train_dataset, self.model,
                                   [t for t in teachers if t is not None and not is_teacher_url(t)])
         if self.args.label_names is None and not self.label_names and has_distillation_token(unwrap(self.model)):
@@ -229,6 +232,8 @@ class DistillationMixin(ProjectionTraining):
         self.distiller.tracker.reset()
         if self.distiller.pairing is not None:
             self.distiller.pairing.reset()
+        if self.distiller.router is not None:  # rows routed per teacher: this training's
+            self.distiller.router.reset()
         try:
             with self._projections_attached():
                 return super().train(*args, **kwargs)
@@ -244,6 +249,8 @@ class DistillationMixin(ProjectionTraining):
         if "loss" in logs and self.distiller.tracker:
             for name, value in self.distiller.tracker.pop_means(self.accelerator).items():
                 logs[f"loss_{name}"] = value
+        if "loss" in logs and self.distiller.router is not None:  # teachers routed per row: loss_kd/<name>
+            logs.update(self.distiller.router.log_values(self.accelerator))
         if "loss" in logs and self.distiller.pairing is not None:  # cross_tokenizer: xtok_paired_share
             logs.update(self.distiller.pairing.log_values(self.accelerator))
         if "loss" in logs and self.distiller.on_policy is not None:  # generated_tokens(_per_second)

@@ -11,13 +11,15 @@ from typing import Any
 import torch
 
 TEACHER_PREFIX = "teacher_"
+ROUTE_COLUMN = f"{TEACHER_PREFIX}id"  # which named teacher distils each row (hf_distill.routing): names, not tensors
 SIGNAL_PREFIX = f"{TEACHER_PREFIX}signal"  # an offline teacher signal (data.teacher_signal): one tensor per row
 PROMPT_IDS, PROMPT_MASK = "prompt_input_ids", "prompt_attention_mask"
 PROMPT_KEYS = (PROMPT_IDS, PROMPT_MASK)
 """The batch keys of the left-padded prompts (hf_distill.data.prompts.PromptCompletionCollator): generation reads
 them, the loss never passes them to a model."""
 
-__all__ = ["PROMPT_IDS", "PROMPT_KEYS", "PROMPT_MASK", "SIGNAL_PREFIX", "TEACHER_PREFIX", "require_tensors"]
+__all__ = ["PROMPT_IDS", "PROMPT_KEYS", "PROMPT_MASK", "ROUTE_COLUMN", "SIGNAL_PREFIX", "TEACHER_PREFIX",
+           "require_tensors"]
 
 
 def require_tensors(batch: dict[str, Any], keys: tuple[str, ...], needs: str, fix: str) -> None:

@@ -19,7 +19,7 @@ import torch
 from transformers.trainer_utils import RemoveColumnsCollator
 from transformers.utils import logging
 
-from ..base.batch_keys import SIGNAL_PREFIX, TEACHER_PREFIX, require_tensors  # noqa: F401 - importable from here
+from ..base.batch_keys import ROUTE_COLUMN, SIGNAL_PREFIX, TEACHER_PREFIX, require_tensors  # noqa: F401 - importable from here
 
 _logger = logging.get_logger(__name__)
 
@@ -61,8 +61,11 @@ class TeacherOutputsCollator:
                 "changes the inputs of every batch (MLM masking), so outputs computed on the unmasked rows "
                 "do not match them. Drop the teacher_* columns and let the teacher run."
             )
+        names = {k: [f[k] for f in features] for k in keys if k == ROUTE_COLUMN}  # teacher names (hf_distill.routing)
+        keys = [k for k in keys if k not in names]
         teacher = {k: [_to_tensor(f[k]) for f in features] for k in keys}
         batch = self.base([{k: v for k, v in f.items() if not k.startswith(TEACHER_PREFIX)} for f in features])
+        batch.update(names)
         ids = batch.get("input_ids")
         length = ids.shape[1] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
         mask = batch.get("attention_mask")

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ..base.batch_keys import ROUTE_COLUMN
 from ..features.heads import SOFTMAX_LOSSES, Head
 from .cache import LOGITS_COLUMN, TOPK_INDICES_COLUMN, TOPK_VALUES_COLUMN, cached_hidden_layers
 from .collators import TEACHER_PREFIX
@@ -25,7 +26,7 @@ def check_teacher_columns(
         return
     names, first = first_row(dataset, needed=teacher is None)
     cached_logits = [c for c in names if c.startswith(LOGITS_COLUMN) or c.startswith(TOPK_VALUES_COLUMN)]
-    cached = [c for c in names if c.startswith(TEACHER_PREFIX)]
+    cached = [c for c in names if c.startswith(TEACHER_PREFIX) and c != ROUTE_COLUMN]  # teacher_id: names, not outputs
     if cached and head is Head.SEQ2SEQ_LM:
         raise ValueError(
             f"The {which} dataset carries cached teacher outputs ({', '.join(cached)}), but hf_distill.data.cache "

@@ -324,6 +324,8 @@ def _made(r: DistillationReport) -> str:
     lines = [
         name and f"- **Method**: {name[0].upper()}{name[1:]}{sampled}",
         r.teacher and f"- **Teacher**: {_model_link(r.teacher)}",
+        r.routing and "- **Teachers, routed per row by `teacher_id`**: " + "; ".join(
+            f"`{name}` = {t['teacher']} ({t['rows']} rows)" for name, t in r.routing.items()),
         r.student_shape and f"- **Student**: {r.architecture or 'model'}, "
                             + ", ".join(shape[k].format(v) for k, v in r.student_shape.items() if k in shape),
         a and f"- **Adapters**: this repository holds {a.get('peft_type') or 'PEFT'} adapters"

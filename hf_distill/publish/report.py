@@ -75,6 +75,7 @@ class DistillationReport:
     initialised_from: str | None = None  # the student's starting checkpoint (`finetuned_from`), never the teacher
     early_exit: dict[str, Any] = field(default_factory=dict)  # students.early_exit: exits, speed sweep, plot
     auto: dict[str, Any] = field(default_factory=dict)  # hf_distill.auto: the latency budget and how the shape won
+    routing: dict[str, Any] = field(default_factory=dict)  # named teachers (hf_distill.routing): name -> teacher, rows
 
     def __post_init__(self) -> None:
         # Local folders by name (or the Hub id of a cache snapshot), never a machine's absolute path: the card and
@@ -135,6 +136,9 @@ class DistillationReport:
         served = getattr(getattr(trainer, "distiller", None), "served", None)
         if teacher is None and served:  # a teacher behind a URL: the model name its server states (issue #42)
             found["teacher"] = found.get("teacher") or served[min(served)].name
+        router = getattr(getattr(trainer, "distiller", None), "router", None)
+        if router is not None:  # teachers routed per row by `teacher_id` (issue #42 item 6): each one and its rows
+            found["routing"] = router.describe()
         if teacher is not None and measure_speed:
             found.update(measure.trainer_speedup(trainer, student, teacher, speed_batches))
         return cls.from_dict(_merge(found, fields))

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..base.batch_keys import ROUTE_COLUMN
 from ..base.positions import kd_positions
 from .client import TeacherClient, TeacherRefused, TeacherUnreachable
 from .protocol import PROBE_TEXT, MalformedAnswer, RowScores
@@ -354,7 +355,8 @@ def served_teachers(places: dict[int, str], args: Any, settings: Any, *, causal:
     if 0 in places and args.distill_terms:
         raise ValueError("distill_terms compare the first teacher's hidden states, which a served teacher does not "
                          "send: put a local teacher first in teacher_model, or remove distill_terms.")
-    columns = [c for c in (getattr(train_dataset, "column_names", None) or []) if c.startswith("teacher_")]
+    columns = [c for c in (getattr(train_dataset, "column_names", None) or [])
+               if c.startswith("teacher_") and c != ROUTE_COLUMN]  # teacher_id routes rows (hf_distill.routing)
     if columns:
         raise ValueError(f"The train dataset carries cached teacher outputs ({', '.join(columns)}) and teacher_model "
                          "names a server: give one or the other.")
