@@ -143,6 +143,57 @@ def no_split_modules(model: Any) -> list[str] | None:
     return getattr(model, "_no_split_modules", None)
 
 
+def load_renamed_checkpoint(model: Any, folder: str) -> bool:
+    """Load a Trainer checkpoint whose weight names are not the model's own, exactly; False when they are.
+
+    transformers 5 renames some families' weights on load and back on save (ViT/DeiT: `vit.encoder.layer.0.
+    attention.attention.query` <-> `vit.layers.0.attention.q_proj`), while the Trainer's resume and
+    `load_best_model_at_end` call `load_state_dict(strict=False)` on the saved names: every renamed weight is then
+    silently left as it was (a resumed ViT continued from its step-0 encoder). The saved names are found by
+    transformers' own save-side conversion, each matched to the model's tensor it was made from."""
+    import json
+    import os
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    from transformers import PreTrainedModel
+    from transformers.core_model_loading import revert_weight_conversion
+
+    if not isinstance(model, PreTrainedModel):
+        return False
+    single, index = os.path.join(folder, "model.safetensors"), os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(single):
+        files = [single]
+    elif os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            files = sorted({os.path.join(folder, v) for v in json.load(f)["weight_map"].values()})
+    else:
+        return False
+    saved: set[str] = set()
+    for path in files:
+        with safe_open(path, "pt") as f:
+            saved.update(f.keys())
+    own = model.state_dict()
+    if set(own) <= saved:
+        return False  # the Trainer's own load is exact
+    made_from = {(t.data_ptr(), tuple(t.shape)): name for name, t in own.items()}
+    names = {}
+    for saved_name, tensor in revert_weight_conversion(model, dict(own)).items():
+        key = (tensor.data_ptr(), tuple(tensor.shape))
+        if key not in made_from:
+            raise ValueError(f"{folder}: {type(model).__name__}'s weights are converted (not only renamed) when "
+                             "saved, so the Trainer cannot reload this checkpoint exactly; resume by loading the "
+                             "model with from_pretrained(checkpoint) instead.")
+        names[saved_name] = made_from[key]
+    state = {names[k]: v for path in files for k, v in load_file(path, device="cpu").items() if k in names}
+    missing = set(own) - set(state)
+    tied = {made_from[(t.data_ptr(), tuple(t.shape))] for t in own.values()}
+    if missing - (set(own) - tied) or set(state) - set(own):  # only aliases of a loaded tensor may be absent
+        raise ValueError(f"{folder} lacks the weights {sorted(missing)[:5]} of {type(model).__name__}.")
+    model.load_state_dict(state, strict=False)
+    return True
+
+
 # ---------------------------------------------------------------------- TRL
 
 
