@@ -163,3 +163,28 @@ def test_the_scan_sees_each_kind_of_use(tmp_path):
         "engine._some_new_private()\n"  # a private name no hf_distill code defines
     )
     assert [line.split(" ", 1)[0] for line in uses_outside_compat(root)] == [f"pkg/a.py:{i}" for i in range(1, 7)]
+
+
+def test_a_checkpoint_saved_under_old_names_loads_every_weight(tmp_path):
+    """ViT is saved as vit.encoder.layer.0.attention.attention.query (its pre-5 names) and lives as vit.layers.0...:
+    the Trainer's load_state_dict(strict=False) leaves those weights as they were; load_renamed_checkpoint loads all."""
+    from helpers import bert
+    from safetensors.torch import load_file
+    from transformers import ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(0)
+    vit = ViTForImageClassification(ViTConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                              intermediate_size=16, image_size=8, patch_size=4, num_channels=1))
+    vit.save_pretrained(tmp_path / "vit")
+    expected = {k: v.clone() for k, v in vit.state_dict().items()}
+    with torch.no_grad():
+        for p in vit.parameters():
+            p.add_(1.0)
+    plain = vit.load_state_dict(load_file(str(tmp_path / "vit" / "model.safetensors")), strict=False)
+    assert plain.missing_keys  # what the Trainer's own load would leave behind
+    assert compat.load_renamed_checkpoint(vit, str(tmp_path / "vit"))
+    for name, value in vit.state_dict().items():
+        torch.testing.assert_close(value, expected[name], atol=0, rtol=0)
+    text = bert(layers=1)
+    text.save_pretrained(tmp_path / "bert")
+    assert not compat.load_renamed_checkpoint(text, str(tmp_path / "bert"))  # its own names: the Trainer's load
