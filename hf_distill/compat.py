@@ -174,8 +174,11 @@ def load_renamed_checkpoint(model: Any, folder: str) -> bool:
         with safe_open(path, "pt") as f:
             saved.update(f.keys())
     own = model.state_dict()
-    if set(own) <= saved:
-        return False  # the Trainer's own load is exact
+    aliases: dict[tuple, set[str]] = {}  # tied weights: one tensor, several names, saved under one
+    for name, t in own.items():
+        aliases.setdefault((t.data_ptr(), tuple(t.shape)), set()).add(name)
+    if all(names & saved for names in aliases.values()):
+        return False  # every tensor is saved under one of its own names: the Trainer's own load is exact
     made_from = {(t.data_ptr(), tuple(t.shape)): name for name, t in own.items()}
     names = {}
     for saved_name, tensor in revert_weight_conversion(model, dict(own)).items():

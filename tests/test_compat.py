@@ -188,3 +188,8 @@ def test_a_checkpoint_saved_under_old_names_loads_every_weight(tmp_path):
     text = bert(layers=1)
     text.save_pretrained(tmp_path / "bert")
     assert not compat.load_renamed_checkpoint(text, str(tmp_path / "bert"))  # its own names: the Trainer's load
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    tied = T5ForConditionalGeneration(T5Config(vocab_size=50, d_model=16, d_kv=8, d_ff=16, num_layers=1, num_heads=2))
+    tied.save_pretrained(tmp_path / "t5")  # lm_head and embed_tokens are saved once, as shared.weight
+    assert not compat.load_renamed_checkpoint(tied, str(tmp_path / "t5"))
