@@ -150,7 +150,8 @@ def load_renamed_checkpoint(model: Any, folder: str) -> bool:
     attention.attention.query` <-> `vit.layers.0.attention.q_proj`), while the Trainer's resume and
     `load_best_model_at_end` call `load_state_dict(strict=False)` on the saved names: every renamed weight is then
     silently left as it was (a resumed ViT continued from its step-0 encoder). The saved names are found by
-    transformers' own save-side conversion, each matched to the model's tensor it was made from."""
+    transformers' own save-side conversion, each matched to the model's tensor it was made from; a family whose
+    weights are converted (fused MoE experts) is loaded through from_pretrained into a copy."""
     import json
     import os
 
@@ -183,10 +184,12 @@ def load_renamed_checkpoint(model: Any, folder: str) -> bool:
     names = {}
     for saved_name, tensor in revert_weight_conversion(model, dict(own)).items():
         key = (tensor.data_ptr(), tuple(tensor.shape))
-        if key not in made_from:
-            raise ValueError(f"{folder}: {type(model).__name__}'s weights are converted (not only renamed) when "
-                             "saved, so the Trainer cannot reload this checkpoint exactly; resume by loading the "
-                             "model with from_pretrained(checkpoint) instead.")
+        if key not in made_from:  # converted, not only renamed (MoE experts saved one by one): load it as
+            # from_pretrained does, into a copy (CPU memory for a second model, for this load only)
+            dtype = next(model.parameters()).dtype
+            loaded = type(model).from_pretrained(folder, config=model.config, dtype=dtype).state_dict()
+            model.load_state_dict({k: loaded[k] for k in own}, strict=True)
+            return True
         names[saved_name] = made_from[key]
     state = {names[k]: v for path in files for k, v in load_file(path, device="cpu").items() if k in names}
     missing = set(own) - set(state)
