@@ -46,6 +46,8 @@ PRIVATE: tuple[Private, ...] = (
             "waits for the Trainer's background push before ours pushes the same repo"),
     Private("transformers.Trainer", "_signature_columns", "field", "signature_columns, add_signature_columns",
             "the columns the Trainer keeps; the overrides add the teacher's inputs and cached teacher columns"),
+    Private("transformers.PreTrainedModel", "_keys_to_ignore_on_save", "field", "load_renamed_checkpoint",
+            "the weights save_pretrained leaves out on purpose (Marian's sinusoids), absent from every checkpoint"),
     Private("transformers.PreTrainedConfig", "_attn_implementation", "field", "attn_implementation",
             "a student built from the teacher's config keeps the attention kernel the teacher was loaded with"),
     Private("transformers.PreTrainedModel", "_from_config", "method", "model_from_config",
@@ -174,7 +176,8 @@ def load_renamed_checkpoint(model: Any, folder: str) -> bool:
     for path in files:
         with safe_open(path, "pt") as f:
             saved.update(f.keys())
-    own = model.state_dict()
+    ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())  # never saved (Marian's sinusoids)
+    own = {k: v for k, v in model.state_dict().items() if k not in ignored}
     aliases: dict[tuple, set[str]] = {}  # tied weights: one tensor, several names, saved under one
     for name, t in own.items():
         aliases.setdefault((t.data_ptr(), tuple(t.shape)), set()).add(name)
