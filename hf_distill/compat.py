@@ -46,6 +46,8 @@ PRIVATE: tuple[Private, ...] = (
             "waits for the Trainer's background push before ours pushes the same repo"),
     Private("transformers.Trainer", "_signature_columns", "field", "signature_columns, add_signature_columns",
             "the columns the Trainer keeps; the overrides add the teacher's inputs and cached teacher columns"),
+    Private("transformers.PreTrainedModel", "_keys_to_ignore_on_save", "field", "load_renamed_checkpoint",
+            "the weights save_pretrained leaves out on purpose (Marian's sinusoids), absent from every checkpoint"),
     Private("transformers.PreTrainedConfig", "_attn_implementation", "field", "attn_implementation",
             "a student built from the teacher's config keeps the attention kernel the teacher was loaded with"),
     Private("transformers.PreTrainedModel", "_from_config", "method", "model_from_config",
@@ -141,6 +143,64 @@ def model_from_config(model_class: Any, config: Any, **kwargs: Any) -> Any:
 
 def no_split_modules(model: Any) -> list[str] | None:
     return getattr(model, "_no_split_modules", None)
+
+
+def load_renamed_checkpoint(model: Any, folder: str) -> bool:
+    """Load a Trainer checkpoint whose weight names are not the model's own, exactly; False when they are.
+
+    transformers 5 renames some families' weights on load and back on save (ViT/DeiT: `vit.encoder.layer.0.
+    attention.attention.query` <-> `vit.layers.0.attention.q_proj`), while the Trainer's resume and
+    `load_best_model_at_end` call `load_state_dict(strict=False)` on the saved names: every renamed weight is then
+    silently left as it was (a resumed ViT continued from its step-0 encoder). The saved names are found by
+    transformers' own save-side conversion, each matched to the model's tensor it was made from; a family whose
+    weights are converted (fused MoE experts) is loaded through from_pretrained into a copy."""
+    import json
+    import os
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    from transformers import PreTrainedModel
+    from transformers.core_model_loading import revert_weight_conversion
+
+    if not isinstance(model, PreTrainedModel):
+        return False
+    single, index = os.path.join(folder, "model.safetensors"), os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(single):
+        files = [single]
+    elif os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            files = sorted({os.path.join(folder, v) for v in json.load(f)["weight_map"].values()})
+    else:
+        return False
+    saved: set[str] = set()
+    for path in files:
+        with safe_open(path, "pt") as f:
+            saved.update(f.keys())
+    ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())  # never saved (Marian's sinusoids)
+    own = {k: v for k, v in model.state_dict().items() if k not in ignored}
+    aliases: dict[tuple, set[str]] = {}  # tied weights: one tensor, several names, saved under one
+    for name, t in own.items():
+        aliases.setdefault((t.data_ptr(), tuple(t.shape)), set()).add(name)
+    if all(names & saved for names in aliases.values()):
+        return False  # every tensor is saved under one of its own names: the Trainer's own load is exact
+    made_from = {(t.data_ptr(), tuple(t.shape)): name for name, t in own.items()}
+    names = {}
+    for saved_name, tensor in revert_weight_conversion(model, dict(own)).items():
+        key = (tensor.data_ptr(), tuple(tensor.shape))
+        if key not in made_from:  # converted, not only renamed (MoE experts saved one by one): load it as
+            # from_pretrained does, into a copy (CPU memory for a second model, for this load only)
+            dtype = next(model.parameters()).dtype
+            loaded = type(model).from_pretrained(folder, config=model.config, dtype=dtype).state_dict()
+            model.load_state_dict({k: loaded[k] for k in own}, strict=True)
+            return True
+        names[saved_name] = made_from[key]
+    state = {names[k]: v for path in files for k, v in load_file(path, device="cpu").items() if k in names}
+    missing = set(own) - set(state)
+    tied = {made_from[(t.data_ptr(), tuple(t.shape))] for t in own.values()}
+    if missing - (set(own) - tied) or set(state) - set(own):  # only aliases of a loaded tensor may be absent
+        raise ValueError(f"{folder} lacks the weights {sorted(missing)[:5]} of {type(model).__name__}.")
+    model.load_state_dict(state, strict=False)
+    return True
 
 
 # ---------------------------------------------------------------------- TRL

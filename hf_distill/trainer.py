@@ -55,6 +55,7 @@ PRIVATE_OVERRIDES = (
     "_save",
     "_save_checkpoint",
     "_load_from_checkpoint",
+    "_load_best_model",
     "_push_from_checkpoint",
 )
 # The private Trainer methods hf_distill calls (not overrides) are called from hf_distill.compat only (PRIVATE_CALLS).

@@ -18,7 +18,7 @@ from transformers import TrainerCallback
 from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .compat import checkpoint_parent, children_dict
+from .compat import checkpoint_parent, children_dict, load_renamed_checkpoint
 
 PROJECTIONS_FILE = "distill_projections.pt"
 # Under DeepSpeed the projections ride inside the engine as this submodule of the student while train() runs.
@@ -199,7 +199,8 @@ class ProjectionTraining:
             self._pending_projections = None
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if not self._loaded_renamed(resume_from_checkpoint, model):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
         proj = self._projections()
         path = os.path.join(resume_from_checkpoint, PROJECTIONS_FILE)
         if proj is not None:
@@ -215,6 +216,18 @@ class ProjectionTraining:
                     "same projections, so resuming would restart them from scratch."
                 )
             proj.load_state_dict(torch.load(path, map_location=self.args.device, weights_only=True))
+
+    def _load_best_model(self) -> None:
+        if not self._loaded_renamed(self.state.best_model_checkpoint, None):
+            super()._load_best_model()
+
+    def _loaded_renamed(self, folder: str, model: Any) -> bool:
+        """Loads a checkpoint saved under other weight names than the model's (ViT, DeiT in transformers 5), which
+        the Trainer's own load would leave unloaded (see compat.load_renamed_checkpoint); False otherwise."""
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            return False
+        return load_renamed_checkpoint(self.accelerator.unwrap_model(model if model is not None else self.model),
+                                       folder)
 
 
 class _ClearProjectionGradients(TrainerCallback):

@@ -163,3 +163,59 @@ def test_the_scan_sees_each_kind_of_use(tmp_path):
         "engine._some_new_private()\n"  # a private name no hf_distill code defines
     )
     assert [line.split(" ", 1)[0] for line in uses_outside_compat(root)] == [f"pkg/a.py:{i}" for i in range(1, 7)]
+
+
+def test_a_checkpoint_saved_under_old_names_loads_every_weight(tmp_path):
+    """ViT is saved as vit.encoder.layer.0.attention.attention.query (its pre-5 names) and lives as vit.layers.0...:
+    the Trainer's load_state_dict(strict=False) leaves those weights as they were; load_renamed_checkpoint loads all."""
+    from helpers import bert
+    from safetensors.torch import load_file
+    from transformers import ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(0)
+    vit = ViTForImageClassification(ViTConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                              intermediate_size=16, image_size=8, patch_size=4, num_channels=1))
+    vit.save_pretrained(tmp_path / "vit")
+    expected = {k: v.clone() for k, v in vit.state_dict().items()}
+    with torch.no_grad():
+        for p in vit.parameters():
+            p.add_(1.0)
+    plain = vit.load_state_dict(load_file(str(tmp_path / "vit" / "model.safetensors")), strict=False)
+    assert plain.missing_keys  # what the Trainer's own load would leave behind
+    assert compat.load_renamed_checkpoint(vit, str(tmp_path / "vit"))
+    for name, value in vit.state_dict().items():
+        torch.testing.assert_close(value, expected[name], atol=0, rtol=0)
+    text = bert(layers=1)
+    text.save_pretrained(tmp_path / "bert")
+    assert not compat.load_renamed_checkpoint(text, str(tmp_path / "bert"))  # its own names: the Trainer's load
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    tied = T5ForConditionalGeneration(T5Config(vocab_size=50, d_model=16, d_kv=8, d_ff=16, num_layers=1, num_heads=2))
+    tied.save_pretrained(tmp_path / "t5")  # lm_head and embed_tokens are saved once, as shared.weight
+    assert not compat.load_renamed_checkpoint(tied, str(tmp_path / "t5"))
+
+
+@pytest.mark.parametrize("family", ["vit-sharded", "mixtral"])
+def test_sharded_and_converted_checkpoints_load_every_weight(tmp_path, family):
+    """A sharded checkpoint (an index and its files), and Mixtral, whose fused experts are saved one by one (a
+    conversion, not a renaming): the Trainer's strict=False load leaves them unloaded; these load them all."""
+    from transformers import MixtralConfig, MixtralForCausalLM, ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(0)
+    if family == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(vocab_size=50, hidden_size=16, intermediate_size=16,
+                                                 num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                                                 num_local_experts=2, num_experts_per_tok=1))
+        model.save_pretrained(tmp_path / "m")
+    else:
+        model = ViTForImageClassification(ViTConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                                    intermediate_size=16, image_size=8, patch_size=4, num_channels=1))
+        model.save_pretrained(tmp_path / "m", max_shard_size="4KB")
+        assert (tmp_path / "m" / "model.safetensors.index.json").is_file()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    assert compat.load_renamed_checkpoint(model, str(tmp_path / "m"))
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, expected[name], atol=0, rtol=0)

@@ -105,3 +105,17 @@ def test_from_teacher_copies_the_vit_blocks_and_both_heads():
 def test_distillation_token_value_is_checked(tmp_path):
     with pytest.raises(ValueError, match="distillation_token must be 'hard' or 'soft'"):
         args(tmp_path, distillation_token="token")
+
+
+@pytest.mark.slow
+def test_a_resumed_token_student_continues_exactly(tmp_path):
+    """transformers 5 saves DeiT's encoder under its old names; the resumed run loads them all (issue #43 item 5)."""
+    teacher = vit_teacher()
+    flags = dict(max_steps=4, save_strategy="steps", save_steps=2, per_device_train_batch_size=4,
+                 distillation_token="hard", learning_rate=1e-2)
+    whole = _trainer(tmp_path, token_student(teacher), teacher, **flags)
+    whole.train()
+    resumed = _trainer(tmp_path, token_student(teacher), teacher, **flags)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    flat = [torch.cat([p.detach().flatten() for p in t.model.parameters()]) for t in (whole, resumed)]
+    torch.testing.assert_close(flat[1], flat[0], atol=0, rtol=0)
