@@ -3,6 +3,7 @@ offline signal, its metadata, batching of concurrent requests, the API key, and 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import weakref
 
 import pytest
 import torch
@@ -113,6 +115,23 @@ def test_api_key_is_required_when_set(monkeypatch):
         assert client.detect() == "hf_distill"
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("api_key", [None, "s3cret-key"])
+def test_nothing_keeps_the_teacher_after_stop(monkeypatch, api_key):
+    """After requests and stop(), the teacher is garbage-collected and no server thread remains (before: aiohttp's
+    process-wide cache of middleware-wrapped handlers kept every handler, hence the ServedModel, alive)."""
+    teacher = llama(1)
+    gone = weakref.ref(teacher)
+    server = ServerThread(build_app(ServedModel(teacher, _tok(), "tiny", max_k=K), api_key=api_key))
+    monkeypatch.setenv("TEACHER_KEY", api_key or "")
+    client = TeacherClient(server.url, k=K, api_key_env="TEACHER_KEY" if api_key else None)
+    assert client.detect() == "hf_distill" and len(client.score([[5, 9, 7]])) == 1
+    thread = server.thread
+    server.stop()
+    del teacher, server, client
+    gc.collect()
+    assert gone() is None and not thread.is_alive()
 
 
 def test_a_k_above_the_largest_is_answered_400(served):

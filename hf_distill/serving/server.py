@@ -19,8 +19,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import hmac
 import threading
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
@@ -175,13 +177,19 @@ def build_app(served: ServedModel, api_key: str | None = None, max_batch_tokens:
     """The aiohttp application serving `served` (the key, when given, is required as a bearer token)."""
     batcher = Batcher(served, max_batch_tokens)
 
-    @web.middleware
-    async def auth(request: web.Request, handler):
-        if api_key is not None:
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return _error(401, "missing or wrong API key (Authorization: Bearer ...)")
-        return await handler(request)
+    def auth(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+        """The key checked per route, not in a middleware: aiohttp keeps every middleware-wrapped handler (a
+        closure over `served`, hence the teacher) in a process-wide cache that outlives the app and its stop()."""
+
+        @functools.wraps(handler)
+        async def checked(request: web.Request) -> web.StreamResponse:
+            if api_key is not None:
+                given = request.headers.get("Authorization", "")
+                if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                    return _error(401, "missing or wrong API key (Authorization: Bearer ...)")
+            return await handler(request)
+
+        return checked
 
     async def metadata(request: web.Request) -> web.Response:
         return web.json_response(served.metadata)
@@ -238,15 +246,15 @@ def build_app(served: ServedModel, api_key: str | None = None, max_batch_tokens:
         return web.json_response({"id": "cmpl-hf-distill", "object": "text_completion", "model": served.name,
                                   "choices": choices, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
-    app = web.Application(middlewares=[auth], client_max_size=64 * 2**20)
+    app = web.Application(client_max_size=64 * 2**20)  # no middleware: see auth
     app["batcher"] = batcher
     app.on_startup.append(batcher.start)
     app.on_cleanup.append(batcher.stop)
-    app.router.add_get(METADATA_PATH, metadata)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", _ok)
-    app.router.add_post("/tokenize", tokenize)
-    app.router.add_post("/v1/completions", completions)
+    app.router.add_get(METADATA_PATH, auth(metadata))
+    app.router.add_get("/v1/models", auth(models))
+    app.router.add_get("/health", auth(_ok))
+    app.router.add_post("/tokenize", auth(tokenize))
+    app.router.add_post("/v1/completions", auth(completions))
     return app
 
 
@@ -313,6 +321,7 @@ class ServerThread:
         self.port = self.runner.addresses[0][1]
         ready.set()
         self.loop.run_forever()
+        self.loop.close()  # stop() ended it: nothing of the server outlives the thread
 
     @property
     def url(self) -> str:
