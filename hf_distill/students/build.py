@@ -49,7 +49,7 @@ from ..base.recorded_names import recorded_name
 from ..compat import attn_implementation, model_from_config
 from ..features import families
 from ..features.families import Family, register_family
-from . import sentence
+from .sentence import is_sentence_transformer, rebuild
 
 __all__ = [
     "encoder_layers",
@@ -169,8 +169,8 @@ def from_teacher(
     (first) device, in its dtype and train/eval mode. A SentenceTransformer teacher gives a SentenceTransformer
     student: its other modules (tokenizer, Pooling, Normalize) are copied around the student transformer.
     """
-    if sentence.is_sentence_transformer(teacher):  # its Pooling/Normalize kept around the student transformer
-        return sentence.rebuild(teacher, lambda auto: from_teacher(auto, layers, encoder_layers=encoder_layers,
+    if is_sentence_transformer(teacher):  # its Pooling/Normalize kept around the student transformer
+        return rebuild(teacher, lambda auto: from_teacher(auto, layers, encoder_layers=encoder_layers,
                                                                    decoder_layers=decoder_layers))
     if not isinstance(teacher, PreTrainedModel):
         raise TypeError(f"teacher must be a transformers PreTrainedModel, got {type(teacher).__name__}.")
@@ -335,8 +335,8 @@ def shrink(
     ``distillation_token=True`` (a ViT or DeiT teacher): a random transformers ``DeiTForImageClassificationWithTeacher``
     of the teacher's image and label space, trained by ``distillation_token`` (hf_distill.students.distillation_token).
     """
-    if sentence.is_sentence_transformer(teacher_or_config):  # Pooling follows hidden_size; Normalize kept
-        return sentence.rebuild(teacher_or_config, lambda auto: shrink(
+    if is_sentence_transformer(teacher_or_config):  # Pooling follows hidden_size; Normalize kept
+        return rebuild(teacher_or_config, lambda auto: shrink(
             auto, num_layers, hidden_size, num_attention_heads, intermediate_size,
             num_key_value_heads=num_key_value_heads, model_class=model_class, seed=seed, **config_overrides))
     if isinstance(teacher_or_config, PreTrainedModel):
