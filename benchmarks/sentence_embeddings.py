@@ -73,6 +73,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--report", action="store_true", help="only rewrite the .md from the .json of a finished run")
     p.add_argument("--merge", default="", help="with --report: .json files of other students' runs to add")
+    p.add_argument("--merge-seeds", default="", help="with --report: .json files of the same students and settings "
+                   "run with other seeds (by other processes), whose runs join these")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "sentence_embeddings"))
     args = p.parse_args(argv)
     if args.quick:
@@ -218,6 +220,11 @@ def report(data: dict) -> str:
                   + f". Its students ({', '.join(part.get('students', []))}) ran the seeds of its command"
                   + (": with one seed, their ± 0.0000 is no spread." if len((part.get("config") or {}).get(
                       "seeds", [])) == 1 else ".")]
+    for part in data.get("merged_seeds", []):
+        meta = part.get("meta") or {}
+        lines += ["", f"Other seeds run by a separate process at the same time ({part['file']}): "
+                  f"`{meta.get('command')}`, {meta.get('date')}, {meta.get('seconds', 0) / 60:.1f} min; speed-ups are "
+                  "the median of the processes' measurements."]
     lines += ["", f"Seeds {data['config']['seeds']} (mean ± standard deviation over them); target (issue #44): the "
               "3-layer student within 98% of the teacher's probe accuracy and >= 1.8x faster.", "",
               "No KD = the student as built, never trained: for the copied students (L3, L2) the teacher's layers "
@@ -229,9 +236,29 @@ def report(data: dict) -> str:
         share = r["probe_kd"][0] / t["probe"]
         lines.append(f"L3: {100 * share:.1f}% of the teacher's probe accuracy ({'met' if share >= 0.98 else 'missed'}"
                      f"), speed-up {r['speedup']['batch1']:.2f}x / {r['speedup']['batch32']:.2f}x at batch 1 / 32 "
-                     f"({'met' if min(r['speedup'].values()) >= 1.8 else 'missed'} at both).")
+                     f"({', '.join(('met' if v >= 1.8 else 'missed') for v in r['speedup'].values())}).")
     lines += ["", "Config: " + json.dumps(data["config"]), ""]
     return "\n".join(lines)
+
+
+def merge_seeds(data: dict, part: dict, name: str) -> None:
+    """Add `part`'s seeds to `data` (same students and settings, other seeds): runs appended, means and spreads
+    recomputed, speed-ups the median of the processes' measurements. Refuses other settings or a repeated seed."""
+    same = {k: v for k, v in data["config"].items() if k != "seeds"}
+    if same != {k: v for k, v in part["config"].items() if k != "seeds"} or set(data["config"]["seeds"]) & set(
+            part["config"]["seeds"]):
+        raise SystemExit(f"--merge-seeds {name}: its settings differ from this run's or it repeats a seed")
+    if any("layers" not in spec for spec in data["config"]["students"].values()):
+        raise SystemExit(f"--merge-seeds {name}: only copied students (whose no-KD model is seed-free) merge")
+    data["config"]["seeds"] = data["config"]["seeds"] + part["config"]["seeds"]
+    for key, r in data["students"].items():
+        o = part["students"][key]
+        r["runs"] += o["runs"]
+        r["cosine_kd"] = mean_std([x["cosine"] for x in r["runs"]])
+        r["probe_kd"] = mean_std([x["probe"] for x in r["runs"]])
+        r.setdefault("speedups_per_process", [dict(r["speedup"])]).append(o["speedup"])
+        r["speedup"] = {b: statistics.median(m[b] for m in r["speedups_per_process"]) for b in r["speedup"]}
+    data.setdefault("merged_seeds", []).append({"file": name, "meta": part.get("meta")})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -244,7 +271,9 @@ def main(argv: list[str] | None = None) -> int:
             data.setdefault("merged", []).append({"file": portable(other), "meta": part.get("meta"),
                                                   "partial": part.get("partial"), "students": list(part["students"]),
                                                   "config": part.get("config")})
-        if args.merge:
+        for other in filter(None, args.merge_seeds.split(",")):
+            merge_seeds(data, json.loads(Path(other).read_text()), portable(other))
+        if args.merge or args.merge_seeds:
             Path(f"{args.out}.json").write_text(json.dumps(data, indent=1) + "\n")
         Path(f"{args.out}.md").write_text(report(data))
         return 0
