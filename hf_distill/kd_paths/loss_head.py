@@ -17,6 +17,10 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
+# the module, not its names (tests/engine_heads_run.py counts the calls by replacing them there); absolute, as
+# `from . import` would import the package kd_paths, which imports this module
+import hf_distill.kd_paths.engine_heads as engine_heads
+
 from ..features.heads import Head
 from ..features.taps import unwrap
 from ..losses import chunked, sparse_head
@@ -24,7 +28,6 @@ from ..losses.normalise import kd_positions
 from ..placement import ZERO3_SHARDED, teacher_mode
 from ..teacher_sources import DENSE, MODEL, SIGNAL, TeacherRequest, autocast
 from .base import KDPath, PathBatch, PathContext, register_path, shift
-from .engine_heads import FSDP2, ZERO3, check_head, engine, run_student, teacher_head
 
 logger = logging.get_logger(__name__)
 
@@ -96,21 +99,21 @@ def _refusal(ctx: PathContext, student: nn.Module) -> str | None:
 def _engine_refusal(ctx: PathContext, student: nn.Module, teachers: list) -> str | None:
     """Why the loss head cannot run under this run's engine (FSDP1; a wrapped LM head under FSDP2 or multi-process
     ZeRO-3), or None. FSDP2 and ZeRO-3 hand the head whole weights, gathered once per step (engine_heads)."""
-    if str(getattr(ctx.accelerator, "distributed_type", "")).endswith("FSDP") and engine(
+    if str(getattr(ctx.accelerator, "distributed_type", "")).endswith("FSDP") and engine_heads.engine(
             ctx.accelerator) is None:
         # FSDP1 keeps the LM head as a piece of the root unit's flat-parameter shard outside the model's forward
         # (a 1-D slice, possibly split across ranks): no per-parameter way to gather it with its gradient.
         return ("under FSDP1 the LM head is a piece of a flat-parameter shard outside the model's forward, which "
                 "the loss head cannot gather with its gradient; use FSDP2 (fsdp_config={'version': 2}) or DDP for "
                 "the loss head")
-    kind = engine(ctx.accelerator)
-    if kind is None or (kind == ZERO3 and _zero3_processes(ctx.accelerator) <= 1):
+    kind = engine_heads.engine(ctx.accelerator)
+    if kind is None or (kind == engine_heads.ZERO3 and _zero3_processes(ctx.accelerator) <= 1):
         return None  # one ZeRO-3 process: a wrapped head is called as a module (no one to wait for)
     models = [("student", student)] + [("teacher", t) for t in teachers[:1] if isinstance(t, nn.Module)]
     for role, model in models:
         with contextlib.suppress(ValueError, AttributeError):
             if not chunked.logits_fn(model).direct:
-                return (f"under {'FSDP2' if kind == FSDP2 else 'DeepSpeed ZeRO-3 with several processes'} "
+                return (f"under {'FSDP2' if kind == engine_heads.FSDP2 else 'DeepSpeed ZeRO-3 with several processes'} "
                         f"the loss head reads the LM head's weight, gathered once per step, and the {role}'s LM head "
                         f"({type(chunked.logits_fn(model).module).__name__}) is not a plain nn.Linear; merge or "
                         "drop the adapter on the LM head")
@@ -141,14 +144,14 @@ class LossHead(KDPath):
         teacher = ctx.teacher_side.teacher
         if state.rebuilds is None:
             try:  # under the forward's autocast (mixed precision): the LM head multiplies in its dtype there too
-                kind = engine(ctx.accelerator)
+                kind = engine_heads.engine(ctx.accelerator)
                 with _unsharded(model), autocast(ctx.accelerator):
                     chunked.check_logits_fn(state.inner, state.inner.config.vocab_size, "student",
-                                            check_head(kind, chunked.logits_fn(state.inner)))
+                                            engine_heads.check_head(kind, chunked.logits_fn(state.inner)))
                 if teacher is not None and not ctx.teacher_rebuilds:
                     with _unsharded(teacher), autocast(ctx.accelerator):
                         chunked.check_logits_fn(teacher, unwrap(teacher).config.vocab_size, "teacher",
-                                                check_head(kind, chunked.logits_fn(teacher)))
+                                                engine_heads.check_head(kind, chunked.logits_fn(teacher)))
                     ctx.teacher_rebuilds = True
                 state.rebuilds = True
             except ValueError as err:
@@ -176,10 +179,10 @@ class LossHead(KDPath):
                                position_ids=inputs.get("position_ids"))  # packed rows: not across sequences
         teacher = batch.teacher
         t_logits, t_hidden = teacher.views[0][0] if teacher.views else None, teacher.hidden
-        kind = engine(ctx.accelerator)
+        kind = engine_heads.engine(ctx.accelerator)
         gathered = kind is not None and self.s_head.direct and (self.t_head is None or self.t_head.direct)
         # under FSDP2 / ZeRO-3 the teacher's head whole, gathered once per step (every process: a collective)
-        t_head = teacher_head(kind, self.t_head, t_hidden.dtype) if gathered and t_hidden is not None and (
+        t_head = engine_heads.teacher_head(kind, self.t_head, t_hidden.dtype) if gathered and t_hidden is not None and (
             kd_fn is not None or ctx.shared_vocab is not None) else self.t_head
         if ctx.shared_vocab is not None and t_hidden is not None and 0 not in ctx.padding.checked:
             with torch.no_grad():  # the teacher's logits on the first batch's distilled tokens, a few rows at a time
@@ -204,7 +207,7 @@ class LossHead(KDPath):
                 empty = not _counts_a_token(s_hidden, kd_mask, ce_labels, kd_fn is not None)
                 own = batch.outputs.get("logits") if isinstance(batch.outputs, dict) else getattr(
                     batch.outputs, "logits", None)  # the forward's own (empty) call of the head: engine_heads
-                both = run_student(kind, self.s_head, s_hidden, empty, terms, anchor=own)
+                both = engine_heads.run_student(kind, self.s_head, s_hidden, empty, terms, anchor=own)
                 kd, ce = (both[0] if kd_fn is not None else None), (both[1] if ce_labels is not None else None)
         return kd, (ctx.task.with_router_loss(batch.inner, batch.outputs, ce) if ce is not None else None)
 
