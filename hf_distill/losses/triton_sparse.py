@@ -29,15 +29,8 @@ try:
 except ImportError:  # pragma: no cover - CPU-only installs
     triton = None
 
-_BLOCK = 2048
-_WARPS = 16
-_GRAD_BLOCK = 4096
-_GRAD_WARPS = 8
-
-
-def available(device: torch.device) -> bool:
-    return triton is not None and device.type == "cuda"
-
+# the dense kernels' launch settings and CUDA check (`available` is this module's too: sparse_head asks it here)
+from .triton_head import _BLOCK, _GRAD_BLOCK, _GRAD_WARPS, _WARPS, available  # noqa: F401
 
 if triton is not None:
 
