@@ -142,7 +142,7 @@ def check_served_fields(args: Any) -> None:
                          "leave it unset to detect it from the server.")
 def check_distillation_token(args: Any) -> None:
     """DeiT's distillation head (hf_distill.kd_paths.distillation_token): hard or soft."""
-    if args.distillation_token not in ("hard", "soft"):
+    if args.distillation_token not in (None, "hard", "soft"):
         raise ValueError(f"DistillationArguments.distillation_token must be 'hard' or 'soft', got "
                          f"{args.distillation_token!r}.")
 

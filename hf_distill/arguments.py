@@ -320,14 +320,14 @@ class DistillationArguments(TrainingArguments):
     teacher_prefetch: bool = field(
         default=True, metadata={"help": "Served teacher: send the next optimizer step's requests while the current "
                                 "step computes (its completions generated on-policy are sent once generated)."})
-    distillation_token: str = field(
-        default="hard",
+    distillation_token: str | None = field(
+        default=None,
         metadata={
             "help": "A student with DeiT's class and distillation tokens (`cls_classifier` + "
             "`distillation_classifier`, transformers' DeiTForImageClassificationWithTeacher): the task loss trains "
             "the class head and the KD term the distillation head, against the teacher's argmax (`hard`, DeiT's "
-            "best) or its softened distribution (`soft`: kd_loss at temperature). Ignored for students without "
-            "both heads."
+            "best) or its softened distribution (`soft`: kd_loss at temperature). Unset: `hard`. Refused for a "
+            "student without both heads (it would do nothing)."
         },
     )
     eval_with_teacher: bool = field(

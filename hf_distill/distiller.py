@@ -49,6 +49,7 @@ from .features.heads import (
 )
 from .features.taps import forward, unwrap
 from .kd_paths import KDPath, KDPaths, PathBatch, PathContext
+from .kd_paths.distillation_token import has_distillation_token
 from .losses import cross_tokenizer
 from .losses.intermediate import IntermediateDistiller
 from .losses.normalise import COUNT_KINDS, StepCounts, batch_counts, decoder_positions
@@ -156,6 +157,10 @@ class Distiller:
             t if (i == 0 and self.shared_base) else self._place(t, student) for i, t in enumerate(teachers)
         ]
         self.teacher = self.teachers[0] if self.teachers else None
+        if args.distillation_token is not None and not has_distillation_token(unwrap(student)):
+            raise ValueError(f"distillation_token={args.distillation_token!r} applies to a student with DeiT's class "
+                             "and distillation heads (students.from_teacher(..., distillation_token=True)); this "
+                             f"student ({type(unwrap(student)).__name__}) has none: leave distillation_token unset.")
         # An image student: the pixel_values its teacher reads (issue #43, hf_distill.data.image_inputs)
         self.images = TeacherImages.for_run(unwrap(student), processing_class,
                                             t_tokenizers[0] if t_tokenizers else None,

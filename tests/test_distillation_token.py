@@ -107,6 +107,13 @@ def test_distillation_token_value_is_checked(tmp_path):
         args(tmp_path, distillation_token="token")
 
 
+def test_distillation_token_on_a_student_without_the_token_is_refused(tmp_path):
+    """A field that would do nothing is refused, as the project's others (it was ignored)."""
+    teacher = vit_teacher()
+    with pytest.raises(ValueError, match="distillation_token='soft' applies to a student with DeiT's"):
+        _trainer(tmp_path, vit_teacher(seed=1), teacher, distillation_token="soft")
+
+
 @pytest.mark.slow
 def test_a_resumed_token_student_continues_exactly(tmp_path):
     """transformers 5 saves DeiT's encoder under its old names; the resumed run loads them all (issue #43 item 5)."""

@@ -81,7 +81,7 @@ class DistillationToken(KDPath):
     def token_loss(self, head: Head, s: torch.Tensor, t: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
         """Hard: cross-entropy against the teacher's decision (per label for multi-label: its logit > 0); soft: the
         run's `kd_loss` at `temperature` (hf_distill.kd_paths.whole_logits)."""
-        mode = self.ctx.args.distillation_token
+        mode = self.ctx.args.distillation_token or "hard"
         t = t.detach().to(s.device)
         if mode == "hard":
             if head is Head.MULTI_LABEL:
