@@ -424,7 +424,10 @@ def test_evaluate_teacher_reads_the_teachers_own_tokenization(tmp_path, tokenize
                       labels=batch["teacher_labels"]).loss
         on_student_ids = teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                                  labels=batch["labels"]).loss
-    assert abs(float(own) - float(on_student_ids)) > 0.05  # the two readings differ, so the check below can fail
+    # The two readings differ beyond the check's tolerance, so the check below can fail. (By how much depends on
+    # the tokenizers' training, whose ties the `tokenizers` trainers break differently from run to run: seen
+    # from 0.001 to 0.15 here, so a fixed 0.05 margin failed some runs.)
+    assert float(on_student_ids) != pytest.approx(float(own), rel=2e-5)
     assert got == pytest.approx(float(own), rel=1e-5)
 
 
