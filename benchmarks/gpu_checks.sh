@@ -24,7 +24,7 @@
 #                                       and ZeRO-3 at world size 1 (V 128,256, bf16; issue #41 item 4). Checked on
 #                                       the CPU first: `python benchmarks/engine_memory.py --gpu --tiny`
 # STEPS="causal_lm_gpu head_modes kd_precision cuda_tests distributed_gpu engine_memory_gpu" (the default) selects
-# and orders them.
+# and orders them; BUDGET=seconds bounds the whole run (see step() below).
 # The machine has torch but not datasets/deepspeed, and an older transformers: carry wheels in .gpuwheels
 # (see benchmarks/README.md, "GPU checks") and they are installed offline first. Results go to $OUT (or
 # benchmarks/results when OUT is unset); each step has its own time limit so one slow step cannot eat the rest.
@@ -45,9 +45,14 @@ log="$OUT/gpu_checks.log"
 transformers.__version__, 'accelerate', accelerate.__version__, 'datasets', datasets.__version__)"
 } >"$log" 2>&1
 
+# BUDGET (seconds, optional): the whole script's wall-clock limit; each step gets min(its limit, what is left), and a
+# step with under 30 s left is skipped (written to the log), so a device call's timeout never cuts off the results.
+deadline=$(( $(date +%s) + ${BUDGET:-100000} ))
 step() {  # name, seconds, command...
   local name=$1 limit=$2; shift 2
-  local start=$(date +%s)
+  local start=$(date +%s) left=$(( deadline - $(date +%s) ))
+  if (( left < 30 )); then echo "$name: skipped, ${left} s of BUDGET left" >>"$log"; return; fi
+  (( limit > left )) && limit=$left
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   echo "$name: rc=$? in $(( $(date +%s) - start )) s" >>"$log"
 }

@@ -137,6 +137,21 @@ def test_agreement_gives_zero_loss_and_zero_kd_gradient(kind):
     assert float(gh.abs().max()) < 1e-5 and float(gw.abs().max()) < 1e-5 and float(gb.abs().max()) < 1e-5
 
 
+def test_tvd_sign_is_read_from_a_shift_below_the_logits_last_bit():
+    """TVD's gradient jumps where P = Q. Against a teacher `log P = log Q + shift`, a shift below half of `la`'s last
+    bit (a tail of small per-column mass, its total one float32 step off) vanished in `la + shift`, and sign(Q - P)
+    became 0 instead of -1 (found on an H200: the CUDA kernel and this PyTorch path alike). Against float64."""
+    la = torch.tensor([[-12.3, -12.1, -11.7, -9.5, -2.0]])  # |la| in [8, 16): half a last bit is 4.8e-7
+    shift = torch.tensor([[2.4e-7, 2.4e-7, -2.4e-7, 2.4e-7, 0.3]])
+    stat, w_kd = torch.tensor([0.1]), torch.tensor([1.0])
+    got = sparse_head._sparse_grad_block(la, shift, 0, None, None, None, torch.zeros(1), stat, w_kd, "tvd", 1.0,
+                                         0.5, 0.1, 1.0, None, torch.float32)
+    la64, shift64 = la.double(), shift.double()
+    q = la64.exp()
+    want = q * (0.5 * torch.sign(q - (la64 + shift64).exp()) - 0.1)
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=0)
+
+
 # ---------------------------------------------------------------------- precision (issue #29's bound)
 
 

@@ -58,6 +58,16 @@ def row_gradient(kind: str, la: torch.Tensor, lb: torch.Tensor, stat: torch.Tens
     return entry.grad(la, lb, stat, entry.weight(beta, alpha))
 
 
+def shift_gradient(kind: str, la: torch.Tensor, shift: torch.Tensor, stat: torch.Tensor, beta: float = 0.5,
+                   alpha: float = 0.1) -> torch.Tensor:
+    """:func:`row_gradient` against a teacher given as `log P = log Q + shift` (the sparse head): the entry's
+    ``shift_grad`` where it has one (a gradient that jumps where P = Q reads the jump from the exact shift)."""
+    entry = get_divergence(kind, needs="rows")
+    if entry.shift_grad is not None:
+        return entry.shift_grad(la, shift, stat, entry.weight(beta, alpha))
+    return entry.grad(la, la + shift, stat, entry.weight(beta, alpha))
+
+
 def _head_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, head: LogitsHead,
                  dtype: torch.dtype, cols: slice = slice(None)) -> torch.Tensor:
     """float32 logits of rows `h` (already in `dtype`) for the vocabulary columns `cols`, post-processed."""

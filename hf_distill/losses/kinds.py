@@ -168,6 +168,11 @@ def _tvd_grad(la, lb, stat, w=None):
     return q * (0.5 * torch.sign(q - lb.exp()) - stat)
 
 
+def _tvd_shift_grad(la, shift, stat, w=None):
+    # P = Q e^shift: sign(Q - P) = sign(-shift) exactly, however far below la's last bit the shift is
+    return la.exp() * (0.5 * torch.sign(-shift) - stat)
+
+
 # ---------------------------------------------------------------------------------------------- the entries
 
 _SKEW_ALPHA = "skew_alpha"
@@ -201,4 +206,4 @@ register(Divergence(
     method="distillm"))
 register(Divergence(
     "tvd", "total variation distance", _tvd_rows, _tvd_grad, total_variation, triton_code=6,
-    help="T**2 * total variation distance", method="tvd-kd"))
+    help="T**2 * total variation distance", method="tvd-kd", shift_grad=_tvd_shift_grad))

@@ -70,6 +70,10 @@ class Divergence:
     - ``label`` / ``help`` / ``method``: what the model card's loss table calls it, the `kd_loss` help text's
       description, and the card's method tag (None: plain logit KD).
     - ``multi_label``: the per-label (sigmoid) form for multi-label heads; None: refused for them.
+    - ``shift_grad``: ``grad`` against a teacher given as ``log P = log Q + shift`` (the sparse head), called as
+      ``shift_grad(la, shift, stat, weight)``; None: ``grad(la, la + shift, ...)``. Needed by a gradient that jumps
+      where P = Q (TVD's sign): in float32 ``la + shift`` rounds a shift below ``la``'s last bit away, and the jump
+      must be read from the shift itself.
     """
 
     name: str
@@ -83,6 +87,7 @@ class Divergence:
     help: str = ""
     method: str | None = None
     multi_label: Callable[..., torch.Tensor] | None = field(default=None, compare=False)
+    shift_grad: GradFn | None = field(default=None, compare=False)
 
     @property
     def softmax(self) -> bool:

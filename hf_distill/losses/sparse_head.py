@@ -44,7 +44,7 @@ from .kd_head import (
     _fused_state,
     _post_grad,
     _spec_args,
-    row_gradient,
+    shift_gradient,
 )
 from .teacher_forms import TopKTail, as_teacher
 
@@ -190,7 +190,7 @@ def _sparse_grad_block(zs: torch.Tensor, shift: torch.Tensor | None, start: int,
     g = _ce_grad(zs, start, targets, lse1, w_ce)
     if shift is not None:
         la = (zs / temperature if temperature != 1.0 else zs) - lse_a[:, None]
-        g = g + row_gradient(kind, la, la + shift, stat[:, None], beta, alpha) * w_kd[:, None]
+        g = g + shift_gradient(kind, la, shift, stat[:, None], beta, alpha) * w_kd[:, None]
     return _post_grad(g, zs, scale, cap, dtype)
 
 

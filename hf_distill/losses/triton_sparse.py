@@ -12,7 +12,8 @@ needs another normaliser, at T = 1 over every column. The student's normaliser i
 Backward (:func:`grad_block`): the dense closed form against `log P_v = log Q_v + shift_v`. The shift is the row's
 tail shift on every column but the row's k ids: one program per row and tile of columns writes every column with
 the tail shift, then one program per row rewrites the k ids that fall in the block with their own shift (the same
-element function: no `(rows, columns)` shift tensor exists).
+element function: no `(rows, columns)` shift tensor exists). TVD's sign is read from the shift, not from the rounded
+`la + shift` (:func:`hf_distill.losses.kd_head.shift_gradient`).
 """
 
 from __future__ import annotations
@@ -74,7 +75,11 @@ if triton is not None:
             g += (tl.exp(zs - tl.load(lse1_ptr + row)) - onehot) * tl.load(wce_ptr + row)
         if HAS_KD:
             la = zs * inv_t - tl.load(lsea_ptr + row)
-            g += _kd_grad(la, la + shift, tl.load(stat_ptr + row), KIND, beta, alpha) * tl.load(wkd_ptr + row)
+            if KIND == 6:  # tvd: sign(Q - P) = sign(-shift), exactly (kd_head.shift_gradient)
+                sign = tl.where(shift < 0.0, 1.0, tl.where(shift > 0.0, -1.0, 0.0))
+                g += tl.exp(la) * (0.5 * sign - tl.load(stat_ptr + row)) * tl.load(wkd_ptr + row)
+            else:
+                g += _kd_grad(la, la + shift, tl.load(stat_ptr + row), KIND, beta, alpha) * tl.load(wkd_ptr + row)
         if HAS_CAP:
             r = zs * inv_cap
             g = g * (1.0 - r * r)
