@@ -105,7 +105,10 @@ def test_bytes_per_token_of_the_compact_layout(tmp_path):
 def test_compact_settings_are_refused_before_anything_is_written(tmp_path):
     for kw, match in ((dict(layout="tiny"), "layout='tiny': use None"),
                       (dict(layout="compact", value_bits=0), "value_bits must be an integer in 1..16"),
-                      (dict(layout="compact", value_step=-1.0), "value_step must be a finite number")):
+                      (dict(layout="compact", value_step=-1.0), "value_step must be a finite number"),
+                      (dict(value_bits=4), "value_bits=4 set the compact layout's quantisation, which format 2 does "
+                                           "not have: add layout='compact'"),
+                      (dict(value_step=0.1), "value_step=0.1 set the compact")):
         with pytest.raises(ValueError, match=match):
             create_teacher_signal(llama(1), sft_rows(2), tmp_path / "s", tokenizer=_tokenizer(), progress=False, **kw)
         assert not (tmp_path / "s").exists()

@@ -66,7 +66,7 @@ from ..teacher import teacher_tokenizer
 from .cache_key import _dataset_digest, teacher_fingerprint
 from .signal_checks import META_FILE as _META_FILE
 from .signal_checks import check_signal_run, check_signal_settings, check_signal_tokenizer
-from .signal_compact import CompactSpec, compact_spec, decode_rows, encode_rows, normalised
+from .signal_compact import CompactSpec, decode_rows, encode_rows, layout_spec, normalised
 from .signal_format import (
     _MARKER,
     COMPACT_FORMAT,
@@ -133,7 +133,7 @@ def create_teacher_signal(
     progress: bool = True,
     command: str | None = None,
     layout: str | None = None,
-    value_bits: int = 8,
+    value_bits: int | None = None,
     value_step: float | None = None,
 ) -> datasets.Dataset:
     """The teacher signal of `teacher` over `dataset`, written to `output_dir` (resumed if it holds part of it).
@@ -158,8 +158,8 @@ def create_teacher_signal(
             call, written as Python).
         layout: None: format 2 ("packed", or "split" past 2**17 ids); "compact": format 3 (hf_distill.data
             .signal_compact: bit-packed ids, log-probabilities quantised to `value_bits` bits in steps of
-            `value_step` nats below each position's largest; default step: a 16-nat range), about 80 bytes a token
-            at k = 32 of a 4,096-id vocabulary.
+            `value_step` nats below each position's largest; default: 8 bits, a 16-nat range), about 80 bytes a
+            token at k = 32 of a 4,096-id vocabulary. Either given without layout="compact" is refused.
     """
     inner = unwrap(teacher)
     vocab = getattr(getattr(inner, "config", None), "vocab_size", None)
@@ -167,9 +167,7 @@ def create_teacher_signal(
         raise ValueError("The teacher has no config.vocab_size: give a transformers causal-LM teacher.")
     check_signal_settings(dataset, output_dir, k=k, temperature=temperature, kd_token_mask=kd_token_mask,
                           vocab_size=vocab, batch_size=batch_size, rows_per_shard=rows_per_shard)
-    if layout not in (None, "compact"):
-        raise ValueError(f"layout={layout!r}: use None (format 2, packed ids and float16 values) or 'compact'.")
-    spec = compact_spec(k, vocab, value_bits, value_step) if layout == "compact" else None
+    spec = layout_spec(layout, k, vocab, value_bits, value_step)
     check_signal_tokenizer(tokenizer, vocab, own=teacher_tokenizer(teacher)[0])
     run_on = check_signal_run(teacher, dtype, device)
     columns = [c for c in ("input_ids", "attention_mask", "labels") if c in dataset.column_names]
