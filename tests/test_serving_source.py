@@ -300,3 +300,25 @@ def test_a_key_the_server_wants_and_packed_rows_are_refused(tmp_path, server):
     batch["position_ids"] = torch.arange(batch["input_ids"].shape[1])[None]
     with pytest.raises(ValueError, match="packs several sequences per row"):
         source.logits(batch)
+
+
+def test_left_padded_rows_whose_first_token_is_learnt_are_refused_naming_the_padding_side(tmp_path, server):
+    """DataCollatorForLanguageModeling with padding_side="left" learns each row's first real token from the padding
+    before it, a position a served teacher (scoring real tokens alone) has no distribution for."""
+    source = Distiller(llama(0), _run(tmp_path), server().url, processing_class=_tok()).served[0]
+    batch = labelled_collate([sft_rows(2)[i] for i in range(2)])
+    right = source.logits({k: v.clone() for k, v in batch.items()})
+    n = batch["attention_mask"].sum(1)
+    short = int(n.argmin())
+    shift = int(n.max() - n[short])
+    assert shift > 0  # the shorter row moves right by its padding
+    for key, fill in (("input_ids", 1), ("attention_mask", 0), ("labels", -100)):
+        batch[key][short] = torch.cat([torch.full((shift,), fill), batch[key][short, : int(n[short])]])
+    batch["labels"][short, shift] = batch["input_ids"][short, shift]  # its first real token learnt
+    with pytest.raises(ValueError, match=rf"Row {short} of this batch is left-padded.*padding_side='right'"):
+        source.logits(batch)
+    batch["labels"][short, shift] = -100
+    left = source.logits(batch)  # left padding alone is fine: the same distributions, moved with the tokens
+    end = int(n[short]) - 1
+    assert torch.equal(left[0][short, shift + 1 : shift + end], right[0][short, 1:end])
+    assert torch.equal(left[1][short, shift + 1 : shift + end], right[1][short, 1:end])

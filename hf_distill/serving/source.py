@@ -311,7 +311,12 @@ class ServedTeacher:
             if not len(where):
                 continue
             local = where - first
-            if local.min() < 0 or local.max() >= scores.positions:
+            if local.min() < 0:  # position first - 1 is padding: its logits predict the first real token
+                raise ValueError(f"Row {i} of this batch is left-padded and its labels count its first real token, "
+                                 "which only a padding position predicts: a served teacher scores the row's real "
+                                 "tokens alone, so it has no distribution there. Pad on the right (tokenizer."
+                                 "padding_side='right'), or set the first real token's label to -100.")
+            if local.max() >= scores.positions:
                 raise ValueError(f"Row {i} of this batch counts KD positions outside its real tokens (labels on "
                                  "padding, or real tokens that are not contiguous): a served teacher scores each "
                                  "row's real tokens.")
