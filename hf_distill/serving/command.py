@@ -53,6 +53,7 @@ def cmd_teacher(args: argparse.Namespace, error: Any, device: Any, load: Any) ->
         key = os.environ.get(args.api_key_env)
         if not key:
             raise error(f"--api-key-env {args.api_key_env}: that environment variable is not set (or empty).", 2)
+    _check_address(args.host, args.port, error)
     run_on = device(args.device)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -67,6 +68,23 @@ def cmd_teacher(args: argparse.Namespace, error: Any, device: Any, load: Any) ->
                          device=None if run_on is None else str(run_on), dtype=dtype)
     serve(served, host=args.host, port=args.port, api_key=key, max_batch_tokens=args.max_batch_tokens)
     return 0
+
+
+def _check_address(host: str, port: int, error: Any) -> None:
+    """Bind the address once, as the server will (SO_REUSEADDR, as aiohttp sets it), before the model loads: a port
+    in use or a host that is not this machine's is one error line, not a traceback after a long load."""
+    import errno
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as err:
+        fix = ("choose a free port (--port), or stop what listens on it" if err.errno == errno.EADDRINUSE else
+               "give an address of this machine (--host; default 127.0.0.1) and a port you may use (--port)")
+        raise error(f"--host {host} --port {port}: cannot listen there ({err.strerror or err}): {fix}.", 2) from None
 
 
 __all__ = ["add_parser", "cmd_teacher"]
