@@ -112,6 +112,12 @@ def decode_rows(codes: list[np.ndarray], per_row: list[int], spec: CompactSpec) 
     """Rows' bit streams (`codes[i]` may carry padding bytes past its `per_row[i]` positions) -> the positions'
     `(relative log-probabilities (n, k): 0 for the top id, -q * step for the rest, ids (n, k))`, rows back to back."""
     r = spec.record_bits
+    for i, (c, n) in enumerate(zip(codes, per_row, strict=True)):
+        if len(c) < (n * r + 7) // 8:
+            raise ValueError(f"Row {i} of this batch reads a damaged teacher signal ({len(c)} bytes of bit stream for "
+                             f"{n} positions of {r} bits): its files changed after they were written (a broken copy "
+                             "or download): download the signal again, or run the command that made it again into a "
+                             "new folder.")
     parts = [np.unpackbits(np.asarray(c, dtype=np.uint8)[: (n * r + 7) // 8])[: n * r].reshape(n, r)
              for c, n in zip(codes, per_row, strict=True) if n]
     bits = np.concatenate(parts) if parts else np.zeros((0, r), np.uint8)

@@ -42,6 +42,7 @@ __all__ = [
     "SIGNAL_VALUES",
     "attach_teacher_signal",
     "check_batch_positions",
+    "check_signal_entries",
     "check_teacher_signal",
     "padded_rows",
     "positions_hashes",
@@ -154,6 +155,28 @@ def check_batch_positions(cached: dict[str, Any], counted: torch.Tensor, attenti
                 f"Row {i} of this batch counts as many KD positions as its teacher signal but other ones (its labels "
                 "or attention mask moved since the signal was made, e.g. by a collator or a shifted prompt/"
                 "completion boundary): collate the rows as they were when the signal was created.")
+
+
+DAMAGED = ("its files changed after they were written (a broken copy or download): download the signal again, or "
+           "run the command that made it again into a new folder")
+"""The fix named when a signal's stored bytes do not decode to a top-k distribution."""
+
+
+def check_signal_entries(values: torch.Tensor, indices: torch.Tensor, tails: torch.Tensor, rows: torch.Tensor) -> None:
+    """Refuse a batch whose decoded signal cannot be a teacher's top-k (`values`, `indices`: (n, k) positions back to
+    back, `tails`: (n,), `rows`: each position's batch row): every writer stores k distinct ids in decreasing
+    probability and a tail mass at most 1, so repeated ids, values out of order or a positive log tail mean damaged
+    bytes. Neither layout carries a checksum: this catches damage with high probability, not with certainty."""
+    if not len(values):
+        return
+    checks = (((indices.sort(-1).values.diff(dim=-1) == 0).any(-1), "an id repeated among a position's top k"),
+              ((values.diff(dim=-1) > 0).any(-1), "log-probabilities out of their decreasing order"),
+              (tails > 1e-3, "a tail mass above 1"))
+    for bad, what in checks:
+        if bool(bad.any()):
+            row = int(rows[int(bad.nonzero()[0])])
+            raise ValueError(f"Row {row} of this batch reads a damaged teacher signal ({what}): {DAMAGED}. The batch "
+                             "was not trained.")
 
 
 def signal_metadata(dataset: Any) -> dict[str, Any] | None:

@@ -70,6 +70,7 @@ from .signal_compact import CompactSpec, decode_rows, encode_rows, layout_spec, 
 from .signal_format import (
     _MARKER,
     COMPACT_FORMAT,
+    DAMAGED,
     SIGNAL_CODES,
     SIGNAL_FORMAT,
     SIGNAL_POSITIONS,
@@ -81,6 +82,7 @@ from .signal_format import (
     _format_checked,
     attach_teacher_signal,
     check_batch_positions,
+    check_signal_entries,
     check_teacher_signal,
     counted_positions,
     padded_rows,
@@ -408,10 +410,18 @@ def load_teacher_signal(
     shards = sorted(folder.glob("shard-*.arrow"))
     info = datasets.DatasetInfo(description=_MARKER + json.dumps(meta, sort_keys=True),
                                 features=_features(meta["layout"]))
-    parts = [datasets.Dataset.from_file(str(p), info=info) for p in shards]
+    parts = []
+    for shard in shards:
+        try:
+            parts.append(datasets.Dataset.from_file(str(shard), info=info))
+        except (OSError, pa.ArrowException) as err:  # a truncated or overwritten Arrow stream
+            raise ValueError(f"The teacher signal in {folder}: {shard.name} cannot be read ({err}), a truncated or "
+                             "damaged file: download the signal again, or run the command that made it again, which "
+                             f"rewrites the shards it cannot read ({meta.get('command')}).") from None
     signal = datasets.concatenate_datasets(parts, info=info)
     if len(signal) != meta["rows"]:
-        raise ValueError(f"The teacher signal in {folder} has {len(signal)} rows, its metadata says {meta['rows']}.")
+        raise ValueError(f"The teacher signal in {folder} has {len(signal)} rows in {len(shards)} shard files, its "
+                         f"metadata says {meta['rows']}: {DAMAGED}.")
     return streamed(signal, num_shards=len(shards)) if streaming else signal
 
 
@@ -455,6 +465,7 @@ def signal_teacher(
         relative, indices = decode_rows(list(torch.as_tensor(cached[SIGNAL_CODES]).cpu().numpy()),
                                         stored.sum(-1).tolist(), spec)
         tail = tails[stored].view(n_total)
+        check_signal_entries(relative, indices, tail.cpu(), stored.nonzero()[:, 0].cpu())
         outcomes = torch.cat([normalised(relative.to(ids.device), tail), tail[:, None]], -1)
         indices = indices.to(ids.device)
     else:
@@ -463,6 +474,8 @@ def signal_teacher(
         entries = stored.repeat_interleave(k, dim=1)  # each stored position's k entries
         split = torch.as_tensor(cached[SIGNAL_VALUES]).to(ids.device)[entries] if SIGNAL_VALUES in cached else None
         values, indices = unpack(topk[entries], split)
+        check_signal_entries(values.view(n_total, k), indices.view(n_total, k), tails[stored],
+                             stored.nonzero()[:, 0])
         outcomes = torch.cat([values.view(n_total, k), tails[stored].view(n_total, 1)], -1)
         outcomes = outcomes - outcomes.logsumexp(-1, keepdim=True)  # float16 rounding: k + 1 outcomes sum to 1
     b, t = ids.shape
