@@ -196,6 +196,11 @@ def test_metadata_survives_save_load_and_streaming(tmp_path):
     stream = load_teacher_signal(tmp_path / "signal", streaming=True)
     assert isinstance(stream, datasets.IterableDataset) and signal_metadata(stream)["k"] == K
     assert [r[SIGNAL_ROW] for r in stream] == joined[SIGNAL_ROW]
+    whole = load_teacher_signal(tmp_path / "signal")
+    for streamed_rows, signal in ((rows, stream), (rows.to_iterable_dataset(), whole)):
+        with pytest.raises(ValueError, match=r"attach_teacher_signal got a streamed (signal|rows) \(IterableDataset\)"
+                                             r".*streamed\(attach_teacher_signal\(rows, signal\)\)"):
+            attach_teacher_signal(streamed_rows, signal)
 
 
 # ---------------------------------------------------------------------- refusing misuse

@@ -192,6 +192,13 @@ def attach_teacher_signal(rows: datasets.Dataset, signal: datasets.Dataset) -> d
     """`rows` with the signal's columns added side by side, after checking that every row is the one the signal
     was made from: its `input_ids` hash and its counted positions' hash (its labels or attention mask, by the
     signal's kd_token_mask). Stream the result with `streamed(...)`."""
+    streams = [name for name, data in (("rows", rows), ("signal", signal))
+               if isinstance(data, datasets.IterableDataset)]
+    if streams:
+        raise ValueError(f"attach_teacher_signal got a streamed {' and '.join(streams)} (IterableDataset): it checks "
+                         "every row against the signal first, so it joins two Datasets. Give load_teacher_signal(path) "
+                         "without streaming=True (its files are memory-mapped, not read into memory) and the rows as "
+                         "a Dataset, then stream the result: streamed(attach_teacher_signal(rows, signal)).")
     meta = _format_checked(signal_metadata(signal), "The teacher signal")
     if len(rows) != len(signal):
         raise ValueError(f"The rows ({len(rows)}) and the teacher signal ({len(signal)} rows) differ in length: "
