@@ -310,8 +310,9 @@ def test_packed_rows_are_scored_one_sequence_at_a_time(tmp_path, server):
     packed = {"input_ids": torch.tensor([sum((r["input_ids"] for r in rows), [])]),
               "labels": torch.tensor([sum((r["labels"] for r in rows), [])]),
               "position_ids": torch.cat([torch.arange(len(r["input_ids"])) for r in rows])[None]}
-    got = [distiller.compute_loss(student, dict(b)).item() for b in (packed, padded)]
-    assert got[0] == pytest.approx(got[1], rel=1e-5)
+    broadcast = dict(padded, position_ids=torch.arange(padded["input_ids"].shape[1])[None])  # (1, T) for every row
+    got = [distiller.compute_loss(student, dict(b)).item() for b in (packed, padded, broadcast)]
+    assert got[0] == pytest.approx(got[1], rel=1e-5) and got[2] == pytest.approx(got[1], rel=1e-5)
 
 
 def test_left_padded_rows_whose_first_token_is_learnt_are_refused_naming_the_padding_side(tmp_path, server):

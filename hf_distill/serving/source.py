@@ -55,7 +55,7 @@ def _sequences(batch: dict[str, Any]) -> list[list[tuple[int, list[int]]]]:
         if not packed or len(cols) < 2:
             out.append([(int(cols[0]) if len(cols) else 0, row[cols].tolist())])
             continue
-        p = pos[i].cpu()[cols]
+        p = pos[i if pos.shape[0] > 1 else 0].cpu()[cols]  # (1, T) position_ids broadcast over the rows
         cuts = [0, *((p[1:] != p[:-1] + 1).nonzero().flatten() + 1).tolist(), len(cols)]
         out.append([(int(cols[a]), row[cols[a:b]].tolist()) for a, b in zip(cuts, cuts[1:], strict=False)])
     return out
