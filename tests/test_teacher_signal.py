@@ -354,13 +354,14 @@ def test_bf16_teacher_forwards(tmp_path):
 
 
 def test_a_truncated_shard_is_refused_naming_it_and_the_same_command_repairs_it(tmp_path):
-    signal = _signal(tmp_path, layout="compact").to_dict()  # 8 rows, 2 shards (the reading is layout-blind)
+    rows = sft_rows(5)  # shards of 4 and 1 rows (the reading is layout-blind)
+    signal = _signal(tmp_path, rows=rows, layout="compact").to_dict()
     shard = tmp_path / "signal" / "shard-00001.arrow"
     shard.write_bytes(shard.read_bytes()[:-10])
     with pytest.raises(ValueError, match=r"signal: shard-00001\.arrow cannot be read .*a truncated or damaged file: "
                                          r"download the signal again, or run the command that made it again"):
         load_teacher_signal(tmp_path / "signal")
-    assert _signal(tmp_path, layout="compact").to_dict() == signal
+    assert _signal(tmp_path, rows=rows, layout="compact").to_dict() == signal
 
 
 def _damaged(cached: dict, layout: str | None, damage: str, row: int) -> dict:
