@@ -107,7 +107,7 @@ def _signal_parser(sub: argparse._SubParsersAction) -> None:
              "teacher argument)"),
             ("--layout", ("packed", "compact"), "packed", "packed: format 2 (17-bit id + float16 per entry); "
              "compact: format 3 (bit-packed ids, quantised log-probabilities; docs/guides/teacher_signal.md)"),
-            ("--value_bits", int, 8, "compact layout: bits per quantised log-probability"),
+            ("--value_bits", int, None, "compact layout: bits per quantised log-probability (default: 8)"),
             ("--value_step", float, None, "compact layout: the quantisation step in nats (default: a 16-nat range "
              "over value_bits)")):
         choices = kind if isinstance(kind, tuple) else None
@@ -243,10 +243,17 @@ def cmd_signal(args: argparse.Namespace, argv: list[str]) -> int:
 
     from .base.recorded_names import recorded_command
     from .data.signal_checks import check_signal_tokenizer
+    from .data.signal_compact import layout_spec
     from .data.teacher_signal import check_signal_settings, create_teacher_signal, signal_metadata
     from .teacher import teacher_tokenizer
 
     dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, None: None}
+    compact = args.layout == "compact"
+    given = [f"{flag} {value}" for flag, value in (("--value_bits", args.value_bits), ("--value_step", args.value_step))
+             if value is not None]
+    if given and not compact:  # they would do nothing in format 2
+        raise CommandError(f"{', '.join(given)}: the compact layout's quantisation, which --layout packed does not "
+                           "have: add --layout compact, or remove them.", code=2)
     rows = _load_rows(args.rows, args.split)
     device = _signal_device(args.device)
     # Everything that can be checked without the teacher's weights is, before loading them (minutes for an LLM).
@@ -255,12 +262,9 @@ def cmd_signal(args: argparse.Namespace, argv: list[str]) -> int:
     check_signal_settings(rows, args.output_dir, k=args.k, temperature=args.temperature,
                           kd_token_mask=args.kd_token_mask, vocab_size=vocab if isinstance(vocab, int) else None,
                           batch_size=args.batch_size, rows_per_shard=args.rows_per_shard)
-    layout = {"layout": "compact", "value_bits": args.value_bits, "value_step": args.value_step} \
-        if args.layout == "compact" else {}
-    if layout:
-        from .data.signal_compact import compact_spec
-
-        compact_spec(args.k, vocab if isinstance(vocab, int) else 2, args.value_bits, args.value_step)
+    layout_spec(args.layout if compact else None, args.k, vocab if isinstance(vocab, int) else 2, args.value_bits,
+                args.value_step)
+    layout = {"layout": "compact", "value_bits": args.value_bits, "value_step": args.value_step} if compact else {}
     where = args.tokenizer or args.teacher
     tokenizer = _load("--tokenizer" if args.tokenizer else "teacher", where,
                       lambda: AutoTokenizer.from_pretrained(where))

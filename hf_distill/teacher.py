@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +51,9 @@ def load_teacher(name_or_path: str, like: nn.Module | None = None, kind: HeadKin
     targets."""
     from .features.heads import HeadKind, head_kind
 
+    if not os.path.exists(name_or_path) and re.match(r"^[\w.-]+:\d+(/|$)", name_or_path):  # a Hub id has no ":"
+        raise ValueError(f"teacher_model={name_or_path!r} reads as a server address without its scheme: write "
+                         f"'http://{name_or_path}' for a teacher behind a URL, or give a folder or Hub id.")
     if kind is None:
         kind = (head_kind(like) if like is not None else None) or HeadKind.BASE
     auto_name = kind.facts.auto_class

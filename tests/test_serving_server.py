@@ -180,3 +180,29 @@ def test_cli_serves_then_stops_cleanly_on_sigterm(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0 and "stopped" in out
+
+
+def test_cli_refuses_a_port_in_use_before_loading_the_teacher(tmp_path, capsys, monkeypatch):
+    import transformers
+
+    from hf_distill.cli import main
+
+    loaded = []
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **kw: loaded.append(a))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["teacher", "serve", str(tmp_path / "teacher"), "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --host 127.0.0.1 --port {port}: cannot listen there") and err.count("\n") == 1
+    assert "choose a free port" in err and loaded == []
+
+
+def test_serve_help_says_how_training_points_at_the_server(capsys):
+    from hf_distill.cli import main
+
+    assert main(["teacher", "serve", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "teacher_model='http://HOST:PORT/v1'" in out and "teacher_top_k=<at most --k>" in out
+    assert "teacher_top_k must not exceed it" in out and "DistillationArguments.temperature must be the same" in out

@@ -288,15 +288,50 @@ def test_on_policy_completions_are_scored_and_seq_kd_asks_the_server(tmp_path, s
     assert trainer.state.log_history[0]["generated_tokens"] > 0
 
 
-def test_a_key_the_server_wants_and_packed_rows_are_refused(tmp_path, server):
+def test_a_key_the_server_wants_is_refused(tmp_path, server):
     s = ServerThread(build_app(ServedModel(llama(1), _tok(), "tiny", max_k=K), api_key="the-key"))
     try:
         with pytest.raises(ValueError, match="HTTP 401.*set teacher_api_key_env"):
             Distiller(llama(0), _run(tmp_path), s.url, processing_class=_tok())
     finally:
         s.stop()
+
+
+def test_packed_rows_are_scored_one_sequence_at_a_time(tmp_path, server):
+    """Rows packed several to a row (TRL's packing and padding-free rows, DataCollatorWithFlattening: position_ids
+    restarting at 0, no attention mask) train as the same rows padded: each sequence is sent alone, and its
+    distributions land at its columns (they were refused as one sequence before)."""
+    student = llama(0).train()
+    rows = [{**r, "labels": r["input_ids"][:1] + r["labels"][1:]} for r in sft_rows(3)]  # first tokens learnt too:
+    # the last position of each sequence then counts by its labels, and by its position_ids it does not
+    # KD alone: a packed row's task loss counts those boundaries (transformers' loss reads no position_ids)
+    distiller = Distiller(student, _run(tmp_path, kd_loss="jsd"), server().url, processing_class=_tok())
+    padded = labelled_collate([rows[i] for i in range(3)])
+    packed = {"input_ids": torch.tensor([sum((r["input_ids"] for r in rows), [])]),
+              "labels": torch.tensor([sum((r["labels"] for r in rows), [])]),
+              "position_ids": torch.cat([torch.arange(len(r["input_ids"])) for r in rows])[None]}
+    broadcast = dict(padded, position_ids=torch.arange(padded["input_ids"].shape[1])[None])  # (1, T) for every row
+    got = [distiller.compute_loss(student, dict(b)).item() for b in (packed, padded, broadcast)]
+    assert got[0] == pytest.approx(got[1], rel=1e-5) and got[2] == pytest.approx(got[1], rel=1e-5)
+
+
+def test_left_padded_rows_whose_first_token_is_learnt_are_refused_naming_the_padding_side(tmp_path, server):
+    """DataCollatorForLanguageModeling with padding_side="left" learns each row's first real token from the padding
+    before it, a position a served teacher (scoring real tokens alone) has no distribution for."""
     source = Distiller(llama(0), _run(tmp_path), server().url, processing_class=_tok()).served[0]
-    batch = labelled_collate([sft_rows(1)[0]])
-    batch["position_ids"] = torch.arange(batch["input_ids"].shape[1])[None]
-    with pytest.raises(ValueError, match="packs several sequences per row"):
+    batch = labelled_collate([sft_rows(2)[i] for i in range(2)])
+    right = source.logits({k: v.clone() for k, v in batch.items()})
+    n = batch["attention_mask"].sum(1)
+    short = int(n.argmin())
+    shift = int(n.max() - n[short])
+    assert shift > 0  # the shorter row moves right by its padding
+    for key, fill in (("input_ids", 1), ("attention_mask", 0), ("labels", -100)):
+        batch[key][short] = torch.cat([torch.full((shift,), fill), batch[key][short, : int(n[short])]])
+    batch["labels"][short, shift] = batch["input_ids"][short, shift]  # its first real token learnt
+    with pytest.raises(ValueError, match=rf"Row {short} of this batch is left-padded.*padding_side='right'"):
         source.logits(batch)
+    batch["labels"][short, shift] = -100
+    left = source.logits(batch)  # left padding alone is fine: the same distributions, moved with the tokens
+    end = int(n[short]) - 1
+    assert torch.equal(left[0][short, shift + 1 : shift + end], right[0][short, 1:end])
+    assert torch.equal(left[1][short, shift + 1 : shift + end], right[1][short, 1:end])

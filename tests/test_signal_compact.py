@@ -105,7 +105,19 @@ def test_bytes_per_token_of_the_compact_layout(tmp_path):
 def test_compact_settings_are_refused_before_anything_is_written(tmp_path):
     for kw, match in ((dict(layout="tiny"), "layout='tiny': use None"),
                       (dict(layout="compact", value_bits=0), "value_bits must be an integer in 1..16"),
-                      (dict(layout="compact", value_step=-1.0), "value_step must be a finite number")):
+                      (dict(layout="compact", value_step=-1.0), "value_step must be a finite number"),
+                      (dict(value_bits=4), "value_bits=4 set the compact layout's quantisation, which format 2 does "
+                                           "not have: add layout='compact'"),
+                      (dict(value_step=0.1), "value_step=0.1 set the compact")):
         with pytest.raises(ValueError, match=match):
             create_teacher_signal(llama(1), sft_rows(2), tmp_path / "s", tokenizer=_tokenizer(), progress=False, **kw)
         assert not (tmp_path / "s").exists()
+
+
+def test_a_bit_stream_shorter_than_its_positions_is_refused():
+    spec = compact_spec(4, 120, 8, None)
+    codes = encode_rows(torch.tensor([[-0.1, -1.0, -2.0, -3.0]]), torch.tensor([[1, 2, 3, 4]]), [1], spec)
+    assert decode_rows(codes, [1], spec)[1].tolist() == [[1, 2, 3, 4]]
+    with pytest.raises(ValueError, match=r"Row 0 of this batch reads a damaged teacher signal \(5 bytes of bit "
+                                         r"stream for 1 positions of 52 bits\)"):
+        decode_rows([codes[0][:-2]], [1], spec)

@@ -174,3 +174,10 @@ def test_a_teacher_folder_without_tokenizer_files_has_an_unknown_tokenizer(tmp_p
     with caplog.at_level(logging.WARNING, logger="hf_distill.teacher"):
         _causal(tmp_path, llama(0), loaded, processing_class=word_tokenizer(WORDS))
     assert [r for r in caplog.records if "teacher's tokenizer is unknown" in r.getMessage()]
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:8000/v1", "localhost:8000", "teacher-host:30000/v1"])
+def test_a_server_address_without_its_scheme_names_the_url_to_write(address):
+    with pytest.raises(ValueError, match=rf"teacher_model='{address}' reads as a server address without its scheme: "
+                                         rf"write 'http://{address}'"):
+        load_teacher(address, like=bert(2))

@@ -196,6 +196,11 @@ def test_metadata_survives_save_load_and_streaming(tmp_path):
     stream = load_teacher_signal(tmp_path / "signal", streaming=True)
     assert isinstance(stream, datasets.IterableDataset) and signal_metadata(stream)["k"] == K
     assert [r[SIGNAL_ROW] for r in stream] == joined[SIGNAL_ROW]
+    whole = load_teacher_signal(tmp_path / "signal")
+    for streamed_rows, signal in ((rows, stream), (rows.to_iterable_dataset(), whole)):
+        with pytest.raises(ValueError, match=r"attach_teacher_signal got a streamed (signal|rows) \(IterableDataset\)"
+                                             r".*streamed\(attach_teacher_signal\(rows, signal\)\)"):
+            attach_teacher_signal(streamed_rows, signal)
 
 
 # ---------------------------------------------------------------------- refusing misuse
@@ -343,3 +348,54 @@ def test_bf16_teacher_forwards(tmp_path):
     want = want[kd_positions(None, batch["labels"], "labels", causal=True)]
     errors = [(torch.tensor(sum(s[SIGNAL_TAIL], []), dtype=torch.float64) - want).abs().max() for s in (exact, half)]
     assert errors[0] < 1e-5 and 10 * errors[0] < errors[1] < 1e-3, errors
+
+
+# ---------------------------------------------------------------------- damaged files
+
+
+def test_a_truncated_shard_is_refused_naming_it_and_the_same_command_repairs_it(tmp_path):
+    rows = sft_rows(5)  # shards of 4 and 1 rows (the reading is layout-blind)
+    signal = _signal(tmp_path, rows=rows, layout="compact").to_dict()
+    shard = tmp_path / "signal" / "shard-00001.arrow"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    with pytest.raises(ValueError, match=r"signal: shard-00001\.arrow cannot be read .*a truncated or damaged file: "
+                                         r"download the signal again, or run the command that made it again"):
+        load_teacher_signal(tmp_path / "signal")
+    assert _signal(tmp_path, rows=rows, layout="compact").to_dict() == signal
+
+
+def _damaged(cached: dict, layout: str | None, damage: str, row: int) -> dict:
+    """The batch's signal columns with one position of `row` changed as no writer changes it."""
+    cached = {key: value.clone() for key, value in cached.items()}
+    if damage == "tail":
+        cached[SIGNAL_TAIL][row, 0] = 0.5  # a tail mass above 1
+    elif layout is None:  # packed uint32 entries, id << 15 | the float16 bits of -log p
+        first = cached[SIGNAL_TOPK][row]
+        top, last = first[0].clone(), first[K - 1].clone()
+        if damage == "ids":  # the last entry gets the first one's id
+            first[K - 1] = (top >> 15 << 15) | (last & 0x7FFF)
+        else:  # the values of the first and last entries swapped, ids kept: the least likely value first
+            first[0], first[K - 1] = (top >> 15 << 15) | (last & 0x7FFF), (last >> 15 << 15) | (top & 0x7FFF)
+    else:  # the compact bit stream: K ids of 7 bits, then K - 1 gaps of 8 bits
+        codes = cached[SIGNAL_CODES][row]
+        if damage == "ids":
+            codes[: (K * 7) // 8] = 0  # the first ids all 0
+        else:  # the first gap set to its largest value: the next, smaller ones come out of order
+            gaps = K * 7
+            codes[gaps // 8] |= 0xFF >> (gaps % 8)
+            codes[gaps // 8 + 1] |= (0xFF << (8 - gaps % 8)) & 0xFF
+    return cached
+
+
+@pytest.mark.parametrize("layout", [None, "compact"])
+def test_a_batch_of_damaged_signal_bytes_is_refused_not_trained(tmp_path, layout):
+    """Bytes changed after writing (neither layout has a checksum) into what no writer makes: an id repeated in a
+    position's top k, log-probabilities out of their order, a tail mass above 1."""
+    rows = sft_rows(4)
+    batch = _batch(attach_teacher_signal(rows, _signal(tmp_path, rows=rows, layout=layout)))
+    cached = {key: batch.pop(key) for key in list(batch) if key.startswith("teacher_signal")}
+    signal_teacher(dict(cached), dict(batch), "labels", "labels")  # intact: read
+    for damage in ("ids", "order", "tail"):
+        with pytest.raises(ValueError, match=r"Row 2 of this batch reads a damaged teacher signal .*download the "
+                                             "signal again.*The batch was not trained"):
+            signal_teacher(_damaged(cached, layout, damage, 2), dict(batch), "labels", "labels")

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["CompactSpec", "compact_spec", "decode_rows", "encode_rows", "normalised"]
+__all__ = ["CompactSpec", "compact_spec", "decode_rows", "encode_rows", "layout_spec", "normalised"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,22 @@ class CompactSpec:
     @property
     def value_range(self) -> float:
         return (2**self.value_bits - 1) * self.value_step
+
+
+def layout_spec(layout: str | None, k: int, vocab_size: int, value_bits: int | None,
+                value_step: float | None) -> CompactSpec | None:
+    """The compact spec for `layout="compact"` (value_bits None: 8), else None after refusing `value_bits` or
+    `value_step` given for format 2, which has no quantised values: a setting that would do nothing is refused."""
+    if layout not in (None, "compact"):
+        raise ValueError(f"layout={layout!r}: use None (format 2, packed ids and float16 values) or 'compact'.")
+    if layout == "compact":
+        return compact_spec(k, vocab_size, 8 if value_bits is None else value_bits, value_step)
+    given = [f"{name}={value!r}" for name, value in (("value_bits", value_bits), ("value_step", value_step))
+             if value is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} set the compact layout's quantisation, which format 2 does not have: "
+                         "add layout='compact' (CLI: --layout compact), or remove them.")
+    return None
 
 
 def compact_spec(k: int, vocab_size: int, value_bits: int, value_step: float | None) -> CompactSpec:
@@ -96,6 +112,12 @@ def decode_rows(codes: list[np.ndarray], per_row: list[int], spec: CompactSpec) 
     """Rows' bit streams (`codes[i]` may carry padding bytes past its `per_row[i]` positions) -> the positions'
     `(relative log-probabilities (n, k): 0 for the top id, -q * step for the rest, ids (n, k))`, rows back to back."""
     r = spec.record_bits
+    for i, (c, n) in enumerate(zip(codes, per_row, strict=True)):
+        if len(c) < (n * r + 7) // 8:
+            raise ValueError(f"Row {i} of this batch reads a damaged teacher signal ({len(c)} bytes of bit stream for "
+                             f"{n} positions of {r} bits): its files changed after they were written (a broken copy "
+                             "or download): download the signal again, or run the command that made it again into a "
+                             "new folder.")
     parts = [np.unpackbits(np.asarray(c, dtype=np.uint8)[: (n * r + 7) // 8])[: n * r].reshape(n, r)
              for c, n in zip(codes, per_row, strict=True) if n]
     bits = np.concatenate(parts) if parts else np.zeros((0, r), np.uint8)

@@ -42,6 +42,7 @@ __all__ = [
     "SIGNAL_VALUES",
     "attach_teacher_signal",
     "check_batch_positions",
+    "check_signal_entries",
     "check_teacher_signal",
     "padded_rows",
     "positions_hashes",
@@ -156,6 +157,28 @@ def check_batch_positions(cached: dict[str, Any], counted: torch.Tensor, attenti
                 "completion boundary): collate the rows as they were when the signal was created.")
 
 
+DAMAGED = ("its files changed after they were written (a broken copy or download): download the signal again, or "
+           "run the command that made it again into a new folder")
+"""The fix named when a signal's stored bytes do not decode to a top-k distribution."""
+
+
+def check_signal_entries(values: torch.Tensor, indices: torch.Tensor, tails: torch.Tensor, rows: torch.Tensor) -> None:
+    """Refuse a batch whose decoded signal cannot be a teacher's top-k (`values`, `indices`: (n, k) positions back to
+    back, `tails`: (n,), `rows`: each position's batch row): every writer stores k distinct ids in decreasing
+    probability and a tail mass at most 1, so repeated ids, values out of order or a positive log tail mean damaged
+    bytes. Neither layout carries a checksum: this catches damage with high probability, not with certainty."""
+    if not len(values):
+        return
+    checks = (((indices.sort(-1).values.diff(dim=-1) == 0).any(-1), "an id repeated among a position's top k"),
+              ((values.diff(dim=-1) > 0).any(-1), "log-probabilities out of their decreasing order"),
+              (tails > 1e-3, "a tail mass above 1"))
+    for bad, what in checks:
+        if bool(bad.any()):
+            row = int(rows[int(bad.nonzero()[0])])
+            raise ValueError(f"Row {row} of this batch reads a damaged teacher signal ({what}): {DAMAGED}. The batch "
+                             "was not trained.")
+
+
 def signal_metadata(dataset: Any) -> dict[str, Any] | None:
     """The signal's metadata recorded in a dataset's info (the signal itself, or rows joined with it)."""
     info = getattr(dataset, "info", None)
@@ -169,6 +192,13 @@ def attach_teacher_signal(rows: datasets.Dataset, signal: datasets.Dataset) -> d
     """`rows` with the signal's columns added side by side, after checking that every row is the one the signal
     was made from: its `input_ids` hash and its counted positions' hash (its labels or attention mask, by the
     signal's kd_token_mask). Stream the result with `streamed(...)`."""
+    streams = [name for name, data in (("rows", rows), ("signal", signal))
+               if isinstance(data, datasets.IterableDataset)]
+    if streams:
+        raise ValueError(f"attach_teacher_signal got a streamed {' and '.join(streams)} (IterableDataset): it checks "
+                         "every row against the signal first, so it joins two Datasets. Give load_teacher_signal(path) "
+                         "without streaming=True (its files are memory-mapped, not read into memory) and the rows as "
+                         "a Dataset, then stream the result: streamed(attach_teacher_signal(rows, signal)).")
     meta = _format_checked(signal_metadata(signal), "The teacher signal")
     if len(rows) != len(signal):
         raise ValueError(f"The rows ({len(rows)}) and the teacher signal ({len(signal)} rows) differ in length: "

@@ -36,7 +36,7 @@ import torch
 
 from .cache_key import _dataset_digest
 from .signal_checks import META_FILE, check_signal_settings
-from .signal_compact import compact_spec
+from .signal_compact import layout_spec
 from .signal_format import (
     COMPACT_FORMAT,
     SIGNAL_FORMAT,
@@ -55,7 +55,7 @@ EXPORT_MARKER = "hf_distill.topk_columns "
 
 def import_topk_columns(data: datasets.Dataset, rows: datasets.Dataset, output_dir: str | os.PathLike, *,
                         tokenizer: Any, temperature: float | None = None, k: int | None = None,
-                        kd_token_mask: str = "labels", layout: str | None = None, value_bits: int = 8,
+                        kd_token_mask: str = "labels", layout: str | None = None, value_bits: int | None = None,
                         value_step: float | None = None, ids_column: str = "topk_ids",
                         logprobs_column: str = "topk_logprobs", source: str = "topk columns") -> datasets.Dataset:
     """A signal of `rows` (the training rows: `input_ids`, `labels`...) from `data` in the column format, written to
@@ -83,7 +83,7 @@ def import_topk_columns(data: datasets.Dataset, rows: datasets.Dataset, output_d
 
 def import_distillkit(path: str | os.PathLike, rows: datasets.Dataset, output_dir: str | os.PathLike, *,
                       tokenizer: Any, temperature: float | None = None, config: dict | None = None,
-                      kd_token_mask: str = "labels", layout: str | None = None, value_bits: int = 8,
+                      kd_token_mask: str = "labels", layout: str | None = None, value_bits: int | None = None,
                       value_step: float | None = None) -> datasets.Dataset:
     """A signal of `rows` from DistillKit's compressed parquet files in `path` (a folder, with the
     `compression_config.yaml` DistillKit writes beside them unless `config` gives its fields). DistillKit records
@@ -160,9 +160,7 @@ def _import(data, rows, output_dir, positions, *, tokenizer, temperature, record
                           vocab_size=vocab, rows_per_shard=1024)
     if (Path(output_dir) / META_FILE).is_file():  # an import is not resumed: never write over a signal
         raise ValueError(f"{output_dir} already holds a teacher signal: choose a new output_dir for the import.")
-    spec = compact_spec(k, vocab, value_bits, value_step) if layout == "compact" else None
-    if layout not in (None, "compact"):
-        raise ValueError(f"layout={layout!r}: use None (format 2) or 'compact' (format 3).")
+    spec = layout_spec(layout, k, vocab, value_bits, value_step)
     columns = [c for c in ("input_ids", "attention_mask", "labels") if c in rows.column_names]
     train = rows.select_columns(columns).with_format(None)
     tables, total = [], 0

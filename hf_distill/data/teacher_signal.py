@@ -66,10 +66,11 @@ from ..teacher import teacher_tokenizer
 from .cache_key import _dataset_digest, teacher_fingerprint
 from .signal_checks import META_FILE as _META_FILE
 from .signal_checks import check_signal_run, check_signal_settings, check_signal_tokenizer
-from .signal_compact import CompactSpec, compact_spec, decode_rows, encode_rows, normalised
+from .signal_compact import CompactSpec, decode_rows, encode_rows, layout_spec, normalised
 from .signal_format import (
     _MARKER,
     COMPACT_FORMAT,
+    DAMAGED,
     SIGNAL_CODES,
     SIGNAL_FORMAT,
     SIGNAL_POSITIONS,
@@ -81,6 +82,7 @@ from .signal_format import (
     _format_checked,
     attach_teacher_signal,
     check_batch_positions,
+    check_signal_entries,
     check_teacher_signal,
     counted_positions,
     padded_rows,
@@ -133,7 +135,7 @@ def create_teacher_signal(
     progress: bool = True,
     command: str | None = None,
     layout: str | None = None,
-    value_bits: int = 8,
+    value_bits: int | None = None,
     value_step: float | None = None,
 ) -> datasets.Dataset:
     """The teacher signal of `teacher` over `dataset`, written to `output_dir` (resumed if it holds part of it).
@@ -158,8 +160,8 @@ def create_teacher_signal(
             call, written as Python).
         layout: None: format 2 ("packed", or "split" past 2**17 ids); "compact": format 3 (hf_distill.data
             .signal_compact: bit-packed ids, log-probabilities quantised to `value_bits` bits in steps of
-            `value_step` nats below each position's largest; default step: a 16-nat range), about 80 bytes a token
-            at k = 32 of a 4,096-id vocabulary.
+            `value_step` nats below each position's largest; default: 8 bits, a 16-nat range), about 80 bytes a
+            token at k = 32 of a 4,096-id vocabulary. Either given without layout="compact" is refused.
     """
     inner = unwrap(teacher)
     vocab = getattr(getattr(inner, "config", None), "vocab_size", None)
@@ -167,9 +169,7 @@ def create_teacher_signal(
         raise ValueError("The teacher has no config.vocab_size: give a transformers causal-LM teacher.")
     check_signal_settings(dataset, output_dir, k=k, temperature=temperature, kd_token_mask=kd_token_mask,
                           vocab_size=vocab, batch_size=batch_size, rows_per_shard=rows_per_shard)
-    if layout not in (None, "compact"):
-        raise ValueError(f"layout={layout!r}: use None (format 2, packed ids and float16 values) or 'compact'.")
-    spec = compact_spec(k, vocab, value_bits, value_step) if layout == "compact" else None
+    spec = layout_spec(layout, k, vocab, value_bits, value_step)
     check_signal_tokenizer(tokenizer, vocab, own=teacher_tokenizer(teacher)[0])
     run_on = check_signal_run(teacher, dtype, device)
     columns = [c for c in ("input_ids", "attention_mask", "labels") if c in dataset.column_names]
@@ -410,10 +410,18 @@ def load_teacher_signal(
     shards = sorted(folder.glob("shard-*.arrow"))
     info = datasets.DatasetInfo(description=_MARKER + json.dumps(meta, sort_keys=True),
                                 features=_features(meta["layout"]))
-    parts = [datasets.Dataset.from_file(str(p), info=info) for p in shards]
+    parts = []
+    for shard in shards:
+        try:
+            parts.append(datasets.Dataset.from_file(str(shard), info=info))
+        except (OSError, pa.ArrowException) as err:  # a truncated or overwritten Arrow stream
+            raise ValueError(f"The teacher signal in {folder}: {shard.name} cannot be read ({err}), a truncated or "
+                             "damaged file: download the signal again, or run the command that made it again, which "
+                             f"rewrites the shards it cannot read ({meta.get('command')}).") from None
     signal = datasets.concatenate_datasets(parts, info=info)
     if len(signal) != meta["rows"]:
-        raise ValueError(f"The teacher signal in {folder} has {len(signal)} rows, its metadata says {meta['rows']}.")
+        raise ValueError(f"The teacher signal in {folder} has {len(signal)} rows in {len(shards)} shard files, its "
+                         f"metadata says {meta['rows']}: {DAMAGED}.")
     return streamed(signal, num_shards=len(shards)) if streaming else signal
 
 
@@ -457,6 +465,7 @@ def signal_teacher(
         relative, indices = decode_rows(list(torch.as_tensor(cached[SIGNAL_CODES]).cpu().numpy()),
                                         stored.sum(-1).tolist(), spec)
         tail = tails[stored].view(n_total)
+        check_signal_entries(relative, indices, tail.cpu(), stored.nonzero()[:, 0].cpu())
         outcomes = torch.cat([normalised(relative.to(ids.device), tail), tail[:, None]], -1)
         indices = indices.to(ids.device)
     else:
@@ -465,6 +474,8 @@ def signal_teacher(
         entries = stored.repeat_interleave(k, dim=1)  # each stored position's k entries
         split = torch.as_tensor(cached[SIGNAL_VALUES]).to(ids.device)[entries] if SIGNAL_VALUES in cached else None
         values, indices = unpack(topk[entries], split)
+        check_signal_entries(values.view(n_total, k), indices.view(n_total, k), tails[stored],
+                             stored.nonzero()[:, 0])
         outcomes = torch.cat([values.view(n_total, k), tails[stored].view(n_total, 1)], -1)
         outcomes = outcomes - outcomes.logsumexp(-1, keepdim=True)  # float16 rounding: k + 1 outcomes sum to 1
     b, t = ids.shape

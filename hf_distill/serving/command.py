@@ -17,19 +17,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     serve = actions.add_parser(
         "serve", help="serve MODEL on 127.0.0.1:PORT (vLLM-compatible completions with prompt_logprobs)",
         description="Serve a causal LM: POST /v1/completions (vLLM's prompt_logprobs request, plus the exact tail), "
-        "GET /hf_distill/metadata, POST /tokenize. Stops cleanly on SIGTERM or Ctrl-C.")
+        "GET /hf_distill/metadata, POST /tokenize. Stops cleanly on SIGTERM or Ctrl-C.",
+        epilog="Train against it with DistillationTrainer(teacher_model='http://HOST:PORT/v1', "
+        "processing_class=<the student's tokenizer, the teacher's vocabulary>, args=DistillationArguments("
+        "teacher_top_k=<at most --k>, temperature=<--temperature>, teacher_api_key_env=<--api-key-env>)); "
+        "docs/guides/served-teacher.md.")
     serve.add_argument("model", help="teacher folder or Hub id (AutoModelForCausalLM)")
     serve.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
-    serve.add_argument("--k", type=int, default=64, help="the largest k a request may ask (default: 64)")
+    serve.add_argument("--k", type=int, default=64,
+                       help="the largest k a request may ask: training's teacher_top_k must not exceed it "
+                       "(default: 64)")
     serve.add_argument("--temperature", type=float, default=1.0,
-                       help="temperature the server applies to every log-probability (default: 1.0); training must "
-                       "use the same")
+                       help="temperature the server applies to every log-probability (default: 1.0); training's "
+                       "DistillationArguments.temperature must be the same")
     serve.add_argument("--device", default=None, help="where the teacher runs, e.g. cuda (default: cpu)")
     serve.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                        help="load the teacher in this dtype (default: as saved)")
     serve.add_argument("--api-key-env", dest="api_key_env", default=None,
-                       help="name of the environment variable holding the API key clients must send")
+                       help="name of the environment variable holding the API key clients must send (training: "
+                       "teacher_api_key_env names the variable that holds it there)")
     serve.add_argument("--max-batch-tokens", dest="max_batch_tokens", type=int, default=8192,
                        help="tokens per batched forward of concurrent requests (default: 8192)")
     serve.add_argument("--name", default=None, help="the model name the server states (default: MODEL)")
@@ -53,6 +60,7 @@ def cmd_teacher(args: argparse.Namespace, error: Any, device: Any, load: Any) ->
         key = os.environ.get(args.api_key_env)
         if not key:
             raise error(f"--api-key-env {args.api_key_env}: that environment variable is not set (or empty).", 2)
+    _check_address(args.host, args.port, error)
     run_on = device(args.device)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -67,6 +75,23 @@ def cmd_teacher(args: argparse.Namespace, error: Any, device: Any, load: Any) ->
                          device=None if run_on is None else str(run_on), dtype=dtype)
     serve(served, host=args.host, port=args.port, api_key=key, max_batch_tokens=args.max_batch_tokens)
     return 0
+
+
+def _check_address(host: str, port: int, error: Any) -> None:
+    """Bind the address once, as the server will (SO_REUSEADDR, as aiohttp sets it), before the model loads: a port
+    in use or a host that is not this machine's is one error line, not a traceback after a long load."""
+    import errno
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as err:
+        fix = ("choose a free port (--port), or stop what listens on it" if err.errno == errno.EADDRINUSE else
+               "give an address of this machine (--host; default 127.0.0.1) and a port you may use (--port)")
+        raise error(f"--host {host} --port {port}: cannot listen there ({err.strerror or err}): {fix}.", 2) from None
 
 
 __all__ = ["add_parser", "cmd_teacher"]

@@ -40,12 +40,30 @@ def _row_key(ids: list[int]) -> bytes:
     return np.asarray(ids, dtype=np.int64).tobytes()
 
 
-def _real_rows(batch: dict[str, Any]) -> list[list[int]]:
-    """Each row's real tokens (where attention_mask is not 0), in order."""
+def _sequences(batch: dict[str, Any]) -> list[list[tuple[int, list[int]]]]:
+    """Each row's sequences as `(first column, real tokens)`: its real tokens (where attention_mask is not 0) as one
+    sequence, or, in a row that packs several (2-D `position_ids`: TRL's packing and padding-free rows,
+    DataCollatorWithFlattening), one per run of consecutive positions, each scored alone as the model reads it."""
     ids = torch.as_tensor(batch["input_ids"]).cpu()
     mask = batch.get("attention_mask")
-    mask = torch.ones_like(ids, dtype=torch.bool) if mask is None else torch.as_tensor(mask).cpu() != 0
-    return [row[m].tolist() for row, m in zip(ids, mask, strict=True)]
+    real = torch.ones_like(ids, dtype=torch.bool) if mask is None else torch.as_tensor(mask).cpu() != 0
+    pos = batch.get("position_ids")
+    packed = isinstance(pos, torch.Tensor) and pos.dim() == 2
+    out = []
+    for i, row in enumerate(ids):
+        cols = real[i].nonzero().flatten()
+        if not packed or len(cols) < 2:
+            out.append([(int(cols[0]) if len(cols) else 0, row[cols].tolist())])
+            continue
+        p = pos[i if pos.shape[0] > 1 else 0].cpu()[cols]  # (1, T) position_ids broadcast over the rows
+        cuts = [0, *((p[1:] != p[:-1] + 1).nonzero().flatten() + 1).tolist(), len(cols)]
+        out.append([(int(cols[a]), row[cols[a:b]].tolist()) for a, b in zip(cuts, cuts[1:], strict=False)])
+    return out
+
+
+def _real_rows(batch: dict[str, Any]) -> list[list[int]]:
+    """The sequences the server scores for a batch, in order (`_sequences`)."""
+    return [tokens for row in _sequences(batch) for _, tokens in row]
 
 
 class ServedTeacher:
@@ -285,12 +303,9 @@ class ServedTeacher:
         zeros, which the KD mask leaves out."""
         ids = inputs["input_ids"]
         b, t = ids.shape
-        if isinstance(inputs.get("position_ids"), torch.Tensor):
-            raise ValueError("This batch packs several sequences per row (position_ids): a served teacher scores each "
-                             "row as one sequence and would attend across them. Train without packing (padding_free"
-                             "=False / a padding collator) with a served teacher.")
         mask = inputs.get("attention_mask")
-        counted = kd_positions(mask, inputs.get(self.label_name), self.settings.kd_token_mask, causal=True)
+        counted = kd_positions(mask, inputs.get(self.label_name), self.settings.kd_token_mask, causal=True,
+                               position_ids=inputs.get("position_ids"))  # packed: never across two sequences
         if counted is None:
             counted = torch.ones(b, t - 1, dtype=torch.bool, device=ids.device)
         keys = self.submit(inputs)
@@ -302,23 +317,30 @@ class ServedTeacher:
         log_probs = np.zeros((b, t, k), dtype=np.float64)
         index = np.zeros((b, t, k), dtype=np.int64)
         log_tail = np.zeros((b, t), dtype=np.float64)
-        real = torch.ones_like(ids, dtype=torch.bool) if mask is None else (mask != 0)
-        counted, real = counted.cpu().numpy(), real.cpu().numpy()
-        for i, row in enumerate(_real_rows(inputs)):
-            scores = self._result(_row_key(row))
-            first = int(real[i].argmax()) if real[i].any() else 0
+        counted = counted.cpu().numpy()
+        for i, sequences in enumerate(_sequences(inputs)):
             where = np.flatnonzero(counted[i])
             if not len(where):
                 continue
-            local = where - first
-            if local.min() < 0 or local.max() >= scores.positions:
+            if where.min() < sequences[0][0]:  # a padding position's logits predict the first real token
+                raise ValueError(f"Row {i} of this batch is left-padded and its labels count its first real token, "
+                                 "which only a padding position predicts: a served teacher scores the row's real "
+                                 "tokens alone, so it has no distribution there. Pad on the right (tokenizer."
+                                 "padding_side='right'), or set the first real token's label to -100.")
+            placed = 0
+            for first, row in sequences:
+                at = where[(where >= first) & (where < first + len(row) - 1)]  # its positions that predict its tokens
+                if not len(at):
+                    continue
+                scores, local = self._result(_row_key(row)), at - first
+                outcomes = np.concatenate([scores.log_probs[local], scores.log_tail[local, None]], axis=1)
+                outcomes = outcomes - np.logaddexp.reduce(outcomes, axis=1, keepdims=True)
+                log_probs[i, at], index[i, at], log_tail[i, at] = outcomes[:, :k], scores.ids[local], outcomes[:, k]
+                placed += len(at)
+            if placed != len(where):
                 raise ValueError(f"Row {i} of this batch counts KD positions outside its real tokens (labels on "
                                  "padding, or real tokens that are not contiguous): a served teacher scores each "
                                  "row's real tokens.")
-            outcomes = np.concatenate([scores.log_probs[local], scores.log_tail[local, None]], axis=1)
-            outcomes = outcomes - np.logaddexp.reduce(outcomes, axis=1, keepdims=True)
-            log_probs[i, where], index[i, where], log_tail[i, where] = outcomes[:, :k], scores.ids[local], \
-                outcomes[:, k]
         dev = ids.device
         return (torch.from_numpy(log_probs).to(dev, torch.float32), torch.from_numpy(index).to(dev),
                 torch.from_numpy(log_tail).to(dev, torch.float32))
