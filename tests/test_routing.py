@@ -123,7 +123,8 @@ def test_one_teacher_is_bitwise_the_single_teacher_path(tmp_path, served):
     ("multi_teacher", "multi_teacher with teachers routed per row"),
     ("distill_terms", "distill_terms with teachers routed per row"),
     ("on-policy", "lmbda/seq_kd with teachers named in a dict"),
-    ("offline signal", r"names \['b'\] without a teacher \(None\): an offline signal .* is not done"),
+    ("no teacher", r"names \['b'\] without a teacher \(None\): give each name a model, folder, URL or offline "
+                   r"signal \(load_teacher_signal\(path\)\)"),
 ])
 def test_what_routing_cannot_honour_is_refused_before_training(tmp_path, case, words):
     data, teacher, kw = _rows(["a", "b"]), {"a": llama(1), "b": llama(2)}, {}
@@ -139,7 +140,7 @@ def test_what_routing_cannot_honour_is_refused_before_training(tmp_path, case, w
         kw = dict(distill_terms=["loss=hidden_mse,layers=uniform"])
     if case == "on-policy":
         kw, teacher, data = dict(lmbda=0.5), {"a": llama(1)}, _rows(["a", "a"])  # a dict of one too
-    if case == "offline signal":
+    if case == "no teacher":
         teacher["b"] = None
     with pytest.raises(ValueError, match=words) as err:
         Distiller(llama(0), args(tmp_path, **RUN, **kw), teacher, processing_class=_tok(), train_dataset=data)
