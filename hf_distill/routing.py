@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from .base.batch_keys import ROUTE_COLUMN, TEACHER_PREFIX
+from .tracking import ComponentTracker
 
 
 def named_teachers(teacher_model: Any) -> dict[str, Any] | None:
@@ -177,13 +178,18 @@ class Router:
         stepped = model.training and token_level
         if model.training and not token_level and d._step.take():  # the sub-batches share this micro-batch's step
             stepped = True
-        total, outs, order = None, [], []
+        total, outs, order, parts, tracker = None, [], [], [], d.tracker
         for n, (place, rows) in enumerate(groups.items()):
             if stepped:
                 d._step._left += 1  # each sub-batch is a share of this micro-batch's (already taken) step mean
             sub = self._with_signal(place, _rows(inputs, rows))
-            with self.use(place, model):
-                got = d.compute_loss(model, sub, return_outputs, num_items_in_batch)
+            d.tracker = ComponentTracker()  # the sub-batch's components: logged as one micro-batch's (below)
+            try:
+                with self.use(place, model):
+                    got = d.compute_loss(model, sub, return_outputs, num_items_in_batch)
+            finally:
+                parts.append((d.tracker, share[n] if share is not None else 1.0))
+                d.tracker = tracker
             self._log(place, model, sub)
             loss = got[0] if return_outputs else got
             loss = loss * share[n] if share is not None else loss
@@ -191,6 +197,7 @@ class Router:
             if return_outputs:
                 outs.append(got[1])
                 order.extend(rows)
+        tracker.fold(parts)
         if not return_outputs:
             return total
         back = torch.argsort(torch.tensor(order))

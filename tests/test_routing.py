@@ -161,6 +161,8 @@ def test_a_mixed_run_asks_each_teacher_for_its_rows_and_logs_each_loss(tmp_path,
     assert asked and {rows[p] for p in asked} == {"big"}  # only rows routed to the server were sent
     logged = [h for h in trainer.state.log_history if "loss" in h]
     assert all(any(k.startswith("loss_kd/") for k in h) for h in logged)  # each logged step: its teachers' KD
+    # the logged components are the micro-batches' (not each teacher's sub-batch counted as one): kd_weight 1 only
+    assert all(h["loss_kd"] == pytest.approx(h["loss"], rel=1e-5) for h in logged)
     assert {"loss_kd/local", "loss_kd/big"} <= {k for h in logged for k in h}
     assert sum(trainer.distiller.router.rows.values()) == 12 and trainer.distiller.router.rows["big"] > 0
 
