@@ -127,6 +127,10 @@ class Distiller:
         signal_at = routed_signal.signal_teachers(named)  # offline signals named in it, by place
         teacher_model = list(named.values()) if named is not None else teacher_model
         routed = named is not None and len(named) > 1  # each teacher is a single-teacher run on its own rows
+        if routed and route == "module":
+            raise ValueError("teacher_model names several teachers routed per row, under FSDP/DeepSpeed: each "
+                             "process's student would run once per teacher in its batch, so processes would make "
+                             "different numbers of sharded forwards (a hang). Train under DDP, or with one teacher.")
         teachers = teacher_model if isinstance(teacher_model, list | tuple) else [teacher_model]
         teachers = [t for t in teachers if t is not None]
         # Teachers behind a URL (hf_distill.serving), by their place among all teachers; the rest are local models

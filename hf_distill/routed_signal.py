@@ -132,6 +132,10 @@ class SignalTeacher:
         """The `teacher_signal_*` columns of this batch's rows (all routed here), as the collator batches a signal
         joined with its rows: each row found by its real tokens and counted positions."""
         ids = inputs["input_ids"]
+        if isinstance(inputs.get("position_ids"), torch.Tensor):
+            raise ValueError(f"This batch packs several sequences per row (position_ids): the rows routed to "
+                             f"{self.name!r} are found in its signal one sequence per row. Train without packing "
+                             "(padding_free=False / a padding collator), or join the signal with the rows instead.")
         mask = inputs.get("attention_mask")
         counted = kd_positions(mask, inputs.get(label_name), self.meta["kd_token_mask"], causal=True)
         if counted is None:

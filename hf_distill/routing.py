@@ -179,6 +179,10 @@ class Router:
         if model.training and not token_level and d._step.take():  # the sub-batches share this micro-batch's step
             stepped = True
         total, outs, order, parts, tracker = None, [], [], [], d.tracker
+        # DDP: one forward through the wrapper per micro-batch, on every process alike (its buffer broadcast and its
+        # reducer's set-up are collectives; processes split into different numbers of teachers would hang); the
+        # other sub-batches run the module it wraps, whose gradients the micro-batch's one backward all-reduces.
+        inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
         for n, (place, rows) in enumerate(groups.items()):
             if stepped:
                 d._step._left += 1  # each sub-batch is a share of this micro-batch's (already taken) step mean
@@ -186,7 +190,7 @@ class Router:
             d.tracker = ComponentTracker()  # the sub-batch's components: logged as one micro-batch's (below)
             try:
                 with self.use(place, model):
-                    got = d.compute_loss(model, sub, return_outputs, num_items_in_batch)
+                    got = d.compute_loss(model if n == 0 else inner, sub, return_outputs, num_items_in_batch)
             finally:
                 parts.append((d.tracker, share[n] if share is not None else 1.0))
                 d.tracker = tracker

@@ -202,3 +202,12 @@ def test_a_classifier_batch_is_the_row_mean_over_its_teachers(tmp_path):
     parts = [Distiller(student, args(tmp_path, **run), t).compute_loss(student, {k: v[rows] for k, v in batch.items()})
              for rows, t in (([0], a), ([1, 2, 3], b))]
     assert got.item() == pytest.approx(0.25 * parts[0].item() + 0.75 * parts[1].item(), rel=1e-5)
+
+
+def test_several_teachers_under_a_sharded_engine_are_refused(tmp_path):
+    """Under FSDP/DeepSpeed (the loss head's "module" route) each process would run one sharded student forward per
+    teacher in its batch, a different number per process: refused before any teacher loads, not left to hang."""
+    with pytest.raises(ValueError, match=r"routed per row, under FSDP/DeepSpeed: .* Train under DDP") as err:
+        Distiller(llama(0), args(tmp_path, **RUN), {"a": llama(1), "b": "no/such-teacher"}, processing_class=_tok(),
+                  train_dataset=_rows(["a", "b"]), route="module")
+    assert "\n" not in str(err.value)
