@@ -135,7 +135,7 @@ class SignalTeacher:
         if isinstance(inputs.get("position_ids"), torch.Tensor):
             raise ValueError(f"This batch packs several sequences per row (position_ids): the rows routed to "
                              f"{self.name!r} are found in its signal one sequence per row. Train without packing "
-                             "(padding_free=False / a padding collator), or join the signal with the rows instead.")
+                             "(padding_free=False / a padding collator).")
         mask = inputs.get("attention_mask")
         counted = kd_positions(mask, inputs.get(label_name), self.meta["kd_token_mask"], causal=True)
         if counted is None:
