@@ -184,3 +184,9 @@ def test_a_streamed_rows_batch_not_in_the_signal_is_refused_at_its_batch(tmp_pat
     batch = labelled_collate([rows[i] for i in range(4)])
     with pytest.raises(ValueError, match=r"Row 2 of this batch is routed to 'sig', but that teacher signal holds no"):
         distiller.compute_loss(student, {**batch, "teacher_id": ["sig"] * 4})
+    packed = {**batch, "position_ids": torch.arange(batch["input_ids"].shape[1]).expand_as(batch["input_ids"])}
+    with pytest.raises(ValueError, match=r"packs several sequences per row .* Train without packing"):
+        distiller.compute_loss(student, {**packed, "teacher_id": ["sig"] * 4})
+    # evaluation rows (eval_with_teacher: the trainer checks them as it checks the training rows)
+    with pytest.raises(ValueError, match=r"Row 1 of the evaluation \(eval\) dataset is routed to 'sig', but"):
+        distiller.check_dataset(rows.select([1, 2]).add_column("teacher_id", ["sig", "sig"]), "evaluation (eval)")
