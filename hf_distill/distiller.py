@@ -84,8 +84,9 @@ class Distiller:
             (hf_distill.settings: what schedules and stages change while training).
         teacher_model: as `DistillationTrainer`'s: a model, a folder or Hub id, a list of them, the student itself
             (a PEFT model: self-distillation with adapters off), a URL (hf_distill.serving), a dict of named teachers
-            (each row distilled from the one its `teacher_id` column names, hf_distill.routing), or None when the rows
-            carry cached teacher outputs.
+            (models, folders, URLs or offline signals from `load_teacher_signal`; each row distilled from the one its
+            `teacher_id` column names, hf_distill.routing and hf_distill.routed_signal), or None when the rows carry
+            cached teacher outputs.
         processing_class: the student's tokenizer, to compare vocabularies.
         teacher_processing_class: the teacher's tokenizer (or one per teacher).
         train_dataset: checked for cached teacher columns (and read for the cached teacher's shape when no
