@@ -33,6 +33,12 @@ def _signal(folder, rows, teacher=None, **kw):
     return create_teacher_signal(teacher or llama(3), rows, folder, **settings)
 
 
+@pytest.fixture(scope="module")
+def signal16(tmp_path_factory):
+    """One format-2 signal of sft_rows(16) (whose first n rows are sft_rows(n)), shared: a signal is read only."""
+    return _signal(tmp_path_factory.mktemp("signal16") / "signal", sft_rows(16), teacher_name="tiny/teacher-70b")
+
+
 @pytest.fixture
 def served():
     log = []
@@ -89,11 +95,11 @@ def _train(tmp_path, name, teacher, data, log=None, **kw):
 
 
 @pytest.mark.slow
-def test_a_dict_of_one_signal_is_bitwise_the_plain_signal_path(tmp_path):
+def test_a_dict_of_one_signal_is_bitwise_the_plain_signal_path(tmp_path, signal16):
     """teacher_model={"sig": signal} with every row routed to it, and a dict of two whose other teacher gets no row:
     the losses and weights of DistillationTrainer(teacher_model=None, train_dataset=attach_teacher_signal(...))."""
     rows = sft_rows(12)
-    signal = _signal(tmp_path / "signal", rows)
+    signal = signal16.select(range(12))
     _, base_losses, base_weights = _train(tmp_path, "plain", None, attach_teacher_signal(rows, signal))
     routed = rows.add_column("teacher_id", ["sig"] * 12)
     trainer, losses, weights = _train(tmp_path, "one", {"sig": signal}, routed)
@@ -104,15 +110,13 @@ def test_a_dict_of_one_signal_is_bitwise_the_plain_signal_path(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_mixed_run_logs_each_teacher_and_the_card_names_the_signal(tmp_path, served):
-    """Through the Trainer with gradient accumulation: a signal made from the rows routed to it only (the recipe the
-    refusal gives), a local and a served teacher; each logged; the server scores its rows only; the card and report
-    name the signal's teacher and its rows."""
+def test_a_mixed_run_logs_each_teacher_and_the_card_names_the_signal(tmp_path, served, signal16):
+    """Through the Trainer with gradient accumulation: a signal, a local and a served teacher; each logged; the
+    server scores its rows only; the card and report name the signal's teacher and its rows."""
     url, log = served
     ids = ["big", "sig", "local", "sig", "local", "big", "sig", "sig"] * 2
     data = sft_rows(16).add_column("teacher_id", ids)
-    signal = _signal(tmp_path / "signal", data.filter(lambda r: r["teacher_id"] == "sig").remove_columns("teacher_id"),
-                     teacher_name="tiny/teacher-70b")
+    signal = signal16.select([i for i, name in enumerate(ids) if name == "sig"])  # the rows routed to it only
     trainer, losses, _ = _train(tmp_path, "mixed", {"sig": signal, "local": llama(1), "big": url}, data, log,
                                 gradient_accumulation_steps=2, per_device_train_batch_size=2, **SERVED)
     assert torch.isfinite(losses).all() and len(losses) == 3
@@ -142,10 +146,10 @@ def test_a_mixed_run_logs_each_teacher_and_the_card_names_the_signal(tmp_path, s
     ("joined too", r"The train dataset carries teacher_signal columns .* teacher_model\['sig'\] is a signal too"),
     ("cached beside", r"cached columns \[.*\] with teachers routed per row .* give the signal as a named teacher"),
 ])
-def test_what_a_named_signal_cannot_honour_is_refused_before_any_teacher_loads(tmp_path, case, words):
+def test_what_a_named_signal_cannot_honour_is_refused_before_any_teacher_loads(tmp_path, signal16, case, words):
     """Each refusal is one line, raised before the other named teacher (a folder that does not exist) is loaded."""
     rows = sft_rows(4)
-    signal = _signal(tmp_path / "signal", rows.select([0, 2, 3]) if case == "row not in it" else rows)
+    signal = signal16.select([0, 2, 3] if case == "row not in it" else range(4))
     data, run, tok = rows, dict(RUN), _tok()
     if case == "not a signal":
         signal = rows
@@ -174,11 +178,11 @@ def test_what_a_named_signal_cannot_honour_is_refused_before_any_teacher_loads(t
     assert "\n" not in str(err.value)
 
 
-def test_a_streamed_rows_batch_not_in_the_signal_is_refused_at_its_batch(tmp_path):
+def test_a_streamed_rows_batch_not_in_the_signal_is_refused_at_its_batch(tmp_path, signal16):
     """Rows that could not be checked before training (a stream) are found per batch: one that the signal does not
     hold is refused there, never trained without its teacher."""
     rows = sft_rows(4)
-    signal = _signal(tmp_path / "signal", rows.select([0, 1]))
+    signal = signal16.select([0, 1])
     student = llama(0).train()
     distiller = Distiller(student, args(tmp_path, **RUN), {"sig": signal}, processing_class=_tok())
     batch = labelled_collate([rows[i] for i in range(4)])
