@@ -11,9 +11,9 @@ from served_fakes import fake_vllm
 
 from hf_distill import DistillationTrainer
 from hf_distill.data.collators import TeacherOutputsCollator
-from hf_distill.data.teacher_signal import attach_teacher_signal, create_teacher_signal, streamed
+from hf_distill.data.teacher_signal import attach_teacher_signal, create_teacher_signal, signal_teacher, streamed
 from hf_distill.distiller import Distiller
-from hf_distill.losses.normalise import COUNT_KINDS
+from hf_distill.losses.normalise import COUNT_KINDS, kd_positions
 from hf_distill.publish.card import model_card
 from hf_distill.publish.report import DistillationReport
 from hf_distill.serving.server import ServerThread
@@ -80,6 +80,18 @@ def test_signal_rows_mixed_with_a_local_and_a_served_teacher(tmp_path, served):
     for name, part in zip(("sig", "local", "big"), parts, strict=True):
         assert means[f"loss_kd/{name}"] == pytest.approx(part, rel=1e-5), name
     assert len({round(p, 4) for p in parts}) == 3  # three different teachers, not one path taken three times
+    # the signal's rows against float64: KL over its k + 1 outcomes (top-k ids and the tail), mean over counted tokens
+    sub = {k: v[[0, 3]] for k, v in with_signal.items()}
+    log_p, index, log_tail = (x.double() if x.is_floating_point() else x for x in signal_teacher(
+        {k: v for k, v in sub.items() if k.startswith("teacher_signal")}, sub, "labels", "labels"))
+    with torch.no_grad():
+        z = student(input_ids=sub["input_ids"], attention_mask=sub["attention_mask"]).logits
+    log_q = z.double().log_softmax(-1)
+    q_top = log_q.gather(-1, index)
+    q_tail = torch.log1p(-q_top.exp().sum(-1).clamp(max=1.0))
+    kl = (log_p.exp() * (log_p - q_top)).sum(-1) + log_tail.exp() * (log_tail - q_tail)
+    mask = kd_positions(sub["attention_mask"], sub["labels"], "labels", causal=True)
+    assert means["loss_kd/sig"] == pytest.approx(kl[:, :-1][mask].mean().item(), rel=1e-4)
 
 
 def _train(tmp_path, name, teacher, data, log=None, **kw):
