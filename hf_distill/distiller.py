@@ -134,6 +134,10 @@ class Distiller:
                              "different numbers of sharded forwards (a hang). Train under DDP, or with one teacher.")
         teachers = teacher_model if isinstance(teacher_model, list | tuple) else [teacher_model]
         teachers = [t for t in teachers if t is not None]
+        if named is None and any(routed_signal.is_signal(t) for t in teachers):
+            raise ValueError("teacher_model holds an offline teacher signal outside a dict: join it with its rows "
+                             "(train_dataset=attach_teacher_signal(rows, signal), teacher_model=None), or name it "
+                             "in a dict routed by a teacher_id column (teacher_model={name: signal, ...}).")
         # Teachers behind a URL (hf_distill.serving), by their place among all teachers; the rest are local models
         served_at = {i: t for i, t in enumerate(teachers) if is_teacher_url(t)}
         teachers = [t for i, t in enumerate(teachers) if i not in served_at and i not in signal_at]

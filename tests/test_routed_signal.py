@@ -156,6 +156,7 @@ def test_a_mixed_run_logs_each_teacher_and_the_card_names_the_signal(tmp_path, s
     ("positions moved", r"Row 0 of the train dataset is routed to 'sig' and its tokens are in that teacher signal, "
                         "but with other counted positions"),
     ("joined too", r"The train dataset carries teacher_signal columns .* teacher_model\['sig'\] is a signal too"),
+    ("not named", r"teacher_model holds an offline teacher signal outside a dict: join it with its rows"),
     ("cached beside", r"cached columns \[.*\] with teachers routed per row .* give the signal as a named teacher"),
 ])
 def test_what_a_named_signal_cannot_honour_is_refused_before_any_teacher_loads(tmp_path, signal16, case, words):
@@ -185,8 +186,10 @@ def test_what_a_named_signal_cannot_honour_is_refused_before_any_teacher_loads(t
         data = attach_teacher_signal(rows, signal)
     other = {} if case == "joined too" else {"other": str(tmp_path / "no-such-teacher")}
     data = data.add_column("teacher_id", ["sig", "sig", "other" if other else "sig", "sig"])
+    teachers = [signal, other["other"]] if case == "not named" else {"sig": signal, **other}
     with pytest.raises(ValueError, match=words) as err:
-        Distiller(llama(0), args(tmp_path, **run), {"sig": signal, **other}, processing_class=tok, train_dataset=data)
+        Distiller(llama(0), args(tmp_path, **run), teachers, processing_class=tok,
+                  train_dataset=data.remove_columns("teacher_id") if case == "not named" else data)
     assert "\n" not in str(err.value)
 
 
