@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from transformers.utils import find_labels, logging
 
-from . import routing
+from . import routed_signal, routing
 from .arguments import DistillationArguments
 from .data.cache import cached_teacher_info
 from .data.collators import TEACHER_PREFIX
@@ -84,8 +84,9 @@ class Distiller:
             (hf_distill.settings: what schedules and stages change while training).
         teacher_model: as `DistillationTrainer`'s: a model, a folder or Hub id, a list of them, the student itself
             (a PEFT model: self-distillation with adapters off), a URL (hf_distill.serving), a dict of named teachers
-            (each row distilled from the one its `teacher_id` column names, hf_distill.routing), or None when the rows
-            carry cached teacher outputs.
+            (models, folders, URLs or offline signals from `load_teacher_signal`; each row distilled from the one its
+            `teacher_id` column names, hf_distill.routing and hf_distill.routed_signal), or None when the rows carry
+            cached teacher outputs.
         processing_class: the student's tokenizer, to compare vocabularies.
         teacher_processing_class: the teacher's tokenizer (or one per teacher).
         train_dataset: checked for cached teacher columns (and read for the cached teacher's shape when no
@@ -124,17 +125,32 @@ class Distiller:
         # Named teachers (a dict): each row goes to the one its `teacher_id` column names (hf_distill.routing)
         named = routing.named_teachers(teacher_model)
         routing.check_routing(list(named) if named is not None else None, args, train_dataset)
+        signal_at = routed_signal.signal_teachers(named)  # offline signals named in it, by place
         teacher_model = list(named.values()) if named is not None else teacher_model
         routed = named is not None and len(named) > 1  # each teacher is a single-teacher run on its own rows
+        if routed and route == "module":
+            raise ValueError("teacher_model names several teachers routed per row, under FSDP/DeepSpeed: each "
+                             "process's student would run once per teacher in its batch, so processes would make "
+                             "different numbers of sharded forwards (a hang). Train under DDP, or with one teacher.")
         teachers = teacher_model if isinstance(teacher_model, list | tuple) else [teacher_model]
         teachers = [t for t in teachers if t is not None]
+        if named is None and any(routed_signal.is_signal(t) for t in teachers):
+            raise ValueError("teacher_model holds an offline teacher signal outside a dict: join it with its rows "
+                             "(train_dataset=attach_teacher_signal(rows, signal), teacher_model=None), or name it "
+                             "in a dict routed by a teacher_id column (teacher_model={name: signal, ...}).")
         # Teachers behind a URL (hf_distill.serving), by their place among all teachers; the rest are local models
         served_at = {i: t for i, t in enumerate(teachers) if is_teacher_url(t)}
-        teachers = [t for t in teachers if not is_teacher_url(t)]
-        n_teachers = len(teachers) + len(served_at)
+        teachers = [t for i, t in enumerate(teachers) if i not in served_at and i not in signal_at]
+        # a dict of one signal is the plain signal path: no teacher model
+        n_teachers = len(teachers) + len(served_at) + (len(signal_at) if routed else 0)
         sources = [str(t) if isinstance(t, str | os.PathLike) else None for t in teachers]  # their tokenizers too
         # What the loss reads at each call and what callbacks change while training (hf_distill.settings)
         self.settings = DistillSettings.for_student(args, static_head(student), 1 if routed else n_teachers)
+        for signal in signal_at.values():  # the plain signal path's refusals, and every routed row found in it
+            signal.check_run(temperature=self.settings.temperature, kd_token_mask=self.settings.kd_token_mask,
+                             tokenizer=processing_class, causal=static_head(student) is Head.CAUSAL_LM,
+                             kd_loss=self.settings.kd_loss, kd_weight=self.settings.kd_weight)
+            signal.check_rows(train_dataset, "train")
         # Each server checked (reachable, vocabulary, k, temperature) before any local teacher loads
         self.served = served_teachers(served_at, args, self.settings, causal=static_head(student) is Head.CAUSAL_LM,
                                       n_teachers=1 if routed else n_teachers, tokenizer=processing_class,
@@ -221,24 +237,25 @@ class Distiller:
         self.last_kd: torch.Tensor | None = None  # the last batch's KD term before its step share (routing logs it)
         if routed:  # per teacher, the teacher side and KD paths a single-teacher Distiller of it would build
             sides, paths, local = [], [], 0
-            for place in range(n_teachers):
-                models = [] if place in self.served else [self.teachers[local]]
+            for place in range(len(named)):
+                own = place in self.served or place in signal_at  # no model of its own
+                models = [] if own else [self.teachers[local]]
                 side = TeacherSide(CachedColumns(self.settings, self._token_labels, None),
                                    LocalTeachers(models, False, self.label_names, self._head, accelerator),
                                    self.settings, None, {0: self.served[place]} if place in self.served else {})
                 sides.append(side)
                 paths.append(KDPaths(PathContext(args, self.settings, self._head, side, self.teacher_weights,
-                                                 self.task, None if place in self.served else vocabs[local],
+                                                 self.task, None if own else vocabs[local],
                                                  None, accelerator, route), student))
-                local += place not in self.served
-            self.router = routing.Router(self, list(named), sides, paths)
+                local += not own
+            self.router = routing.Router(self, list(named), sides, paths, signal_at)
             self.teacher_side, self.paths = sides[0], paths[0]
         else:
             self.paths = KDPaths(PathContext(args, self.settings, self._head, self.teacher_side,
                                              self.teacher_weights, self.task, shared_vocab, cross_vocab, accelerator,
                                              route), student)
             if named is not None:  # a dict of one: the single-teacher path; the column is only checked and counted
-                self.router = routing.Router(self, list(named), [self.teacher_side], [self.paths])
+                self.router = routing.Router(self, list(named), [self.teacher_side], [self.paths], signal_at)
         self.tracker = ComponentTracker()
         # cross_tokenizer: the share of the student's distilled positions paired with the teacher's, per log window
         self.pairing = (cross_tokenizer.PairedShare(args.cross_tokenizer, self._token_labels,
@@ -283,6 +300,9 @@ class Distiller:
         column that does not fit the named teachers (hf_distill.routing)."""
         routing.check_routing(self.router.names if self.router is not None else None, self.args, dataset, which)
         teacher = self.teacher if self.teacher is not None else next(iter(self.served.values()), None)
+        if self.router is not None and self.router.signals:  # named signals: rows get their columns per batch
+            self.router.check_signals(dataset, which)
+            teacher = teacher if teacher is not None else next(iter(self.router.signals.values()))
         check_teacher_columns(dataset, which, head=self._head, teacher=teacher, kd_weight=self.settings.kd_weight,
                               kd_loss=self.settings.kd_loss, num_labels=self._student_shape[2],
                               intermediate=self.intermediate)

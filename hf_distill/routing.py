@@ -1,5 +1,6 @@
 """Routing per row (issue #42 item 6): `teacher_model={"big": "http://host:8000/v1", "local": model}` names several
-teachers, and each row's `teacher_id` column says which one it is distilled from.
+teachers (models, folders, URLs, offline signals: hf_distill.routed_signal), and each row's `teacher_id` column says
+which one it is distilled from.
 
 Each row's KD term is against its own teacher only, and a teacher runs (or a server is asked) only for the rows routed
 to it. One batch is split into one sub-batch per teacher (rows kept in their width); each sub-batch runs the
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from .base.batch_keys import ROUTE_COLUMN, TEACHER_PREFIX
+from .tracking import ComponentTracker
 
 
 def named_teachers(teacher_model: Any) -> dict[str, Any] | None:
@@ -35,8 +37,8 @@ def named_teachers(teacher_model: Any) -> dict[str, Any] | None:
                          f"non-empty strings: {bad!r}.")
     empty = [n for n, t in teacher_model.items() if t is None]
     if empty:
-        raise ValueError(f"teacher_model names {empty} without a teacher (None): an offline signal (or cached columns) "
-                         "as a named teacher is not done; give a model, folder or URL for each name.")
+        raise ValueError(f"teacher_model names {empty} without a teacher (None): give each name a model, folder, URL "
+                         "or offline signal (load_teacher_signal(path)); cached teacher_* columns are not routed.")
     return dict(teacher_model)
 
 
@@ -72,7 +74,8 @@ def check_routing(names: list[str] | None, args: Any, dataset: Any, which: str =
         "teacher_weights": (args.teacher_weights is not None, "each row has one teacher, nothing is weighed"),
         "distill_terms": (bool(args.distill_terms), "intermediate terms would compare teachers of different shapes"),
         "cross_tokenizer": (bool(args.cross_tokenizer), "not done for routed teachers"),
-        f"cached columns {cached}": (bool(cached), "an offline signal as a named teacher is not done"),
+        f"cached columns {cached}": (bool(cached), "cached outputs are not routed: give the signal as a named "
+                                    "teacher, teacher_model={name: load_teacher_signal(path), ...}"),
     }
     for option, (given, why) in refused.items():
         if given:
@@ -84,8 +87,10 @@ class Router:
     """The teachers of a Distiller by name: per teacher its own teacher side and KD paths (as a single-teacher
     Distiller builds them), the rows routed to each while training, and each one's KD loss (:meth:`log_values`)."""
 
-    def __init__(self, distiller: Any, names: list[str], sides: list[Any], paths: list[Any]) -> None:
+    def __init__(self, distiller: Any, names: list[str], sides: list[Any], paths: list[Any],
+                 signals: dict[int, Any] | None = None) -> None:
         self.distiller, self.names, self.sides, self.paths = distiller, names, sides, paths
+        self.signals = signals or {}  # place -> SignalTeacher (hf_distill.routed_signal): its rows looked up per batch
         self.rows = collections.Counter({name: 0 for name in names})
         self.active = False
         # each teacher's KD since the last log: the sum of its sub-batch means times their counted tokens, the tokens
@@ -144,6 +149,8 @@ class Router:
                 self.rows[self.names[place]] += len(rows)
         if len(groups) == 1 or not distill:  # one teacher (or none running): its single-teacher loss, unchanged
             place = next(iter(groups))
+            if distill:
+                inputs = self._with_signal(place, inputs)
             with self.use(place, model):
                 out = d.compute_loss(model, inputs, return_outputs, num_items_in_batch)
             self._log(place, model, inputs)
@@ -171,13 +178,22 @@ class Router:
         stepped = model.training and token_level
         if model.training and not token_level and d._step.take():  # the sub-batches share this micro-batch's step
             stepped = True
-        total, outs, order = None, [], []
+        total, outs, order, parts, tracker = None, [], [], [], d.tracker
+        # DDP: one forward through the wrapper per micro-batch, on every process alike (its buffer broadcast and its
+        # reducer's set-up are collectives; processes split into different numbers of teachers would hang); the
+        # other sub-batches run the module it wraps, whose gradients the micro-batch's one backward all-reduces.
+        inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
         for n, (place, rows) in enumerate(groups.items()):
             if stepped:
                 d._step._left += 1  # each sub-batch is a share of this micro-batch's (already taken) step mean
-            sub = _rows(inputs, rows)
-            with self.use(place, model):
-                got = d.compute_loss(model, sub, return_outputs, num_items_in_batch)
+            sub = self._with_signal(place, _rows(inputs, rows))
+            d.tracker = ComponentTracker()  # the sub-batch's components: logged as one micro-batch's (below)
+            try:
+                with self.use(place, model):
+                    got = d.compute_loss(model if n == 0 else inner, sub, return_outputs, num_items_in_batch)
+            finally:
+                parts.append((d.tracker, share[n] if share is not None else 1.0))
+                d.tracker = tracker
             self._log(place, model, sub)
             loss = got[0] if return_outputs else got
             loss = loss * share[n] if share is not None else loss
@@ -185,12 +201,25 @@ class Router:
             if return_outputs:
                 outs.append(got[1])
                 order.extend(rows)
+        tracker.fold(parts)
         if not return_outputs:
             return total
         back = torch.argsort(torch.tensor(order))
         merged = {k: torch.cat([o[k] for o in outs])[back.to(outs[0][k].device)] for k in outs[0]
                   if isinstance(outs[0][k], torch.Tensor)}
         return total, merged
+
+    def _with_signal(self, place: int, inputs: dict[str, Any]) -> dict[str, Any]:
+        """A batch of rows routed to teacher `place` with their offline signal's columns when it is one."""
+        signal = self.signals.get(place)
+        if signal is None:
+            return inputs
+        return {**inputs, **signal.columns_for(inputs, self.distiller._token_labels)}
+
+    def check_signals(self, dataset: Any, which: str) -> None:
+        """Every row of `dataset` routed to an offline signal is one of its rows (hf_distill.routed_signal)."""
+        for signal in self.signals.values():
+            signal.check_rows(dataset, which)
 
     def _log(self, place: int, model: Any, inputs: dict[str, Any]) -> None:
         kd = getattr(self.distiller, "last_kd", None)
@@ -221,6 +250,8 @@ class Router:
         for place, name in enumerate(self.names):
             if place in d.served:
                 what = f"{d.served[place].name} (served)"
+            elif place in self.signals:
+                what = self.signals[place].describe()
             else:
                 teacher = d.teachers[local]
                 local += 1

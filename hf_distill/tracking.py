@@ -27,6 +27,17 @@ class ComponentTracker:
             self._sums[name] = self._sums[name] + v if name in self._sums else v
             self._counts[name] = self._counts.get(name, 0) + 1
 
+    def fold(self, parts: list[tuple[ComponentTracker, float]]) -> None:
+        """Add the components of one micro-batch computed in parts (routing per row: one sub-batch per teacher,
+        hf_distill.routing), each part's sums times its weight, as one micro-batch: the logged means stay means
+        over micro-batches, so `loss` is still the weighted sum of the logged components."""
+        folded: dict[str, torch.Tensor] = {}
+        for tracker, weight in parts:
+            for name, value in tracker._sums.items():
+                folded[name] = folded[name] + value * weight if name in folded else value * weight
+        if folded:
+            self.add(folded)
+
     def pop_means(self, accelerator=None) -> dict[str, float]:
         """Means since the last call, averaged over processes; resets the sums."""
         names = sorted(self._sums)

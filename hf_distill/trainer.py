@@ -37,6 +37,7 @@ from .features import heads as heads_mod
 from .features.taps import unwrap
 from .kd_paths.distillation_token import has_distillation_token
 from .placement import check_engine, check_fsdp2_wrap
+from .routed_signal import is_signal
 from .serving.client import is_teacher_url
 from .task_loss import plain_task_loss
 from .trainer_projections import PROJECTIONS_ATTR, PROJECTIONS_FILE, ProjectionTraining, _ClearProjectionGradients
@@ -73,8 +74,8 @@ class DistillationMixin(ProjectionTraining):
             intermediate terms use the first). It may be the student itself when the student is a PEFT
             model: the teacher is then the shared base with adapters off (self-distillation). May be `None`
             when every training row carries cached teacher outputs (hf_distill.data.cache). A dict names several
-            teachers (models, paths, URLs), each row distilled from the one its `teacher_id` column names
-            (hf_distill.routing).
+            teachers (models, paths, URLs, offline signals from `load_teacher_signal`), each row distilled from the
+            one its `teacher_id` column names (hf_distill.routing, hf_distill.routed_signal).
         teacher_processing_class: the teacher's tokenizer (or a list, one per teacher; None entries allowed), so that
             its vocabulary can be compared with the student's (`processing_class`). Not needed for a teacher given
             as a folder or Hub id (its saved tokenizer is read) or one whose `name_or_path` holds a tokenizer; where
@@ -122,7 +123,7 @@ class DistillationMixin(ProjectionTraining):
             teachers = teacher_model if isinstance(teacher_model, list | tuple) else [teacher_model]
             teachers = list(teacher_model.values()) if isinstance(teacher_model, dict) else teachers  # named
             check_generation_data(self.args, self._prompt_collator(), self.train_dataset, self.model,
-                                  [t for t in teachers if t is not None and not is_teacher_url(t)])
+                                  [t for t in teachers if t is not None and not is_teacher_url(t) and not is_signal(t)])
         if self.args.label_names is None and not self.label_names and has_distillation_token(unwrap(self.model)):
             self.label_names = ["labels"]  # DeiT's two heads take no labels: the class head's task loss reads them
         # an image teacher that needs its own processing of the raw images: refused before it loads (issue #43)

@@ -123,7 +123,8 @@ def test_one_teacher_is_bitwise_the_single_teacher_path(tmp_path, served):
     ("multi_teacher", "multi_teacher with teachers routed per row"),
     ("distill_terms", "distill_terms with teachers routed per row"),
     ("on-policy", "lmbda/seq_kd with teachers named in a dict"),
-    ("offline signal", r"names \['b'\] without a teacher \(None\): an offline signal .* is not done"),
+    ("no teacher", r"names \['b'\] without a teacher \(None\): give each name a model, folder, URL or offline "
+                   r"signal \(load_teacher_signal\(path\)\)"),
 ])
 def test_what_routing_cannot_honour_is_refused_before_training(tmp_path, case, words):
     data, teacher, kw = _rows(["a", "b"]), {"a": llama(1), "b": llama(2)}, {}
@@ -139,7 +140,7 @@ def test_what_routing_cannot_honour_is_refused_before_training(tmp_path, case, w
         kw = dict(distill_terms=["loss=hidden_mse,layers=uniform"])
     if case == "on-policy":
         kw, teacher, data = dict(lmbda=0.5), {"a": llama(1)}, _rows(["a", "a"])  # a dict of one too
-    if case == "offline signal":
+    if case == "no teacher":
         teacher["b"] = None
     with pytest.raises(ValueError, match=words) as err:
         Distiller(llama(0), args(tmp_path, **RUN, **kw), teacher, processing_class=_tok(), train_dataset=data)
@@ -160,6 +161,8 @@ def test_a_mixed_run_asks_each_teacher_for_its_rows_and_logs_each_loss(tmp_path,
     assert asked and {rows[p] for p in asked} == {"big"}  # only rows routed to the server were sent
     logged = [h for h in trainer.state.log_history if "loss" in h]
     assert all(any(k.startswith("loss_kd/") for k in h) for h in logged)  # each logged step: its teachers' KD
+    # the logged components are the micro-batches' (not each teacher's sub-batch counted as one): kd_weight 1 only
+    assert all(h["loss_kd"] == pytest.approx(h["loss"], rel=1e-5) for h in logged)
     assert {"loss_kd/local", "loss_kd/big"} <= {k for h in logged for k in h}
     assert sum(trainer.distiller.router.rows.values()) == 12 and trainer.distiller.router.rows["big"] > 0
 
@@ -199,3 +202,12 @@ def test_a_classifier_batch_is_the_row_mean_over_its_teachers(tmp_path):
     parts = [Distiller(student, args(tmp_path, **run), t).compute_loss(student, {k: v[rows] for k, v in batch.items()})
              for rows, t in (([0], a), ([1, 2, 3], b))]
     assert got.item() == pytest.approx(0.25 * parts[0].item() + 0.75 * parts[1].item(), rel=1e-5)
+
+
+def test_several_teachers_under_a_sharded_engine_are_refused(tmp_path):
+    """Under FSDP/DeepSpeed (the loss head's "module" route) each process would run one sharded student forward per
+    teacher in its batch, a different number per process: refused before any teacher loads, not left to hang."""
+    with pytest.raises(ValueError, match=r"routed per row, under FSDP/DeepSpeed: .* Train under DDP") as err:
+        Distiller(llama(0), args(tmp_path, **RUN), {"a": llama(1), "b": "no/such-teacher"}, processing_class=_tok(),
+                  train_dataset=_rows(["a", "b"]), route="module")
+    assert "\n" not in str(err.value)

@@ -43,6 +43,16 @@ def pad_stack(values: list[torch.Tensor], length: int | None, side: str = "right
     return out
 
 
+def stack_signal(values: list[Any]) -> torch.Tensor:
+    """One `teacher_signal_*` column of a batch's rows (hf_distill.data.teacher_signal: counted positions only),
+    right-padded with NaN (floats) or 0: how the collator batches it, and how a signal named as a teacher
+    (hf_distill.routed_signal) batches the rows it finds."""
+    values = [_to_tensor(v) for v in values]
+    dtype = next((v.dtype for v in values if v.numel()), values[0].dtype)  # an empty list reads as float32
+    values = [v.to(dtype) for v in values]
+    return pad_stack(values, None, "right", math.nan if dtype.is_floating_point else 0)
+
+
 class TeacherOutputsCollator:
     """Wrap a collator so that `teacher_*` columns are stacked and padded next to the inputs."""
 
@@ -71,9 +81,7 @@ class TeacherOutputsCollator:
         mask = batch.get("attention_mask")
         for k, vals in teacher.items():
             if k.startswith(SIGNAL_PREFIX):  # counted positions only: right-padded (NaN for floats), placed by the loss
-                dtype = next((v.dtype for v in vals if v.numel()), vals[0].dtype)  # an empty list reads as float32
-                vals = [v.to(dtype) for v in vals]
-                batch[k] = pad_stack(vals, None, "right", math.nan if dtype.is_floating_point else 0)
+                batch[k] = stack_signal(vals)
                 continue
             placed = _place_on_real_tokens(vals, mask) if length is not None else None
             batch[k] = placed if placed is not None else pad_stack(vals, length, self.padding_side)

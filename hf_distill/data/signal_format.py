@@ -43,6 +43,7 @@ __all__ = [
     "attach_teacher_signal",
     "check_batch_positions",
     "check_signal_entries",
+    "check_signal_meta",
     "check_teacher_signal",
     "padded_rows",
     "positions_hashes",
@@ -269,7 +270,27 @@ def check_teacher_signal(
     if meta is None:
         raise ValueError(f"The {which} dataset carries teacher_signal columns but not the signal's metadata: join "
                          "the rows with the signal through attach_teacher_signal(rows, load_teacher_signal(path)).")
-    _format_checked(meta, "The teacher signal")
+    check_signal_meta(meta, temperature=temperature, kd_token_mask=kd_token_mask, tokenizer=tokenizer, causal=causal)
+    entries = (SIGNAL_CODES, SIGNAL_SPEC) if meta.get("layout") == "compact" else (SIGNAL_TOPK,)
+    missing = [c for c in ("input_ids", SIGNAL_ROW, SIGNAL_POSITIONS, SIGNAL_TAIL, *entries) if c not in names]
+    if missing:
+        raise ValueError(f"The {which} dataset lacks {missing}: join the rows with attach_teacher_signal.")
+    mode = meta["kd_token_mask"]
+    if isinstance(dataset, datasets.Dataset):
+        stored = dataset.select_columns([SIGNAL_ROW, SIGNAL_POSITIONS]).with_format(None)
+        _check_rows(dataset, stored[SIGNAL_ROW], stored[SIGNAL_POSITIONS], mode, f"{which} dataset")
+    elif first:  # a stream: its first row here, every row on its batch (signal_teacher)
+        row = {c: _as_list(first[c]) for c in ("input_ids", "attention_mask", "labels") if c in first}
+        _check_rows(datasets.Dataset.from_list([row]), [first[SIGNAL_ROW]], [first[SIGNAL_POSITIONS]], mode,
+                    f"{which} dataset")
+
+
+def check_signal_meta(meta: dict[str, Any] | None, *, temperature: float, kd_token_mask: str, tokenizer: Any,
+                      causal: bool, what: str = "The teacher signal") -> dict[str, Any]:
+    """Refuse a signal (its metadata) that does not fit the run: another format, vocabulary, temperature or
+    kd_token_mask, a student that is not a causal LM (also for a signal named as a teacher, hf_distill.routed_signal).
+    Returns the metadata."""
+    meta = _format_checked(meta, what)
     if not causal:
         raise ValueError("A teacher signal holds a causal-LM teacher's next-token distributions: the student must be "
                          "a causal LM.")
@@ -290,18 +311,7 @@ def check_teacher_signal(
         raise ValueError(f"The student's tokenizer has another vocabulary than the teacher signal's (made with "
                          f"{meta['teacher'] or 'its teacher'}'s tokenizer, vocabulary hash {meta['vocab_hash']}): its "
                          "ids would mean other tokens. Use a student that shares the teacher's tokenizer.")
-    entries = (SIGNAL_CODES, SIGNAL_SPEC) if meta.get("layout") == "compact" else (SIGNAL_TOPK,)
-    missing = [c for c in ("input_ids", SIGNAL_ROW, SIGNAL_POSITIONS, SIGNAL_TAIL, *entries) if c not in names]
-    if missing:
-        raise ValueError(f"The {which} dataset lacks {missing}: join the rows with attach_teacher_signal.")
-    mode = meta["kd_token_mask"]
-    if isinstance(dataset, datasets.Dataset):
-        stored = dataset.select_columns([SIGNAL_ROW, SIGNAL_POSITIONS]).with_format(None)
-        _check_rows(dataset, stored[SIGNAL_ROW], stored[SIGNAL_POSITIONS], mode, f"{which} dataset")
-    elif first:  # a stream: its first row here, every row on its batch (signal_teacher)
-        row = {c: _as_list(first[c]) for c in ("input_ids", "attention_mask", "labels") if c in first}
-        _check_rows(datasets.Dataset.from_list([row]), [first[SIGNAL_ROW]], [first[SIGNAL_POSITIONS]], mode,
-                    f"{which} dataset")
+    return meta
 
 
 def _as_list(value: Any) -> list:
