@@ -82,6 +82,13 @@ def test_wer_threshold_outside_0_1_is_one_line(tmp_path):
     assert not (tmp_path / "out").exists() and not (tmp_path / "teachers").exists()
 
 
+@pytest.mark.parametrize("name", ["vocabulary", "voices_per_sentence"])
+def test_a_negative_data_size_is_one_line(tmp_path, name):
+    proc = run_script(RECIPE, *tiny(tmp_path, tmp_path / "out"), f"--{name}", "-1", cwd=ROOT)
+    assert f"{name} must be >= 0 (0: no limit), got -1" in _one_error(proc)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "teachers").exists()
+
+
 def test_decoder_layers_not_a_subset_is_one_line(tmp_path):
     proc = run_script(RECIPE, *tiny(tmp_path, tmp_path / "out"), "--student_decoder_layers", "0", "3", cwd=ROOT)
     line = _one_error(proc)
