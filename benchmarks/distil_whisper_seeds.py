@@ -5,10 +5,11 @@
     nice -n 19 python benchmarks/distil_whisper_seeds.py --base benchmarks/runs/distil_whisper --seeds 1 2
 
 Each extra seed gets its own folder `<base>_seed<S>` holding a copy of the base run's pseudo-labels, filter and
-initial student (the teacher is read from its cache), and runs the recipe's `distil baseline evaluate` stages with
-`--seed S` (the row order and dropout change; the initial student and the kept rows do not). The seeds run side by
-side (`--parallel`, one thread each) or one after the other. The table (mean and spread of each WER over the base
-run and the seeds) goes to stdout and `benchmarks/results/distil_whisper_seeds.json`.
+initial student, and runs the recipe's `distil baseline evaluate` stages with `--seed S --teacher <the base run's
+teacher>`: the row order and dropout change; the teacher, the initial student and the kept rows do not (the seed is
+part of a trained teacher's cache key, so the teacher is named, not looked up). The seeds run side by side
+(`--parallel`, one thread each) or one after the other. The table (mean and spread of each WER over the base run
+and the seeds) goes to stdout and `benchmarks/results/distil_whisper_seeds.json`.
 """
 
 from __future__ import annotations
@@ -65,12 +66,15 @@ def main() -> None:
     if not base_results.is_file() or not (opts.base / "student_init").is_dir():
         sys.exit(f"error: --base {opts.base} holds no finished recipe run (results.json, student_init/): run the "
                  "recipe there first")
+    teacher = json.loads(base_results.read_text()).get("teacher")
+    if not teacher or not (ROOT / teacher / "config.json").is_file() and not (Path(teacher) / "config.json").is_file():
+        sys.exit(f"error: the base run's teacher {teacher!r} is gone: run the recipe's teacher stage again")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = []
     for seed in opts.seeds:
         out = seed_dir(opts.base, seed)
         cmd = [sys.executable, str(RECIPE), "--config", opts.config, "--output_dir", str(out), "--seed", str(seed),
-               "--stages", "distil", "baseline", "evaluate", "--disable_tqdm", "true", *extra]
+               "--teacher", teacher, "--stages", "distil", "baseline", "evaluate", "--disable_tqdm", "true", *extra]
         log = open(out / "run.log", "w")  # noqa: SIM115 - closed when the process is waited for
         procs.append((seed, out, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
         if not opts.parallel:
