@@ -8,7 +8,8 @@ Each extra seed gets its own folder `<base>_seed<S>` holding a copy of the base 
 initial student, and runs the recipe's `distil baseline evaluate` stages with `--seed S --teacher <the base run's
 teacher>`: the row order and dropout change; the teacher, the initial student and the kept rows do not (the seed is
 part of a trained teacher's cache key, so the teacher is named, not looked up). The seeds run side by side
-(`--parallel`, one thread each) or one after the other. The table (mean and spread of each WER over the base run
+(`--parallel`, one thread each) or one after the other; a seed whose folder holds a finished run is read, not run
+again. The table (mean and spread of each WER over the base run
 and the seeds) goes to stdout and `benchmarks/results/distil_whisper_seeds.json`.
 """
 
@@ -73,6 +74,11 @@ def main() -> None:
     procs = []
     for seed in opts.seeds:
         out = seed_dir(opts.base, seed)
+        done = out / "results.json"
+        if done.is_file() and any(k.startswith("baseline_wer_") for k in json.loads(done.read_text())):
+            print(f"seed {seed}: reusing {done}")  # a finished seed is not trained again
+            procs.append((seed, out, None, None))
+            continue
         cmd = [sys.executable, str(RECIPE), "--config", opts.config, "--output_dir", str(out), "--seed", str(seed),
                "--teacher", teacher, "--stages", "distil", "baseline", "evaluate", "--disable_tqdm", "true", *extra]
         log = open(out / "run.log", "w")  # noqa: SIM115 - closed when the process is waited for
@@ -81,9 +87,10 @@ def main() -> None:
             procs[-1][2].wait()
     runs = {"42": json.loads(base_results.read_text())}
     for seed, out, proc, log in procs:
-        if proc.wait() != 0:
+        if proc is not None and proc.wait() != 0:
             sys.exit(f"error: seed {seed} failed (exit {proc.returncode}); its log: {out / 'run.log'}")
-        log.close()
+        if log is not None:
+            log.close()
         runs[str(seed)] = json.loads((out / "results.json").read_text())
     result = {"base": str(opts.base), "seeds": list(runs), "summary": summary(runs),
               "per_seed": {s: {k: v for k, v in r.items() if "_wer_" in k or k in ("decode_speedup", "train_steps")}
