@@ -9,7 +9,7 @@ initial student, and runs the recipe's `distil baseline evaluate` stages with `-
 teacher>`: the row order and dropout change; the teacher, the initial student and the kept rows do not (the seed is
 part of a trained teacher's cache key, so the teacher is named, not looked up). The seeds run side by side
 (`--parallel`, one thread each) or one after the other; a seed whose folder holds a finished run is read, not run
-again. The table (mean and spread of each WER over the base run
+again. The table (mean and sample standard deviation of each WER over the base run
 and the seeds) goes to stdout and `benchmarks/results/distil_whisper_seeds.json`.
 """
 
@@ -39,17 +39,21 @@ def seed_dir(base: Path, seed: int) -> Path:
     return out
 
 
+def _spread(vals: list[float]) -> dict:
+    return {"mean": statistics.mean(vals), "std": statistics.stdev(vals) if len(vals) > 1 else 0.0, "runs": vals}
+
+
 def summary(runs: dict[str, dict]) -> dict:
-    """Each WER's mean and standard deviation over the runs, and the decode speed-ups."""
+    """Each WER's mean and sample standard deviation over the runs, KD's gain over CE-only seed by seed (the
+    baseline's WER minus the KD student's), and the decode speed-ups."""
     splits = sorted({k.split("_wer_", 1)[1] for r in runs.values() for k in r if "_wer_" in k})
     table: dict = {}
     for split in splits:
         for model in WERS:
-            vals = [r[f"{model}_wer_{split}"] for r in runs.values() if f"{model}_wer_{split}" in r]
-            table[f"{model}_wer_{split}"] = {"mean": statistics.mean(vals), "std": statistics.pstdev(vals),
-                                             "runs": vals}
-        diffs = [r[f"baseline_wer_{split}"] - r[f"student_wer_{split}"] for r in runs.values()]
-        table[f"kd_gain_{split}"] = {"mean": statistics.mean(diffs), "std": statistics.pstdev(diffs), "runs": diffs}
+            table[f"{model}_wer_{split}"] = _spread([r[f"{model}_wer_{split}"] for r in runs.values()
+                                                     if f"{model}_wer_{split}" in r])
+        table[f"kd_gain_{split}"] = _spread([r[f"baseline_wer_{split}"] - r[f"student_wer_{split}"]
+                                             for r in runs.values()])
     speed = [r["decode_speedup"] for r in runs.values()]
     table["decode_speedup"] = {"mean": statistics.mean(speed), "runs": speed}
     return table

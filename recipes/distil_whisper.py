@@ -25,8 +25,10 @@ Stages (`--stages`, in this order; each reads what the earlier ones left in `out
 
 Data: `dataset_dir` (a `datasets.DatasetDict` saved with `save_to_disk`, splits `teacher_split`, `train_split` and
 the `eval_splits`, with `audio_column` {"array", "sampling_rate"} and `text_column`), or, when unset, speech made
-here by espeak-ng (`hf_distill.data.speech`): short sentences of `sentences_file` spoken by disjoint sets of voices
-for the teacher's training, the distillation set and the evaluation (seen sentences and new sentences).
+here by espeak-ng (`hf_distill.data.speech`): short sentences of `sentences_file` (with `vocabulary`, only those
+made of its most frequent words) spoken by disjoint sets of voices (with `voices_per_sentence`, each sentence by that
+many of its split's voices) for the teacher's training, the distillation set and the evaluation (seen sentences and
+new sentences). The teacher trained here has its convolutions He-initialised (`_whisper_data.init_front_end`).
 """
 
 from __future__ import annotations
