@@ -24,6 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from sections import portable_tree
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RECIPE = ROOT / "recipes" / "distil_whisper.py"
@@ -100,7 +102,7 @@ def main() -> None:
               "per_seed": {s: {k: v for k, v in r.items() if "_wer_" in k or k in ("decode_speedup", "train_steps")}
                            for s, r in runs.items()}}
     opts.out.parent.mkdir(parents=True, exist_ok=True)
-    opts.out.write_text(json.dumps(result, indent=2) + "\n")
+    opts.out.write_text(json.dumps(portable_tree(result), indent=2) + "\n")
     for key, row in result["summary"].items():
         spread = f" ± {row['std']:.3f}" if "std" in row else ""
         print(f"{key:32s} {row['mean']:.3f}{spread}  {[round(v, 3) for v in row['runs']]}")

@@ -4,6 +4,7 @@ its refusals (one line each, before anything trains)."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -188,3 +189,19 @@ def test_the_teacher_trained_here_hears_the_audio_at_initialisation(monkeypatch)
     heard = (audio[0] - audio[1]).std().item()  # the part of the input that depends on the clip
     assert heard > 0.3 * encoder.embed_positions.weight.std().item()
     assert model.generation_config.no_timestamps_token_id is not None and not model.generation_config.is_multilingual
+
+
+def test_seed_summary_pairs_kd_and_ce_only_by_seed(monkeypatch):
+    """benchmarks/distil_whisper_seeds.py: KD's gain is the CE-only WER minus the KD WER of the same seed."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import importlib
+
+    seeds = importlib.import_module("distil_whisper_seeds")
+    monkeypatch.delitem(sys.modules, "distil_whisper_seeds")  # the module object stays bound here; not cached
+    runs = {"42": {"teacher_wer_new": 0.5, "student_wer_new": 0.6, "baseline_wer_new": 0.7, "decode_speedup": 1.2},
+            "1": {"teacher_wer_new": 0.5, "student_wer_new": 0.8, "baseline_wer_new": 0.7, "decode_speedup": 1.4}}
+    table = seeds.summary(runs)
+    assert table["kd_gain_new"]["runs"] == pytest.approx([0.1, -0.1])
+    assert table["student_wer_new"]["mean"] == pytest.approx(0.7)
+    assert table["student_wer_new"]["std"] == pytest.approx(0.1 * 2**0.5)  # sample std, not the population's
+    assert table["decode_speedup"]["mean"] == pytest.approx(1.3)
