@@ -39,8 +39,8 @@ def sentences(path: str, min_words: int, max_words: int, vocabulary: int = 0) ->
 
 
 def _spoken(texts: list[str], pool: list, per_sentence: int, seed: int):
-    """Each text spoken by `per_sentence` voices of `pool` drawn for it (all of them when 0 or more than the pool
-    holds): many voices overall without a clip for every (text, voice) pair."""
+    """Each text spoken by `per_sentence` voices of `pool` drawn for it (every voice of the pool when 0, or when the
+    pool holds no more than that): many voices overall without a clip for every (text, voice) pair."""
     import numpy as np
     from datasets import Dataset
 
