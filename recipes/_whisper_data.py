@@ -8,6 +8,7 @@ import csv
 import json
 import re
 import time
+from collections import Counter
 from pathlib import Path
 
 from common import fail
@@ -15,9 +16,12 @@ from common import fail
 _WORD = re.compile(r"[a-z']+")
 
 
-def sentences(path: str, min_words: int, max_words: int) -> list[str]:
+def sentences(path: str, min_words: int, max_words: int, vocabulary: int = 0) -> list[str]:
     """Distinct sentences of a TSV's `sentence` column, lower-cased, letters and apostrophes only (what a listener
-    can hear: SST-2's tokenised punctuation is not spoken), with min_words..max_words words, in file order."""
+    can hear: SST-2's tokenised punctuation is not spoken), with min_words..max_words words, in file order. With
+    `vocabulary` > 0, only the sentences made entirely of the `vocabulary` most frequent words of those (ties in
+    order of first use): held-out sentences then reuse words the teacher heard, so their WER measures recognition,
+    not the spelling of words it never met."""
     if not Path(path).is_file():
         fail(f"sentences_file {path!r} does not exist")
     seen, kept = set(), []
@@ -28,21 +32,46 @@ def sentences(path: str, min_words: int, max_words: int) -> list[str]:
             if min_words <= len(words) <= max_words and text not in seen:
                 seen.add(text)
                 kept.append(text)
+    if vocabulary > 0:
+        common = {w for w, _ in Counter(w for text in kept for w in text.split()).most_common(vocabulary)}
+        kept = [text for text in kept if all(w in common for w in text.split())]
     return kept
+
+
+def _spoken(texts: list[str], pool: list, per_sentence: int, seed: int):
+    """Each text spoken by `per_sentence` voices of `pool` drawn for it (every voice of the pool when 0, or when the
+    pool holds no more than that): many voices overall without a clip for every (text, voice) pair."""
+    import numpy as np
+    from datasets import Dataset
+
+    from hf_distill.data import speech
+
+    if not 0 < per_sentence < len(pool):
+        return speech.spoken_dataset(texts, pool)
+    rng = np.random.default_rng(seed)
+    rows: dict[str, list] = {"audio": [], "text": [], "speaker": []}
+    for text in texts:
+        for i in sorted(rng.choice(len(pool), per_sentence, replace=False)):
+            rows["audio"].append({"array": speech.speak(text, pool[i]), "sampling_rate": speech.SAMPLING_RATE})
+            rows["text"].append(text)
+            rows["speaker"].append(pool[i].key())
+    return Dataset.from_dict(rows)
 
 
 def build_splits(recipe) -> dict:
     """espeak-ng speech: `num_sentences` sentences spoken by the teacher's voices (split `teacher`) and by other
     voices (split `train`, the distillation set); evaluation by other voices again, on `eval_seen_sentences` of
-    those sentences (`eval_seen_text`) and on `eval_new_sentences` held-out ones (`eval_new_text`). Clips longer
-    than `chunk_length` are dropped (the feature extractor would cut them), and counted."""
+    those sentences (`eval_seen_text`) and on `eval_new_sentences` held-out ones (`eval_new_text`). With
+    `voices_per_sentence`, each sentence of a split is spoken by that many of the split's voices, drawn per
+    sentence. Clips longer than `chunk_length` are dropped (the feature extractor would cut them), and counted."""
     from hf_distill.data import speech
 
     speech.require_espeak()
-    pool = sentences(recipe.sentences_file, recipe.min_words, recipe.max_words)
+    pool = sentences(recipe.sentences_file, recipe.min_words, recipe.max_words, recipe.vocabulary)
     need = recipe.num_sentences + recipe.eval_new_sentences
     if len(pool) < need:
-        fail(f"sentences_file has {len(pool)} sentences of {recipe.min_words}-{recipe.max_words} words, "
+        within = f" within its {recipe.vocabulary} most frequent words" if recipe.vocabulary else ""
+        fail(f"sentences_file has {len(pool)} sentences of {recipe.min_words}-{recipe.max_words} words{within}, "
              f"{need} needed (num_sentences + eval_new_sentences)")
     counts = (recipe.teacher_voices, recipe.train_voices, recipe.eval_voices)
     drawn = speech.voices(sum(counts), seed=recipe.voice_seed)
@@ -52,8 +81,8 @@ def build_splits(recipe) -> dict:
             "eval_seen_text": (seen[: recipe.eval_seen_sentences], eval_v), "eval_new_text": (new, eval_v)}
     limit = recipe.chunk_length * speech.SAMPLING_RATE
     splits = {}
-    for name, (texts, voices) in plan.items():
-        rows = speech.spoken_dataset(texts, voices)
+    for k, (name, (texts, voices)) in enumerate(plan.items()):
+        rows = _spoken(texts, voices, recipe.voices_per_sentence, recipe.voice_seed + k)
         fits = [i for i, a in enumerate(rows["audio"]) if len(a["array"]) <= limit]
         if len(fits) < len(rows):
             print(f"data: {name}: dropped {len(rows) - len(fits)} clips longer than {recipe.chunk_length} s")
@@ -81,20 +110,25 @@ def load_splits(recipe) -> dict:
     return {name: data[name] for name in wanted}
 
 
-def train_teacher(recipe, key: dict, rows, folder: Path, args) -> dict:
-    """A Whisper trained from scratch on `rows` (CE on the references), saved with its processor in `folder`."""
+def init_front_end(model) -> None:
+    """He-normal weights and zero biases for the encoder's two convolutions (GELU after each). Whisper's own init
+    (normal, std 0.02) makes what the audio adds to the encoder's input about 70 times smaller than the sinusoidal
+    positions it is summed with; a model trained from scratch then learns a language model of the transcripts
+    first and hears the audio hundreds of steps later (on a CPU budget: never). Checkpoints are unaffected."""
     import torch
-    from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, WhisperConfig, WhisperForConditionalGeneration
 
-    from hf_distill.data.asr import SpeechSeq2SeqCollator, whisper_processor
+    for conv in (model.model.encoder.conv1, model.model.encoder.conv2):
+        torch.nn.init.kaiming_normal_(conv.weight, nonlinearity="relu")
+        torch.nn.init.zeros_(conv.bias)
 
-    t0 = time.time()
-    texts = list(rows[recipe.text_column])
-    processor = whisper_processor(texts, recipe.vocab_size, recipe.num_mel_bins, recipe.chunk_length)
+
+def new_teacher(recipe, processor, longest: int):
+    """The untrained teacher: a Whisper of the recipe's sizes over `processor`'s vocabulary and features, its
+    convolutions He-initialised, generating with the English-only prompt (`<|startoftranscript|><|notimestamps|>`)."""
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
     tok = processor.tokenizer
     sot, eot = tok.convert_tokens_to_ids("<|startoftranscript|>"), tok.eos_token_id
-    longest = max(len(tok(t).input_ids) for t in texts)
-    torch.manual_seed(args.seed)
     config = WhisperConfig(
         vocab_size=len(tok), num_mel_bins=recipe.num_mel_bins, d_model=recipe.teacher_d_model,
         encoder_layers=recipe.teacher_encoder_layers, decoder_layers=recipe.teacher_decoder_layers,
@@ -104,9 +138,27 @@ def train_teacher(recipe, key: dict, rows, folder: Path, args) -> dict:
         max_target_positions=max(64, 2 * longest + recipe.transcript_max_tokens), pad_token_id=eot, bos_token_id=eot,
         eos_token_id=eot, decoder_start_token_id=sot, suppress_tokens=[], begin_suppress_tokens=None)
     model = WhisperForConditionalGeneration(config)
+    init_front_end(model)
     model.generation_config.no_timestamps_token_id = tok.convert_tokens_to_ids("<|notimestamps|>")
     model.generation_config.is_multilingual = False
     model.generation_config.forced_decoder_ids = None
+    return model
+
+
+def train_teacher(recipe, key: dict, rows, folder: Path, args) -> dict:
+    """A Whisper trained from scratch on `rows` (CE on the references), saved with its processor in `folder`."""
+    import torch
+    from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
+
+    from hf_distill.data.asr import SpeechSeq2SeqCollator, whisper_processor
+
+    t0 = time.time()
+    texts = list(rows[recipe.text_column])
+    processor = whisper_processor(texts, recipe.vocab_size, recipe.num_mel_bins, recipe.chunk_length)
+    tok = processor.tokenizer
+    sot = tok.convert_tokens_to_ids("<|startoftranscript|>")
+    torch.manual_seed(args.seed)
+    model = new_teacher(recipe, processor, longest=max(len(tok(t).input_ids) for t in texts))
     targs = Seq2SeqTrainingArguments(
         output_dir=str(folder / "trainer"), num_train_epochs=recipe.teacher_epochs,
         learning_rate=recipe.teacher_learning_rate, per_device_train_batch_size=recipe.teacher_batch_size,

@@ -25,8 +25,10 @@ Stages (`--stages`, in this order; each reads what the earlier ones left in `out
 
 Data: `dataset_dir` (a `datasets.DatasetDict` saved with `save_to_disk`, splits `teacher_split`, `train_split` and
 the `eval_splits`, with `audio_column` {"array", "sampling_rate"} and `text_column`), or, when unset, speech made
-here by espeak-ng (`hf_distill.data.speech`): short sentences of `sentences_file` spoken by disjoint sets of voices
-for the teacher's training, the distillation set and the evaluation (seen sentences and new sentences).
+here by espeak-ng (`hf_distill.data.speech`): short sentences of `sentences_file` (with `vocabulary`, only those
+made of its most frequent words) spoken by disjoint sets of voices (with `voices_per_sentence`, each sentence by that
+many of its split's voices) for the teacher's training, the distillation set and the evaluation (seen sentences and
+new sentences). The teacher trained here has its convolutions He-initialised (`_whisper_data.init_front_end`).
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ class WhisperRecipeArguments:
     sentences_file: str = field(default="../shared/data/sst2/train.tsv",
                                 metadata={"help": "espeak-ng data: a TSV whose `sentence` column is read."})
     min_words: int = field(default=3, metadata={"help": "espeak-ng data: shortest sentence kept (words)."})
+    vocabulary: int = field(default=0, metadata={"help": "espeak-ng data: keep only sentences made of this many most "
+                                                 "frequent words (0: any), so held-out sentences reuse heard words."})
     max_words: int = field(default=8, metadata={"help": "espeak-ng data: longest sentence kept (words)."})
     num_sentences: int = field(default=400, metadata={"help": "espeak-ng data: sentences of teacher/train splits."})
     eval_new_sentences: int = field(default=50, metadata={"help": "espeak-ng data: held-out sentences."})
@@ -72,6 +76,8 @@ class WhisperRecipeArguments:
     teacher_voices: int = field(default=6, metadata={"help": "espeak-ng data: voices of the teacher split."})
     train_voices: int = field(default=3, metadata={"help": "espeak-ng data: other voices, the distillation split."})
     eval_voices: int = field(default=2, metadata={"help": "espeak-ng data: other voices again, the eval splits."})
+    voices_per_sentence: int = field(default=0, metadata={"help": "espeak-ng data: voices of its split that speak "
+                                                          "each sentence, drawn per sentence (0: all of them)."})
     voice_seed: int = field(default=0, metadata={"help": "espeak-ng data: seed of the voice draw."})
     wer_threshold: float = field(default=0.1, metadata={"help": "Drop pseudo-labels with a WER above this (0..1)."})
     student: str | None = field(default=None, metadata={"help": "A Whisper folder (model + processor) to start the "
@@ -108,6 +114,9 @@ def check(recipe: WhisperRecipeArguments, args) -> None:
     if bad or not recipe.stages:
         fail(f"stages {bad or recipe.stages}: choose from {', '.join(STAGES)}")
     check_wer_threshold(recipe.wer_threshold)
+    for name in ("vocabulary", "voices_per_sentence"):
+        if getattr(recipe, name) < 0:
+            fail(f"{name} must be >= 0 (0: no limit), got {getattr(recipe, name)}")
     if args.kd_loss not in ("kl", "soft_ce", "jsd", "reverse_kl"):
         fail(f"kd_loss must be a softmax loss (kl, soft_ce, jsd, reverse_kl) for Whisper, got {args.kd_loss!r}")
     if recipe.student and recipe.student_decoder_layers is not None:
@@ -150,7 +159,8 @@ def teacher_folder(recipe: WhisperRecipeArguments, splits, args, train: bool):
     key = {n: getattr(recipe, n) for n in names}
     rows = splits[recipe.teacher_split]
     key.update(texts=digest(rows[recipe.text_column]), speakers=digest(rows["speaker"]) if "speaker" in
-               rows.column_names else None, rows=len(rows), seed=args.seed)
+               rows.column_names else None, rows=len(rows), seed=args.seed,
+               front_end_init="he")  # teachers cached before the convolutions' He init are not reused
     folder = Path(recipe.teacher_cache_dir) / hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     info = folder / "teacher_info.json"
     if info.is_file():

@@ -4,6 +4,7 @@ its refusals (one line each, before anything trains)."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -82,6 +83,13 @@ def test_wer_threshold_outside_0_1_is_one_line(tmp_path):
     assert not (tmp_path / "out").exists() and not (tmp_path / "teachers").exists()
 
 
+@pytest.mark.parametrize("name", ["vocabulary", "voices_per_sentence"])
+def test_a_negative_data_size_is_one_line(tmp_path, name):
+    proc = run_script(RECIPE, *tiny(tmp_path, tmp_path / "out"), f"--{name}", "-1", cwd=ROOT)
+    assert f"{name} must be >= 0 (0: no limit), got -1" in _one_error(proc)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "teachers").exists()
+
+
 def test_decoder_layers_not_a_subset_is_one_line(tmp_path):
     proc = run_script(RECIPE, *tiny(tmp_path, tmp_path / "out"), "--student_decoder_layers", "0", "3", cwd=ROOT)
     line = _one_error(proc)
@@ -119,3 +127,81 @@ def test_a_student_with_another_feature_extractor_is_one_line_without_raw_audio(
     assert "feature extractors differ: feature_size 40 (teacher) vs 16 (student)" in line, line
     assert "the dataset has no raw audio" in line, line
     assert not (tmp_path / "out").exists() and not (tmp_path / "teachers").exists()
+
+
+def _whisper_data(monkeypatch):
+    import importlib
+
+    monkeypatch.syspath_prepend(str(ROOT / "recipes"))
+    return importlib.import_module("_whisper_data")
+
+
+def test_vocabulary_keeps_the_sentences_made_of_the_most_frequent_words(tmp_path, monkeypatch):
+    """issue #44 item 4: held-out sentences must reuse words the teacher heard, or their WER only says that a model
+    cannot spell words it never met; `vocabulary` keeps the sentences made of the K most frequent words."""
+    data = _whisper_data(monkeypatch)
+    path = tmp_path / "s.tsv"
+    rows = ["the film is good", "the film is bad", "a good film", "the plot is thin", "zany antics abound"]
+    path.write_text("sentence\tlabel\n" + "".join(f"{r} .\t0\n" for r in rows))
+    assert data.sentences(str(path), 3, 6) == rows  # 0: every sentence, as before
+    # the, film, is: 3 each; good: 2; the rest 1 each: the 5 most frequent are those and bad (ties: first use)
+    assert data.sentences(str(path), 3, 6, vocabulary=5) == ["the film is good", "the film is bad"]
+
+
+@pytest.mark.skipif(speech.espeak_ng() is None, reason="espeak-ng is not installed (`apt-get install espeak-ng`)")
+def test_voices_per_sentence_draws_that_many_voices_of_the_pool_for_each_sentence(monkeypatch):
+    data = _whisper_data(monkeypatch)
+    pool = speech.voices(4, seed=0)
+    texts = ["good film", "bad plot", "fun"]
+    rows = data._spoken(texts, pool, 2, seed=0)
+    assert rows["text"] == [t for t in texts for _ in range(2)]
+    keys = {v.key() for v in pool}
+    for i in range(0, 6, 2):
+        pair = rows["speaker"][i : i + 2]
+        assert len(set(pair)) == 2 and set(pair) <= keys
+    assert len({tuple(rows["speaker"][i : i + 2]) for i in range(0, 6, 2)}) > 1  # drawn per sentence
+    assert rows["speaker"] == data._spoken(texts, pool, 2, seed=0)["speaker"]  # deterministic in the seed
+    every = data._spoken(texts[:1], pool, 0, seed=0)
+    assert every["speaker"] == [v.key() for v in pool]  # 0: all the pool's voices, as before
+
+
+def test_the_teacher_trained_here_hears_the_audio_at_initialisation(monkeypatch):
+    """issue #44 item 4: with Whisper's own init (std 0.02) the convolutions' output, what the audio adds to the
+    encoder's input, was ~70x smaller than the sinusoidal positions it is summed with, and the teacher trained here
+    learned a language model of its 60 transcripts (WER 0.62 on heard sentences); He init puts both on one scale."""
+    import dataclasses
+
+    import torch
+
+    data = _whisper_data(monkeypatch)
+    recipe = dataclasses.make_dataclass("R", [("num_mel_bins", int, 16), ("teacher_d_model", int, 32),
+                                              ("teacher_encoder_layers", int, 1), ("teacher_decoder_layers", int, 2),
+                                              ("teacher_heads", int, 2), ("teacher_ffn", int, 64),
+                                              ("transcript_max_tokens", int, 8)])()
+    from whisper_models import processor
+
+    torch.manual_seed(0)
+    model = data.new_teacher(recipe, processor(num_mel_bins=16), longest=8)
+    encoder = model.model.encoder
+    features = torch.randn(2, 16, 2 * encoder.config.max_source_positions) * 0.6  # log-mel features' spread
+    with torch.no_grad():
+        audio = torch.nn.functional.gelu(encoder.conv2(torch.nn.functional.gelu(encoder.conv1(features))))
+    heard = (audio[0] - audio[1]).std().item()  # the part of the input that depends on the clip
+    assert heard > 0.3 * encoder.embed_positions.weight.std().item()
+    assert model.generation_config.no_timestamps_token_id is not None and not model.generation_config.is_multilingual
+
+
+def test_seed_summary_pairs_kd_and_ce_only_by_seed(monkeypatch):
+    """benchmarks/distil_whisper_seeds.py: KD's gain is the CE-only WER minus the KD WER of the same seed."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import importlib
+
+    seeds = importlib.import_module("distil_whisper_seeds")
+    monkeypatch.delitem(sys.modules, "distil_whisper_seeds")  # the module object stays bound here; not cached
+    runs = {"42": {"teacher_wer_new": 0.5, "student_wer_new": 0.6, "baseline_wer_new": 0.7, "decode_speedup": 1.2},
+            "1": {"teacher_wer_new": 0.5, "student_wer_new": 0.8, "baseline_wer_new": 0.7, "decode_speedup": 1.4}}
+    table = seeds.summary(runs)
+    assert table["kd_gain_new"]["runs"] == pytest.approx([0.1, -0.1])
+    assert table["student_wer_new"]["mean"] == pytest.approx(0.7)
+    assert table["student_wer_new"]["std"] == pytest.approx(0.1 * 2**0.5)  # sample std, not the population's
+    assert table["decode_speedup"]["mean"] == pytest.approx(1.3)
