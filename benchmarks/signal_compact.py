@@ -94,6 +94,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--distillkit", default="50:1", help="k:exact_k of a DistillKit-style polynomial signal ('' none)")
     p.add_argument("--adaptive", default="", help="k:value_bits:epsilon of adaptive-k compact signals ('' none)")
+    p.add_argument("--sizes", default="", help="k:value_bits:epsilon of adaptive-k signals measured for size only")
     p.add_argument("--references", default="", help="k of the online top-k + tail runs (default: every k)")
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args()
@@ -146,6 +147,18 @@ def main() -> None:
                          **({"mean_k": _mean_k(signal)} if "epsilon" in kw else {})}
         print("signal", name, json.dumps(signals[name]), flush=True)
         signals[name]["rows"] = attach_teacher_signal(train, signal)
+    a.size_results = {}
+    for spec in filter(None, a.sizes.split(",")):  # adaptive settings measured for their size alone (not trained)
+        k, bits, eps = spec.split(":")
+        name = f"adaptive_k{k}_b{bits}_e{eps}"
+        signal = create_teacher_signal(teacher, train, work / "sizes" / name, tokenizer=tok, temperature=1.0,
+                                       batch_size=batch, progress=False, k=int(k), layout="compact",
+                                       value_bits=int(bits), epsilon=float(eps))
+        meta = signal_metadata(signal)
+        a.size_results[name] = {"k": int(k), "value_bits": int(bits), "epsilon": float(eps),
+                                "bytes_per_token": meta["bytes_per_token"],
+                                "payload_bytes_per_token": meta["payload_bytes_per_token"], "mean_k": _mean_k(signal)}
+        print("size", name, json.dumps(a.size_results[name]), flush=True)
     if a.distillkit:
         from hf_distill.data.signal_interop import import_distillkit
 
@@ -279,7 +292,8 @@ def write(signals: dict, runs: dict, a, kept, train, valid) -> None:
                                            if "online_dense" in runs else None)
         done[name] = s
     data_out = sections.portable_tree({
-        "signals": done, "runs": runs, "teacher": a.teacher, "kept_blocks": kept, "steps": a.steps,
+        "signals": done, "sizes": a.size_results, "runs": runs, "teacher": a.teacher, "kept_blocks": kept,
+        "steps": a.steps,
         "batch": 8, "seq": 128, "train_blocks": len(train), "eval_blocks": len(valid), "machine":
         sections.machine(), "command": " ".join(sys.argv), "load_after": list(__import__("os").getloadavg())})
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -298,6 +312,11 @@ def write(signals: dict, runs: dict, a, kept, train, valid) -> None:
                      f"{s['teacher_tokens_per_s']:,.0f} | {'' if kd is None else f'{kd:.2e}'} | "
                      f"{s['perplexity']:.2f} | {'' if rel is None else f'{rel:+.3%}'} | "
                      f"{'' if dense is None else f'{dense:.4f}'} |")
+    if data_out["sizes"]:
+        lines += ["", "Adaptive k, size alone (not trained):", "",
+                  "| signal | mean k | bytes / token (files) | payload B / token |", "| --- | ---: | ---: | ---: |"]
+        lines += [f"| {n} | {x['mean_k']:.1f} | {x['bytes_per_token']:.1f} | {x['payload_bytes_per_token']:.1f} |"
+                  for n, x in data_out["sizes"].items()]
     lines += ["", "| run | held-out ppl | median s/step |", "| --- | ---: | ---: |"]
     lines += [f"| {n} | {r['perplexity']:.2f} | {r['step_s']:.3f} |" for n, r in data_out["runs"].items()]
     (RESULTS / "signal_compact.md").write_text("\n".join(lines) + "\n")
