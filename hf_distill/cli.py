@@ -109,7 +109,9 @@ def _signal_parser(sub: argparse._SubParsersAction) -> None:
              "compact: format 3 (bit-packed ids, quantised log-probabilities; docs/guides/teacher_signal.md)"),
             ("--value_bits", int, 8, "compact layout: bits per quantised log-probability"),
             ("--value_step", float, None, "compact layout: the quantisation step in nats (default: a 16-nat range "
-             "over value_bits)")):
+             "over value_bits)"),
+            ("--epsilon", float, None, "compact layout: adaptive k (format 4), each position keeps the fewest of "
+             "its k ids whose mass reaches 1 - epsilon (default: every position keeps k)")):
         choices = kind if isinstance(kind, tuple) else None
         text += f" (default: {default})" if default is not None and "default" not in text else ""
         create.add_argument(flag, type=str if choices else kind, choices=choices, default=default, help=text)
@@ -257,10 +259,15 @@ def cmd_signal(args: argparse.Namespace, argv: list[str]) -> int:
                           batch_size=args.batch_size, rows_per_shard=args.rows_per_shard)
     layout = {"layout": "compact", "value_bits": args.value_bits, "value_step": args.value_step} \
         if args.layout == "compact" else {}
+    if args.epsilon is not None and not layout:
+        raise ValueError(f"--epsilon {args.epsilon} (adaptive k) is a setting of the compact layout: add --layout "
+                         "compact.")
     if layout:
         from .data.signal_compact import compact_spec
 
-        compact_spec(args.k, vocab if isinstance(vocab, int) else 2, args.value_bits, args.value_step)
+        compact_spec(args.k, vocab if isinstance(vocab, int) else 2, args.value_bits, args.value_step, args.epsilon)
+        if args.epsilon is not None:
+            layout["epsilon"] = args.epsilon
     where = args.tokenizer or args.teacher
     tokenizer = _load("--tokenizer" if args.tokenizer else "teacher", where,
                       lambda: AutoTokenizer.from_pretrained(where))

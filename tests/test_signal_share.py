@@ -239,6 +239,9 @@ def test_cli_signal_create_refuses_bad_settings_before_loading_the_teacher(tmp_p
         ([teacher, rows, "new", "--rows_per_shard", "0"], 1, "rows_per_shard must be an integer >= 1, got 0"),
         ([teacher, rows, "new", "--layout", "compact", "--value_bits", "0"], 1, "value_bits must be an integer in "
                                                                                 "1..16, got 0"),
+        ([teacher, rows, "new", "--epsilon", "0.1"], 1, "--epsilon 0.1 (adaptive k) is a setting of the compact "
+                                                        "layout: add --layout compact."),
+        ([teacher, rows, "new", "--layout", "compact", "--epsilon", "1.5"], 1, "epsilon must be a number in [0, 1)"),
     ]
     if not torch.cuda.is_available():
         cases.append(([teacher, rows, "new", "--device", "cuda"], 2, "--device cuda: this machine has no such device"))
