@@ -14,6 +14,7 @@ from hf_distill import DistillationTrainer, losses
 from hf_distill.data.collators import TeacherOutputsCollator
 from hf_distill.data.signal_compact import adaptive_counts, compact_spec, decode_rows, encode_rows, normalised
 from hf_distill.data.signal_hub import signal_card
+from hf_distill.data.signal_interop import export_topk_columns
 from hf_distill.data.teacher_signal import (
     SIGNAL_CODES,
     SIGNAL_TAIL,
@@ -168,6 +169,8 @@ def test_an_adaptive_signal_reads_back_padded_within_its_bound(tmp_path):
     assert (meta["format"], meta["layout"], meta["epsilon"], meta["count_bits"]) == (4, "compact", 0.2, 3)
     assert ("adaptive k: each token keeps the fewest of its 8 ids whose mass reaches 1 - 0.2, its count in 3 bits; "
             f"{meta['payload_bytes_per_token']} bytes per token") in signal_card(meta)  # the Hub card states it
+    with pytest.raises(ValueError, match="holds fewer at some positions: export a fixed-k signal"):
+        export_topk_columns(signal, rows)  # the column format's k entries per position would be invented
     joined = attach_teacher_signal(rows, signal)
     batch = TeacherOutputsCollator(labelled_collate)([joined[i] for i in range(len(joined))])
     cached = {k: batch.pop(k) for k in list(batch) if k.startswith("teacher_")}
