@@ -97,6 +97,8 @@ def main() -> None:
     p.add_argument("--sizes", default="", help="k:value_bits:epsilon of adaptive-k signals measured for size only")
     p.add_argument("--references", default="", help="k of the online top-k + tail runs (default: every k)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--results", default="signal_compact", help="the results files' name under benchmarks/results")
+    p.add_argument("--no-dense", action="store_true", help="leave out the online dense run")
     a = p.parse_args()
     import importlib.util
 
@@ -121,12 +123,12 @@ def main() -> None:
     batch = 8
     train = make_blocks((data / "wiki.valid.raw").read_text(encoding="utf-8"), tok, 128, a.steps * batch)
     valid = make_blocks((data / "wiki.test.raw").read_text(encoding="utf-8"), tok, 128, a.eval_blocks)
-    work = HERE / ".cache" / "signal_compact"
+    work = HERE / ".cache" / a.results
     shutil.rmtree(work, ignore_errors=True)
     create_teacher_signal(teacher, train.select(range(batch)), work / "warmup", tokenizer=tok, k=8,
                           batch_size=batch, progress=False)  # first-call costs, untimed
     settings = {f"packed_k{k}": dict(k=k) for k in (int(x) for x in a.ks.split(","))}
-    for spec in a.compact.split(","):
+    for spec in filter(None, a.compact.split(",")):
         k, bits = (int(x) for x in spec.split(":"))
         settings[f"compact_k{k}_b{bits}"] = dict(k=k, layout="compact", value_bits=bits)
     for spec in filter(None, a.adaptive.split(",")):
@@ -222,7 +224,8 @@ def main() -> None:
         if ref is not None and ref not in runs:
             run(ref, train, s["k"], True, s.get("epsilon"))
         run(name, s.pop("rows"), s["k"], False)
-    run("online_dense", train, None, True)
+    if not a.no_dense:
+        run("online_dense", train, None, True)
 
 
 def _mean_k(signal) -> float:
@@ -297,7 +300,7 @@ def write(signals: dict, runs: dict, a, kept, train, valid) -> None:
         "batch": 8, "seq": 128, "train_blocks": len(train), "eval_blocks": len(valid), "machine":
         sections.machine(), "command": " ".join(sys.argv), "load_after": list(__import__("os").getloadavg())})
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "signal_compact.json").write_text(json.dumps(data_out, indent=2, default=str) + "\n")
+    (RESULTS / f"{a.results}.json").write_text(json.dumps(data_out, indent=2, default=str) + "\n")
     lines = ["# Teacher signal: bytes per token against fidelity (issue #45)", "",
              f"Written by `benchmarks/signal_compact.py` (its docstring says how). Command: `{data_out['command']}`;"
              f" machine: {data_out['machine']}; load average after: {data_out['load_after']}.", "",
@@ -319,7 +322,7 @@ def write(signals: dict, runs: dict, a, kept, train, valid) -> None:
                   for n, x in data_out["sizes"].items()]
     lines += ["", "| run | held-out ppl | median s/step |", "| --- | ---: | ---: |"]
     lines += [f"| {n} | {r['perplexity']:.2f} | {r['step_s']:.3f} |" for n, r in data_out["runs"].items()]
-    (RESULTS / "signal_compact.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{a.results}.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
