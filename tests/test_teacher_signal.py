@@ -311,12 +311,18 @@ def test_accumulated_steps_from_the_signal_equal_the_big_batch(tmp_path):
     assert len(logged[0]) == 2 and logged[0] == pytest.approx(logged[1], rel=1e-5)
 
 
-@pytest.mark.parametrize("layout", [None, "compact"])
+@pytest.mark.parametrize("layout", [None, "compact", "adaptive"])
 def test_trains_from_a_streamed_signal(tmp_path, layout):
-    """Streamed rows (Python lists), one of them without a learnt token (an empty signal row)."""
+    """Streamed rows (Python lists), one of them without a learnt token (an empty signal row); "adaptive": the
+    compact layout with adaptive k (format 4), its positions padded."""
     rows = datasets.concatenate_datasets([sft_rows(7), datasets.Dataset.from_list(
         [{"input_ids": [5, 6, 7], "labels": [-100, -100, -100]}])])
-    joined = streamed(attach_teacher_signal(rows, _signal(tmp_path, rows=rows, layout=layout)), num_shards=2)
+    teacher, kw = llama(1), dict(layout=layout)
+    if layout == "adaptive":
+        with torch.no_grad():  # a peaked teacher: its positions keep from 1 to K ids
+            teacher.lm_head.weight.mul_(50.0)
+        kw = dict(layout="compact", epsilon=0.2)
+    joined = streamed(attach_teacher_signal(rows, _signal(tmp_path, teacher, rows=rows, **kw)), num_shards=2)
     streamed_rows = list(joined)
     last = TeacherOutputsCollator(labelled_collate)([streamed_rows[-1], streamed_rows[0]])  # [] reads as float32
     entries = SIGNAL_CODES if layout else SIGNAL_TOPK
