@@ -165,10 +165,12 @@ class _Interrupted(torch.nn.Module):
         return self.inner(input_ids=input_ids, attention_mask=attention_mask)
 
 
-@pytest.mark.parametrize("layout", [None, "compact"])
+@pytest.mark.parametrize("layout", [None, "compact", "adaptive"])
 def test_resumes_after_an_interruption(tmp_path, layout):
     rows = sft_rows(8)
     settings = dict(rows_per_shard=2, batch_size=2, layout=layout)  # one forward per shard, four shards
+    if layout == "adaptive":  # the compact layout with adaptive k (format 4)
+        settings.update(layout="compact", epsilon=0.5)
     with pytest.raises(KeyboardInterrupt):
         _signal(tmp_path, _Interrupted(llama(1), stop_at=3), rows, **settings)
     folder = tmp_path / "signal"
@@ -176,7 +178,7 @@ def test_resumes_after_an_interruption(tmp_path, layout):
     assert not json.loads((folder / "teacher_signal.json").read_text())["complete"]
     with pytest.raises(ValueError, match="incomplete"):
         load_teacher_signal(folder)
-    with pytest.raises(ValueError, match="k differ"):
+    with pytest.raises(ValueError, match=r"\(k(, count_bits)? differ"):  # adaptive k: its count width too
         _signal(tmp_path, _Interrupted(llama(1)), rows, **{**settings, "k": K + 1})
     resumed = _Interrupted(llama(1))
     signal = _signal(tmp_path, resumed, rows, **settings)
@@ -184,7 +186,7 @@ def test_resumes_after_an_interruption(tmp_path, layout):
     fresh = create_teacher_signal(_Interrupted(llama(1)), rows, tmp_path / "fresh", tokenizer=_tokenizer(), k=K,
                                   temperature=T, progress=False, **settings)
     assert signal.to_dict() == fresh.to_dict()
-    assert signal_metadata(signal)["layout"] == (layout or "packed")
+    assert signal_metadata(signal)["layout"] == {"adaptive": "compact"}.get(layout, layout or "packed")
 
 
 def test_metadata_survives_save_load_and_streaming(tmp_path):
