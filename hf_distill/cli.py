@@ -109,7 +109,9 @@ def _signal_parser(sub: argparse._SubParsersAction) -> None:
              "compact: format 3 (bit-packed ids, quantised log-probabilities; docs/guides/teacher_signal.md)"),
             ("--value_bits", int, None, "compact layout: bits per quantised log-probability (default: 8)"),
             ("--value_step", float, None, "compact layout: the quantisation step in nats (default: a 16-nat range "
-             "over value_bits)")):
+             "over value_bits)"),
+            ("--epsilon", float, None, "compact layout: adaptive k (format 4), each position keeps the fewest of "
+             "its k ids whose mass reaches 1 - epsilon (default: every position keeps k)")):
         choices = kind if isinstance(kind, tuple) else None
         text += f" (default: {default})" if default is not None and "default" not in text else ""
         create.add_argument(flag, type=str if choices else kind, choices=choices, default=default, help=text)
@@ -254,6 +256,9 @@ def cmd_signal(args: argparse.Namespace, argv: list[str]) -> int:
     if given and not compact:  # they would do nothing in format 2
         raise CommandError(f"{', '.join(given)}: the compact layout's quantisation, which --layout packed does not "
                            "have: add --layout compact, or remove them.", code=2)
+    if args.epsilon is not None and not compact:
+        raise CommandError(f"--epsilon {args.epsilon} (adaptive k) is a setting of the compact layout: add --layout "
+                           "compact.", code=2)
     rows = _load_rows(args.rows, args.split)
     device = _signal_device(args.device)
     # Everything that can be checked without the teacher's weights is, before loading them (minutes for an LLM).
@@ -263,8 +268,10 @@ def cmd_signal(args: argparse.Namespace, argv: list[str]) -> int:
                           kd_token_mask=args.kd_token_mask, vocab_size=vocab if isinstance(vocab, int) else None,
                           batch_size=args.batch_size, rows_per_shard=args.rows_per_shard)
     layout_spec(args.layout if compact else None, args.k, vocab if isinstance(vocab, int) else 2, args.value_bits,
-                args.value_step)
+                args.value_step, args.epsilon)
     layout = {"layout": "compact", "value_bits": args.value_bits, "value_step": args.value_step} if compact else {}
+    if args.epsilon is not None:
+        layout["epsilon"] = args.epsilon
     where = args.tokenizer or args.teacher
     tokenizer = _load("--tokenizer" if args.tokenizer else "teacher", where,
                       lambda: AutoTokenizer.from_pretrained(where))

@@ -156,3 +156,19 @@ def test_a_stream_that_lost_the_signals_metadata_is_told_to_use_streamed(tmp_pat
     with pytest.raises(ValueError, match=r"without the signal's metadata .*teacher_signal.streamed\("):
         _trainer(tmp_path, joined.with_format(None).to_iterable_dataset())
     _trainer(tmp_path, streamed(joined))
+
+
+def test_entry_checks_read_adaptive_padding_as_padding_and_refuse_it_misplaced():
+    """Adaptive k (format 4) pads a position past its count with id -1 and -inf: read as intact, however many pads;
+    a pad before an id, or a pad with a probability, is damage."""
+    from hf_distill.data.signal_format import check_signal_entries
+
+    inf = float("-inf")
+    values = torch.tensor([[-0.1, -1.0, inf, inf], [-0.2, -0.5, -0.9, -2.0]])
+    ids = torch.tensor([[5, 7, -1, -1], [1, 2, 3, 4]])
+    tails, rows = torch.tensor([-3.0, -4.0]), torch.tensor([0, 1])
+    check_signal_entries(values, ids, tails, rows)  # intact
+    with pytest.raises(ValueError, match=r"Row 1 of this batch reads a damaged teacher signal \(padding before an id"):
+        check_signal_entries(values, torch.tensor([[5, 7, -1, -1], [1, -1, 3, 4]]), tails, rows)
+    with pytest.raises(ValueError, match="padding with a probability"):
+        check_signal_entries(torch.tensor([[-0.1, -1.0, -2.0, inf], values[1].tolist()]), ids, tails, rows)

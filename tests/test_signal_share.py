@@ -242,6 +242,9 @@ def test_cli_signal_create_refuses_bad_settings_before_loading_the_teacher(tmp_p
         ([teacher, rows, "new", "--value_bits", "4"], 2, "--value_bits 4: the compact layout's quantisation, which "
                                                          "--layout packed does not have: add --layout compact"),
         ([teacher, rows, "new", "--value_step", "0.1"], 2, "--value_step 0.1: the compact layout's"),
+        ([teacher, rows, "new", "--epsilon", "0.1"], 2, "--epsilon 0.1 (adaptive k) is a setting of the compact "
+                                                        "layout: add --layout compact."),
+        ([teacher, rows, "new", "--layout", "compact", "--epsilon", "1.5"], 1, "epsilon must be a number in [0, 1)"),
     ]
     if not torch.cuda.is_available():
         cases.append(([teacher, rows, "new", "--device", "cuda"], 2, "--device cuda: this machine has no such device"))

@@ -165,10 +165,12 @@ class _Interrupted(torch.nn.Module):
         return self.inner(input_ids=input_ids, attention_mask=attention_mask)
 
 
-@pytest.mark.parametrize("layout", [None, "compact"])
+@pytest.mark.parametrize("layout", [None, "compact", "adaptive"])
 def test_resumes_after_an_interruption(tmp_path, layout):
     rows = sft_rows(8)
     settings = dict(rows_per_shard=2, batch_size=2, layout=layout)  # one forward per shard, four shards
+    if layout == "adaptive":  # the compact layout with adaptive k (format 4)
+        settings.update(layout="compact", epsilon=0.5)
     with pytest.raises(KeyboardInterrupt):
         _signal(tmp_path, _Interrupted(llama(1), stop_at=3), rows, **settings)
     folder = tmp_path / "signal"
@@ -176,7 +178,7 @@ def test_resumes_after_an_interruption(tmp_path, layout):
     assert not json.loads((folder / "teacher_signal.json").read_text())["complete"]
     with pytest.raises(ValueError, match="incomplete"):
         load_teacher_signal(folder)
-    with pytest.raises(ValueError, match="k differ"):
+    with pytest.raises(ValueError, match=r"\(k(, count_bits)? differ"):  # adaptive k: its count width too
         _signal(tmp_path, _Interrupted(llama(1)), rows, **{**settings, "k": K + 1})
     resumed = _Interrupted(llama(1))
     signal = _signal(tmp_path, resumed, rows, **settings)
@@ -184,7 +186,7 @@ def test_resumes_after_an_interruption(tmp_path, layout):
     fresh = create_teacher_signal(_Interrupted(llama(1)), rows, tmp_path / "fresh", tokenizer=_tokenizer(), k=K,
                                   temperature=T, progress=False, **settings)
     assert signal.to_dict() == fresh.to_dict()
-    assert signal_metadata(signal)["layout"] == (layout or "packed")
+    assert signal_metadata(signal)["layout"] == {"adaptive": "compact"}.get(layout, layout or "packed")
 
 
 def test_metadata_survives_save_load_and_streaming(tmp_path):
@@ -316,12 +318,18 @@ def test_accumulated_steps_from_the_signal_equal_the_big_batch(tmp_path):
     assert len(logged[0]) == 2 and logged[0] == pytest.approx(logged[1], rel=1e-5)
 
 
-@pytest.mark.parametrize("layout", [None, "compact"])
+@pytest.mark.parametrize("layout", [None, "compact", "adaptive"])
 def test_trains_from_a_streamed_signal(tmp_path, layout):
-    """Streamed rows (Python lists), one of them without a learnt token (an empty signal row)."""
+    """Streamed rows (Python lists), one of them without a learnt token (an empty signal row); "adaptive": the
+    compact layout with adaptive k (format 4), its positions padded."""
     rows = datasets.concatenate_datasets([sft_rows(7), datasets.Dataset.from_list(
         [{"input_ids": [5, 6, 7], "labels": [-100, -100, -100]}])])
-    joined = streamed(attach_teacher_signal(rows, _signal(tmp_path, rows=rows, layout=layout)), num_shards=2)
+    teacher, kw = llama(1), dict(layout=layout)
+    if layout == "adaptive":
+        with torch.no_grad():  # a peaked teacher: its positions keep from 1 to K ids
+            teacher.lm_head.weight.mul_(50.0)
+        kw = dict(layout="compact", epsilon=0.2)
+    joined = streamed(attach_teacher_signal(rows, _signal(tmp_path, teacher, rows=rows, **kw)), num_shards=2)
     streamed_rows = list(joined)
     last = TeacherOutputsCollator(labelled_collate)([streamed_rows[-1], streamed_rows[0]])  # [] reads as float32
     entries = SIGNAL_CODES if layout else SIGNAL_TOPK

@@ -58,6 +58,13 @@ close(triton_sparse.row_stats(zs[:, :300].clone(), every, y % 300, 1.0, 300)[3],
       sparse_head._sparse_row_stats(zs[:, :300], every, y % 300, 1.0, 300)[3], "k = vocab")
 close(triton_sparse.row_stats(zs.clone(), None, y, 1.0, V)[1], sparse_head._sparse_row_stats(zs, None, y, 1.0, V)[1],
       "CE alone")
+for T, vocab in [(1.0, V), (2.0, V - 100)]:
+    padded = torch.rand(n, vocab, generator=g).to(device).topk(k, -1).indices
+    padded[0, 5:] = -1  # an adaptive-k row: 5 entries, then padding (id -1); row 3 keeps one entry
+    padded[3, 1:] = -1
+    for a, b, name in zip(triton_sparse.row_stats(zs.clone(), padded, y, T, vocab),
+                          sparse_head._sparse_row_stats(zs, padded, y, T, vocab), ("lse1", "ce", "lse_a", "log_q")):
+        close(a, b, ("padded", T, vocab, name))
 
 # ---- the backward's gradient block: columns lo..hi of every row, some ids inside, some before, some after
 lo, hi = 700, 2700
@@ -84,6 +91,17 @@ for kind in [*KINDS, None]:
         assert got.dtype == want.dtype == dtype and got.shape == want.shape
         assert float(want.float().abs().max()) > 0, kind
         tol = 1e-2 if dtype == torch.bfloat16 else 2e-5  # bf16: one rounding of values equal to float32's last bits
+        if kind is not None:  # padding (id -1, a zero shift) reaches no column
+            cut = torch.where(torch.arange(k, device=device) < 4, ids, -1)
+            cut_shift = torch.where(cut >= 0, shift[:, :-1], 0.0)
+            pad_want = sparse_head._sparse_grad_block(
+                zs[:, block], sparse_head._block_shift(cut, cut_shift, shift[:, -1], block), lo, tg, lse1, w_ce,
+                lse_a, stat, w_kd, kind, T, 0.3, 0.2, scale, cap, dtype)
+            pad_got = triton_sparse.grad_block(zs[:, block], cut, cut_shift, shift[:, -1], lo, tg, lse1, w_ce, lse_a,
+                                               stat, w_kd, kind, T, 0.3, 0.2, scale, cap, dtype)
+            # the full-k comparison's tolerance: the same elementwise work, some columns now at the tail's shift
+            torch.testing.assert_close(pad_got.float(), pad_want.float(), rtol=tol,
+                                       atol=tol * float(want.float().abs().max()), msg=str(("padded", kind, T)))
         torch.testing.assert_close(got.float(), want.float(), atol=tol * float(want.float().abs().max()), rtol=tol,
                                    msg=str((kind, T, cap, dtype)))
 

@@ -30,6 +30,7 @@ from .cache import _attach
 from .collators import SIGNAL_PREFIX
 
 __all__ = [
+    "ADAPTIVE_FORMAT",
     "COMPACT_FORMAT",
     "READABLE_FORMATS",
     "SIGNAL_CODES",
@@ -64,7 +65,10 @@ SIGNAL_SPEC = f"{SIGNAL_PREFIX}_spec"  # its (k, id_bits, value_bits, value_step
 SIGNAL_FORMAT = 2
 # 3: the compact layout (issue #45), written on request; format 2 (packed / split) stays the default and readable.
 COMPACT_FORMAT = 3
-READABLE_FORMATS = (SIGNAL_FORMAT, COMPACT_FORMAT)
+# 4: the compact layout with adaptive k (each position's count stored; `epsilon` in the metadata): a reader of
+# format 3 alone would misread its rows, so it refuses them by this number.
+ADAPTIVE_FORMAT = 4
+READABLE_FORMATS = (SIGNAL_FORMAT, COMPACT_FORMAT, ADAPTIVE_FORMAT)
 _MARKER = "hf_distill.data.teacher_signal "
 _RECREATE = ("create the signal again with this version (create_teacher_signal or `hf-distill signal create`, into "
              "a new folder)")
@@ -167,11 +171,16 @@ def check_signal_entries(values: torch.Tensor, indices: torch.Tensor, tails: tor
     """Refuse a batch whose decoded signal cannot be a teacher's top-k (`values`, `indices`: (n, k) positions back to
     back, `tails`: (n,), `rows`: each position's batch row): every writer stores k distinct ids in decreasing
     probability and a tail mass at most 1, so repeated ids, values out of order or a positive log tail mean damaged
-    bytes. Neither layout carries a checksum: this catches damage with high probability, not with certainty."""
+    bytes. Adaptive k (format 4) pads a position past its count with id -1 and value -inf, after its ids. Neither
+    layout carries a checksum: this catches damage with high probability, not with certainty."""
     if not len(values):
         return
-    checks = (((indices.sort(-1).values.diff(dim=-1) == 0).any(-1), "an id repeated among a position's top k"),
+    pad = indices < 0
+    distinct = torch.where(pad, -1 - torch.arange(indices.shape[-1], device=indices.device), indices)
+    checks = (((distinct.sort(-1).values.diff(dim=-1) == 0).any(-1), "an id repeated among a position's top k"),
               ((values.diff(dim=-1) > 0).any(-1), "log-probabilities out of their decreasing order"),
+              ((pad[:, :-1] & ~pad[:, 1:]).any(-1) | (pad & (values > float("-inf"))).any(-1),
+               "padding before an id, or padding with a probability"),
               (tails > 1e-3, "a tail mass above 1"))
     for bad, what in checks:
         if bool(bad.any()):
@@ -215,11 +224,12 @@ def _format_checked(meta: dict[str, Any] | None, what: str) -> dict[str, Any]:
     if meta is None:
         raise ValueError(f"{what} carries no teacher-signal metadata: load it with load_teacher_signal(path) (or "
                          "keep the Dataset it returned; to stream it use teacher_signal.streamed(...)).")
-    if meta.get("format") not in READABLE_FORMATS or (meta.get("format") == COMPACT_FORMAT) != (
+    if meta.get("format") not in READABLE_FORMATS or (meta.get("format") in (COMPACT_FORMAT, ADAPTIVE_FORMAT)) != (
             meta.get("layout") == "compact"):
         raise ValueError(f"{what} has format {meta.get('format')}, this hf_distill reads format {SIGNAL_FORMAT} "
                          f"(it also hashes each row's counted positions, so rows whose labels moved are refused) and "
-                         f"{COMPACT_FORMAT} (the compact layout): {_RECREATE}.")
+                         f"{COMPACT_FORMAT} and {ADAPTIVE_FORMAT} (the compact layout, fixed and adaptive k): "
+                         f"{_RECREATE}.")
     return meta
 
 

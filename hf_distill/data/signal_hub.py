@@ -111,7 +111,10 @@ def _layout(meta: dict[str, Any]) -> str:
     if meta["layout"] == "compact":
         return (f"compact (format {meta['format']}): ids in {meta['id_bits']} bits, log-probabilities quantised to "
                 f"{meta['value_bits']} bits in steps of {meta['value_step']:.4g} nats below each token's largest "
-                f"(error <= one step), float16 log tail; {meta.get('payload_bytes_per_token')} bytes per token")
+                f"(error <= one step), float16 log tail"
+                + (f"; adaptive k: each token keeps the fewest of its {meta['k']} ids whose mass reaches 1 - "
+                   f"{meta['epsilon']:g}, its count in {meta['count_bits']} bits" if "epsilon" in meta else "")
+                + f"; {meta.get('payload_bytes_per_token')} bytes per token")
     return f"{meta['layout']} (format {meta['format']}); {meta.get('payload_bytes_per_token')} bytes per token"
 
 

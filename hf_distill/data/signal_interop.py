@@ -233,6 +233,9 @@ def export_topk_columns(signal: datasets.Dataset, rows: datasets.Dataset) -> dat
     from .signal_format import attach_teacher_signal
 
     meta = signal_metadata(signal)
+    if meta is not None and "epsilon" in meta:
+        raise ValueError("export_topk_columns writes k entries per position, but this adaptive-k signal (format 4, "
+                         f"epsilon={meta['epsilon']}) holds fewer at some positions: export a fixed-k signal.")
     joined = attach_teacher_signal(rows, signal)  # checks every row's ids and counted positions
     signal_columns = [c for c in joined.column_names if c.startswith("teacher_signal")]
     data = joined.with_format(None)

@@ -66,9 +66,10 @@ from ..teacher import teacher_tokenizer
 from .cache_key import _dataset_digest, teacher_fingerprint
 from .signal_checks import META_FILE as _META_FILE
 from .signal_checks import check_signal_run, check_signal_settings, check_signal_tokenizer
-from .signal_compact import CompactSpec, decode_rows, encode_rows, layout_spec, normalised
+from .signal_compact import CompactSpec, adaptive_counts, decode_rows, encode_rows, layout_spec, normalised
 from .signal_format import (
     _MARKER,
+    ADAPTIVE_FORMAT,
     COMPACT_FORMAT,
     DAMAGED,
     SIGNAL_CODES,
@@ -137,6 +138,7 @@ def create_teacher_signal(
     layout: str | None = None,
     value_bits: int | None = None,
     value_step: float | None = None,
+    epsilon: float | None = None,
 ) -> datasets.Dataset:
     """The teacher signal of `teacher` over `dataset`, written to `output_dir` (resumed if it holds part of it).
 
@@ -162,6 +164,8 @@ def create_teacher_signal(
             .signal_compact: bit-packed ids, log-probabilities quantised to `value_bits` bits in steps of
             `value_step` nats below each position's largest; default: 8 bits, a 16-nat range), about 80 bytes a
             token at k = 32 of a 4,096-id vocabulary. Either given without layout="compact" is refused.
+        epsilon: with layout="compact", adaptive k (format 4): each position keeps the fewest of its k ids whose
+            probabilities sum to at least 1 - epsilon (its count is stored) and the exact mass of every other id.
     """
     inner = unwrap(teacher)
     vocab = getattr(getattr(inner, "config", None), "vocab_size", None)
@@ -169,7 +173,7 @@ def create_teacher_signal(
         raise ValueError("The teacher has no config.vocab_size: give a transformers causal-LM teacher.")
     check_signal_settings(dataset, output_dir, k=k, temperature=temperature, kd_token_mask=kd_token_mask,
                           vocab_size=vocab, batch_size=batch_size, rows_per_shard=rows_per_shard)
-    spec = layout_spec(layout, k, vocab, value_bits, value_step)
+    spec = layout_spec(layout, k, vocab, value_bits, value_step, epsilon)
     check_signal_tokenizer(tokenizer, vocab, own=teacher_tokenizer(teacher)[0])
     run_on = check_signal_run(teacher, dtype, device)
     columns = [c for c in ("input_ids", "attention_mask", "labels") if c in dataset.column_names]
@@ -177,20 +181,23 @@ def create_teacher_signal(
                          or getattr(inner.config, "name_or_path", "") or "")  # never an absolute path
     import hf_distill
 
-    meta = {"format": SIGNAL_FORMAT if spec is None else COMPACT_FORMAT, "teacher": name,
+    meta = {"format": SIGNAL_FORMAT if spec is None else COMPACT_FORMAT if epsilon is None else ADAPTIVE_FORMAT,
+            "teacher": name,
             "teacher_fingerprint": teacher_fingerprint(teacher),
             "vocab_hash": vocabulary_hash(tokenizer), "vocab_size": vocab, "k": k, "temperature": float(temperature),
             "kd_token_mask": kd_token_mask,
             "layout": "compact" if spec else "packed" if vocab <= 2**_ID_BITS else "split",
             **({"id_bits": spec.id_bits, "value_bits": spec.value_bits, "value_step": spec.value_step} if spec else {}),
+            **({"epsilon": float(epsilon), "count_bits": spec.count_bits} if epsilon is not None else {}),
             "dtype": None if dtype is None else str(dtype), "rows": len(dataset), "rows_per_shard": rows_per_shard,
             "dataset": _dataset_digest(dataset, columns), "hf_distill": hf_distill.__version__}
     folder = Path(output_dir)
     meta["command"] = command or (
         f"create_teacher_signal({name!r}, <{len(dataset)} rows>, {recorded_path(folder)!r}, k={k}, "
         f"temperature={float(temperature)}, kd_token_mask={kd_token_mask!r}, batch_size={batch_size}, "
-        f"dtype={meta['dtype']}" + (f", layout='compact', value_bits={value_bits}, value_step={spec.value_step}"
-                                    if spec else "") + ")")
+        f"dtype={meta['dtype']}" + (f", layout='compact', value_bits={spec.value_bits}, value_step={spec.value_step}"
+                                    if spec else "") + (f", epsilon={float(epsilon)}" if epsilon is not None else "")
+        + ")")
     created = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
     _check_resumable(folder, meta)
@@ -278,12 +285,14 @@ def _rows_table(v: torch.Tensor, idx: torch.Tensor, tail: torch.Tensor, counted:
     table = {}
     if meta["layout"] == "compact":
         spec = _spec(meta)
-        codes = encode_rows(v, idx, per_row.tolist(), spec)
+        counts = None
+        if spec.count_bits:  # adaptive k: each position's count, and the mass of every id past it as its tail
+            counts, tail = adaptive_counts(v, tail, meta["epsilon"])
+        codes = encode_rows(v, idx, per_row.tolist(), spec, counts)
         sizes = np.concatenate([[0], np.cumsum([len(c) for c in codes])]).astype(np.int32)
         table[SIGNAL_CODES] = pa.ListArray.from_arrays(pa.array(sizes), pa.array(
             np.concatenate(codes) if codes else np.zeros(0, np.uint8)))
-        table[SIGNAL_SPEC] = pa.array([[spec.k, spec.id_bits, spec.value_bits, spec.value_step]] * len(ids_rows),
-                                      pa.list_(pa.float64()))
+        table[SIGNAL_SPEC] = pa.array([spec.row] * len(ids_rows), pa.list_(pa.float64()))
         tail16 = tail.numpy().astype(np.float16)
     else:
         topk, values16 = pack(v, idx, meta["layout"])
@@ -298,7 +307,7 @@ def _rows_table(v: torch.Tensor, idx: torch.Tensor, tail: torch.Tensor, counted:
 
 
 def _spec(meta: dict) -> CompactSpec:
-    return CompactSpec(meta["k"], meta["id_bits"], meta["value_bits"], meta["value_step"])
+    return CompactSpec(meta["k"], meta["id_bits"], meta["value_bits"], meta["value_step"], meta.get("count_bits", 0))
 
 
 def pack(log_probs: torch.Tensor, ids: torch.Tensor, layout: str) -> tuple[np.ndarray, np.ndarray | None]:
@@ -460,7 +469,8 @@ def signal_teacher(
     n_total = int(stored.sum())
     if SIGNAL_CODES in cached:  # the compact layout: each row's bit stream, its spec on every row
         spec_row = torch.as_tensor(cached[SIGNAL_SPEC])[0].tolist()
-        spec = CompactSpec(int(spec_row[0]), int(spec_row[1]), int(spec_row[2]), float(spec_row[3]))
+        spec = CompactSpec(int(spec_row[0]), int(spec_row[1]), int(spec_row[2]), float(spec_row[3]),
+                           int(spec_row[4]) if len(spec_row) > 4 else 0)  # a fifth entry: adaptive k
         k = spec.k
         relative, indices = decode_rows(list(torch.as_tensor(cached[SIGNAL_CODES]).cpu().numpy()),
                                         stored.sum(-1).tolist(), spec)

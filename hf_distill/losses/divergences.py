@@ -48,7 +48,7 @@ from .masking import (
     _zero_padding,
 )
 from .registry import Divergence, KindMap, KindNames, get_divergence
-from .teacher_forms import DenseLogits, TeacherForm, TopKTail, as_teacher
+from .teacher_forms import DenseLogits, TeacherForm, TopKTail, as_teacher, check_padding, gather_ids, padded_outcomes
 
 __all__ = [
     "DIVERGENCE_KINDS",
@@ -131,6 +131,7 @@ def _log_probs(
         if tail.shape != values.shape[:-1]:
             raise ValueError(f"{fn}: log_tail {tuple(tail.shape)} must have the shape {tuple(values.shape[:-1])}")
         tail = _zero_padding(tail.unsqueeze(-1), real)[..., 0]
+        check_padding(values, indices, fn)
         log_p, log_q = _with_tails(values, tail, s / temperature, indices)
     else:  # TopK: both sides renormalised over the k ids
         log_p = F.log_softmax(values / temperature, dim=-1)
@@ -246,11 +247,14 @@ def _tail(a: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
 def _with_tails(values: torch.Tensor, tail: torch.Tensor, a: torch.Tensor, indices: torch.Tensor):
     """Teacher and student over the k ids plus the tail bucket, the student's tail by :func:`_tail` (the same ops as
     :func:`topk_with_tail`'s, so equal logits give equal outcomes: 0 exactly at agreement). When the ids are the
-    whole vocabulary there is no tail: both sides are the k outcomes (the teacher's tail is empty then)."""
-    log_q_k = F.log_softmax(a, dim=-1).gather(-1, indices)
+    whole vocabulary there is no tail: both sides are the k outcomes (the teacher's tail is empty then). Padding
+    entries (an adaptive-k row: id -1, :mod:`.teacher_forms`) are outcomes of no mass on both sides."""
+    valid, ids = gather_ids(indices)
+    log_q_k = padded_outcomes(F.log_softmax(a, dim=-1).gather(-1, ids), valid)
+    values = padded_outcomes(values, valid)
     if indices.shape[-1] == a.shape[-1]:
         return values, log_q_k
-    return torch.cat([values, tail.unsqueeze(-1)], -1), torch.cat([log_q_k, _tail(a, indices).unsqueeze(-1)], -1)
+    return torch.cat([values, tail.unsqueeze(-1)], -1), torch.cat([log_q_k, _tail(a, ids).unsqueeze(-1)], -1)
 
 
 def topk_with_tail(logits: torch.Tensor, k: int, temperature: float = 1.0) -> TopKTail:

@@ -10,6 +10,10 @@ frame is the dense head's (the counted rows, the routes and the means: :mod:`hf_
 walks: :mod:`hf_distill.losses.kd_head`); this module states only what a sparse teacher changes: its rows, its row
 statistics and gradient blocks, and its KD sum on the module route.
 
+A row may hold fewer than k ids (an adaptive-k signal): its padding entries (id -1, log-probability -inf:
+:mod:`hf_distill.losses.teacher_forms`) are outcomes of no mass on both sides, with a zero shift that no column
+receives; the student's tail is the mass of every id the row does not hold, as the teacher's stored tail is.
+
 The gradient in closed form: with `Q` the student's softmax at T, `q_o` its mass on outcome o and `p_o` the
 teacher's, `dL/da_v = Q_v (g_o(v) - sum_o q_o g_o)` where `g_o = dL/dq_o` depends on `p_o / q_o` only. That is the
 dense gradient (:func:`hf_distill.losses.kd_head.row_gradient`) against a teacher `P_v = Q_v p_o / q_o`, i.e.
@@ -46,7 +50,7 @@ from .kd_head import (
     _spec_args,
     shift_gradient,
 )
-from .teacher_forms import TopKTail, as_teacher
+from .teacher_forms import TopKTail, as_teacher, check_padding, gather_ids, padded_outcomes
 
 SparseTeacher = TopKTail | tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """`(log_probs (..., k), indices (..., k), log_tail (...))`: the teacher's top-k log-probabilities at T, their ids
@@ -96,7 +100,8 @@ def _teacher_rows(teacher: TopKTail, counted: Counted, kd: KDSpec | None):
     log_probs, ids, log_tail = (x.to(device)[counted.rows] for x in teacher)
     k = ids.shape[-1]
     ids = torch.where(counted.is_kd[:, None], ids.long(), torch.arange(k, device=device))
-    return log_probs.float(), ids, log_tail.float()
+    # padding entries (id -1, an adaptive-k row) become outcomes of no mass (teacher_forms.padded_outcomes)
+    return padded_outcomes(log_probs.float(), ids >= 0), ids, log_tail.float()
 
 
 def sparse_kd_and_ce(
@@ -121,6 +126,8 @@ def sparse_kd_and_ce(
         raise ValueError("kd_loss='mse' compares raw logits, which a top-k + tail teacher signal does not hold")
     teacher = _check_teacher(teacher, s_hidden)
     counted = counted_rows(s_hidden, kd_mask, labels, kd)
+    if kd is not None:
+        check_padding(teacher.log_probs, teacher.indices, "the loss head")
     parts = _teacher_rows(teacher, counted, kd)
     v = vocab if vocab is not None else vocab_size(student_head)
     if parts is not None:
@@ -129,7 +136,7 @@ def sparse_kd_and_ce(
             raise ValueError(f"The sparse teacher keeps k={k} ids per position, but the KD compares {v} ids: need "
                              "0 < k <= vocab.")
         checked = parts[1][counted.is_kd]
-        if checked.numel() and (int(checked.min()) < 0 or int(checked.max()) >= v):
+        if checked.numel() and (int(checked[:, 0].min()) < 0 or int(checked.max()) >= v):
             raise ValueError(f"The sparse teacher's ids must lie in [0, {v}) (the student's compared vocabulary), got "
                              f"[{int(checked.min())}, {int(checked.max())}]: a signal of another vocabulary?")
     log_probs, ids, log_tail = parts if parts is not None else (None, None, None)
@@ -160,8 +167,9 @@ def _sparse_row_stats(zs: torch.Tensor, ids: torch.Tensor | None, targets: torch
     if ids is not None:
         a = zs[:, :vocab] / temperature if temperature != 1.0 else zs[:, :vocab]
         lse_a = torch.logsumexp(a, -1)
-        rest = a.scatter(-1, ids, float("-inf")).logsumexp(-1)
-        log_q = torch.cat([a.gather(-1, ids), rest[:, None]], -1) - lse_a[:, None]
+        valid, safe = gather_ids(ids)  # padding (-1): the row's first id, then masked
+        rest = a.scatter(-1, safe, float("-inf")).logsumexp(-1)
+        log_q = torch.cat([padded_outcomes(a.gather(-1, safe) - lse_a[:, None], valid), (rest - lse_a)[:, None]], -1)
     if targets is not None:
         same = ids is not None and temperature == 1.0 and vocab == zs.shape[1]
         lse1 = lse_a if same else torch.logsumexp(zs, -1)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from .teacher_forms import gather_ids, padded_outcomes
 from .triton_head import kernel_code
 
 try:
@@ -130,6 +131,7 @@ def row_stats(zs: torch.Tensor, ids: torch.Tensor | None, targets: torch.Tensor 
     zs = zs if zs.stride(-1) == 1 else zs.contiguous()
     n, n_cols = zs.shape
     inv_t = 1.0 / temperature
+    valid, ids = gather_ids(ids)  # padding (-1, an adaptive-k row): the row's first id, masked below
     z_ids = zs.gather(-1, ids)
     z_tgt = zs.gather(-1, targets[:, None]).squeeze(-1) if targets is not None else None
     same = temperature == 1.0 and vocab == n_cols
@@ -142,11 +144,13 @@ def row_stats(zs: torch.Tensor, ids: torch.Tensor | None, targets: torch.Tensor 
     zs.scatter_(-1, ids, z_ids)  # the chunk as it was (the fused mode forms its gradient from it next)
     a_ids = z_ids * inv_t if temperature != 1.0 else z_ids
     rest = out[0]
-    lse_a = torch.logaddexp(rest, torch.logsumexp(a_ids, -1))
-    log_q = torch.cat([a_ids, rest[:, None]], -1) - lse_a[:, None]
+    held = torch.where(valid, a_ids, float("-inf"))  # a padded copy of the first id is no mass of its own
+    lse_a = torch.logaddexp(rest, torch.logsumexp(held, -1))
+    log_q = torch.cat([padded_outcomes(a_ids - lse_a[:, None], valid), (rest - lse_a)[:, None]], -1)
     lse1 = ce = None
     if targets is not None:
-        lse1 = lse_a if same else torch.logaddexp(out[1], torch.logsumexp(z_ids, -1))
+        z_held = torch.where(valid, z_ids, float("-inf"))
+        lse1 = lse_a if same else torch.logaddexp(out[1], torch.logsumexp(z_held, -1))
         ce = lse1 - z_tgt
     return lse1, ce, lse_a, log_q
 
