@@ -163,7 +163,16 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=str(HERE / "results"))
     parser.add_argument("--name", default="served_teacher", help="results file stem (default: served_teacher)")
+    parser.add_argument("--summarise", metavar="JSON", help="recompute the figures and tables from a results "
+                        "file's stored per-step times (no new measurement)")
     opts = parser.parse_args(argv)
+    if opts.summarise:
+        old = json.loads(Path(opts.summarise).read_text())
+        modes = [{k: m[k] for k in ("size", "served", "latency_ms", "prefetch")} for m in old["modes"]]
+        keep = ("bytes_per_token", "repeats", "steps_per_run", "threads", "wall_s", "contention", "command")
+        _write(old["runs_s_per_step"], modes, modes[-1]["latency_ms"], {k: old["summary"][k] for k in keep},
+               Path(opts.out), opts.name)
+        return 0
     torch.set_num_threads(opts.threads)
     teachers = {size: _model(cfg[0], cfg[1], 1).eval() for size, cfg in SIZES.items()}
     lat = opts.latency_ms
@@ -190,10 +199,22 @@ def main(argv=None) -> int:
             print(f"repeat {r} mode {i} median {statistics.median(res['gaps']):.3f} s", flush=True)
         runs.append([got[i] for i in range(len(modes))])
     load_after = os.getloadavg()
+    meta = {"bytes_per_token": bytes_per_token, "repeats": opts.repeats, "steps_per_run": opts.steps,
+            "threads": opts.threads, "wall_s": round(time.time() - started),
+            "contention": f"{os.cpu_count()} CPU cores shared with other jobs (nice 19; load average 1/5/15 min "
+                          f"{'/'.join(f'{x:.1f}' for x in load_before)} before, "
+                          f"{'/'.join(f'{x:.1f}' for x in load_after)} after); server and student in one process",
+            "command": "python benchmarks/served_teacher.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+    _write(runs, modes, lat, meta, Path(opts.out), opts.name)
+    return 0
+
+
+def summarise(runs: list[list[list[float]]], modes: list[dict], lat: float, meta: dict) -> tuple[list, dict]:
+    """Per mode: median and quartiles of every timed step; the paired figures with their bootstrap intervals."""
     medians = [[statistics.median(g) for g in rep] for rep in runs]  # per repeat, per mode
 
-    def ratio(rows):
-        return _med(rows, 1) / _med(rows, 0)
+    def ratio(rows):  # paired: the median over repeats of served / local in the same repeat
+        return statistics.median(r[1] / r[0] for r in rows)
 
     def added_p(rows):
         return statistics.median(r[4] - r[2] for r in rows)
@@ -213,6 +234,7 @@ def main(argv=None) -> int:
                          "steps": len(pooled), "repeat_medians": [round(rep[i], 4) for rep in medians]})
     summary = {
         "served_over_local": _ci(medians, ratio),
+        "served_over_local_ratio_of_medians": _med(medians, 1) / _med(medians, 0),
         "paired_served_over_local_per_repeat": [round(r[1] / r[0], 3) for r in medians],
         "expected_added_s_per_step_without_prefetch": lat / 1000,
         "expected_note": f"{ACCUMULATION} requests per optimizer step, sent together (teacher_requests=4): one "
@@ -222,25 +244,22 @@ def main(argv=None) -> int:
         "hidden_by_prefetch": _ci(medians, hidden),
         "paired_added_without_prefetch_per_repeat": [round(r[5] - r[3], 4) for r in medians],
         "paired_added_with_prefetch_per_repeat": [round(r[4] - r[2], 4) for r in medians],
-        "bytes_per_token": bytes_per_token,
-        "repeats": opts.repeats, "steps_per_run": opts.steps, "threads": opts.threads,
-        "wall_s": round(time.time() - started),
-        "contention": f"{os.cpu_count()} CPU cores shared with other jobs (nice 19; load average 1/5/15 min "
-                      f"{'/'.join(f'{x:.1f}' for x in load_before)} before, "
-                      f"{'/'.join(f'{x:.1f}' for x in load_after)} after); server and student in one process",
-        "command": "python benchmarks/served_teacher.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        **meta,
     }
+    return per_mode, summary
+
+
+def _write(runs: list, modes: list[dict], lat: float, meta: dict, out: Path, name: str) -> None:
+    per_mode, summary = summarise(runs, modes, lat, meta)
     table = _table(per_mode, summary, lat)
     print(table)
-    out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
-    data = {"modes": per_mode, "summary": summary, "runs_s_per_step": [[[round(x, 4) for x in g] for g in rep]
-                                                                       for rep in runs]}
-    (out / f"{opts.name}.json").write_text(json.dumps(data, indent=2) + "\n")
+    data = {"latency_ms": lat, "modes": per_mode, "summary": summary,
+            "runs_s_per_step": [[[round(x, 4) for x in g] for g in rep] for rep in runs]}
+    (out / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
     title = (f"# Served teacher step time (benchmarks/served_teacher.py, {lat:g} ms added latency, "
-             f"{opts.repeats} interleaved repeats x {opts.steps} steps)\n\n")
-    (out / f"{opts.name}.md").write_text(title + table + "\n")
-    return 0
+             f"{meta['repeats']} interleaved repeats x {meta['steps_per_run']} steps)\n\n")
+    (out / f"{name}.md").write_text(title + table + "\n")
 
 
 def _table(per_mode: list[dict], s: dict, lat: float) -> str:
@@ -258,7 +277,8 @@ def _table(per_mode: list[dict], s: dict, lat: float) -> str:
     ms = lambda x: f"{x * 1000:.0f} ms"  # noqa: E731
     lines += ["",
               f"- served / local (issue size, paired per repeat): {ci('served_over_local', lambda x: f'{x:.2f}x')}; "
-              f"target <= 1.10x.",
+              f"target <= 1.10x (ratio of the two modes' medians over all repeats: "
+              f"{s['served_over_local_ratio_of_medians']:.2f}x).",
               f"- added per step by {lat:g} ms per request (small size), expected without prefetch "
               f"{ms(s['expected_added_s_per_step_without_prefetch'])} ({s['expected_note']}): measured without "
               f"prefetch {ci('added_s_per_step_without_prefetch', ms)}, with prefetch "
