@@ -169,9 +169,10 @@ def main(argv=None) -> int:
     if opts.summarise:
         old = json.loads(Path(opts.summarise).read_text())
         modes = [{k: m[k] for k in ("size", "served", "latency_ms", "prefetch")} for m in old["modes"]]
-        keep = ("bytes_per_token", "repeats", "steps_per_run", "threads", "wall_s", "contention", "command")
-        _write(old["runs_s_per_step"], modes, modes[-1]["latency_ms"], {k: old["summary"][k] for k in keep},
-               Path(opts.out), opts.name)
+        keep = ("bytes_per_token", "repeats", "steps_per_run", "threads", "wall_s", "contention")
+        meta = {k: old["summary"][k] for k in keep}
+        meta["command"] = _command(old["summary"]["command"].split()[2:])
+        _write(old["runs_s_per_step"], modes, modes[-1]["latency_ms"], meta, Path(opts.out), opts.name)
         return 0
     torch.set_num_threads(opts.threads)
     teachers = {size: _model(cfg[0], cfg[1], 1).eval() for size, cfg in SIZES.items()}
@@ -204,9 +205,21 @@ def main(argv=None) -> int:
             "contention": f"{os.cpu_count()} CPU cores shared with other jobs (nice 19; load average 1/5/15 min "
                           f"{'/'.join(f'{x:.1f}' for x in load_before)} before, "
                           f"{'/'.join(f'{x:.1f}' for x in load_after)} after); server and student in one process",
-            "command": "python benchmarks/served_teacher.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+            "command": _command(sys.argv[1:] if argv is None else argv)}
     _write(runs, modes, lat, meta, Path(opts.out), opts.name)
     return 0
+
+
+def _command(argv: list[str]) -> str:
+    """The command as the results record it: `--out` left out (where the files went is no part of the figures, and
+    an absolute path there would name this machine's folders)."""
+    kept, skip = [], False
+    for a in argv:
+        if skip or a == "--out" or a.startswith("--out="):
+            skip = a == "--out"
+            continue
+        kept.append(a)
+    return " ".join(["python benchmarks/served_teacher.py", *kept])
 
 
 def summarise(runs: list[list[list[float]]], modes: list[dict], lat: float, meta: dict) -> tuple[list, dict]:
