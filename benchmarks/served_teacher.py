@@ -21,7 +21,7 @@ Two sizes:
 Step time: the wall time between consecutive optimizer steps after 2 warm-up steps. Torch threads: 1 (`--threads`;
 with 2 intra-op threads on this oversubscribed machine the main thread's ops stall). CPU contention: the server's
 teacher forward runs on the same cores as the student (one process); the served/local ratio measures that, not a
-network. Run under `nice -n 19`: `python benchmarks/served_teacher.py [--repeats 6] [--steps 8] [--latency-ms 50]`;
+network. Run under `nice -n 19`: `python benchmarks/served_teacher.py [--repeats 20] [--steps 8] [--latency-ms 50]`;
 writes benchmarks/results/<name>.json and .md and prints the table.
 """
 
@@ -157,7 +157,7 @@ def _med(rows: list[list[float]], i: int) -> float:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--steps", type=int, default=8, help="timed steps per short run (after 2 warm-up steps)")
     parser.add_argument("--latency-ms", type=float, default=50.0)
     parser.add_argument("--threads", type=int, default=1)
@@ -166,6 +166,8 @@ def main(argv=None) -> int:
     parser.add_argument("--summarise", metavar="JSON", help="recompute the figures and tables from a results "
                         "file's stored per-step times (no new measurement)")
     opts = parser.parse_args(argv)
+    if opts.steps < 2 or opts.repeats < 1:
+        parser.error("--steps must be at least 2 (quartiles of the step times) and --repeats at least 1")
     if opts.summarise:
         old = json.loads(Path(opts.summarise).read_text())
         modes = [{k: m[k] for k in ("size", "served", "latency_ms", "prefetch")} for m in old["modes"]]
