@@ -24,6 +24,7 @@ import torch
 
 from .base.batch_keys import ROUTE_COLUMN, SIGNAL_PREFIX
 from .base.positions import kd_positions
+from .compat import dataset_fingerprint
 from .data.collators import stack_signal
 from .data.signal_format import (
     SIGNAL_POSITIONS,
@@ -91,7 +92,7 @@ class SignalTeacher:
                              "teacher (the rows routed to it are found in it), and the rows without its columns.")
         if not isinstance(dataset, datasets.Dataset) or ROUTE_COLUMN not in dataset.column_names:
             return
-        key = getattr(dataset, "_fingerprint", None)
+        key = dataset_fingerprint(dataset, None)
         if key is not None and key in self._checked:
             return
         columns = [c for c in ("input_ids", "attention_mask", "labels") if c in dataset.column_names]
