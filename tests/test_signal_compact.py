@@ -32,14 +32,18 @@ def _tokenizer():
     return word_tokenizer([f"w{i}" for i in range(VOCAB - 2)])
 
 
+def _topk_of_float64(rows: int, vocab: int, k: int, seed: int, spread: tuple[float, float]):
+    """`(log_p, values, ids, tail)` of float64 log-softmaxes, rows from flat to peaked (`spread`: logit scales)."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.linspace(*spread, rows, dtype=torch.float64)[:, None]
+    log_p = (torch.randn(rows, vocab, generator=g, dtype=torch.float64) * scale).log_softmax(-1)
+    values, ids = log_p.topk(k, -1)
+    return log_p, values, ids, log_p.scatter(-1, ids, float("-inf")).logsumexp(-1)
+
+
 @pytest.mark.parametrize(("value_bits", "step"), [(4, 0.1), (8, 0.02)])
 def test_quantised_log_probs_are_within_the_stated_bound_of_float64(value_bits, step):
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(300, 5000, generator=g, dtype=torch.float64) * torch.linspace(0.5, 10, 300,
-                                                                                     dtype=torch.float64)[:, None]
-    log_p = logits.log_softmax(-1)
-    values, ids = log_p.topk(32, -1)
-    tail = log_p.scatter(-1, ids, float("-inf")).logsumexp(-1)
+    _, values, ids, tail = _topk_of_float64(300, 5000, 32, 0, (0.5, 10))
     spec = compact_spec(32, 5000, value_bits, step)
     per_row = [100, 0, 150, 50]
     codes = encode_rows(values.float(), ids, per_row, spec)
@@ -129,12 +133,7 @@ def test_a_bit_stream_shorter_than_its_positions_is_refused():
 
 
 def test_adaptive_counts_and_tails_against_float64():
-    g = torch.Generator().manual_seed(1)
-    logits = torch.randn(400, 300, generator=g, dtype=torch.float64) * torch.linspace(0.2, 8, 400,
-                                                                                    dtype=torch.float64)[:, None]
-    log_p = logits.log_softmax(-1)
-    values, ids = log_p.topk(16, -1)
-    tail = log_p.scatter(-1, ids, float("-inf")).logsumexp(-1)
+    log_p, values, ids, tail = _topk_of_float64(400, 300, 16, 1, (0.2, 8))
     counts, tails = adaptive_counts(values.float(), tail.float(), 0.1)
     cum = values.exp().cumsum(-1)
     want = torch.where(cum >= 0.9, torch.arange(1, 17, dtype=torch.float64), 17.0).amin(-1).clamp(max=16).long()
