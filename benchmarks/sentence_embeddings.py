@@ -90,6 +90,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "from the teacher) frozen: the distillation sentences hold a few thousand of its 30,522 tokens")
     p.add_argument("--eval-at", default="", help="optimizer steps at which to measure cosine and probe during "
                    "training too (the trend with steps), e.g. 125,250")
+    p.add_argument("--no-kd-only", action="store_true", help="measure the students as built only (no training, "
+                   "no speed; the .json alone): e.g. which teacher layers to copy")
     p.add_argument("--teacher-cache", default="", help="a .pt file of the teacher's embeddings for these settings: "
                    "read when it exists, else written (parallel processes compute the teacher once)")
     p.add_argument("--quick", action="store_true")
@@ -329,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
                     base = build(teacher, spec, seed).eval()
                     no_kd[seed] = measure(base)
                     stage(f"{name} no KD: { {k: v for k, v in no_kd[seed].items() if k != 'correct'} }")
+                if args.no_kd_only:
+                    continue
                 base_correct = no_kd[seed if seed in no_kd else next(iter(no_kd))]["correct"]
                 student = build(teacher, spec, seed)
                 stage(f"{name} seed {seed}: distilling")
@@ -340,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
                              **measure(student, proj, base_correct), "trend": trend})
                 stage(f"{name} {runs[-1]}")
             no_kd_runs = [{k: v for k, v in r.items() if k != "correct"} for r in no_kd.values()]
+            if args.no_kd_only:
+                data.setdefault("no_kd_only", {})[name] = no_kd_runs
+                continue
             r = {"shape": f"{student[0].auto_model.config.num_hidden_layers} x {student.get_embedding_dimension()}",
                  "parameters": sum(p.numel() for p in student.parameters()), "runs": runs,
                  "cosine_kd": mean_std([x["cosine"] for x in runs]), "probe_kd": mean_std([x["probe"] for x in runs]),
@@ -355,8 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     data["meta"] = meta
     data = portable_tree(data)
     Path(f"{out}.json").write_text(json.dumps(data, indent=1) + "\n")
-    Path(f"{out}.md").write_text(report(data))
-    print(report(data))
+    if not args.no_kd_only:
+        Path(f"{out}.md").write_text(report(data))
+        print(report(data))
     print(f"wrote {portable(out)}.json / .md")
     return 0
 

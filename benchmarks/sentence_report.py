@@ -128,7 +128,7 @@ def tuned_table(data: dict) -> list[str]:
 def study(files: list[str]) -> str:
     """One row per run and measured step of the `--students L3 --seeds 0` runs named in `files` (each a .json of
     one distillation setting): what changes the probe, and the trend with steps."""
-    rows, teacher = [], None
+    rows, teacher, seen, runs = [], None, set(), []
     lines = ["| setting | steps | cosine to teacher | probe (tuned) | % of teacher | KD - no KD (paired SE) | "
              "fixed-C probe (% of teacher) |", "|---|---|---|---|---|---|---|"]
     for name in files:
@@ -137,10 +137,21 @@ def study(files: list[str]) -> str:
         teacher = t
         setting = (f"{c['embedding_loss']}, lr {c['lr']:g}{', embeddings frozen' if c.get('freeze_embeddings') else ''}"
                    f", {c['sst2_sentences'] + c['wiki_sentences']:,} sentences")
+        meta = data.get("meta") or {}
+        runs.append(f"- `{meta.get('command')}`: {meta.get('date')}, {meta.get('seconds', 0) / 60:.1f} min, load "
+                    f"average before / after {_load(meta.get('load_before'))} / {_load(meta.get('load_after'))}.")
+        for student, no_kd in data.get("no_kd_only", {}).items():  # --no-kd-only runs: the copies as built
+            seen.add(student)
+            rows.append(f"| {student} no KD (layers {c['students'][student].get('layers')} copied) | 0 | "
+                        f"{no_kd[0]['cosine']:.4f} | {no_kd[0]['probe_tuned']:.4f} | "
+                        f"{_pct(no_kd[0]['probe_tuned'], t['probe_tuned'])} | | {no_kd[0]['probe']:.4f} "
+                        f"({_pct(no_kd[0]['probe'], t['probe'])}) |")
         for student, r in data["students"].items():
             base = r["no_kd_runs"][0]
-            if not rows:
-                rows.append(f"| {student} no KD (copied layers) | 0 | {base['cosine']:.4f} | "
+            if student not in seen:
+                seen.add(student)
+                rows.append(f"| {student} no KD (layers {c['students'][student].get('layers')} copied) | 0 | "
+                            f"{base['cosine']:.4f} | "
                             f"{base['probe_tuned']:.4f} | {_pct(base['probe_tuned'], t['probe_tuned'])} | | "
                             f"{base['probe']:.4f} ({_pct(base['probe'], t['probe'])}) |")
             for point in [*r["runs"][0].get("trend", []), {**r["runs"][0], "step": r["runs"][0]["steps"]}]:
@@ -152,4 +163,4 @@ def study(files: list[str]) -> str:
     head = [f"Teacher: tuned probe {teacher['probe_tuned']:.4f} (C={teacher['C']:g}, standard error "
             f"{teacher['probe_tuned_se']:.4f} over the 872 test sentences), fixed C=1 probe {teacher['probe']:.4f}.",
             ""] if teacher else []
-    return "\n".join(head + lines + rows) + "\n"
+    return "\n".join(head + lines + rows + ["", "Runs (one process each, 1 torch thread, `nice -n 19`):", *runs]) + "\n"
