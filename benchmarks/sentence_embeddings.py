@@ -317,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
             v = views(model, probe_x, val_x, wiki_held, proj)
             m = probes(v, probe_y, val_y)
             correct = m.pop("correct")
-            m["cosine"] = cosine(v["held"], t["held"])
+            # (a narrower student without its trained projection, the shrunk one as built, has no cosine)
+            m["cosine"] = cosine(v["held"], t["held"]) if v["held"].shape == t["held"].shape else None
             if base is not None:  # paired with the no-KD student on the same test sentences
                 m["vs_no_kd"] = bootstrap(correct, base)
             m["vs_teacher"] = bootstrap(correct, tp["correct"])

@@ -94,6 +94,10 @@ def merge_seeds(data: dict, part: dict, name: str) -> None:
     data.setdefault("merged_seeds", []).append({"file": name, "meta": part.get("meta")})
 
 
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4f}"
+
+
 def _pct(x: float, ref: float) -> str:
     return f"{100 * x / ref:.1f}%"
 
@@ -151,7 +155,7 @@ def study(files: list[str]) -> str:
             if student not in seen:
                 seen.add(student)
                 rows.append(f"| {student} no KD (layers {c['students'][student].get('layers')} copied) | 0 | "
-                            f"{base['cosine']:.4f} | "
+                            f"{_num(base['cosine'])} | "
                             f"{base['probe_tuned']:.4f} | {_pct(base['probe_tuned'], t['probe_tuned'])} | | "
                             f"{base['probe']:.4f} ({_pct(base['probe'], t['probe'])}) |")
             for point in [*r["runs"][0].get("trend", []), {**r["runs"][0], "step": r["runs"][0]["steps"]}]:
