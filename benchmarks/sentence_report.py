@@ -154,7 +154,9 @@ def study(files: list[str]) -> str:
             base = r["no_kd_runs"][0]
             if student not in seen:
                 seen.add(student)
-                rows.append(f"| {student} no KD (layers {c['students'][student].get('layers')} copied) | 0 | "
+                what = f"layers {c['students'][student]['layers']} copied" if "layers" in c["students"][student] else \
+                    "random, as built"
+                rows.append(f"| {student} no KD ({what}) | 0 | "
                             f"{_num(base['cosine'])} | "
                             f"{base['probe_tuned']:.4f} | {_pct(base['probe_tuned'], t['probe_tuned'])} | | "
                             f"{base['probe']:.4f} ({_pct(base['probe'], t['probe'])}) |")
