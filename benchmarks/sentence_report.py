@@ -140,7 +140,7 @@ def study(files: list[str]) -> str:
         t, c = data["teacher"], data["config"]
         teacher = t
         setting = (f"{c['embedding_loss']}, lr {c['lr']:g}{', embeddings frozen' if c.get('freeze_embeddings') else ''}"
-                   f", {c['sst2_sentences'] + c['wiki_sentences']:,} sentences")
+                   f", {c['sst2_sentences'] + c['wiki_sentences']:,} sentences, seed {c['seeds'][0]}")
         meta = data.get("meta") or {}
         runs.append(f"- `{meta.get('command')}`: {meta.get('date')}, {meta.get('seconds', 0) / 60:.1f} min, load "
                     f"average before / after {_load(meta.get('load_before'))} / {_load(meta.get('load_after'))}.")
