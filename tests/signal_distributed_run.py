@@ -44,13 +44,13 @@ def train(out: Path, signal_dir: Path, mode: str, per_device_batch: int, order: 
     """`mode` "map": the rows joined with the signal (the sampler shards them); "stream": the joined rows streamed
     from one shard per signal file, which accelerate splits between the processes by file. `order` reorders the
     rows first (the single-process run that sees the 2-process run's global batches). "compact": "stream" from a
-    signal in the compact layout (format 3)."""
+    signal in the compact layout (format 3); "adaptive": the same from adaptive k (format 4, padded positions)."""
     data, signal = rows(), load_teacher_signal(signal_dir)
     if order is not None:
         data, signal = data.select(order), signal.select(order)
     joined = attach_teacher_signal(data, signal)
     extra = {}
-    if mode in ("stream", "compact"):
+    if mode in ("stream", "compact", "adaptive"):
         n_files = len(list(signal_dir.glob("shard-*.arrow")))
         joined = streamed(joined, num_shards=n_files if order is None else 1)
         extra = dict(accelerator_config={"dispatch_batches": False})  # rows of different lengths: no dispatch
@@ -75,9 +75,11 @@ if __name__ == "__main__":
     p.add_argument("out", type=Path)
     p.add_argument("signal_dir", type=Path)
     p.add_argument("compact_dir", type=Path)
+    p.add_argument("adaptive_dir", type=Path)
     a = p.parse_args()
     torch.set_num_threads(1)
     result = {mode: train(a.out, a.signal_dir, mode, per_device_batch=4) for mode in ("map", "stream")}
     result["compact"] = train(a.out, a.compact_dir, "compact", per_device_batch=4)
+    result["adaptive"] = train(a.out, a.adaptive_dir, "adaptive", per_device_batch=4)
     (a.out / f"rank{result['map']['rank']}.json").write_text(json.dumps(result))
     leave_distributed_run()

@@ -15,7 +15,8 @@ import pytest
 import signal_distributed_run as run
 import torch
 
-from hf_distill.data.teacher_signal import create_teacher_signal
+from hf_distill.data.signal_format import signal_metadata
+from hf_distill.data.teacher_signal import create_teacher_signal, load_teacher_signal
 
 pytestmark = pytest.mark.distributed
 
@@ -32,6 +33,12 @@ def test_two_processes_train_from_their_own_rows_of_a_signal(tmp_path):
     create_teacher_signal(run.llama(1), run.rows(), compact_dir, tokenizer=run.tokenizer(), k=run.K,
                           temperature=run.T, rows_per_shard=run.ROWS_PER_SHARD, batch_size=12, progress=False,
                           layout="compact")
+    adaptive_dir = tmp_path / "adaptive"  # adaptive k (format 4): at 1 - 0.97 of this flat teacher's mass, padded
+    create_teacher_signal(run.llama(1), run.rows(), adaptive_dir, tokenizer=run.tokenizer(), k=run.K,
+                          temperature=run.T, rows_per_shard=run.ROWS_PER_SHARD, batch_size=12, progress=False,
+                          layout="compact", epsilon=0.97)
+    sizes = [signal_metadata(load_teacher_signal(d))["payload_bytes_per_token"] for d in (adaptive_dir, compact_dir)]
+    assert sizes[0] < sizes[1]  # some positions keep fewer than k ids
     with socket.socket() as sock:  # torchrun has no "any free port" option
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
@@ -39,7 +46,7 @@ def test_two_processes_train_from_their_own_rows_of_a_signal(tmp_path):
     out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
-           run.__file__, str(out), str(signal_dir), str(compact_dir)]
+           run.__file__, str(out), str(signal_dir), str(compact_dir), str(adaptive_dir)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -50,7 +57,9 @@ def test_two_processes_train_from_their_own_rows_of_a_signal(tmp_path):
     singles = {"map": run.train(tmp_path / "single", signal_dir, "map", per_device_batch=8),
                "stream": run.train(tmp_path / "single", signal_dir, "stream", per_device_batch=8, order=interleaved),
                "compact": run.train(tmp_path / "single", compact_dir, "compact", per_device_batch=8,
-                                    order=interleaved)}
+                                    order=interleaved),
+               "adaptive": run.train(tmp_path / "single", adaptive_dir, "adaptive", per_device_batch=8,
+                                     order=interleaved)}
     data = run.rows()
     for mode, single in singles.items():
         ddp = [r[mode] for r in ranks]

@@ -77,10 +77,11 @@ def hub(monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [None, "compact"])
+@pytest.mark.parametrize("layout", [None, "compact", "adaptive"])
 def test_push_publishes_the_signal_with_its_card_and_loads_back_by_repo_id(tmp_path, hub, monkeypatch, layout):
     rows = sft_rows(8)
-    signal = _signal(tmp_path / "signal", rows, layout=layout)
+    adaptive = dict(layout="compact", epsilon=0.5) if layout == "adaptive" else dict(layout=layout)
+    signal = _signal(tmp_path / "signal", rows, **adaptive)
     (tmp_path / "signal" / ".shard-00002.arrow.123.tmp").write_bytes(b"an interrupted write")  # never published
     (tmp_path / "signal" / "notes.txt").write_text("mine")
     url = push_teacher_signal(tmp_path / "signal", "fake-org/tiny-signal", private=True)
@@ -106,9 +107,10 @@ def test_push_publishes_the_signal_with_its_card_and_loads_back_by_repo_id(tmp_p
     assert table["Bytes per token"].startswith(f"{meta['bytes_per_token']} (files)")
     assert table["hf_distill version"] == meta["hf_distill"]
     # The card states the layout and its bytes per token (the compact one: its bits and step too).
-    want = ("compact (format 3): ids in 7 bits, log-probabilities quantised to 8 bits in steps of "
-            f"{meta.get('value_step', 0):.4g} nats" if layout else "packed (format 2)")
+    want = (f"compact (format {4 if layout == 'adaptive' else 3}): ids in 7 bits, log-probabilities quantised to 8 "
+            f"bits in steps of {meta.get('value_step', 0):.4g} nats" if layout else "packed (format 2)")
     assert table["Layout"].startswith(want)
+    assert ("; adaptive k: each token keeps the fewest of its" in table["Layout"]) == (layout == "adaptive")
     assert f"; {meta['payload_bytes_per_token']} bytes per token" in table["Layout"]
     assert meta["command"].startswith("create_teacher_signal(") and meta["command"] in card.text
     assert 'load_teacher_signal("fake-org/tiny-signal")' in card.text
