@@ -127,6 +127,14 @@ def test_a_bit_stream_shorter_than_its_positions_is_refused():
     with pytest.raises(ValueError, match=r"Row 0 of this batch reads a damaged teacher signal \(5 bytes of bit "
                                          r"stream for 1 positions of 52 bits\)"):
         decode_rows([codes[0][:-2]], [1], spec)
+    adaptive = compact_spec(4, 120, 8, None, epsilon=0.1)  # counts first, then ids and gaps: both read bounded
+    codes = encode_rows(torch.tensor([[-0.1, -1.0, -2.0, -3.0]] * 2), torch.tensor([[1, 2, 3, 4]] * 2), [2], adaptive,
+                        torch.tensor([4, 2]))
+    assert decode_rows(codes, [2], adaptive)[1].tolist() == [[1, 2, 3, 4], [1, 2, -1, -1]]
+    for cut in (len(codes[0]) - 1, 0):
+        with pytest.raises(ValueError, match=r"Row 0 of this batch reads a damaged teacher signal \(\d+ bytes of bit "
+                                             r"stream for 2 positions of \d+ bits\): its files changed"):
+            decode_rows([codes[0][:cut]], [2], adaptive)
 
 
 # ---------------------------------------------------------------------- adaptive k (format 4)

@@ -35,7 +35,20 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["CompactSpec", "adaptive_counts", "compact_spec", "decode_rows", "encode_rows", "layout_spec", "normalised"]
+__all__ = ["DAMAGED", "CompactSpec", "adaptive_counts", "compact_spec", "decode_rows", "encode_rows", "layout_spec",
+           "normalised"]
+
+
+DAMAGED = ("its files changed after they were written (a broken copy or download): download the signal again, or "
+           "run the command that made it again into a new folder")
+"""The fix named when a signal's stored bytes do not decode to a top-k distribution (every layout)."""
+
+
+def _short_stream(row: int, length: int, n: int, bits: int) -> None:
+    """Refuse a row's bit stream of `length` bytes that cannot hold its `n` positions' `bits` bits."""
+    if length < (bits + 7) // 8:
+        raise ValueError(f"Row {row} of this batch reads a damaged teacher signal ({length} bytes of bit stream for "
+                         f"{n} positions of {bits} bits): {DAMAGED}.")
 
 
 @dataclass(frozen=True)
@@ -168,12 +181,14 @@ def _decode_adaptive(codes: list[np.ndarray], per_row: list[int], spec: CompactS
                                                                                                np.ndarray]:
     """The adaptive layout's rows -> `(q (n, k - 1) with -1 past each count, ids (n, k) with -1 past each count)`."""
     k, qs, ids = spec.k, [], []
-    for c, n in zip(codes, per_row, strict=True):
+    for i, (c, n) in enumerate(zip(codes, per_row, strict=True)):
         if not n:
             continue
+        _short_stream(i, len(c), n, n * spec.count_bits)
         bits = np.unpackbits(np.asarray(c, dtype=np.uint8))
         counts = _ints(bits[: n * spec.count_bits][None], spec.count_bits)[0] + 1
         total = int(counts.sum())
+        _short_stream(i, len(c), n, n * spec.count_bits + total * spec.id_bits + (total - n) * spec.value_bits)
         at = n * spec.count_bits
         flat_ids = _ints(bits[at : at + total * spec.id_bits][None], spec.id_bits)[0]
         at += total * spec.id_bits
@@ -198,11 +213,7 @@ def decode_rows(codes: list[np.ndarray], per_row: list[int], spec: CompactSpec) 
         return torch.from_numpy(rel).float(), torch.from_numpy(ids)
     r = spec.record_bits
     for i, (c, n) in enumerate(zip(codes, per_row, strict=True)):
-        if len(c) < (n * r + 7) // 8:
-            raise ValueError(f"Row {i} of this batch reads a damaged teacher signal ({len(c)} bytes of bit stream for "
-                             f"{n} positions of {r} bits): its files changed after they were written (a broken copy "
-                             "or download): download the signal again, or run the command that made it again into a "
-                             "new folder.")
+        _short_stream(i, len(c), n, n * r)
     parts = [np.unpackbits(np.asarray(c, dtype=np.uint8)[: (n * r + 7) // 8])[: n * r].reshape(n, r)
              for c, n in zip(codes, per_row, strict=True) if n]
     bits = np.concatenate(parts) if parts else np.zeros((0, r), np.uint8)

@@ -28,6 +28,7 @@ from ..losses.normalise import kd_positions
 from ..teacher import student_tokenizer
 from .cache import _attach
 from .collators import SIGNAL_PREFIX
+from .signal_compact import DAMAGED
 
 __all__ = [
     "ADAPTIVE_FORMAT",
@@ -160,11 +161,6 @@ def check_batch_positions(cached: dict[str, Any], counted: torch.Tensor, attenti
                 f"Row {i} of this batch counts as many KD positions as its teacher signal but other ones (its labels "
                 "or attention mask moved since the signal was made, e.g. by a collator or a shifted prompt/"
                 "completion boundary): collate the rows as they were when the signal was created.")
-
-
-DAMAGED = ("its files changed after they were written (a broken copy or download): download the signal again, or "
-           "run the command that made it again into a new folder")
-"""The fix named when a signal's stored bytes do not decode to a top-k distribution."""
 
 
 def check_signal_entries(values: torch.Tensor, indices: torch.Tensor, tails: torch.Tensor, rows: torch.Tensor) -> None:
