@@ -36,6 +36,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from causal_lm_gpu import _Head, liger, trl  # noqa: E402
+from causal_lm_gpu import floor as student_floor  # noqa: E402
 
 from hf_distill import losses  # noqa: E402
 from hf_distill.losses import chunked, sparse_head  # noqa: E402
@@ -84,7 +85,7 @@ def head(x: dict, mode: str, k: int | None) -> torch.Tensor:
 
 def floor(x: dict, grad: torch.Tensor, teacher: bool = False) -> None:
     """The GEMMs no dense KD head can skip: the student's LM head forward + backward (and the teacher's forward)."""
-    (x["s_hidden"] @ x["s_weight"].T).backward(grad)
+    student_floor(x, grad)
     if teacher:
         with torch.no_grad():
             x["t_hidden"] @ x["t_weight"].T
