@@ -31,7 +31,9 @@ frozen embeddings of `--probe-rows` SST-2 training sentences (teacher; each stud
 without KD, as built), by two probes (benchmarks/sentence_probe.py): `tuned` (standardised, C by 5-fold
 cross-validation on the probe's rows) and `fixed` (C=1 on the raw embeddings, the first runs' protocol), with the
 tuned probe's bootstrap standard errors (one accuracy, and the paired KD - no KD difference on the same 872
-sentences); and encode speed-ups over the teacher at batch 1 and batch 32 (float32, `--threads` torch threads,
+sentences); with `--test-phrases N`, the tuned probe also on N held-out SST-2 training phrases, a test set ~3x the
+validation's (`split_rows` keeps them apart from the probe's rows and the distillation sentences); and encode
+speed-ups over the teacher at batch 1 and batch 32 (float32, `--threads` torch threads,
 median of the per-round ratios of interleaved passes). The copied students without KD are the same for every seed;
 the shrunk one without KD is its random initialisation (seeded). Results:
 benchmarks/results/sentence_embeddings.{json,md} (`--report` rewrites the .md from the .json); the guide
@@ -83,6 +85,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--epochs", type=float, default=2.0)
     p.add_argument("--probe-rows", type=int, default=2000)
     p.add_argument("--heldout-wiki", type=int, default=100, help="WikiText-2 test sentences for the cosine")
+    p.add_argument("--test-phrases", type=int, default=0, help="a second probe test set: this many SST-2 training "
+                   "phrases of >= 10 words sharing no 4-word run with each other, the probe's rows or the "
+                   "distillation sentences (the 872 validation sentences alone give a paired standard error of "
+                   "~1.3 points, near the 2-point margin of the 98%% target)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--students", default="L3,L2,shrunk")
     p.add_argument("--lr", type=float, default=5e-4, help="1e-4 in the runs before the study, which found "
@@ -118,6 +124,32 @@ def sst2(name: str) -> tuple[list[str], list[int]]:
     return [r["sentence"].strip() for r in rows], [int(r["label"]) for r in rows]
 
 
+def split_rows(texts: list[str], order: list[int], n_test: int, n_probe: int, n_kd: int,
+               min_words: int = 10, n: int = 4) -> tuple[list[int], list[int], list[int]]:
+    """Test phrases, probe rows and distillation rows of SST-2's training file. The file holds every phrase of
+    each parsed sentence, so rows overlap: the test phrases (picked first, from the end of `order`) share no `n`-word
+    run with each other, and every row that shares one with a test phrase is left out of the probe and the
+    distillation. Without test phrases the split is the first runs' (probe rows first, then distillation rows)."""
+    def grams(i: int) -> set:
+        w = texts[i].split()
+        return {tuple(w[k:k + n]) for k in range(len(w) - n + 1)}
+
+    test, taken = [], set()
+    for i in reversed(order):
+        if len(test) == n_test:
+            break
+        g = grams(i)
+        if len(texts[i].split()) >= min_words and not g & taken:
+            test.append(i)
+            taken |= g
+    picked = set(test)
+    rest = [i for i in order if i not in picked and not grams(i) & taken] if test else order
+    if len(rest) < n_probe + n_kd:
+        raise SystemExit(f"--test-phrases {n_test}: {len(rest)} rows are left for --probe-rows {n_probe} and "
+                         f"--sst2-sentences {n_kd}; ask for fewer")
+    return test, rest[:n_probe], rest[n_probe:n_probe + n_kd]
+
+
 def wiki_sentences(name: str) -> list[str]:
     """Sentences of the article lines (headings dropped), 5 to 60 words, in file order."""
     out = []
@@ -135,14 +167,16 @@ def encode(model, texts: list[str]):
     return model.encode(texts, batch_size=64, convert_to_tensor=True, show_progress_bar=False).float().cpu()
 
 
-def views(model, probe_x, val_x, wiki, projection=None) -> dict:
+def views(model, probe_x, val_x, wiki, projection=None, phrases=()) -> dict:
     """A model's embeddings of the probe's training sentences, the SST-2 validation sentences (the probe's test set
-    and, with the WikiText-2 test sentences, the held-out set of the cosine), each encoded once."""
+    and, with the WikiText-2 test sentences, the held-out set of the cosine) and the held-out test phrases (the
+    probe's second test set, if any), each encoded once."""
     import torch
 
     val = encode(model, val_x)
     held = torch.cat([val, encode(model, wiki)])
-    return {"probe": encode(model, probe_x), "val": val,
+    return {"probe": encode(model, probe_x), "val": val, **({"phrases": encode(model, list(phrases))} if phrases
+                                                             else {}),
             "held": held if projection is None else encode_projected(held, projection)}
 
 
@@ -159,12 +193,20 @@ def probe(train_x, train_y, test_x, test_y) -> float:
     return float((pred == np.asarray(test_y)).mean())
 
 
-def probes(v: dict, probe_y, val_y) -> dict:
-    """Both probes on one model's views: accuracies, the tuned probe's C and its 0/1 per test sentence."""
-    pred, c = probe_predictions(v["probe"].numpy(), probe_y, v["val"].numpy(), "tuned")
-    correct = (pred == np.asarray(val_y)).astype(np.int8)
-    return {"probe": probe(v["probe"], probe_y, v["val"], val_y), "probe_tuned": float(correct.mean()), "C": c,
-            "correct": correct}
+def probes(v: dict, probe_y, val_y, phrases_y=()) -> dict:
+    """Both probes on one model's views: accuracies, the tuned probe's C and its 0/1 per test sentence; with test
+    phrases, the tuned probe's accuracy on them too (`probe_phrases`, 0/1 in `correct_phrases`)."""
+    import torch
+
+    tests = torch.cat([v["val"], v["phrases"]]) if "phrases" in v else v["val"]
+    pred, c = probe_predictions(v["probe"].numpy(), probe_y, tests.numpy(), "tuned")
+    correct = (pred[:len(val_y)] == np.asarray(val_y)).astype(np.int8)
+    out = {"probe": probe(v["probe"], probe_y, v["val"], val_y), "probe_tuned": float(correct.mean()), "C": c,
+           "correct": correct}
+    if "phrases" in v:
+        out["correct_phrases"] = (pred[len(val_y):] == np.asarray(phrases_y)).astype(np.int8)
+        out["probe_phrases"] = float(out["correct_phrases"].mean())
+    return out
 
 
 def cosine(a, b) -> float:
@@ -273,8 +315,9 @@ def main(argv: list[str] | None = None) -> int:
         texts, labels = sst2("train.tsv")
         order = list(range(len(texts)))
         random.Random(42).shuffle(order)
-        probe_idx = order[:args.probe_rows]
-        kd_idx = order[args.probe_rows:args.probe_rows + args.sst2_sentences]
+        test_idx, probe_idx, kd_idx = split_rows(texts, order, args.test_phrases, args.probe_rows,
+                                                 args.sst2_sentences)
+        phrases_x, phrases_y = [texts[i] for i in test_idx], [labels[i] for i in test_idx]
         val_x, val_y = sst2("validation.tsv")
         train_texts = [texts[i] for i in kd_idx] + wiki_sentences("wiki.valid.raw")[:args.wiki_sentences]
         wiki_held = wiki_sentences("wiki.test.raw")[:args.heldout_wiki]
@@ -285,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         if cache is not None and cache.exists():
             stage(f"teacher embeddings read from {portable(cache)}")
             saved = torch.load(cache, weights_only=True)
-            if saved["texts"] != train_texts:
+            if saved["texts"] != train_texts or saved.get("phrases", []) != phrases_x:
                 raise SystemExit(f"--teacher-cache {cache}: made for other sentences; remove it or pick another")
             train = datasets.Dataset.from_dict({"sentence": train_texts, "teacher_embedding": saved["train"].tolist()})
             t = saved["views"]
@@ -294,13 +337,13 @@ def main(argv: list[str] | None = None) -> int:
             train = cache_teacher_embeddings(datasets.Dataset.from_dict({"sentence": train_texts}), teacher, "sentence")
             stage(f"teacher: encoding {len(heldout)} held-out, {len(probe_x)} probe and {len(val_x)} validation "
                   "sentences")
-            t = views(teacher, probe_x, val_x, wiki_held)
+            t = views(teacher, probe_x, val_x, wiki_held, phrases=phrases_x)
             if cache is not None:
                 cache.parent.mkdir(parents=True, exist_ok=True)
-                torch.save({"texts": train_texts, "train": torch.tensor(train["teacher_embedding"]), "views": t},
-                           cache)
+                torch.save({"texts": train_texts, "train": torch.tensor(train["teacher_embedding"]), "views": t,
+                            **({"phrases": phrases_x} if phrases_x else {})}, cache)
         cache_s = time.time() - t0
-        tp = probes(t, probe_y, val_y)
+        tp = probes(t, probe_y, val_y, phrases_y)
         data = {"machine": machine(), "contention": (
                     f"shared machine: 2 CPU cores shared with other sessions' processes (load average at start "
                     f"{os.getloadavg()[0]:.1f}); speed-ups are ratios of interleaved passes, absolute times mean "
@@ -309,23 +352,30 @@ def main(argv: list[str] | None = None) -> int:
                     kd_idx), "epochs": args.epochs, "probe_rows": args.probe_rows, "heldout": len(heldout),
                     "max_seq_length": MAX_SEQ, "threads": args.threads, "batch": 32, "lr": args.lr,
                     "embedding_loss": args.embedding_loss, "freeze_embeddings": args.freeze_embeddings,
+                    **({"test_phrases": len(test_idx)} if test_idx else {}),
                     "students": {k: STUDENTS[k] for k in args.students.split(",")}},
                 "teacher": {"probe": tp["probe"], "probe_tuned": tp["probe_tuned"], "C": tp["C"],
                             "probe_tuned_se": bootstrap(tp["correct"])["se"],
+                            **({"probe_phrases": tp["probe_phrases"], "probe_phrases_se": bootstrap(
+                                tp["correct_phrases"])["se"]} if test_idx else {}),
                             "parameters": sum(p.numel() for p in teacher.parameters()), "cache_seconds": cache_s},
                 "students": {}}
         stage(f"teacher probe {data['teacher']}")
 
         def measure(model, proj=None, base=None) -> dict:
-            v = views(model, probe_x, val_x, wiki_held, proj)
-            m = probes(v, probe_y, val_y)
-            correct = m.pop("correct")
+            v = views(model, probe_x, val_x, wiki_held, proj, phrases_x)
+            m = probes(v, probe_y, val_y, phrases_y)
+            correct, phrases = m.pop("correct"), m.pop("correct_phrases", None)
+            if phrases is not None:  # paired with the teacher (and the no-KD student) on the same phrases
+                m["phrases_vs_teacher"] = bootstrap(phrases, tp["correct_phrases"])
+                if base is not None:
+                    m["phrases_vs_no_kd"] = bootstrap(phrases, base[1])
             # (a narrower student without its trained projection, the shrunk one as built, has no cosine)
             m["cosine"] = cosine(v["held"], t["held"]) if v["held"].shape == t["held"].shape else None
             if base is not None:  # paired with the no-KD student on the same test sentences
-                m["vs_no_kd"] = bootstrap(correct, base)
+                m["vs_no_kd"] = bootstrap(correct, base[0])
             m["vs_teacher"] = bootstrap(correct, tp["correct"])
-            return {**m, "correct": correct} if base is None else m
+            return {**m, "correct": (correct, phrases)} if base is None else m
 
         for name in args.students.split(","):
             spec, runs = STUDENTS[name], []
@@ -358,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
                  "probe_no_kd": mean_std([x["probe"] for x in no_kd_runs]),
                  "probe_tuned_no_kd": mean_std([x["probe_tuned"] for x in no_kd_runs]), "no_kd_runs": no_kd_runs,
                  "cosine_no_kd": no_kd_runs[0]["cosine"] if "layers" in spec else None,
+                 **({"probe_phrases_kd": mean_std([x["probe_phrases"] for x in runs]),
+                     "probe_phrases_no_kd": mean_std([x["probe_phrases"] for x in no_kd_runs])} if test_idx else {}),
                  "speedup": speedups(teacher, student, heldout[:256])}
             data["students"][name] = r
             stage(f"{name} {r['speedup']}")

@@ -67,9 +67,13 @@ def report(data: dict) -> str:
     if "L3" in data["students"]:
         r = data["students"]["L3"]
         share = (r["probe_tuned_kd"][0] / t["probe_tuned"]) if "probe_tuned_kd" in r else r["probe_kd"][0] / t["probe"]
+        phrases = (f"; on the {data['config']['test_phrases']:,} held-out phrases "
+                   f"{100 * r['probe_phrases_kd'][0] / t['probe_phrases']:.1f}% "
+                   f"({'met' if r['probe_phrases_kd'][0] >= 0.98 * t['probe_phrases'] else 'missed'})"
+                   if "probe_phrases_kd" in r else "")
         lines.append(f"L3: {100 * share:.1f}% of the teacher's probe accuracy ({'met' if share >= 0.98 else 'missed'}"
-                     f"), speed-up {r['speedup']['batch1']:.2f}x / {r['speedup']['batch32']:.2f}x at batch 1 / 32 "
-                     f"({', '.join(('met' if v >= 1.8 else 'missed') for v in r['speedup'].values())}).")
+                     f"{phrases}), speed-up {r['speedup']['batch1']:.2f}x / {r['speedup']['batch32']:.2f}x at batch "
+                     f"1 / 32 ({', '.join(('met' if v >= 1.8 else 'missed') for v in r['speedup'].values())}).")
     lines += ["", "Config: " + json.dumps(data["config"]), ""]
     return "\n".join(lines)
 
@@ -88,7 +92,10 @@ def merge_seeds(data: dict, part: dict, name: str) -> None:
         o = part["students"][key]
         r["runs"] += o["runs"]
         r["cosine_kd"] = mean_std([x["cosine"] for x in r["runs"]])
-        r["probe_kd"] = mean_std([x["probe"] for x in r["runs"]])
+        for key_kd, key in (("probe_kd", "probe"), ("probe_tuned_kd", "probe_tuned"),
+                            ("probe_phrases_kd", "probe_phrases")):
+            if key_kd in r:
+                r[key_kd] = mean_std([x[key] for x in r["runs"]])
         r.setdefault("speedups_per_process", [dict(r["speedup"])]).append(o["speedup"])
         r["speedup"] = {b: statistics.median(m[b] for m in r["speedups_per_process"]) for b in r["speedup"]}
     data.setdefault("merged_seeds", []).append({"file": name, "meta": part.get("meta")})
@@ -126,6 +133,29 @@ def tuned_table(data: dict) -> list[str]:
             f"{_pct(acc, t['probe_tuned'])} | {no_kd:.4f} | {100 * pair['diff']:+.1f} pt ({100 * pair['diff_se']:.1f}) "
             f"| {r['probe_kd'][0]:.4f} / {r['probe_no_kd'][0]:.4f} ({_pct(r['probe_kd'][0], t['probe'])}) | "
             f"{r['speedup']['batch1']:.2f}x | {r['speedup']['batch32']:.2f}x |")
+    return lines + phrases_lines(data)
+
+
+def phrases_lines(data: dict) -> list[str]:
+    """The second test set's reading (`--test-phrases`): the tuned probe on held-out SST-2 training phrases, KD and no
+    KD as shares of the teacher, with the paired standard error against the teacher (seed 0's run)."""
+    t = data["teacher"]
+    if "probe_phrases" not in t:
+        return []
+    n = data["config"]["test_phrases"]
+    lines = ["", f"The same tuned probe on {n:,} held-out SST-2 training phrases (>= 10 words, sharing no 4-word run "
+             f"with each other, the probe's rows or the distillation sentences): teacher {t['probe_phrases']:.4f} "
+             f"(standard error {t['probe_phrases_se']:.4f}).", "",
+             "| student | probe, KD | % of teacher | KD - teacher (paired SE) | probe, no KD | % of teacher | "
+             "KD - no KD (paired SE) |", "|---|---|---|---|---|---|---|"]
+    for name, r in data["students"].items():
+        if "probe_phrases_kd" not in r:
+            continue
+        (acc, sd), no_kd = r["probe_phrases_kd"], r["probe_phrases_no_kd"][0]
+        vt, vn = r["runs"][0]["phrases_vs_teacher"], r["runs"][0]["phrases_vs_no_kd"]
+        lines.append(f"| {name} | {acc:.4f} ± {sd:.4f} | {_pct(acc, t['probe_phrases'])} | {100 * vt['diff']:+.1f} pt "
+                     f"({100 * vt['diff_se']:.1f}) | {no_kd:.4f} | {_pct(no_kd, t['probe_phrases'])} | "
+                     f"{100 * vn['diff']:+.1f} pt ({100 * vn['diff_se']:.1f}) |")
     return lines
 
 
