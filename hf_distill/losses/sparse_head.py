@@ -97,7 +97,7 @@ def _teacher_rows(teacher: TopKTail, counted: Counted, kd: KDSpec | None):
     if kd is None:
         return None
     device = counted.hidden.device
-    log_probs, ids, log_tail = (x.to(device)[counted.rows] for x in teacher)
+    log_probs, ids, log_tail = (counted.take(x.to(device)) for x in teacher)
     k = ids.shape[-1]
     ids = torch.where(counted.is_kd[:, None], ids.long(), torch.arange(k, device=device))
     # padding entries (id -1, an adaptive-k row) become outcomes of no mass (teacher_forms.padded_outcomes)
