@@ -10,7 +10,10 @@ the token chunks in a float32 `(V, H)` buffer, rounded once at the end (as preci
 Memory: that buffer (V x H x 4 bytes: 2 GiB at 128,256 x 4,096, 1 GiB at 128,256 x 2,048) lives from the forward to
 the backward, beside the float32 `(N, H)` hidden-state gradient the default mode also has; and the default token
 chunk is 4x longer (:func:`hf_distill.losses.chunked.default_chunk`), since each chunk reads and writes the whole
-buffer once: 1,024 tokens at V = 128,256, whose float32 student and teacher logits take 0.5 GiB each.
+buffer once: 1,024 tokens at V = 128,256, whose float32 student and teacher logits take 0.5 GiB each. What a chunk
+moves beyond its four GEMMs is kept to the logits: the buffer is not zero-filled (the first chunk's product writes
+it), each chunk's `dL/dH` rows are written in place, and the loss scale and the rounding to the weight's dtype are
+one pass at the end.
 
 The forward forms the gradient of `c_kd * KD sum + c_ce * CE sum` for the coefficients it is given (the caller's
 weights over each term's counted rows: the trainer's `kd_weight` and `task_weight` times each term's step-mean
