@@ -229,6 +229,28 @@ def test_fused_head_with_every_position_counted_reads_rows_without_a_gather():
         assert _relative(g, r) < 1e-5
 
 
+@pytest.mark.parametrize("mode", ["fused", "recompute"])
+def test_one_chunk_of_logits_is_alive_when_the_next_is_computed(mode, monkeypatch):
+    """Peak memory: when a chunk's (or a backward block's) logits GEMM runs, the previous chunk's student and teacher
+    logits are already freed, so at most one earlier logits tensor is alive then (the same chunk's student logits,
+    while its teacher's are computed), not three float32 `(chunk, V)` buffers (0.5 GiB each at 1,024 x 128,256)."""
+    import weakref
+
+    made, alive = [], []
+    real = kd_head._head_logits
+
+    def spy(*a, **kw):
+        alive.append(sum(ref() is not None for ref in made))
+        out = real(*a, **kw)
+        made.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(kd_head, "_head_logits", spy)
+    h, s_head, h_t, t_head, kd_mask, labels, vocab = _dense_problem(pad=0, bias=False)
+    _dense("jsd", h, s_head, h_t, t_head, kd_mask, labels, vocab, WEIGHTS, WEIGHTS if mode == "fused" else None)
+    assert len(made) >= 10 and max(alive) == 1
+
+
 def test_fused_mode_is_refused_on_the_module_route():
     h, s_head, h_t, t_head, kd_mask, labels, vocab = _dense_problem()
     with pytest.raises(ValueError, match="kd_head_mode='fused'.*called as modules"):

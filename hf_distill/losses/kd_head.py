@@ -282,6 +282,7 @@ def _forward_chunks(h_s: torch.Tensor, w_s: torch.Tensor, b_s, s_head: LogitsHea
                 sums[1] += torch.where(ce_rows[rows], ce, 0.0).sum()
             if fused is not None:
                 fused.add(chunk_grad(rows, zs), rows, hs, ws, dtype_s)
+            del zs  # freed before the next chunk's GEMM: one chunk's logits alive at a time, not two
 
 
 def _backward_walk(ctx, grad, h_s: torch.Tensor, w_s: torch.Tensor, b_s, s_head: LogitsHead, spec: KDSpec | None,
@@ -302,6 +303,7 @@ def _backward_walk(ctx, grad, h_s: torch.Tensor, w_s: torch.Tensor, b_s, s_head:
             zs = _head_logits(hs, w_s, b_s, s_head, dtype_s, block)
             g = block_grad(block, zs, w_kd, w_ce, torch.float32 if want[2] else dtype_s)
             _add_block(g, block, hs, w_s, b_s, grads, dtype_s)
+            del zs, g  # freed before the next block's GEMM
     grad_h, grad_w, grad_b = grads
     return grad_h.to(h_s.dtype) if want[0] else None, grad_w, grad_b, *rest
 
@@ -326,14 +328,15 @@ class _KDHead(torch.autograd.Function):
         # the teacher's float32 weights under autocast: cast once, not once per chunk
         wt = w_t[:vocab].to(dtype_t) if w_t is not None and spec is not None and t_logits is None else None
 
-        kept = {}  # the chunk's teacher logits, for the fused mode's gradient
+        kept = {}  # the chunk's teacher logits, for the fused mode's gradient (taken by it: never two chunks' alive)
 
         def chunk_stats(rows: slice, zs: torch.Tensor):
             zt = None
             if spec is not None:
                 zt = (_head_logits(h_t[rows].to(dtype_t), wt, b_t, t_head, dtype_t, slice(0, vocab))
                       if t_logits is None else t_logits[rows, :vocab].float())
-            kept["zt"] = zt
+            if state is not None:
+                kept["zt"] = zt
             lse1, ce, lse_a, lse_b, value, stat = row_stats(
                 zs, zt, targets[rows] if targets is not None else None, kind, T, beta, alpha, vocab)
             if spec is not None:
@@ -348,9 +351,10 @@ class _KDHead(torch.autograd.Function):
             dtype = state.dtype_out or dtype_s
             tg, w_ce = (targets[rows], state.w_ce[rows]) if targets is not None else (None, None)
             w_kd = state.w_kd[rows] if spec is not None else None
+            zt = kept.pop("zt")
 
             def part(cols: slice, kd: bool) -> torch.Tensor:
-                return grad_block(zs[:, cols], kept["zt"][:, cols] if kd else None, cols.start, tg, stats[2, rows],
+                return grad_block(zs[:, cols], zt[:, cols] if kd else None, cols.start, tg, stats[2, rows],
                                   w_ce, stats[0, rows], stats[1, rows], stats[3, rows], w_kd, kind, T, beta, alpha,
                                   s_head.scale, s_head.cap, dtype)
 
