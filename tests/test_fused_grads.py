@@ -251,6 +251,28 @@ def test_one_chunk_of_logits_is_alive_when_the_next_is_computed(mode, monkeypatc
     assert len(made) >= 10 and max(alive) == 1
 
 
+def test_padded_vocabulary_gradient_parts_are_written_in_place(monkeypatch):
+    """A student vocabulary padded past the KD's (its last 40 ids: the CE's part alone): each chunk's two column
+    ranges are handed to the gradient kernel as views of the chunk's gradient to write into (the Triton kernels write
+    there; here a stand-in with their `out=`), not computed apart and copied in; the gradients equal float64's."""
+    outs = []
+    triton_like = fused_grads.writes_into(kd_head._by_rows(kd_head._grad_block))
+
+    def kernel(*a, out=None):
+        outs.append(out is not None)
+        return triton_like(*a, out=out)
+
+    monkeypatch.setattr(kd_head, "_grad_block_fn", lambda device: kernel)
+    h, s_head, h_t, t_head, kd_mask, labels, vocab = _dense_problem(bias=False)
+    want = _dense_reference("jsd", h, s_head, h_t, t_head, kd_mask, labels, vocab, WEIGHTS)
+    with OpTrace() as trace:
+        got = _dense("jsd", h, s_head, h_t, t_head, kd_mask, labels, vocab, WEIGHTS, WEIGHTS)
+    assert outs == [True] * 10  # 5 chunks x 2 column ranges
+    assert trace.count("__setitem__", (8, s_head.weight.shape[0]), where="args") == 0
+    for g, r in zip(got[:2], want[:2], strict=True):
+        assert _relative(g, r) < 1e-5
+
+
 def test_fused_mode_is_refused_on_the_module_route():
     h, s_head, h_t, t_head, kd_mask, labels, vocab = _dense_problem()
     with pytest.raises(ValueError, match="kd_head_mode='fused'.*called as modules"):

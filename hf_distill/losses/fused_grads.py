@@ -12,8 +12,9 @@ the backward, beside the float32 `(N, H)` hidden-state gradient the default mode
 chunk is 4x longer (:func:`hf_distill.losses.chunked.default_chunk`), since each chunk reads and writes the whole
 buffer once: 1,024 tokens at V = 128,256, whose float32 student and teacher logits take 0.5 GiB each. What a chunk
 moves beyond its four GEMMs is kept to the logits: the buffer is not zero-filled (the first chunk's product writes
-it), each chunk's `dL/dH` rows are written in place, and the loss scale and the rounding to the weight's dtype are
-one pass at the end.
+it), each chunk's `dL/dH` rows are written in place, a padded vocabulary's two column ranges are written into the
+chunk's gradient by the kernels (:func:`by_columns`), one chunk's logits are alive at a time (freed before the next
+chunk's GEMM), and the loss scale and the rounding to the weight's dtype are one pass at the end.
 
 The forward forms the gradient of `c_kd * KD sum + c_ce * CE sum` for the coefficients it is given (the caller's
 weights over each term's counted rows: the trainer's `kd_weight` and `task_weight` times each term's step-mean
@@ -102,17 +103,30 @@ def _scaled_cast(acc: torch.Tensor, lam: float, dtype: torch.dtype) -> torch.Ten
     return torch.mul(acc, lam, out=torch.empty(acc.shape, dtype=dtype, device=acc.device))
 
 
-def by_columns(zs: torch.Tensor, vocab: int, kd: bool, part: Callable[[slice, bool], torch.Tensor],
+def by_columns(zs: torch.Tensor, vocab: int, kd: bool, part: Callable[..., torch.Tensor],
                dtype: torch.dtype) -> torch.Tensor:
     """A chunk's logit gradient over every column: `part(columns, with_kd)` once, or twice where the KD compares only
-    the first `vocab` of the student's columns (padded vocabularies: the rest has the CE's part alone)."""
+    the first `vocab` of the student's columns (padded vocabularies: the rest has the CE's part alone), each then
+    given its column range of the gradient to write into (`part(columns, with_kd, out)`: the Triton kernels write
+    there, no `(rows, V)` copy; :func:`writes_into` gives the PyTorch row math the same form)."""
     v_s = zs.shape[1]
     if not kd or vocab >= v_s:
         return part(slice(0, v_s), kd)
     g = torch.empty(zs.shape, dtype=dtype, device=zs.device)
-    g[:, :vocab] = part(slice(0, vocab), True)
-    g[:, vocab:] = part(slice(vocab, v_s), False)
+    part(slice(0, vocab), True, g[:, :vocab])
+    part(slice(vocab, v_s), False, g[:, vocab:])
     return g
+
+
+def writes_into(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`fn` (a gradient block's row math) with the Triton kernels' `out=`: its result copied into `out` where one is
+    given (the kernels write there directly)."""
+
+    def run(*args, out: torch.Tensor | None = None) -> torch.Tensor:
+        g = fn(*args)
+        return g if out is None else out.copy_(g)
+
+    return run
 
 
 _WARNED: list[bool] = []

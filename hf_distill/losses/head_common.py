@@ -97,8 +97,11 @@ def mm_f32_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Te
     """`out = a @ b` written into the float32 tensor `out` (contiguous), the product as in :func:`mm_f32`: no
     temporary and no copy (a first write of an accumulator needs no zero-fill, a row block of a gradient no copy).
     Not differentiable: used where gradients are formed by hand."""
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and a.dtype == b.dtype and _cuda_mm_out_dtype_into():
-        return torch.mm(a, b, out_dtype=torch.float32, out=out)
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and a.dtype == b.dtype:
+        if _cuda_mm_out_dtype_into():
+            return torch.mm(a, b, out_dtype=torch.float32, out=out)
+        if _cuda_addmm_out_dtype():  # a torch with addmm's form only: zeros, then the in-place product
+            return addmm_f32(out.zero_(), a, b)
     return torch.mm(a.float(), b.float(), out=out)
 
 

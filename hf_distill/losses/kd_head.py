@@ -20,7 +20,7 @@ import torch
 
 from ..compat import recompile_limit
 from . import divergences as losses
-from .fused_grads import Fused, by_columns
+from .fused_grads import Fused, by_columns, writes_into
 from .head_common import (  # noqa: F401 - re-exported: `kd_head.mm_f32`, ... (tests, benchmarks)
     DIVERGENCES,
     KDSpec,
@@ -216,7 +216,7 @@ def _grad_block_fn(device: torch.device):
     on = os.environ.get("HF_DISTILL_COMPILE", "1") != "0" and os.environ.get("HF_DISTILL_TRITON", "1") != "0"
     if on and triton_head.available(device):
         return triton_head.grad_block
-    return _elementwise(_grad_block, device)
+    return writes_into(_elementwise(_grad_block, device))
 
 
 def _blocks(v_s: int, vocab: int, cols: int):
@@ -353,10 +353,10 @@ class _KDHead(torch.autograd.Function):
             w_kd = state.w_kd[rows] if spec is not None else None
             zt = kept.pop("zt")
 
-            def part(cols: slice, kd: bool) -> torch.Tensor:
+            def part(cols: slice, kd: bool, out: torch.Tensor | None = None) -> torch.Tensor:
                 return grad_block(zs[:, cols], zt[:, cols] if kd else None, cols.start, tg, stats[2, rows],
                                   w_ce, stats[0, rows], stats[1, rows], stats[3, rows], w_kd, kind, T, beta, alpha,
-                                  s_head.scale, s_head.cap, dtype)
+                                  s_head.scale, s_head.cap, dtype, out=out)
 
             return by_columns(zs, vocab, spec is not None, part, dtype)
 
