@@ -170,7 +170,7 @@ def test_fused_mode_writes_its_accumulators_without_a_zero_fill_or_a_copy():
 def test_fused_mode_scales_and_rounds_its_weight_gradient_in_one_pass(monkeypatch):
     """A loss scale (fp16's GradScaler, accumulation's division): the float32 accumulator is scaled and rounded to the
     weight's dtype by one operation (on CUDA one read of it), not scaled in place first; the same gradients."""
-    problem = _dense_problem(torch.bfloat16, n=65, hidden=16, vocab=500, pad=0, bias=False, noise=0.05)
+    problem = _dense_problem(torch.bfloat16, n=33, hidden=16, vocab=300, pad=0, bias=False, noise=0.05)
     v_h = tuple(problem[1].weight.shape)
     base = _dense("jsd", *problem, WEIGHTS, WEIGHTS)
     trace, finish = OpTrace(), fused_grads.Fused.finish
