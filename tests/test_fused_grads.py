@@ -211,6 +211,9 @@ def test_mm_f32_into_writes_the_float32_product_in_place(device):
     out = head_common.mm_f32_into(acc[3:36], a, b)
     assert out.data_ptr() == acc[3:36].data_ptr() and torch.equal(acc[3:36], head_common.mm_f32(a, b))
     assert acc[:3].isnan().all() and acc[36:].isnan().all()
+    whole = torch.full((70, 48), float("nan"), device=device)  # a transposed operand, as the weight's `G^T H`
+    torch.testing.assert_close(head_common.mm_f32_into(whole, a.t(), a.new_ones(33, 48)),
+                               head_common.mm_f32(a.t(), a.new_ones(33, 48)), rtol=0, atol=0)
     if device == "cuda":
         assert head_common._cuda_mm_out_dtype_into() == head_common._cuda_addmm_out_dtype()
 
