@@ -12,7 +12,7 @@
 #                                       mode beside the floor, time + peak + bf16 gradients vs float64 (#41 items 5-6;
 #                                       `--tiny` checks it on a CPU)
 #      head_modes_gpu.py --only-sweep   (step head_fused_sweep, not in the default list, ~90 s) the fused mode's token
-#                                       chunk sweep (FUSED_CHUNKS, default 1024,2048,4096): time, peak, bf16 vs
+#                                       chunk sweep (FUSED_CHUNKS, default 1024,2048,4096,8192): time, peak, bf16 vs
 #                                       float64 and x the KD floor per chunk, and one step's kernel time by kind of
 #                                       work (GEMM / row stats / gradient block / copies+casts+fills / other), into
 #                                       head_fused_sweep.{md,json} (#41 item 6: <= 1.5x; decides FUSED_CHUNK_FACTOR)
@@ -69,7 +69,7 @@ for s in ${STEPS:-causal_lm_gpu head_modes kd_precision cuda_tests distributed_g
     llm_throughput) step llm_throughput 560 $PY benchmarks/llm_throughput_gpu.py --kd_head_mode both --out "$OUT" ;;
     head_modes) step head_modes 200 $PY benchmarks/head_modes_gpu.py --out "$OUT" ;;
     head_fused_sweep) step head_fused_sweep 150 $PY benchmarks/head_modes_gpu.py --only-sweep --profile-fused \
-      --fused-chunks "${FUSED_CHUNKS:-1024,2048,4096}" --name head_fused_sweep --out "$OUT" ;;
+      --fused-chunks "${FUSED_CHUNKS:-1024,2048,4096,8192}" --name head_fused_sweep --out "$OUT" ;;
     kd_precision) step kd_precision 150 $PY benchmarks/kd_precision.py --device cuda --out "$OUT" ;;
     cuda_tests) step cuda_tests 240 $PY -m pytest -q -p no:cacheprovider -k "cuda or triton" tests/test_mixed_precision.py \
       tests/test_chunked.py tests/test_sparse_head.py tests/test_triton_sparse.py tests/test_fused_grads.py \
