@@ -245,8 +245,9 @@ def _backward_start(ctx, grad, h_s, w_s, b_s, spec, targets, kd_rows, ce_rows, c
     return want, w_kd, w_ce, grads, cols
 
 
-def _add_block(g: torch.Tensor, block: slice, hs: torch.Tensor, w_s: torch.Tensor, b_s, grads, dtype_s) -> None:
-    """A vocabulary block's logit gradient `g` into the bias, weight and hidden-state gradients `grads`."""
+def _add_block(g: torch.Tensor, block: slice, hs: torch.Tensor, wb: torch.Tensor, b_s, grads, dtype_s) -> None:
+    """A vocabulary block's logit gradient `g` into the bias, weight and hidden-state gradients `grads` (`wb`: the
+    block's weight rows, already in the GEMMs' dtype)."""
     grad_h, grad_w, grad_b = grads
     if grad_b is not None:
         grad_b[block] = g.sum(0).to(b_s.dtype)
@@ -254,7 +255,7 @@ def _add_block(g: torch.Tensor, block: slice, hs: torch.Tensor, w_s: torch.Tenso
     if grad_w is not None:  # float32 out, then one rounding (bf16 GEMMs may reduce split-K partials in bf16)
         grad_w[block].copy_(mm_f32(g.t(), hs))
     if grad_h is not None:
-        addmm_f32(grad_h, g, w_s[block].to(dtype_s))  # in place
+        addmm_f32(grad_h, g, wb)  # in place
 
 
 def _spec_args(spec: KDSpec | None) -> tuple[str | None, float, float, float]:
@@ -300,10 +301,11 @@ def _backward_walk(ctx, grad, h_s: torch.Tensor, w_s: torch.Tensor, b_s, s_head:
     with torch.autocast(h_s.device.type, enabled=False), torch.no_grad():
         hs = h_s.to(dtype_s)
         for block in _blocks(w_s.shape[0], vocab, cols):
-            zs = _head_logits(hs, w_s, b_s, s_head, dtype_s, block)
+            wb = w_s[block].to(dtype_s)  # float32 weights under autocast: each block cast once, for both its GEMMs
+            zs = _head_logits(hs, wb, None if b_s is None else b_s[block], s_head, dtype_s)
             g = block_grad(block, zs, w_kd, w_ce, torch.float32 if want[2] else dtype_s)
-            _add_block(g, block, hs, w_s, b_s, grads, dtype_s)
-            del zs, g  # freed before the next block's GEMM
+            _add_block(g, block, hs, wb, b_s, grads, dtype_s)
+            del zs, g, wb  # freed before the next block's GEMM
     grad_h, grad_w, grad_b = grads
     return grad_h.to(h_s.dtype) if want[0] else None, grad_w, grad_b, *rest
 
