@@ -4,6 +4,8 @@ peak memory, and bf16 gradients against float64. Needs a CUDA GPU, except `--tin
 
     python benchmarks/head_modes_gpu.py --out DIR          # 8,192 tokens x H 4,096 x V 128,256, bf16, k = 64 and 256
     python benchmarks/head_modes_gpu.py --tiny --out DIR   # 256 x 64 x 2,000 on the CPU: checks the script
+    python benchmarks/head_modes_gpu.py --only-sweep --fused-chunks 1024,2048,4096,8192 --profile-fused \
+        --name head_fused_sweep --out DIR                  # the fused mode's chunk sweep (gpu_checks.sh step)
 
 Only the loss is measured (as `causal_lm_gpu.py`): the student's and teacher's last hidden states and LM heads are
 given (the agreement regime: student = teacher + 2% noise); one forward + backward of JSD (beta 0.5, T = 1) + CE into
@@ -16,7 +18,10 @@ when installed. Peak = the allocator's maximum during the step minus what was al
 Precision: each hf_distill variant's `dh` and `dW` on bf16 inputs against float64 whole logits on the same inputs,
 at 4,096 x 2,048 x 65,536 (kd_precision.py's shape; the tiny shape with --tiny); bound 0.5%. Targets: the sparse
 head no slower than the dense head (k <= 256), the fused dense head <= 1.5x the KD floor. Writes
-head_modes_gpu.{json,md}.
+head_modes_gpu.{json,md} (`--name`: another stem). `--fused-chunks`: the fused dense head at each token chunk too
+(time, peak, x the KD floor, bf16 vs float64; issue #41 item 6 and `chunked.FUSED_CHUNK_FACTOR`); `--only-sweep`:
+only the floors, the default mode and that sweep; `--profile-fused`: one fused step per chunk through torch.profiler,
+its CUDA kernels' time by kind of work (`kernel_groups.py`).
 """
 
 from __future__ import annotations
