@@ -11,10 +11,16 @@
 #                                       k = 64 and 256 beside the dense head, Liger-Kernel and TRL, and the fused
 #                                       mode beside the floor, time + peak + bf16 gradients vs float64 (#41 items 5-6;
 #                                       `--tiny` checks it on a CPU)
+#      head_modes_gpu.py --only-sweep   (step head_fused_sweep, not in the default list, ~90 s) the fused mode's token
+#                                       chunk sweep (FUSED_CHUNKS, default 1024,2048,4096,8192): time, peak, bf16 vs
+#                                       float64 and x the KD floor per chunk, and one step's kernel time by kind of
+#                                       work (GEMM / row stats / gradient block / copies+casts+fills / other), into
+#                                       head_fused_sweep.{md,json} (#41 item 6: <= 1.5x; decides FUSED_CHUNK_FACTOR)
 #   2. benchmarks/kd_precision.py       bf16 gradients against float64 at 4,096 x 2,048 x 65,536 (issue #29)
 #   3. the CUDA tests                   tests/test_mixed_precision.py, tests/test_chunked.py, test_sparse_head.py,
 #                                       test_triton_sparse.py (the sparse head's kernels, #41 item 5) and
-#                                       test_fused_grads.py (kd_head_mode="fused") on the GPU machine
+#                                       test_fused_grads.py (kd_head_mode="fused") and test_head_common.py (the
+#                                       float32-output GEMMs written in place) on the GPU machine
 #                                       (`-k "cuda or triton"`: with the loss head's walk through the real Triton
 #                                       kernels against float64, test_loss_head_through_the_triton_kernels_...[cuda];
 #                                       the [interpreter] variants skip, with the reason, where Triton's CPU
@@ -62,9 +68,12 @@ for s in ${STEPS:-causal_lm_gpu head_modes kd_precision cuda_tests distributed_g
     head_profile) step head_profile 150 $PY benchmarks/head_profile.py --out "$OUT" ;;
     llm_throughput) step llm_throughput 560 $PY benchmarks/llm_throughput_gpu.py --kd_head_mode both --out "$OUT" ;;
     head_modes) step head_modes 200 $PY benchmarks/head_modes_gpu.py --out "$OUT" ;;
+    head_fused_sweep) step head_fused_sweep 150 $PY benchmarks/head_modes_gpu.py --only-sweep --profile-fused \
+      --fused-chunks "${FUSED_CHUNKS:-1024,2048,4096,8192}" --name head_fused_sweep --out "$OUT" ;;
     kd_precision) step kd_precision 150 $PY benchmarks/kd_precision.py --device cuda --out "$OUT" ;;
     cuda_tests) step cuda_tests 240 $PY -m pytest -q -p no:cacheprovider -k "cuda or triton" tests/test_mixed_precision.py \
-      tests/test_chunked.py tests/test_sparse_head.py tests/test_triton_sparse.py tests/test_fused_grads.py ;;
+      tests/test_chunked.py tests/test_sparse_head.py tests/test_triton_sparse.py tests/test_fused_grads.py \
+      tests/test_head_common.py ;;
     distributed_gpu)
       step distributed_gpu 200 env PYTHON=$PY bash benchmarks/distributed_gpu.sh
       cp benchmarks/results/distributed_gpu.json "$OUT/" 2>/dev/null

@@ -245,3 +245,33 @@ def run_script(script: str | os.PathLike, *argv: Any, cwd: str | os.PathLike | N
         sys.argv, sys.path[:] = saved_argv, saved_path
         os.chdir(saved_cwd)
     return CompletedProcess([sys.executable, script, *argv], code, out.getvalue(), err.getvalue())
+
+
+
+class OpTrace(torch.overrides.TorchFunctionMode):
+    """Records every torch function called inside it (`torch.zeros`, `Tensor.mul_`, `Tensor.__setitem__`, ...) as
+    `(name, (shape, dtype) of its tensor arguments, of its outputs)`: counts what a loss head moves (a zero-fill, a
+    copy, an in-place scale of a `(V, H)` tensor, a boolean gather) without timing anything."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, list, list]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))  # (a backward's ops are not seen: trace its Python function itself)
+        flat = [*args, *(kwargs or {}).values()]
+        outs = out if isinstance(out, tuple | list) else (out,)
+        self.ops.append((getattr(func, "__name__", str(func)),
+                         [(tuple(t.shape), t.dtype) for t in flat if isinstance(t, torch.Tensor)],
+                         [(tuple(t.shape), t.dtype) for t in outs if isinstance(t, torch.Tensor)]))
+        return out
+
+    def count(self, name: str, shape: tuple | None = None, dtype: torch.dtype | None = None,
+              where: str = "any") -> int:
+        """How many calls of `name` had a tensor (among the arguments: "args", the outputs: "outs", or either) of
+        `shape` (None: any) and `dtype` (None: any)."""
+        def hit(ts):
+            return any((shape is None or s == shape) and (dtype is None or d == dtype) for s, d in ts)
+
+        return sum(1 for op, a, o in self.ops if op == name
+                   and ((where != "outs" and hit(a)) or (where != "args" and hit(o))))

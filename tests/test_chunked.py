@@ -403,6 +403,44 @@ def test_low_precision_gradients_are_within_half_a_percent_of_float64(kind, rout
     assert float(kd.detach()) == pytest.approx(float(want_kd), rel=1e-3, abs=1e-6)
 
 
+def test_backward_casts_each_float32_weight_block_once_under_autocast(monkeypatch):
+    """Mixed precision (float32 LM-head weights, bf16 autocast: the Trainer's bf16=True): the default mode's backward
+    casts each vocabulary block of the student's weight to bf16 once, for both the block's logits and its `dL/dH`
+    product (not once per product: a whole weight's cast a step saved); the gradients stay float64's."""
+    from helpers import OpTrace
+
+    h_s, s_head, h_t, t_head, labels = _agreement_inputs(torch.float32, 4.0)
+    trace, walk, logits = OpTrace(), kd_head._backward_walk, []
+    real_logits = kd_head._head_logits
+    monkeypatch.setattr(kd_head, "_head_logits", lambda *a, **kw: logits.append(1) or real_logits(*a, **kw))
+
+    def traced(*a, **kw):  # the backward's own ops (a mode entered outside does not reach the autograd backward)
+        with trace:
+            return walk(*a, **kw)
+
+    monkeypatch.setattr(kd_head, "_backward_walk", traced)
+    t_logits = (h_t[:-1] @ t_head.weight.T).detach()[None]  # a dense cached teacher: the student's weight alone is cast
+    x = h_s[None].clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        kd, ce = chunked.chunked_kd_and_ce(x, chunked.LogitsHead(s_head), t_logits, None, None, labels[None],
+                                           chunked.dense_kd("kl", 1.0), chunk_size=16)
+    forward_calls = len(logits)
+    (0.7 * kd + 0.3 * ce).backward()
+    blocks = len(logits) - forward_calls
+    hidden = h_s.shape[1]
+    casts = sum(1 for name, args, outs in trace.ops if name == "to" and args and args[0][1] == torch.float32
+                and args[0][0][1:] == (hidden,) and args[0][0][0] != h_s.shape[0] - 1 and outs
+                and outs[0][1] == torch.bfloat16)
+    assert blocks > 1 and casts == blocks
+    # float64 on the operands the GEMMs multiply (autocast's bf16 roundings of the float32 states and weight)
+    h64 = h_s.bfloat16().double().requires_grad_(True)
+    w64 = s_head.weight.detach().bfloat16().double().requires_grad_(True)
+    z64 = h64[:-1] @ w64.T
+    want = 0.7 * losses.logit_kd_loss("kl", z64, t_logits[0].double(), 1.0) + 0.3 * F.cross_entropy(z64, labels)
+    want.backward()
+    assert _relative(s_head.weight.grad, w64.grad) < 5e-3 and _relative(x.grad[0], h64.grad) < 5e-3
+
+
 def test_bf16_rounded_logits_fail_the_bound_this_test_sets():
     """The regime above discriminates: the same loss from logits rounded to bf16 by their GEMM (what the model's own
     head, a plain chunked head, or whole logits under autocast give) is far outside 0.5%."""

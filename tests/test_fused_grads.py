@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import args, labelled_collate, llama, sft_rows
+from helpers import OpTrace, args, labelled_collate, llama, sft_rows
 from test_sparse_head import _problem
 from test_sparse_head import _reference as _sparse_reference
 
@@ -150,6 +150,113 @@ def test_fused_bf16_gradients_within_half_a_percent_of_float64(kind, scale):
     assert _relative(got[0], want[0]) < 5e-3 and _relative(got[1], want[1]) < 5e-3
 
 
+def test_fused_mode_writes_its_accumulators_without_a_zero_fill_or_a_copy():
+    """What a fused chunk moves (issue #41 item 6): the float32 `(V, H)` weight-gradient accumulator is allocated empty
+    and written by the first chunk's product (no zero-fill pass over it, no read of zeros), and each chunk's rows of
+    the hidden-state gradient are written by their product in place (no temporary copied in). 39 rows in 5 chunks:
+    the gradients equal float64's."""
+    h, s_head, h_t, t_head, kd_mask, labels, vocab = _dense_problem(pad=0, bias=False)
+    want = _dense_reference("jsd", h, s_head, h_t, t_head, kd_mask, labels, vocab, WEIGHTS)
+    with OpTrace() as trace:
+        got = _dense("jsd", h, s_head, h_t, t_head, kd_mask, labels, vocab, WEIGHTS, WEIGHTS)
+    v_h, rows_h = tuple(s_head.weight.shape), (h.shape[1] - 1, h.shape[2])
+    assert sum(trace.count(op, v_h) for op in ("zeros", "zeros_like", "new_zeros", "zero_", "fill_")) == 0
+    assert trace.count("empty", v_h, torch.float32, "outs") == 1
+    assert trace.count("__setitem__", rows_h, torch.float32, "args") == 0
+    for g, r in zip(got[:2], want[:2], strict=True):  # no bias
+        assert _relative(g, r) < 1e-5
+
+
+def test_fused_mode_scales_and_rounds_its_weight_gradient_in_one_pass(monkeypatch):
+    """A loss scale (fp16's GradScaler, accumulation's division): the float32 accumulator is scaled and rounded to the
+    weight's dtype by one operation (on CUDA one read of it), not scaled in place first; the same gradients."""
+    problem = _dense_problem(torch.bfloat16, n=33, hidden=16, vocab=300, pad=0, bias=False, noise=0.05)
+    v_h = tuple(problem[1].weight.shape)
+    base = _dense("jsd", *problem, WEIGHTS, WEIGHTS)
+    trace, finish = OpTrace(), fused_grads.Fused.finish
+
+    def traced(self, *a):  # the backward's own ops (a mode entered outside does not reach the autograd backward)
+        with trace:
+            return finish(self, *a)
+
+    monkeypatch.setattr(fused_grads.Fused, "finish", traced)
+    scaled = _dense("jsd", *problem, WEIGHTS, WEIGHTS, upstream=1000.0)
+    assert trace.count("mul_", v_h, torch.float32) == 0
+    assert trace.count("mul", v_h, torch.bfloat16, "args") == 1  # into the bf16 gradient (`out=`)
+    for g, r in zip(scaled[:2], base[:2], strict=True):  # no bias
+        assert _relative(g, r.double() * 1000.0) < 1e-2  # bf16's rounding of each side
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_scaled_cast_is_the_scale_then_the_cast_bit_for_bit(device, dtype):
+    g = torch.Generator().manual_seed(0)
+    acc = (torch.randn(64, 96, generator=g) * 3).to(device)
+    for lam in (1.0, 0.37, 1024.0, 1 / 3):
+        want = acc.clone().mul_(lam).to(dtype)
+        got = fused_grads._scaled_cast(acc.clone(), lam, dtype)
+        assert got.dtype == dtype and torch.equal(got, want)
+
+
+def test_fused_head_with_every_position_counted_reads_rows_without_a_gather():
+    """No KD mask and every label counted (pretraining, packed rows): the student's and teacher's rows are the
+    positions flattened (views here), not boolean gathers; the gradients equal float64's."""
+    h, s_head, h_t, t_head, _, labels, vocab = _dense_problem(pad=0, bias=False)
+    every = torch.ones(1, h.shape[1] - 1, dtype=torch.bool)
+    labels = labels.clamp(min=0)
+    want = _dense_reference("jsd", h, s_head, h_t, t_head, every, labels, vocab, WEIGHTS)
+    with OpTrace() as trace:
+        got = _dense("jsd", h, s_head, h_t, t_head, None, labels, vocab, WEIGHTS, WEIGHTS)
+    assert trace.count("__getitem__", every.shape, torch.bool, "args") == 0
+    for g, r in zip(got[:2], want[:2], strict=True):  # no bias
+        assert _relative(g, r) < 1e-5
+
+
+@pytest.mark.parametrize("mode", ["fused", "recompute"])
+def test_one_chunk_of_logits_is_alive_when_the_next_is_computed(mode, monkeypatch):
+    """Peak memory: when a chunk's (or a backward block's) logits GEMM runs, the previous chunk's student and teacher
+    logits are already freed, so at most one earlier logits tensor is alive then (the same chunk's student logits,
+    while its teacher's are computed), not three float32 `(chunk, V)` buffers (0.5 GiB each at 1,024 x 128,256)."""
+    import weakref
+
+    made, alive = [], []
+    real = kd_head._head_logits
+
+    def spy(*a, **kw):
+        alive.append(sum(ref() is not None for ref in made))
+        out = real(*a, **kw)
+        made.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(kd_head, "_head_logits", spy)
+    h, s_head, h_t, t_head, kd_mask, labels, vocab = _dense_problem(pad=0, bias=False)
+    _dense("jsd", h, s_head, h_t, t_head, kd_mask, labels, vocab, WEIGHTS, WEIGHTS if mode == "fused" else None)
+    assert len(made) >= 10 and max(alive) == 1
+
+
+def test_padded_vocabulary_gradient_parts_are_written_in_place(monkeypatch):
+    """A student vocabulary padded past the KD's (its last 40 ids: the CE's part alone): each chunk's two column
+    ranges are handed to the gradient kernel as views of the chunk's gradient to write into (the Triton kernels write
+    there; here a stand-in with their `out=`), not computed apart and copied in; the gradients equal float64's."""
+    outs = []
+    triton_like = fused_grads.writes_into(kd_head._by_rows(kd_head._grad_block))
+
+    def kernel(*a, out=None):
+        outs.append(out is not None)
+        return triton_like(*a, out=out)
+
+    monkeypatch.setattr(kd_head, "_grad_block_fn", lambda device: kernel)
+    h, s_head, h_t, t_head, kd_mask, labels, vocab = _dense_problem(bias=False)
+    want = _dense_reference("jsd", h, s_head, h_t, t_head, kd_mask, labels, vocab, WEIGHTS)
+    with OpTrace() as trace:
+        got = _dense("jsd", h, s_head, h_t, t_head, kd_mask, labels, vocab, WEIGHTS, WEIGHTS)
+    assert outs == [True] * 10  # 5 chunks x 2 column ranges
+    assert trace.count("__setitem__", (8, s_head.weight.shape[0]), where="args") == 0
+    for g, r in zip(got[:2], want[:2], strict=True):
+        assert _relative(g, r) < 1e-5
+
+
 def test_fused_mode_is_refused_on_the_module_route():
     h, s_head, h_t, t_head, kd_mask, labels, vocab = _dense_problem()
     with pytest.raises(ValueError, match="kd_head_mode='fused'.*called as modules"):
@@ -160,6 +267,14 @@ def test_fused_mode_is_refused_on_the_module_route():
 def test_fused_default_chunk_is_four_times_longer():
     assert chunked.default_chunk(128_256) == 256 and chunked.default_chunk(128_256, "fused") == 1024
     assert chunked.default_chunk(1000) == 4096 and chunked.default_chunk(1000, "fused") == 16384
+
+
+def test_fused_chunk_factor_is_the_one_switch_of_the_fused_default(monkeypatch):
+    """`FUSED_CHUNK_FACTOR` (the candidate a GPU sweep decides: 8, 2,048 tokens at V = 128,256) moves the fused
+    default and nothing else."""
+    monkeypatch.setattr(chunked, "FUSED_CHUNK_FACTOR", 8)
+    assert chunked.default_chunk(128_256, "fused") == 2048 and chunked.default_chunk(128_256) == 256
+    assert chunked.default_chunk(1000, "fused") == 32768 and chunked.default_chunk(1000) == 4096
 
 
 # ---------------------------------------------------------------------- the trainer's argument

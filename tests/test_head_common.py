@@ -133,3 +133,22 @@ def test_a_head_whose_product_cannot_be_widened_is_named_in_a_warning(caplog):
         _head_loss(s_head, t_head, h_s.bfloat16(), h_t.bfloat16(), labels, "kl", False)
     warned = [r.getMessage() for r in caplog.records if "EinsumHead" in r.getMessage()]
     assert len(warned) == 1 and "bfloat16 logits" in warned[0] and "float64" in warned[0]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_mm_f32_into_writes_the_float32_product_in_place(device):
+    """The fused mode's first write of its accumulator and its row blocks: bf16 operands, the float32 product
+    written into the given tensor (its old contents, NaN here, neither read nor kept), as :func:`mm_f32` computes it
+    (on CUDA: the GEMM's float32 output, where this torch has `mm(..., out_dtype=, out=)`, as it has `addmm`'s)."""
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(*shape, generator=g).bfloat16().to(device) for shape in ((33, 70), (70, 48)))
+    acc = torch.full((40, 48), float("nan"), device=device)
+    out = head_common.mm_f32_into(acc[3:36], a, b)
+    assert out.data_ptr() == acc[3:36].data_ptr() and torch.equal(acc[3:36], head_common.mm_f32(a, b))
+    assert acc[:3].isnan().all() and acc[36:].isnan().all()
+    whole = torch.full((70, 48), float("nan"), device=device)  # a transposed operand, as the weight's `G^T H`
+    torch.testing.assert_close(head_common.mm_f32_into(whole, a.t(), a.new_ones(33, 48)),
+                               head_common.mm_f32(a.t(), a.new_ones(33, 48)), rtol=0, atol=0)
+    if device == "cuda":
+        assert head_common._cuda_mm_out_dtype_into() == head_common._cuda_addmm_out_dtype()

@@ -161,12 +161,22 @@ def _dense_kd_sum(teacher, from_hidden: bool, kd: KDSpec, vocab: int | None, z: 
 # ---------------------------------------------------------------------------------------------- entry point
 
 
+#: `kd_head_mode="fused"`'s default chunk as a multiple of the default mode's (:func:`default_chunk`): 4 is 1,024
+#: tokens at V = 128,256. Each fused chunk reads and writes the float32 `(V, H)` weight-gradient accumulator once, so
+#: longer chunks move less memory, and hold more logits (V x 10 bytes per token: float32 student and teacher logits,
+#: the bf16 gradient; docs/guides/causal-lm.md gives the memory per chunk). 8 (2,048 tokens at V = 128,256,
+#: 1.2 GiB more) is the candidate `benchmarks/head_modes_gpu.py --fused-chunks` measures (issue #41 item 6): the
+#: default changes only after a GPU run shows it faster (gpu_checks.sh, step `head_fused_sweep`).
+FUSED_CHUNK_FACTOR = 4
+
+
 def default_chunk(vocab: int, mode: str = "recompute") -> int:
     """Tokens per chunk when `kd_chunk_size` is unset: about 2^25 logits (128 MiB of float32) per chunk, between
     64 and 4,096 tokens, a multiple of 64 (256 at V = 128,256: Liger-Kernel's chunk at that shape is the same).
-    `mode="fused"` (`kd_head_mode`): 4x that (1,024 tokens at V = 128,256, at most 16,384): each chunk reads and
-    writes the float32 weight-gradient buffer once (:mod:`.fused_grads`), so fewer chunks move less memory."""
-    factor = 4 if mode == "fused" else 1
+    `mode="fused"` (`kd_head_mode`): :data:`FUSED_CHUNK_FACTOR` times that (1,024 tokens at V = 128,256, at most
+    16,384): each chunk reads and writes the float32 weight-gradient buffer once (:mod:`.fused_grads`), so fewer
+    chunks move less memory."""
+    factor = FUSED_CHUNK_FACTOR if mode == "fused" else 1
     return int(min(4096 * factor, max(64, factor * (1 << 25) // max(vocab, 1) // 64 * 64)))
 
 
@@ -208,7 +218,7 @@ def chunked_kd_and_ce(
     t_head = teacher if from_hidden else None
     t_source = None
     if kd is not None:
-        t_source = t_hidden[:, :-1][counted.rows] if from_hidden else teacher[counted.rows]
+        t_source = counted.take(t_hidden[:, :-1] if from_hidden else teacher)
     if kd is not None and vocab is None:
         sizes = {vocab_size(student_head), vocab_size(t_head) if from_hidden else teacher.shape[-1]}
         if len(sizes) > 1:

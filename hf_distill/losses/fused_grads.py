@@ -10,7 +10,11 @@ the token chunks in a float32 `(V, H)` buffer, rounded once at the end (as preci
 Memory: that buffer (V x H x 4 bytes: 2 GiB at 128,256 x 4,096, 1 GiB at 128,256 x 2,048) lives from the forward to
 the backward, beside the float32 `(N, H)` hidden-state gradient the default mode also has; and the default token
 chunk is 4x longer (:func:`hf_distill.losses.chunked.default_chunk`), since each chunk reads and writes the whole
-buffer once: 1,024 tokens at V = 128,256, whose float32 student and teacher logits take 0.5 GiB each.
+buffer once: 1,024 tokens at V = 128,256, whose float32 student and teacher logits take 0.5 GiB each. What a chunk
+moves beyond its four GEMMs is kept to the logits: the buffer is not zero-filled (the first chunk's product writes
+it), each chunk's `dL/dH` rows are written in place, a padded vocabulary's two column ranges are written into the
+chunk's gradient by the kernels (:func:`by_columns`), one chunk's logits are alive at a time (freed before the next
+chunk's GEMM), and the loss scale and the rounding to the weight's dtype are one pass at the end.
 
 The forward forms the gradient of `c_kd * KD sum + c_ce * CE sum` for the coefficients it is given (the caller's
 weights over each term's counted rows: the trainer's `kd_weight` and `task_weight` times each term's step-mean
@@ -26,7 +30,7 @@ from collections.abc import Callable
 import torch
 from transformers.utils import logging
 
-from .head_common import addmm_f32, mm_f32
+from .head_common import addmm_f32, mm_f32_into
 
 logger = logging.get_logger(__name__)
 
@@ -44,9 +48,12 @@ class Fused:
                  kd_rows: torch.Tensor, ce_rows: torch.Tensor, kd_scale: float | None, has_ce: bool) -> None:
         self.coeffs, self.terms = coeffs, (kd_scale is not None, has_ce)
         dev = h_s.device
+        # the weight's accumulator is not zero-filled: the first chunk writes it (a (V, H) float32 pass saved, and
+        # the first chunk's read of it); `fresh` until then
         self.grads = (torch.empty(h_s.shape, dtype=torch.float32, device=dev) if want[0] else None,
-                      torch.zeros(w_s.shape, dtype=torch.float32, device=dev) if want[1] else None,
+                      torch.empty(w_s.shape, dtype=torch.float32, device=dev) if want[1] else None,
                       torch.zeros(b_s.shape, dtype=torch.float32, device=dev) if want[2] else None)
+        self.fresh = True
         self.w_kd = kd_rows.float() * (coeffs[0] * kd_scale) if kd_scale is not None else None
         self.w_ce = ce_rows.float() * coeffs[1] if has_ce else None
 
@@ -62,9 +69,10 @@ class Fused:
             grad_b += g.sum(0)
             g = g.to(dtype_s)
         if grad_w is not None:
-            addmm_f32(grad_w, g.t(), hs)
+            (mm_f32_into if self.fresh else addmm_f32)(grad_w, g.t(), hs)
+        self.fresh = False
         if grad_h is not None:
-            grad_h[rows] = mm_f32(g, ws)
+            mm_f32_into(grad_h[rows], g, ws)  # the chunk's rows of the float32 accumulator, written in place
 
     def finish(self, grad: torch.Tensor, like: tuple) -> tuple | None:
         """The three gradients for the upstream `grad` of the two sums, or None where it is not a multiple of the
@@ -77,29 +85,48 @@ class Fused:
             if abs(g[i] - want) > _RATIO_TOLERANCE * max(abs(g[i]), abs(want)):
                 _warn_recompute(tuple(self.coeffs), (g[0], g[1]))
                 return None
-        out = []
-        for acc, x in zip(self.grads, like, strict=True):
-            if acc is None:
-                out.append(None)
-                continue
-            if lam != 1.0:
-                acc.mul_(lam)
-            out.append(acc.to(x.dtype))
+        if self.fresh and self.grads[1] is not None:  # no chunk was added (no row): nothing was written
+            self.grads[1].zero_()
+        out = [None if acc is None else _scaled_cast(acc, lam, x.dtype) for acc, x in zip(self.grads, like,
+                                                                                         strict=True)]
         self.grads = (None, None, None)
         return tuple(out)
 
 
-def by_columns(zs: torch.Tensor, vocab: int, kd: bool, part: Callable[[slice, bool], torch.Tensor],
+def _scaled_cast(acc: torch.Tensor, lam: float, dtype: torch.dtype) -> torch.Tensor:
+    """`(acc * lam).to(dtype)` in one pass over the float32 accumulator (on CUDA one kernel reads it and writes the
+    parameter's dtype; no in-place pass first): the same float32 product, rounded once, bit for bit."""
+    if lam == 1.0:
+        return acc.to(dtype)
+    if dtype == acc.dtype:
+        return acc.mul_(lam)
+    return torch.mul(acc, lam, out=torch.empty(acc.shape, dtype=dtype, device=acc.device))
+
+
+def by_columns(zs: torch.Tensor, vocab: int, kd: bool, part: Callable[..., torch.Tensor],
                dtype: torch.dtype) -> torch.Tensor:
     """A chunk's logit gradient over every column: `part(columns, with_kd)` once, or twice where the KD compares only
-    the first `vocab` of the student's columns (padded vocabularies: the rest has the CE's part alone)."""
+    the first `vocab` of the student's columns (padded vocabularies: the rest has the CE's part alone), each then
+    given its column range of the gradient to write into (`part(columns, with_kd, out)`: the Triton kernels write
+    there, no `(rows, V)` copy; :func:`writes_into` gives the PyTorch row math the same form)."""
     v_s = zs.shape[1]
     if not kd or vocab >= v_s:
         return part(slice(0, v_s), kd)
     g = torch.empty(zs.shape, dtype=dtype, device=zs.device)
-    g[:, :vocab] = part(slice(0, vocab), True)
-    g[:, vocab:] = part(slice(vocab, v_s), False)
+    part(slice(0, vocab), True, g[:, :vocab])
+    part(slice(vocab, v_s), False, g[:, vocab:])
     return g
+
+
+def writes_into(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`fn` (a gradient block's row math) with the Triton kernels' `out=`: its result copied into `out` where one is
+    given (the kernels write there directly)."""
+
+    def run(*args, out: torch.Tensor | None = None) -> torch.Tensor:
+        g = fn(*args)
+        return g if out is None else out.copy_(g)
+
+    return run
 
 
 _WARNED: list[bool] = []

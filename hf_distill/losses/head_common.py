@@ -80,6 +80,31 @@ def addmm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tens
     return acc.add_(mm_f32(a, b))
 
 
+@functools.cache
+def _cuda_mm_out_dtype_into() -> bool:
+    """Whether this torch writes a bf16/fp16 CUDA product into a given float32 tensor,
+    `torch.mm(a, b, out_dtype=float32, out=c32)` (no temporary, and `c32`'s old contents neither read nor kept)."""
+    try:
+        a = torch.ones(16, 16, device="cuda", dtype=torch.bfloat16)
+        c = torch.full((16, 16), float("nan"), device="cuda")
+        out = torch.mm(a, a, out_dtype=torch.float32, out=c)
+        return out.data_ptr() == c.data_ptr() and bool((c == 16).all())
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def mm_f32_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`out = a @ b` written into the float32 tensor `out` (contiguous), the product as in :func:`mm_f32`: no
+    temporary and no copy (a first write of an accumulator needs no zero-fill, a row block of a gradient no copy).
+    Not differentiable: used where gradients are formed by hand."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and a.dtype == b.dtype:
+        if _cuda_mm_out_dtype_into():
+            return torch.mm(a, b, out_dtype=torch.float32, out=out)
+        if _cuda_addmm_out_dtype():  # a torch with addmm's form only: zeros, then the in-place product
+            return addmm_f32(out.zero_(), a, b)
+    return torch.mm(a.float(), b.float(), out=out)
+
+
 def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     """The dtype the model's own `F.linear(x, weight)` would multiply in: autocast's, else the weight's."""
     device = x.device.type
@@ -253,6 +278,16 @@ class Counted(NamedTuple):
     targets: torch.Tensor | None  # (N,): next-token ids (0 on rows counted for KD only); None without labels
     n_kd: int
     n_ce: int
+    every: bool = False  # every position counted: the rows are `(B, T-1)` flattened, views where the layout allows
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """`x[rows]` of a per-position tensor `(B, T-1, ...)` (a teacher's states, logits or signal): where every
+        position counts, the same rows flattened (a view where `x`'s layout allows: no gather, no `(N, V)` copy)."""
+        return _take_rows(x, self.rows, self.every)
+
+
+def _take_rows(x: torch.Tensor, rows: torch.Tensor, every: bool) -> torch.Tensor:
+    return x.reshape(-1, *x.shape[2:]) if every else x[rows]
 
 
 def counted_rows(s_hidden: torch.Tensor, kd_mask: torch.Tensor | None, labels: torch.Tensor | None,
@@ -266,11 +301,13 @@ def counted_rows(s_hidden: torch.Tensor, kd_mask: torch.Tensor | None, labels: t
     if kd is None:
         kd_rows = torch.zeros_like(kd_rows)
     rows = kd_rows | ce_rows
-    is_kd, is_ce = kd_rows[rows], ce_rows[rows]
-    targets = labels[rows] if labels is not None else None
+    every = bool(rows.all())  # the usual pretraining / packed case: flattened views instead of boolean gathers
+    take = functools.partial(_take_rows, rows=rows, every=every)
+    is_kd, is_ce = take(kd_rows), take(ce_rows)
+    targets = take(labels) if labels is not None else None
     if targets is not None:
         targets = torch.where(is_ce, targets, 0)  # rows counted for KD only: any valid id, weighted 0
-    return Counted(rows, s[rows], is_kd, is_ce, targets, int(is_kd.sum()), int(is_ce.sum()))
+    return Counted(rows, take(s), is_kd, is_ce, targets, int(is_kd.sum()), int(is_ce.sum()), every)
 
 
 KDSum = Callable[..., torch.Tensor]

@@ -20,7 +20,7 @@ import torch
 
 from ..compat import recompile_limit
 from . import divergences as losses
-from .fused_grads import Fused, by_columns
+from .fused_grads import Fused, by_columns, writes_into
 from .head_common import (  # noqa: F401 - re-exported: `kd_head.mm_f32`, ... (tests, benchmarks)
     DIVERGENCES,
     KDSpec,
@@ -216,7 +216,7 @@ def _grad_block_fn(device: torch.device):
     on = os.environ.get("HF_DISTILL_COMPILE", "1") != "0" and os.environ.get("HF_DISTILL_TRITON", "1") != "0"
     if on and triton_head.available(device):
         return triton_head.grad_block
-    return _elementwise(_grad_block, device)
+    return writes_into(_elementwise(_grad_block, device))
 
 
 def _blocks(v_s: int, vocab: int, cols: int):
@@ -245,8 +245,9 @@ def _backward_start(ctx, grad, h_s, w_s, b_s, spec, targets, kd_rows, ce_rows, c
     return want, w_kd, w_ce, grads, cols
 
 
-def _add_block(g: torch.Tensor, block: slice, hs: torch.Tensor, w_s: torch.Tensor, b_s, grads, dtype_s) -> None:
-    """A vocabulary block's logit gradient `g` into the bias, weight and hidden-state gradients `grads`."""
+def _add_block(g: torch.Tensor, block: slice, hs: torch.Tensor, wb: torch.Tensor, b_s, grads, dtype_s) -> None:
+    """A vocabulary block's logit gradient `g` into the bias, weight and hidden-state gradients `grads` (`wb`: the
+    block's weight rows, already in the GEMMs' dtype)."""
     grad_h, grad_w, grad_b = grads
     if grad_b is not None:
         grad_b[block] = g.sum(0).to(b_s.dtype)
@@ -254,7 +255,7 @@ def _add_block(g: torch.Tensor, block: slice, hs: torch.Tensor, w_s: torch.Tenso
     if grad_w is not None:  # float32 out, then one rounding (bf16 GEMMs may reduce split-K partials in bf16)
         grad_w[block].copy_(mm_f32(g.t(), hs))
     if grad_h is not None:
-        addmm_f32(grad_h, g, w_s[block].to(dtype_s))  # in place
+        addmm_f32(grad_h, g, wb)  # in place
 
 
 def _spec_args(spec: KDSpec | None) -> tuple[str | None, float, float, float]:
@@ -282,6 +283,7 @@ def _forward_chunks(h_s: torch.Tensor, w_s: torch.Tensor, b_s, s_head: LogitsHea
                 sums[1] += torch.where(ce_rows[rows], ce, 0.0).sum()
             if fused is not None:
                 fused.add(chunk_grad(rows, zs), rows, hs, ws, dtype_s)
+            del zs  # freed before the next chunk's GEMM: one chunk's logits alive at a time, not two
 
 
 def _backward_walk(ctx, grad, h_s: torch.Tensor, w_s: torch.Tensor, b_s, s_head: LogitsHead, spec: KDSpec | None,
@@ -299,9 +301,11 @@ def _backward_walk(ctx, grad, h_s: torch.Tensor, w_s: torch.Tensor, b_s, s_head:
     with torch.autocast(h_s.device.type, enabled=False), torch.no_grad():
         hs = h_s.to(dtype_s)
         for block in _blocks(w_s.shape[0], vocab, cols):
-            zs = _head_logits(hs, w_s, b_s, s_head, dtype_s, block)
+            wb = w_s[block].to(dtype_s)  # float32 weights under autocast: each block cast once, for both its GEMMs
+            zs = _head_logits(hs, wb, None if b_s is None else b_s[block], s_head, dtype_s)
             g = block_grad(block, zs, w_kd, w_ce, torch.float32 if want[2] else dtype_s)
-            _add_block(g, block, hs, w_s, b_s, grads, dtype_s)
+            _add_block(g, block, hs, wb, b_s, grads, dtype_s)
+            del zs, g, wb  # freed before the next block's GEMM
     grad_h, grad_w, grad_b = grads
     return grad_h.to(h_s.dtype) if want[0] else None, grad_w, grad_b, *rest
 
@@ -326,14 +330,15 @@ class _KDHead(torch.autograd.Function):
         # the teacher's float32 weights under autocast: cast once, not once per chunk
         wt = w_t[:vocab].to(dtype_t) if w_t is not None and spec is not None and t_logits is None else None
 
-        kept = {}  # the chunk's teacher logits, for the fused mode's gradient
+        kept = {}  # the chunk's teacher logits, for the fused mode's gradient (taken by it: never two chunks' alive)
 
         def chunk_stats(rows: slice, zs: torch.Tensor):
             zt = None
             if spec is not None:
                 zt = (_head_logits(h_t[rows].to(dtype_t), wt, b_t, t_head, dtype_t, slice(0, vocab))
                       if t_logits is None else t_logits[rows, :vocab].float())
-            kept["zt"] = zt
+            if state is not None:
+                kept["zt"] = zt
             lse1, ce, lse_a, lse_b, value, stat = row_stats(
                 zs, zt, targets[rows] if targets is not None else None, kind, T, beta, alpha, vocab)
             if spec is not None:
@@ -348,11 +353,12 @@ class _KDHead(torch.autograd.Function):
             dtype = state.dtype_out or dtype_s
             tg, w_ce = (targets[rows], state.w_ce[rows]) if targets is not None else (None, None)
             w_kd = state.w_kd[rows] if spec is not None else None
+            zt = kept.pop("zt")
 
-            def part(cols: slice, kd: bool) -> torch.Tensor:
-                return grad_block(zs[:, cols], kept["zt"][:, cols] if kd else None, cols.start, tg, stats[2, rows],
+            def part(cols: slice, kd: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+                return grad_block(zs[:, cols], zt[:, cols] if kd else None, cols.start, tg, stats[2, rows],
                                   w_ce, stats[0, rows], stats[1, rows], stats[3, rows], w_kd, kind, T, beta, alpha,
-                                  s_head.scale, s_head.cap, dtype)
+                                  s_head.scale, s_head.cap, dtype, out=out)
 
             return by_columns(zs, vocab, spec is not None, part, dtype)
 

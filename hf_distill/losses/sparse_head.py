@@ -97,7 +97,7 @@ def _teacher_rows(teacher: TopKTail, counted: Counted, kd: KDSpec | None):
     if kd is None:
         return None
     device = counted.hidden.device
-    log_probs, ids, log_tail = (x.to(device)[counted.rows] for x in teacher)
+    log_probs, ids, log_tail = (counted.take(x.to(device)) for x in teacher)
     k = ids.shape[-1]
     ids = torch.where(counted.is_kd[:, None], ids.long(), torch.arange(k, device=device))
     # padding entries (id -1, an adaptive-k row) become outcomes of no mass (teacher_forms.padded_outcomes)
@@ -244,7 +244,8 @@ class _SparseKDHead(torch.autograd.Function):
             w_ce = state.w_ce[rows] if targets is not None else None
             w_kd = state.w_kd[rows] if spec is not None else None
             return by_columns(zs, vocab, spec is not None,
-                              lambda cols, kd: block_of(zs[:, cols], rows, cols, w_kd, w_ce, dtype), dtype)
+                              lambda cols, kd, out=None: block_of(zs[:, cols], rows, cols, w_kd, w_ce, dtype, out),
+                              dtype)
 
         _forward_chunks(h_s, w_s, b_s, s_head, dtype_s, chunk, targets, ce_rows, stats[1], sums, chunk_stats, state,
                         chunk_grad)
@@ -279,16 +280,19 @@ def _block_grad_fn(device: torch.device, ids, shift_k, targets, stats, s_head: L
     grad_block = _elementwise(_sparse_grad_block, device)
     kernel = _triton_or(device, "grad_block")
 
-    def block_of(zs: torch.Tensor, rows: slice, block: slice, w_kd, w_ce, dtype: torch.dtype) -> torch.Tensor:
+    def block_of(zs: torch.Tensor, rows: slice, block: slice, w_kd, w_ce, dtype: torch.dtype,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
         kd_here = spec is not None and block.start < vocab
         tg = targets[rows] if targets is not None else None
         lse1, lse_a, stat, tail = stats[1, rows], stats[0, rows], stats[2, rows], stats[3, rows]
         if kernel is not None:  # the shifts from the ids on the GPU: no (rows, columns) shift block
             return kernel(zs, ids[rows] if kd_here else None, shift_k[rows] if kd_here else None, tail, block.start,
-                          tg, lse1, w_ce, lse_a, stat, w_kd, kind, T, beta, alpha, s_head.scale, s_head.cap, dtype)
+                          tg, lse1, w_ce, lse_a, stat, w_kd, kind, T, beta, alpha, s_head.scale, s_head.cap, dtype,
+                          out=out)
         shift = _block_shift(ids[rows], shift_k[rows], tail, block) if kd_here else None
-        return grad_block(zs, shift, block.start, tg, lse1, w_ce, lse_a, stat, w_kd,
-                          kind if shift is not None else None, T, beta, alpha, s_head.scale, s_head.cap, dtype)
+        g = grad_block(zs, shift, block.start, tg, lse1, w_ce, lse_a, stat, w_kd,
+                       kind if shift is not None else None, T, beta, alpha, s_head.scale, s_head.cap, dtype)
+        return g if out is None else out.copy_(g)
 
     return block_of
 

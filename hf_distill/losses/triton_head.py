@@ -241,13 +241,14 @@ def grad_block(zs: torch.Tensor, zt: torch.Tensor | None, start: int, targets: t
                lse1: torch.Tensor | None, w_ce: torch.Tensor | None, lse_a: torch.Tensor | None,
                lse_b: torch.Tensor | None, stat: torch.Tensor | None, w_kd: torch.Tensor | None, kind: str | None,
                temperature: float, beta: float, alpha: float, scale: float, cap: float | None,
-               dtype: torch.dtype) -> torch.Tensor:
-    """The Triton version of :func:`hf_distill.losses.kd_head._grad_block` (same arguments, same results)."""
+               dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton version of :func:`hf_distill.losses.kd_head._grad_block` (same arguments, same results); `out`: a
+    `(rows, columns)` view of `dtype` to write into (a column range of a wider gradient: no copy), else a new one."""
     code = kernel_code(kind if zt is not None else None)
     zs = zs if zs.stride(-1) == 1 else zs.contiguous()
     zt = zt if zt is None or zt.stride(-1) == 1 else zt.contiguous()
     n, n_cols = zs.shape
-    g = torch.empty(n, n_cols, device=zs.device, dtype=dtype)
+    g = _out_or_new(out, n, n_cols, zs.device, dtype)
     if n == 0 or n_cols == 0:
         return g
     has_kd, has_ce = zt is not None, targets is not None
@@ -260,6 +261,17 @@ def grad_block(zs: torch.Tensor, zt: torch.Tensor | None, start: int, targets: t
         0.0 if cap is None else 1.0 / cap, KIND=code, HAS_KD=has_kd, HAS_CE=has_ce,
         HAS_CAP=cap is not None, BLOCK=_GRAD_BLOCK, num_warps=_GRAD_WARPS)
     return g
+
+
+def _out_or_new(out: torch.Tensor | None, n: int, n_cols: int, device: torch.device,
+                dtype: torch.dtype) -> torch.Tensor:
+    """The gradient block a kernel writes: `out` (checked: its shape, dtype and unit column stride) or a new one."""
+    if out is None:
+        return torch.empty(n, n_cols, device=device, dtype=dtype)
+    if tuple(out.shape) != (n, n_cols) or out.dtype != dtype or (n_cols > 1 and out.stride(-1) != 1):
+        raise ValueError(f"grad_block's out must be ({n}, {n_cols}) {dtype} with unit column stride, got "
+                         f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
+    return out
 
 
 def row_stats(zs: torch.Tensor, zt: torch.Tensor | None, targets: torch.Tensor | None, kind: str | None,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from .teacher_forms import gather_ids, padded_outcomes
-from .triton_head import kernel_code
+from .triton_head import _out_or_new, kernel_code
 
 try:
     import triton
@@ -159,15 +159,15 @@ def grad_block(zs: torch.Tensor, ids: torch.Tensor | None, shift_k: torch.Tensor
                shift_tail: torch.Tensor | None, start: int, targets: torch.Tensor | None, lse1: torch.Tensor | None,
                w_ce: torch.Tensor | None, lse_a: torch.Tensor | None, stat: torch.Tensor | None,
                w_kd: torch.Tensor | None, kind: str | None, temperature: float, beta: float, alpha: float,
-               scale: float, cap: float | None, dtype: torch.dtype) -> torch.Tensor:
+               scale: float, cap: float | None, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton version of :func:`hf_distill.losses.sparse_head._sparse_grad_block` on the columns `start...` of
     every row, from the ids and their shifts (`ids`, `shift_k`: `(n, k)`; `shift_tail`: `(n,)`; None without a KD)
-    instead of a `(n, columns)` shift block."""
+    instead of a `(n, columns)` shift block; `out` as :func:`hf_distill.losses.triton_head.grad_block`'s."""
     has_kd, has_ce = ids is not None, targets is not None
     code = kernel_code(kind if has_kd else None)
     zs = zs if zs.stride(-1) == 1 else zs.contiguous()
     n, n_cols = zs.shape
-    g = torch.empty(n, n_cols, device=zs.device, dtype=dtype)
+    g = _out_or_new(out, n, n_cols, zs.device, dtype)
     if n == 0 or n_cols == 0:
         return g
     dummy = zs.new_zeros(1)
