@@ -23,8 +23,8 @@ Each text column of a batch is distilled (all of them: anchor, positive, ...). C
 (`teacher_embedding_column`, default `teacher_embedding`) of vectors for a dataset with one text column
 (`cache_teacher_embeddings` writes it); rows that carry it use it, the teacher (if given) runs for the others. When
 the teacher tokenizes differently from the student (another vocabulary or `max_seq_length`), the collator also
-tokenizes each text column with the teacher's tokenizer. This module needs sentence-transformers
-(`pip install 'hf-distill[sentence]'`).
+tokenizes each text column with the teacher's tokenizer (with the column's prompt, as the student's). This module
+needs sentence-transformers (`pip install 'hf-distill[sentence]'`).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from datasets import IterableDataset
 from torch import nn
 from transformers.utils import logging
 
@@ -127,9 +128,19 @@ def _datasets(data: Any) -> list[tuple[str, Any]]:
     return list(data.items()) if isinstance(data, dict) else [("", data)]
 
 
+def _first_row(dataset: Any) -> dict[str, Any]:
+    """The first row of a `Dataset` or of a streamed `IterableDataset` (which has no `[0]`)."""
+    return next(iter(dataset)) if isinstance(dataset, IterableDataset) else dataset[0]
+
+
+def _columns(dataset: Any) -> list[str]:
+    """A dataset's column names (a streamed one without features has none: sentence-transformers refuses it)."""
+    return list(getattr(dataset, "column_names", None) or [])
+
+
 def _text_columns(dataset: Any, cached: str) -> list[str]:
     """The columns sentence-transformers' collator tokenizes (all but labels, dataset_name and the cache)."""
-    names = dataset if isinstance(dataset, list) else list(getattr(dataset, "column_names", None) or [])
+    names = dataset if isinstance(dataset, list) else _columns(dataset)
     return [c for c in names if c not in (*LABEL_COLUMNS, "dataset_name", cached)]
 
 
@@ -149,7 +160,7 @@ def _same_tokens(student: nn.Module, teacher: nn.Module) -> bool:
 class TeacherColumnsCollator:
     """sentence-transformers' collator, with the cached teacher embeddings taken out of the rows (it would tokenize
     them as text) into `teacher_sentence_embedding`, and, when the teacher tokenizes differently, each text column
-    tokenized by the teacher too (`teacher_inputs`)."""
+    tokenized by the teacher too (`teacher_inputs`), with the prompt the student's tokenization of it gets."""
 
     def __init__(self, base: Any, cached_column: str, teacher_preprocess: Any = None) -> None:
         self.base, self.cached_column, self.teacher_preprocess = base, cached_column, teacher_preprocess
@@ -164,12 +175,25 @@ class TeacherColumnsCollator:
         if rows and self.cached_column in rows[0]:
             cached = torch.tensor([r[self.cached_column] for r in rows], dtype=torch.float32)
             rows = [{k: v for k, v in r.items() if k != self.cached_column} for r in rows]
-        batch = self.base(rows)
-        if cached is not None:
-            batch[CACHED_EMBEDDING] = cached
-        elif self.teacher_preprocess is not None and rows:
-            columns = _text_columns(list(rows[0]), self.cached_column)
-            batch[TEACHER_INPUTS] = [self.teacher_preprocess([r[c] for r in rows]) for c in columns]
+        if cached is not None or self.teacher_preprocess is None or not rows:
+            batch = self.base(rows)
+            if cached is not None:
+                batch[CACHED_EMBEDDING] = cached
+            return batch
+        # the teacher tokenizes each text column the collator tokenizes, in its order and with its prompt
+        teacher_inputs: list[dict[str, Any]] = []
+        student_fn = self.base.preprocess_fn
+
+        def both(inputs: list[Any], prompt: str | None = None, **kwargs: Any) -> dict[str, Any]:
+            teacher_inputs.append(self.teacher_preprocess(inputs, prompt=prompt))
+            return student_fn(inputs, prompt=prompt, **kwargs)
+
+        self.base.preprocess_fn = both
+        try:
+            batch = self.base(rows)
+        finally:
+            self.base.preprocess_fn = student_fn
+        batch[TEACHER_INPUTS] = teacher_inputs
         return batch
 
 
@@ -189,9 +213,9 @@ class SentenceDistillationMixin(ProjectionTraining):
         if not isinstance(model, SentenceTransformer):
             raise TypeError(f"model must be a SentenceTransformer (the student), got {type(model).__name__}.")
         column = args.teacher_embedding_column
-        cached = [n for n, d in _datasets(train_dataset) if column in (getattr(d, "column_names", None) or [])]
+        cached = [n for n, d in _datasets(train_dataset) if column in _columns(d)]
         for name, data in _datasets(train_dataset) + _datasets(eval_dataset):
-            if column in (getattr(data, "column_names", None) or []) and len(_text_columns(data, column)) != 1:
+            if column in _columns(data) and len(_text_columns(data, column)) != 1:
                 raise ValueError(
                     f"{column!r} (cached teacher embeddings) covers one text column, but dataset {name!r} has "
                     f"{_text_columns(data, column)}. Give teacher_model= and drop {column!r}, or keep one text column.")
@@ -219,10 +243,11 @@ class SentenceDistillationMixin(ProjectionTraining):
             t_width = _width(teacher_model, space)
         else:
             first = next(d for _, d in _datasets(train_dataset))
-            t_width = len(first[0][column])
+            t_width = len(_first_row(first)[column])
         for name, data in _datasets(train_dataset) + _datasets(eval_dataset):
-            if column in (getattr(data, "column_names", None) or []) and len(data[0][column]) != t_width:
-                raise ValueError(f"{column!r} of dataset {name!r} holds {len(data[0][column])}-wide vectors, but the "
+            width = len(_first_row(data)[column]) if column in _columns(data) else t_width
+            if width != t_width:
+                raise ValueError(f"{column!r} of dataset {name!r} holds {width}-wide vectors, but the "
                                  f"teacher's {space} embeddings are {t_width} wide. Recompute the cache.")
         s_width = _width(model, space)
         same = teacher_model is None or _same_tokens(model, teacher_model)

@@ -346,3 +346,32 @@ def test_a_resumed_run_and_the_best_model_equal_the_uninterrupted_run(tokenizer_
         assert torch.equal(value, best.model.state_dict()[key]), key
     projection = torch.load(f"{best.state.best_model_checkpoint}/distill_projections.pt", weights_only=True)
     assert torch.equal(best._projections()["embedding"].weight, projection["embedding.weight"])
+
+
+def test_a_teacher_that_tokenizes_differently_reads_the_students_prompt(tokenizer_dir, tmp_path):
+    """With `prompts`, the teacher embeds the text the student embeds (prompt included), as it does when it reads
+    the student's own features; its tokenization without the prompt compared two different texts."""
+    teacher = tiny(tokenizer_dir, tmp_path, "t", width=32)
+    student = tiny(tokenizer_dir, tmp_path, "s", width=32, layers=2, seed=1, max_seq_length=6)
+    rows = {"text": PAIRS["anchor"]}
+    trainer = DistillationSentenceTransformerTrainer(model=student, teacher_model=teacher, train_dataset=datasets
+                                                     .Dataset.from_dict(rows), args=args(tmp_path, prompts="hello "))
+    collated = batch(trainer, rows)
+    assert torch.equal(collated[TEACHER_INPUTS][0]["input_ids"],
+                       teacher.preprocess(rows["text"], prompt="hello ")["input_ids"])
+    with torch.no_grad():
+        expected = F.mse_loss(student.encode(rows["text"], prompt="hello ", convert_to_tensor=True),
+                              teacher.encode(rows["text"], prompt="hello ", convert_to_tensor=True))
+    assert trainer.compute_loss(student, collated).item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_a_streamed_dataset_of_cached_embeddings_trains_without_a_teacher(tokenizer_dir, tmp_path):
+    teacher = tiny(tokenizer_dir, tmp_path, "t", width=32)
+    student = tiny(tokenizer_dir, tmp_path, "s", width=32, layers=2, seed=1)
+    cached = cache_teacher_embeddings(datasets.Dataset.from_dict({"text": PAIRS["anchor"]}), teacher, "text")
+    trainer = DistillationSentenceTransformerTrainer(model=student, train_dataset=cached.to_iterable_dataset(),
+                                                     args=args(tmp_path))
+    with torch.no_grad():
+        expected = F.mse_loss(embed(student, PAIRS["anchor"], "output"), embed(teacher, PAIRS["anchor"], "output"))
+    assert trainer.compute_loss(student, batch(trainer, cached.to_dict())).item() == pytest.approx(expected.item(),
+                                                                                                  rel=1e-5)
