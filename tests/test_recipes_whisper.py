@@ -205,3 +205,33 @@ def test_seed_summary_pairs_kd_and_ce_only_by_seed(monkeypatch):
     assert table["student_wer_new"]["mean"] == pytest.approx(0.7)
     assert table["student_wer_new"]["std"] == pytest.approx(0.1 * 2**0.5)  # sample std, not the population's
     assert table["decode_speedup"]["mean"] == pytest.approx(1.3)
+
+
+def test_evaluate_refuses_a_student_trained_from_an_older_student_init(tmp_path, monkeypatch, capsys):
+    """The student stage run alone rebuilds student_init (other decoder layers): the distilled student left in
+    output_dir came from the old one, and evaluate wrote its WER under the new layers, silently."""
+    from datasets import DatasetDict
+    from whisper_models import processor, tiny_whisper
+
+    proc = processor()
+    tiny_whisper(proc).save_pretrained(tmp_path / "teacher")
+    proc.save_pretrained(tmp_path / "teacher")
+    DatasetDict({name: noise_rows(2) for name in ("teacher", "train", "eval_seen_text", "eval_new_text")}) \
+        .save_to_disk(tmp_path / "data")
+    monkeypatch.syspath_prepend(str(ROOT / "recipes"))
+    recipe = __import__("importlib").import_module("distil_whisper")
+    base = ["--config", str(CONFIG), "--teacher", str(tmp_path / "teacher"), "--dataset_dir", str(tmp_path / "data"),
+            "--output_dir", str(tmp_path / "out"), "--wer_threshold", "1.0", "--max_steps", "1", "--disable_tqdm",
+            "true", "--speed_clips", "1", "--speed_tokens", "1", "--transcript_max_tokens", "2"]
+
+    def run(*extra: str) -> None:
+        monkeypatch.setattr(sys, "argv", ["distil_whisper.py", *base, *extra])
+        recipe.main()
+
+    run("--stages", "pseudo_label", "filter", "student", "distil")
+    run("--stages", "student", "--student_decoder_layers", "1", "2")
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        run("--stages", "evaluate")
+    assert "the student in" in capsys.readouterr().err and not (tmp_path / "out" / "baseline").exists()
+    assert "student_wer_eval_seen_text" not in json.loads((tmp_path / "out" / "results.json").read_text())
