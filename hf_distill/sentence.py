@@ -39,6 +39,7 @@ from datasets import IterableDataset
 from torch import nn
 from transformers.utils import logging
 
+from .argument_checks import check_fp16_device
 from .features.taps import unwrap
 from .losses.intermediate import IntermediateDistiller
 from .losses.terms import parse_terms
@@ -207,6 +208,7 @@ class SentenceDistillationMixin(ProjectionTraining):
     def __init__(self, model: nn.Module | None = None, args: Any = None, *, teacher_model: Any = None,
                  loss: Any = None, train_dataset: Any = None, eval_dataset: Any = None, **kwargs: Any) -> None:
         args = _upgrade(args)
+        check_fp16_device(args)  # fp16 on a CPU would train in float32, as for DistillationTrainer
         if kwargs.get("model_init") is not None or model is None:
             raise ValueError("DistillationSentenceTransformerTrainer needs model= (the student SentenceTransformer); "
                              "model_init is not supported: build the student first and pass it as model=.")

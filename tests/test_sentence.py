@@ -244,6 +244,14 @@ def test_refusals_before_training(tokenizer_dir, tmp_path, case, message):
                                                    "kw", {})), loss=case.get("loss"))
 
 
+def test_fp16_on_the_cpu_is_refused_as_by_the_distillation_trainer(tokenizer_dir, tmp_path):
+    """accelerate runs no fp16 autocast on a CPU: the run trained in float32 while its arguments said fp16."""
+    teacher = tiny(tokenizer_dir, tmp_path, "t", width=32)
+    with pytest.raises(ValueError, match=r"fp16=True .*CPU.*bf16=True"):
+        DistillationSentenceTransformerTrainer(model=teacher, teacher_model=teacher, args=args(tmp_path, fp16=True),
+                                               train_dataset=datasets.Dataset.from_dict({"text": ["a"]}))
+
+
 def test_argument_refusals():
     for field, value in (("embedding_loss", "kl"), ("embedding_space", "cls"), ("kd_weight", -1.0)):
         with pytest.raises(ValueError, match=field):
