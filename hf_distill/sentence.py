@@ -291,6 +291,8 @@ class SentenceDistillationMixin(ProjectionTraining):
         super().__init__(model, args, loss=wrapped, train_dataset=train_dataset, eval_dataset=eval_dataset, **kwargs)
         preprocess = None if same else teacher_model.preprocess
         self.data_collator = TeacherColumnsCollator(self.data_collator, column, preprocess)
+        for distill_loss in self._distill_losses():  # the teacher runs in the student's mixed precision (bf16)
+            distill_loss.teacher_autocast = self.accelerator.autocast
         if self._distill_projections is not None:
             self.add_callback(_ClearProjectionGradients(self._distill_projections))
         self.model.model_card_data.add_tags(["hf-distill", "knowledge-distillation"])

@@ -6,6 +6,7 @@ offline all-MiniLM-L6-v2)."""
 
 from __future__ import annotations
 
+import copy
 import sys
 
 import pytest
@@ -250,6 +251,26 @@ def test_fp16_on_the_cpu_is_refused_as_by_the_distillation_trainer(tokenizer_dir
     with pytest.raises(ValueError, match=r"fp16=True .*CPU.*bf16=True"):
         DistillationSentenceTransformerTrainer(model=teacher, teacher_model=teacher, args=args(tmp_path, fp16=True),
                                                train_dataset=datasets.Dataset.from_dict({"text": ["a"]}))
+
+
+def test_under_bf16_the_teacher_runs_in_the_students_autocast(tokenizer_dir, tmp_path):
+    """accelerate autocasts the student's forward only: the teacher, run by the loss, stayed in float32 under
+    bf16=True (DistillationTrainer runs it in the student's autocast). The loss stays within bf16's error of float64."""
+    teacher = tiny(tokenizer_dir, tmp_path, "t", width=32)
+    student = tiny(tokenizer_dir, tmp_path, "s", width=32, layers=2, seed=1)
+    rows = {"text": PAIRS["anchor"]}
+    trainer = DistillationSentenceTransformerTrainer(model=student, teacher_model=teacher, train_dataset=datasets
+                                                     .Dataset.from_dict(rows), args=args(tmp_path, bf16=True))
+    dtypes = []
+    hook = teacher[0].auto_model.encoder.layer[0].output.dense.register_forward_hook(
+        lambda _m, _i, out: dtypes.append(out.dtype))
+    loss = trainer.compute_loss(student, batch(trainer, rows))
+    hook.remove()
+    assert dtypes == [torch.bfloat16]
+    with torch.no_grad():
+        s64, t64 = (copy.deepcopy(m).double() for m in (student, teacher))
+        expected = F.mse_loss(embed(s64, rows["text"], "output"), embed(t64, rows["text"], "output"))
+    assert loss.item() == pytest.approx(expected.item(), rel=2e-2)
 
 
 def test_argument_refusals():
