@@ -235,7 +235,13 @@ def main() -> None:
     from transformers import set_seed
 
     from hf_distill import students
-    from hf_distill.data.asr import check_audio, check_feature_extractors, pseudo_label, transcribe
+    from hf_distill.data.asr import (
+        check_audio,
+        check_feature_extractors,
+        check_input_features,
+        pseudo_label,
+        transcribe,
+    )
     from hf_distill.data.wer import english_normaliser, wer, wer_filter
 
     out = Path(args.output_dir)
@@ -247,10 +253,12 @@ def main() -> None:
     splits = load_splits(recipe) if recipe.dataset_dir else build_splits(recipe)
     if recipe.dataset_dir:
         check_extractors(recipe, has_audio=all(recipe.audio_column in rows.column_names for rows in splits.values()))
-    rate = 16_000 if recipe.teacher is None else _extractor_rate(recipe.teacher)
+    extractor = _teacher_extractor(recipe)
     for rows in splits.values():
-        if recipe.audio_column in rows.column_names:  # else precomputed input_features
-            check_audio(rows, recipe.audio_column, rate)
+        if recipe.audio_column in rows.column_names:
+            check_audio(rows, recipe.audio_column, extractor.sampling_rate)
+        else:  # precomputed input_features
+            check_input_features(rows, extractor)
     results["rows"] = {name: len(rows) for name, rows in splits.items()}
 
     # 1. The teacher (and its processor), given or trained here.
@@ -356,14 +364,16 @@ def _weights_digest(folder: Path) -> str | None:
     return digest.hexdigest()[:16]
 
 
-def _extractor_rate(path: str) -> int:
-    """The sampling rate a given teacher's feature extractor expects (read before the model loads)."""
+def _teacher_extractor(recipe: WhisperRecipeArguments):
+    """The teacher's feature extractor, read before the model loads (the one trained here: the recipe's settings)."""
     from transformers import WhisperFeatureExtractor
 
+    if recipe.teacher is None:
+        return WhisperFeatureExtractor(feature_size=recipe.num_mel_bins, chunk_length=recipe.chunk_length)
     try:
-        return int(WhisperFeatureExtractor.from_pretrained(path).sampling_rate)
+        return WhisperFeatureExtractor.from_pretrained(recipe.teacher)
     except OSError as err:
-        fail(f"cannot read the teacher's feature extractor from {path!r}: {err}".splitlines()[0])
+        fail(f"cannot read the teacher's feature extractor from {recipe.teacher!r}: {err}".splitlines()[0])
 
 
 if __name__ == "__main__":

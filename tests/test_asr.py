@@ -56,6 +56,20 @@ def test_pseudo_labelling_refuses_a_wrong_rate_before_generating(proc, tmp_path,
     assert not (tmp_path / "labels").exists()
 
 
+def test_precomputed_features_of_another_shape_are_refused_before_generating(proc, tmp_path, monkeypatch):
+    """40-bin features for a 16-bin model failed in its first convolution, with a traceback, after the settings
+    file was written (which then refused the corrected dataset's labels)."""
+    from datasets import Dataset
+
+    model = tiny_whisper(proc)
+    monkeypatch.setattr(model, "generate", lambda **kw: pytest.fail("generated before the check"))
+    rows = Dataset.from_dict({"input_features": torch.zeros(2, 40, 100).tolist(), "text": ["a", "b"]})
+    with pytest.raises(ValueError, match=r"input_features are 40 x 100 \(mel bins x frames\), the feature extractor "
+                                         r"makes 16 x 100"):
+        asr.pseudo_label(model, proc, rows, tmp_path / "labels")
+    assert not (tmp_path / "labels").exists()
+
+
 def test_different_feature_extractors_are_refused(proc):
     other = processor(num_mel_bins=8).feature_extractor
     with pytest.raises(ValueError, match=r"feature_size 16 \(teacher\) vs 8 \(student\); the dataset has no raw "

@@ -235,3 +235,22 @@ def test_evaluate_refuses_a_student_trained_from_an_older_student_init(tmp_path,
         run("--stages", "evaluate")
     assert "the student in" in capsys.readouterr().err and not (tmp_path / "out" / "baseline").exists()
     assert "student_wer_eval_seen_text" not in json.loads((tmp_path / "out" / "results.json").read_text())
+
+
+def test_precomputed_features_of_another_shape_are_one_line_before_the_teacher_trains(tmp_path, monkeypatch, capsys):
+    """40-bin features for the 80-bin teacher the recipe trains: it failed in the convolution, mid-training."""
+    from datasets import Dataset, DatasetDict
+
+    rows = Dataset.from_dict({"input_features": np.zeros((2, 40, 300), np.float32), "text": ["good film", "bad"]})
+    DatasetDict({name: rows for name in ("teacher", "train", "eval_seen_text", "eval_new_text")}) \
+        .save_to_disk(tmp_path / "data")
+    monkeypatch.syspath_prepend(str(ROOT / "recipes"))
+    recipe = __import__("importlib").import_module("distil_whisper")
+    monkeypatch.setattr(sys, "argv", ["distil_whisper.py", "--config", str(CONFIG), "--dataset_dir",
+                                      str(tmp_path / "data"), "--output_dir", str(tmp_path / "out"),
+                                      "--teacher_cache_dir", str(tmp_path / "teachers"), "--num_mel_bins", "80"])
+    with pytest.raises(SystemExit):
+        recipe.run_main(recipe.main)  # a ValueError while the recipe checks and builds: one `error:` line
+    assert "error: input_features are 40 x 300 (mel bins x frames), the feature extractor makes 80 x 300" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "teachers").exists()

@@ -4,7 +4,8 @@ distil-whisper's pseudo-labelling stage (batched, resumable).
 * `check_audio` refuses an audio column at another sampling rate than the feature extractor's (Whisper's log-mel
   frames assume 16 kHz: audio at 8 or 44.1 kHz would be read too slow or too fast, silently);
   `check_feature_extractors` refuses a teacher and student that would need different features (mel bins, sampling
-  rate, hop, FFT or window length) when the batch cannot give each its own.
+  rate, hop, FFT or window length) when the batch cannot give each its own; `check_input_features` refuses
+  precomputed `input_features` of another shape (mel bins x frames) than the feature extractor's.
 * `SpeechSeq2SeqCollator` makes `input_features` from the raw audio (or takes precomputed ones) and the `labels`
   from a text column: the tokenizer's prefix (`<|startoftranscript|>` ... `<|notimestamps|>`), the text and
   `<|endoftext|>`, padded with -100; the leading decoder-start token is dropped, since the model prepends it when it
@@ -35,6 +36,7 @@ __all__ = [
     "audio_sampling_rates",
     "check_audio",
     "check_feature_extractors",
+    "check_input_features",
     "digest",
     "pseudo_label",
     "transcribe",
@@ -95,6 +97,19 @@ def check_audio(dataset: Any, audio_column: str, sampling_rate: int) -> None:
         raise ValueError(f"audio_column {audio_column!r} has audio at {wrong} Hz, the feature extractor expects "
                          f"{sampling_rate} Hz: resample it first (dataset.cast_column({audio_column!r}, "
                          f"datasets.Audio(sampling_rate={sampling_rate})))")
+
+
+def check_input_features(dataset: Any, extractor: Any) -> None:
+    """A one-line ValueError when a dataset's precomputed `input_features` (its first row) are not the shape the
+    feature extractor makes, mel bins x frames: the model's first convolution would fail on them mid-run."""
+    if "input_features" not in dataset.column_names or len(dataset) == 0:
+        return
+    shape = tuple(torch.as_tensor(dataset.select_columns(["input_features"])[0]["input_features"]).shape)
+    expected = (extractor.feature_size, extractor.nb_max_frames)
+    if shape != expected:
+        raise ValueError(f"input_features are {' x '.join(map(str, shape))} (mel bins x frames), the feature extractor "
+                         f"makes {expected[0]} x {expected[1]} ({extractor.chunk_length} s): compute them with this "
+                         "model's feature extractor, or give the raw audio")
 
 
 def _extractor_settings(extractor: Any) -> dict[str, Any]:
@@ -207,6 +222,8 @@ def pseudo_label(model: Any, processor: Any, dataset: Any, folder: str | os.Path
     without `audio_column` must hold precomputed `input_features`."""
     if audio_column in dataset.column_names or "input_features" not in dataset.column_names:
         check_audio(dataset, audio_column, processor.feature_extractor.sampling_rate)
+    else:
+        check_input_features(dataset, processor.feature_extractor)
     folder = Path(folder)
     key = _settings_key(model, dataset, audio_column, generate_kwargs)
     meta_path, path = folder / "pseudo_labels.meta.json", folder / PSEUDO_LABEL_FILE
