@@ -70,6 +70,16 @@ def test_precomputed_features_of_another_shape_are_refused_before_generating(pro
     assert not (tmp_path / "labels").exists()
 
 
+def test_a_labelling_run_that_failed_before_its_first_batch_does_not_block_the_corrected_one(proc, tmp_path):
+    """`max_new_tokens` past the model's positions failed in generate after the settings file was written: the
+    corrected call was refused ("other settings") though the folder held no label."""
+    model, rows = tiny_whisper(proc), noise_rows(2)
+    with pytest.raises(ValueError, match="max_target_positions"):
+        asr.pseudo_label(model, proc, rows, tmp_path, max_new_tokens=40)
+    assert asr.pseudo_label(model, proc, rows, tmp_path, max_new_tokens=2) == asr.transcribe(
+        model, proc, rows, max_new_tokens=2)
+
+
 def test_different_feature_extractors_are_refused(proc):
     other = processor(num_mel_bins=8).feature_extractor
     with pytest.raises(ValueError, match=r"feature_size 16 \(teacher\) vs 8 \(student\); the dataset has no raw "

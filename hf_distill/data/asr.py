@@ -13,7 +13,8 @@ distil-whisper's pseudo-labelling stage (batched, resumable).
 * `pseudo_label` transcribes a dataset with the teacher, `batch_size` rows per `generate` call, and appends each
   finished batch to a JSON-lines file, so a run killed mid-way restarts where it stopped; the file's settings (the
   teacher's weights, the rows, the generation settings) are checked first, so labels of another teacher or dataset
-  are never mixed in (the run is refused, and nothing is deleted).
+  are never mixed in (the run is refused, and nothing is deleted); settings with no finished row (a run that
+  failed before its first batch) are replaced.
 * `whisper_processor` builds a `WhisperProcessor` offline (a byte-level BPE trained on your texts plus Whisper's
   special tokens), for tests and for teachers trained from scratch where no Hub tokenizer can be downloaded.
 """
@@ -227,7 +228,9 @@ def pseudo_label(model: Any, processor: Any, dataset: Any, folder: str | os.Path
     folder = Path(folder)
     key = _settings_key(model, dataset, audio_column, generate_kwargs)
     meta_path, path = folder / "pseudo_labels.meta.json", folder / PSEUDO_LABEL_FILE
-    if meta_path.exists():
+    if meta_path.exists() and not _read_done(path):  # a run that failed before its first batch: nothing to keep
+        meta_path.write_text(json.dumps(key, indent=2) + "\n")
+    elif meta_path.exists():
         old = json.loads(meta_path.read_text())
         if old != key:
             changed = sorted(k for k in key if old.get(k) != key[k])
