@@ -237,6 +237,7 @@ def main() -> None:
     from hf_distill import students
     from hf_distill.data.asr import (
         check_audio,
+        check_clip_lengths,
         check_feature_extractors,
         check_input_features,
         pseudo_label,
@@ -257,6 +258,7 @@ def main() -> None:
     for rows in splits.values():
         if recipe.audio_column in rows.column_names:
             check_audio(rows, recipe.audio_column, extractor.sampling_rate)
+            check_clip_lengths(rows, recipe.audio_column, extractor)
         else:  # precomputed input_features
             check_input_features(rows, extractor)
     results["rows"] = {name: len(rows) for name, rows in splits.items()}

@@ -80,6 +80,23 @@ def test_a_labelling_run_that_failed_before_its_first_batch_does_not_block_the_c
         model, proc, rows, max_new_tokens=2)
 
 
+def test_clips_longer_than_the_window_are_refused_not_cut(proc, tmp_path, monkeypatch):
+    """The feature extractor cut a 1.5 s clip to its 1 s window silently, while its transcript kept every word. The
+    dataset is concatenated, whose flattened column datasets 5 could not iterate (check_audio failed: KeyError)."""
+    from datasets import concatenate_datasets
+
+    rows = concatenate_datasets([noise_rows(2), noise_rows(1, seconds=1.5)])
+    asr.check_audio(rows, "audio", 16_000)  # the rate is right
+    model = tiny_whisper(proc)
+    monkeypatch.setattr(model, "generate", lambda **kw: pytest.fail("generated before the check"))
+    message = r"1 clip\(s\) up to 1.5 s, longer than the feature extractor's 1 s window"
+    with pytest.raises(ValueError, match=message):
+        asr.pseudo_label(model, proc, rows, tmp_path / "labels")
+    assert not (tmp_path / "labels").exists()
+    with pytest.raises(ValueError, match=message):  # a clip decoded by datasets.Audio meets the collator's check
+        asr.SpeechSeq2SeqCollator(proc)([rows[2]])
+
+
 def test_different_feature_extractors_are_refused(proc):
     other = processor(num_mel_bins=8).feature_extractor
     with pytest.raises(ValueError, match=r"feature_size 16 \(teacher\) vs 8 \(student\); the dataset has no raw "
