@@ -44,6 +44,9 @@ def test_wrong_sampling_rate_is_refused_in_one_line():
     # (decoding a real Audio column needs torchcodec: its schema is what is read, so a stand-in with that schema)
     cast = type("AudioColumn", (), {"column_names": ["audio"], "features": {"audio": Audio(sampling_rate=16_000)}})
     assert asr.audio_sampling_rates(cast, "audio") == {16_000}
+    native = type("AudioColumn", (), {"column_names": ["audio"], "features": {"audio": Audio()}})  # no rate
+    with pytest.raises(ValueError, match=r"datasets.Audio column without a sampling_rate .*cast_column"):
+        asr.check_audio(native, "audio", 16_000)
     with pytest.raises(ValueError, match="'speech' is not a column"):
         asr.check_audio(rows, "speech", 16_000)
 

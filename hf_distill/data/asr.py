@@ -86,6 +86,10 @@ def audio_sampling_rates(dataset: Any, audio_column: str) -> set[int]:
     rate = getattr(feature, "sampling_rate", None)
     if rate is not None:
         return {int(rate)}
+    if type(feature).__name__ == "Audio":
+        raise ValueError(f"audio_column {audio_column!r} is a datasets.Audio column without a sampling_rate (each file "
+                         f"decodes at its own rate): cast it to the feature extractor's, dataset.cast_column("
+                         f"{audio_column!r}, datasets.Audio(sampling_rate=16000)) for Whisper")
     if not isinstance(feature, dict) or "sampling_rate" not in feature or "array" not in feature:
         raise ValueError(f"audio_column {audio_column!r} must hold {{'array', 'sampling_rate'}} rows or be a "
                          f"datasets.Audio column, got {feature}")
