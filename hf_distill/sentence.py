@@ -225,6 +225,10 @@ class SentenceDistillationMixin(ProjectionTraining):
         if teacher_model is None and not all_cached:
             raise ValueError(f"teacher_model is None and the training rows have no {column!r} column of cached "
                              "teacher embeddings: give teacher_model=, or cache_teacher_embeddings(...) first.")
+        uncached_eval = [n or "eval_dataset" for n, d in _datasets(eval_dataset) if column not in _columns(d)]
+        if teacher_model is None and uncached_eval and args.kd_weight > 0:
+            raise ValueError(f"teacher_model is None and {', '.join(map(repr, uncached_eval))} (evaluation) has no "
+                             f"{column!r} column: cache_teacher_embeddings(...) on it too, or give teacher_model=.")
         if args.kd_weight == 0 and loss is None and not args.distill_terms:
             raise ValueError("kd_weight=0 with no loss= and no distill_terms: nothing to train. Set kd_weight > 0 or "
                              "give a sentence-transformers loss.")

@@ -221,6 +221,7 @@ def test_real_minilm_teacher_and_its_two_layer_student(tmp_path):
 
 REFUSALS = [
     (dict(teacher=False), "teacher_model is None"),
+    (dict(teacher=False, cached=True, eval_plain=True), "'eval_dataset' \\(evaluation\\) has no 'teacher_embedding'"),
     (dict(loss=None, kw=dict(kd_weight=0.0)), "nothing to train"),
     (dict(kw=dict(projection="none")), "projection='none'"),
     (dict(teacher=False, cached=True, kw=dict(distill_terms=["loss=hidden_mse,layers=last"])), "distill_terms need"),
@@ -242,7 +243,9 @@ def test_refusals_before_training(tokenizer_dir, tmp_path, case, message):
     with pytest.raises((ValueError, TypeError), match=message):
         DistillationSentenceTransformerTrainer(model=student if "model" not in case else torch.nn.Linear(2, 2),
                                                teacher_model=given, train_dataset=data, args=args(tmp_path, **case.get(
-                                                   "kw", {})), loss=case.get("loss"))
+                                                   "kw", {})), loss=case.get("loss"),
+                                               eval_dataset=datasets.Dataset.from_dict(rows) if case.get("eval_plain")
+                                               else None)
 
 
 def test_fp16_on_the_cpu_is_refused_as_by_the_distillation_trainer(tokenizer_dir, tmp_path):
