@@ -320,13 +320,13 @@ def main() -> None:
             trainer, done = train_student(student, teacher, rows.add_column("target", [labels[i] for i in kept]),
                                           processor, args, str(out), kd=True)
             results.update(distillation=distillation_facts(args), train_runtime_s=done.metrics.get("train_runtime"),
-                           student_from=_inputs_digest(init_dir, filtered), **run_length(args, trainer.state))
+                           student_from=_inputs_digest(teacher, init_dir, filtered), **run_length(args, trainer.state))
         if "baseline" in recipe.stages:
             set_seed(args.seed)
             _, done = train_student(copy.deepcopy(initial), None, rows.add_column("target", rows[recipe.text_column]),
                                     processor, args, str(out / "baseline"), kd=False)
             results.update(baseline_train_runtime_s=done.metrics.get("train_runtime"), baseline_steps=done.global_step,
-                           baseline_from=_inputs_digest(init_dir, filtered))
+                           baseline_from=_inputs_digest(teacher, init_dir, filtered))
 
     # 7. WER and decode speed.
     if "evaluate" in recipe.stages:
@@ -337,12 +337,12 @@ def main() -> None:
         if "student" not in models:
             fail(f"evaluate needs the distilled student in {out} (run the distil stage first)")
         for name, made_from in (("student", "student_from"), ("baseline", "baseline_from")):
-            now = _inputs_digest(init_dir, labels_dir / "filter.json")
+            now = _inputs_digest(teacher, init_dir, labels_dir / "filter.json")
             if name in models and results.get(made_from) not in (None, now):
                 stage = "distil" if name == "student" else "baseline"
-                fail(f"the {name} in {out} was trained from another student_init or filter than the ones there now "
-                     f"(the student or filter stage ran since): run the {stage} stage again before evaluate, or use "
-                     "another output_dir")
+                fail(f"the {name} in {out} was trained from another teacher, student_init or filter than the ones "
+                     f"now (a stage ran since, or --teacher changed): run the {stage} stage again before evaluate, or "
+                     "use another output_dir")
         for split in recipe.eval_splits:
             rows = splits[split]
             for name, model in models.items():
@@ -355,9 +355,12 @@ def main() -> None:
     write_results(str(out), results)
 
 
-def _inputs_digest(init_dir: Path, filtered: Path) -> str:
-    """A short hash of what a trained student started from: student_init's weights and the WER filter's rows."""
-    digest = hashlib.sha256()
+def _inputs_digest(teacher, init_dir: Path, filtered: Path) -> str:
+    """A short hash of what a trained student came from: the teacher, student_init's weights and the WER filter's
+    rows (which the teacher's pseudo-labels chose)."""
+    from hf_distill.data.cache_key import teacher_fingerprint
+
+    digest = hashlib.sha256(teacher_fingerprint(teacher).encode())
     for path in (init_dir / "model.safetensors", filtered):
         if path.is_file():
             with open(path, "rb") as f:

@@ -207,10 +207,10 @@ def test_seed_summary_pairs_kd_and_ce_only_by_seed(monkeypatch):
     assert table["decode_speedup"]["mean"] == pytest.approx(1.3)
 
 
-def test_evaluate_refuses_a_student_trained_from_an_older_student_init_or_filter(tmp_path, monkeypatch, capsys):
+def test_evaluate_refuses_a_student_trained_from_another_teacher_student_init_or_filter(tmp_path, monkeypatch, capsys):
     """The filter or student stage run alone changes the training rows or rebuilds student_init (other decoder
-    layers): the distilled student left in output_dir came from the old ones, and evaluate wrote its WER as the new
-    configuration's, silently."""
+    layers), or evaluate is given another teacher: the distilled student left in output_dir came from the old ones,
+    and evaluate wrote its WER as the new configuration's, silently."""
     from datasets import DatasetDict
     from whisper_models import processor, tiny_whisper
 
@@ -229,15 +229,18 @@ def test_evaluate_refuses_a_student_trained_from_an_older_student_init_or_filter
         monkeypatch.setattr(sys, "argv", ["distil_whisper.py", *base, *extra])
         recipe.main()
 
+    tiny_whisper(proc, seed=1).save_pretrained(tmp_path / "other")
+    proc.save_pretrained(tmp_path / "other")
     run("--stages", "pseudo_label", "filter", "student", "distil")
-    for stage in (["filter", "--wer_threshold", "0.0"], ["student", "--student_decoder_layers", "1", "2"]):
-        run("--stages", *stage)  # other training rows, then another initial student
+    for stage in (["filter", "--wer_threshold", "0.0"], ["student", "--student_decoder_layers", "1", "2"], None):
+        if stage:
+            run("--stages", *stage)  # other training rows, then another initial student
         capsys.readouterr()
         with pytest.raises(SystemExit):
-            run("--stages", "evaluate")
+            run("--stages", "evaluate", *([] if stage else ["--teacher", str(tmp_path / "other")]))  # or teacher
         assert "the student in" in capsys.readouterr().err and not (tmp_path / "out" / "baseline").exists()
         assert "student_wer_eval_seen_text" not in json.loads((tmp_path / "out" / "results.json").read_text())
-        run("--stages", "filter")  # the first run's rows again
+        run("--stages", "filter", "student")  # the first run's rows and initial student again (the same bytes)
 
 
 def test_precomputed_features_of_another_shape_are_one_line_before_the_teacher_trains(tmp_path, monkeypatch, capsys):
