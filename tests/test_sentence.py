@@ -18,7 +18,7 @@ datasets = pytest.importorskip("datasets")
 
 from sentence_transformers import SentenceTransformer  # noqa: E402
 from sentence_transformers.sentence_transformer import losses  # noqa: E402
-from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer  # noqa: E402
+from sentence_transformers.sentence_transformer.modules import Dense, Normalize, Pooling, Transformer  # noqa: E402
 from transformers import BertConfig, BertModel, BertTokenizerFast  # noqa: E402
 
 from hf_distill.sentence import (  # noqa: E402
@@ -189,7 +189,7 @@ def test_training_with_evaluator_card_and_save_reload(tokenizer_dir, tmp_path):
     assert "reimers-2020-multilingual-sentence-bert" in card and "knowledge-distillation" in card
 
 
-def test_students_keep_the_teachers_modules(tokenizer_dir, tmp_path):
+def test_students_keep_the_teachers_modules(tokenizer_dir, tmp_path, monkeypatch):
     teacher = tiny(tokenizer_dir, tmp_path, "t", width=32)
     student = from_teacher(teacher, [0, 2])
     assert [type(m).__name__ for m in student] == ["Transformer", "Pooling", "Normalize"]
@@ -201,6 +201,11 @@ def test_students_keep_the_teachers_modules(tokenizer_dir, tmp_path):
     narrow = shrink(teacher, 2, 16, 2, 32, seed=0)
     assert narrow[1].embedding_dimension == 16 and narrow.encode(["a cat"]).shape == (1, 16)
     assert teacher[1].embedding_dimension == 32 and teacher.encode(["a cat"]).shape == (1, 32)
+    # a Dense teacher shrunk in width is refused before the student transformer is built (a random model)
+    monkeypatch.setattr(__import__("hf_distill.students.build").students.build, "shrink",
+                        lambda *a, **k: pytest.fail("the student was built before the width check"))
+    with pytest.raises(ValueError, match="Dense after its transformer"):
+        shrink(SentenceTransformer(modules=[teacher[0], teacher[1], Dense(32, 8)], device="cpu"), 2, 16, 2, 32)
 
 
 @pytest.mark.slow
