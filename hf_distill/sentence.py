@@ -349,6 +349,10 @@ def cache_teacher_embeddings(dataset: Any, teacher: nn.Module, column: str, *, s
         raise ValueError(f"space={space!r} is not one of {', '.join(SPACES)}.")
     if out_column in dataset.column_names:
         raise ValueError(f"{out_column!r} is already a column of the dataset; remove it or pick out_column=.")
+    if column not in dataset.column_names:
+        raise ValueError(f"column={column!r} is not a column of the dataset ({dataset.column_names}).")
+    if space == "pooled" and pooling_module(teacher) is None:
+        raise ValueError("space='pooled' but the teacher has no Pooling module. Use 'output'.")
     from .sentence_loss import _run
 
     teacher.eval()

@@ -128,6 +128,10 @@ def test_cached_embeddings_give_the_teachers_loss_without_a_teacher(tokenizer_di
     assert from_cache.compute_loss(student, rows).item() == pytest.approx(expected.item(), rel=1e-6)
     with pytest.raises(ValueError, match="already a column"):
         cache_teacher_embeddings(cached, teacher, "text")
+    with pytest.raises(ValueError, match=r"column='sentence' is not a column of the dataset \(\['text'\]\)"):
+        cache_teacher_embeddings(plain, teacher, "sentence")  # was a KeyError from the first batch
+    with pytest.raises(ValueError, match="space='pooled' but the teacher has no Pooling"):  # was an AttributeError
+        cache_teacher_embeddings(plain, SentenceTransformer(modules=[teacher[0]], device="cpu"), "text", space="pooled")
 
 
 def test_a_teacher_that_tokenizes_differently_reads_its_own_tokens(tokenizer_dir, tmp_path):
