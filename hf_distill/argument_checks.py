@@ -37,7 +37,8 @@ MULTI_TEACHER_MODES = ("probs", "losses")
 def check_fp16_device(args: Any) -> None:
     """fp16 on the CPU is refused: accelerate runs fp16 autocast only on GPUs and other accelerators, so on a CPU
     the run would train in float32 while its arguments say fp16 (every distillation trainer calls this)."""
-    if args.device.type == "cpu" and (args.fp16 or getattr(args, "mixed_precision", "no") == "fp16"):
+    # the device is read last: reading it sets the processes up, which only an fp16 request needs here
+    if (args.fp16 or getattr(args, "mixed_precision", "no") == "fp16") and args.device.type == "cpu":
         raise ValueError(
             "fp16=True (or ACCELERATE_MIXED_PRECISION=fp16) needs a CUDA GPU (or another fp16 accelerator), but "
             "this run is on the CPU (use_cpu=True or no GPU found), where it would silently train in float32. "
