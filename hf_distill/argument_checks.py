@@ -19,8 +19,8 @@ from .losses.registry import KindNames
 from .losses.terms import parse_terms
 
 __all__ = [
-    "CHECKS", "CROSS_TOKENIZER_METHODS", "check_loss_fields", "check_model_fields", "check_served_fields",
-    "check_weights", "validate_cross_tokenizer", "validate_distillation",
+    "CHECKS", "CROSS_TOKENIZER_METHODS", "check_fp16_device", "check_loss_fields", "check_model_fields",
+    "check_served_fields", "check_weights", "validate_cross_tokenizer", "validate_distillation",
 ]
 
 # The accepted values of the fields (hf_distill.arguments re-exports them): here, with the checks that use them, so
@@ -32,6 +32,18 @@ SKEW_KINDS = KindNames(mixture="skew_alpha")
 PROJECTION_KINDS = ("shared", "per_layer", "none")
 KD_TOKEN_MASKS = ("attention", "labels")
 MULTI_TEACHER_MODES = ("probs", "losses")
+
+
+def check_fp16_device(args: Any) -> None:
+    """fp16 on the CPU is refused: accelerate runs fp16 autocast only on GPUs and other accelerators, so on a CPU
+    the run would train in float32 while its arguments say fp16 (every distillation trainer calls this)."""
+    # the device is read last: reading it sets the processes up, which only an fp16 request needs here
+    if (args.fp16 or getattr(args, "mixed_precision", "no") == "fp16") and args.device.type == "cpu":
+        raise ValueError(
+            "fp16=True (or ACCELERATE_MIXED_PRECISION=fp16) needs a CUDA GPU (or another fp16 accelerator), but "
+            "this run is on the CPU (use_cpu=True or no GPU found), where it would silently train in float32. "
+            "On a CPU set bf16=True instead (bf16 autocast), or fp16=False."
+        )
 
 
 def check_loss_fields(args: Any) -> None:

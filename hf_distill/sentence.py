@@ -23,8 +23,8 @@ Each text column of a batch is distilled (all of them: anchor, positive, ...). C
 (`teacher_embedding_column`, default `teacher_embedding`) of vectors for a dataset with one text column
 (`cache_teacher_embeddings` writes it); rows that carry it use it, the teacher (if given) runs for the others. When
 the teacher tokenizes differently from the student (another vocabulary or `max_seq_length`), the collator also
-tokenizes each text column with the teacher's tokenizer. This module needs sentence-transformers
-(`pip install 'hf-distill[sentence]'`).
+tokenizes each text column with the teacher's tokenizer (with the column's prompt, as the student's). This module
+needs sentence-transformers (`pip install 'hf-distill[sentence]'`).
 """
 
 from __future__ import annotations
@@ -35,9 +35,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from datasets import IterableDataset
 from torch import nn
 from transformers.utils import logging
 
+from .argument_checks import check_fp16_device
 from .features.taps import unwrap
 from .losses.intermediate import IntermediateDistiller
 from .losses.terms import parse_terms
@@ -127,9 +129,19 @@ def _datasets(data: Any) -> list[tuple[str, Any]]:
     return list(data.items()) if isinstance(data, dict) else [("", data)]
 
 
+def _first_row(dataset: Any) -> dict[str, Any]:
+    """The first row of a `Dataset` or of a streamed `IterableDataset` (which has no `[0]`)."""
+    return next(iter(dataset)) if isinstance(dataset, IterableDataset) else dataset[0]
+
+
+def _columns(dataset: Any) -> list[str]:
+    """A dataset's column names (a streamed one without features has none: sentence-transformers refuses it)."""
+    return list(getattr(dataset, "column_names", None) or [])
+
+
 def _text_columns(dataset: Any, cached: str) -> list[str]:
     """The columns sentence-transformers' collator tokenizes (all but labels, dataset_name and the cache)."""
-    names = dataset if isinstance(dataset, list) else list(getattr(dataset, "column_names", None) or [])
+    names = dataset if isinstance(dataset, list) else _columns(dataset)
     return [c for c in names if c not in (*LABEL_COLUMNS, "dataset_name", cached)]
 
 
@@ -149,7 +161,7 @@ def _same_tokens(student: nn.Module, teacher: nn.Module) -> bool:
 class TeacherColumnsCollator:
     """sentence-transformers' collator, with the cached teacher embeddings taken out of the rows (it would tokenize
     them as text) into `teacher_sentence_embedding`, and, when the teacher tokenizes differently, each text column
-    tokenized by the teacher too (`teacher_inputs`)."""
+    tokenized by the teacher too (`teacher_inputs`), with the prompt the student's tokenization of it gets."""
 
     def __init__(self, base: Any, cached_column: str, teacher_preprocess: Any = None) -> None:
         self.base, self.cached_column, self.teacher_preprocess = base, cached_column, teacher_preprocess
@@ -164,12 +176,25 @@ class TeacherColumnsCollator:
         if rows and self.cached_column in rows[0]:
             cached = torch.tensor([r[self.cached_column] for r in rows], dtype=torch.float32)
             rows = [{k: v for k, v in r.items() if k != self.cached_column} for r in rows]
-        batch = self.base(rows)
-        if cached is not None:
-            batch[CACHED_EMBEDDING] = cached
-        elif self.teacher_preprocess is not None and rows:
-            columns = _text_columns(list(rows[0]), self.cached_column)
-            batch[TEACHER_INPUTS] = [self.teacher_preprocess([r[c] for r in rows]) for c in columns]
+        if cached is not None or self.teacher_preprocess is None or not rows:
+            batch = self.base(rows)
+            if cached is not None:
+                batch[CACHED_EMBEDDING] = cached
+            return batch
+        # the teacher tokenizes each text column the collator tokenizes, in its order and with its prompt
+        teacher_inputs: list[dict[str, Any]] = []
+        student_fn = self.base.preprocess_fn
+
+        def both(inputs: list[Any], prompt: str | None = None, **kwargs: Any) -> dict[str, Any]:
+            teacher_inputs.append(self.teacher_preprocess(inputs, prompt=prompt))
+            return student_fn(inputs, prompt=prompt, **kwargs)
+
+        self.base.preprocess_fn = both
+        try:
+            batch = self.base(rows)
+        finally:
+            self.base.preprocess_fn = student_fn
+        batch[TEACHER_INPUTS] = teacher_inputs
         return batch
 
 
@@ -183,15 +208,16 @@ class SentenceDistillationMixin(ProjectionTraining):
     def __init__(self, model: nn.Module | None = None, args: Any = None, *, teacher_model: Any = None,
                  loss: Any = None, train_dataset: Any = None, eval_dataset: Any = None, **kwargs: Any) -> None:
         args = _upgrade(args)
+        check_fp16_device(args)  # fp16 on a CPU would train in float32, as for DistillationTrainer
         if kwargs.get("model_init") is not None or model is None:
             raise ValueError("DistillationSentenceTransformerTrainer needs model= (the student SentenceTransformer); "
                              "model_init is not supported: build the student first and pass it as model=.")
         if not isinstance(model, SentenceTransformer):
             raise TypeError(f"model must be a SentenceTransformer (the student), got {type(model).__name__}.")
         column = args.teacher_embedding_column
-        cached = [n for n, d in _datasets(train_dataset) if column in (getattr(d, "column_names", None) or [])]
+        cached = [n for n, d in _datasets(train_dataset) if column in _columns(d)]
         for name, data in _datasets(train_dataset) + _datasets(eval_dataset):
-            if column in (getattr(data, "column_names", None) or []) and len(_text_columns(data, column)) != 1:
+            if column in _columns(data) and len(_text_columns(data, column)) != 1:
                 raise ValueError(
                     f"{column!r} (cached teacher embeddings) covers one text column, but dataset {name!r} has "
                     f"{_text_columns(data, column)}. Give teacher_model= and drop {column!r}, or keep one text column.")
@@ -199,6 +225,10 @@ class SentenceDistillationMixin(ProjectionTraining):
         if teacher_model is None and not all_cached:
             raise ValueError(f"teacher_model is None and the training rows have no {column!r} column of cached "
                              "teacher embeddings: give teacher_model=, or cache_teacher_embeddings(...) first.")
+        uncached_eval = [n or "eval_dataset" for n, d in _datasets(eval_dataset) if column not in _columns(d)]
+        if teacher_model is None and uncached_eval and args.kd_weight > 0:
+            raise ValueError(f"teacher_model is None and {', '.join(map(repr, uncached_eval))} (evaluation) has no "
+                             f"{column!r} column: cache_teacher_embeddings(...) on it too, or give teacher_model=.")
         if args.kd_weight == 0 and loss is None and not args.distill_terms:
             raise ValueError("kd_weight=0 with no loss= and no distill_terms: nothing to train. Set kd_weight > 0 or "
                              "give a sentence-transformers loss.")
@@ -219,10 +249,11 @@ class SentenceDistillationMixin(ProjectionTraining):
             t_width = _width(teacher_model, space)
         else:
             first = next(d for _, d in _datasets(train_dataset))
-            t_width = len(first[0][column])
+            t_width = len(_first_row(first)[column])
         for name, data in _datasets(train_dataset) + _datasets(eval_dataset):
-            if column in (getattr(data, "column_names", None) or []) and len(data[0][column]) != t_width:
-                raise ValueError(f"{column!r} of dataset {name!r} holds {len(data[0][column])}-wide vectors, but the "
+            width = len(_first_row(data)[column]) if column in _columns(data) else t_width
+            if width != t_width:
+                raise ValueError(f"{column!r} of dataset {name!r} holds {width}-wide vectors, but the "
                                  f"teacher's {space} embeddings are {t_width} wide. Recompute the cache.")
         s_width = _width(model, space)
         same = teacher_model is None or _same_tokens(model, teacher_model)
@@ -264,6 +295,8 @@ class SentenceDistillationMixin(ProjectionTraining):
         super().__init__(model, args, loss=wrapped, train_dataset=train_dataset, eval_dataset=eval_dataset, **kwargs)
         preprocess = None if same else teacher_model.preprocess
         self.data_collator = TeacherColumnsCollator(self.data_collator, column, preprocess)
+        for distill_loss in self._distill_losses():  # the teacher runs in the student's mixed precision (bf16)
+            distill_loss.teacher_autocast = self.accelerator.autocast
         if self._distill_projections is not None:
             self.add_callback(_ClearProjectionGradients(self._distill_projections))
         self.model.model_card_data.add_tags(["hf-distill", "knowledge-distillation"])
@@ -316,6 +349,10 @@ def cache_teacher_embeddings(dataset: Any, teacher: nn.Module, column: str, *, s
         raise ValueError(f"space={space!r} is not one of {', '.join(SPACES)}.")
     if out_column in dataset.column_names:
         raise ValueError(f"{out_column!r} is already a column of the dataset; remove it or pick out_column=.")
+    if column not in dataset.column_names:
+        raise ValueError(f"column={column!r} is not a column of the dataset ({dataset.column_names}).")
+    if space == "pooled" and pooling_module(teacher) is None:
+        raise ValueError("space='pooled' but the teacher has no Pooling module. Use 'output'.")
     from .sentence_loss import _run
 
     teacher.eval()

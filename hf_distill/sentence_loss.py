@@ -19,7 +19,7 @@ student narrower than the teacher is mapped to the teacher's width by a trained 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -133,6 +133,8 @@ class EmbeddingDistillationLoss(nn.Module):
         self.kd_weight, self.task_weight = kd_weight, task_weight
         self._config = config
         self.pending: dict[str, Any] = {}  # this batch's cached embeddings / teacher inputs (the trainer sets them)
+        # the autocast the student's forward runs in (the trainer sets accelerate's): the teacher runs in it too
+        self.teacher_autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     @property
     def citation(self) -> str:
@@ -184,5 +186,6 @@ class EmbeddingDistillationLoss(nn.Module):
             emb = cached.float()
             return (F.normalize(emb, dim=-1) if self.embedding_space == "normalized" else emb), None
         taps = self.intermediate.teacher_taps if terms else None
-        _, emb, feats = _run(self.teacher, features, self.embedding_space, taps)
+        with self.teacher_autocast():
+            _, emb, feats = _run(self.teacher, features, self.embedding_space, taps)
         return emb.float(), feats

@@ -24,6 +24,7 @@ from transformers import PreTrainedModel, Trainer
 from transformers.trainer_callback import CallbackHandler
 from transformers.utils import logging
 
+from .argument_checks import check_fp16_device
 from .arguments import DistillationArguments, as_distillation_arguments
 from .compat import add_signature_columns, children_dict, prepare_inputs, signature_columns
 from .compat import num_items_in_batch as count_items
@@ -98,13 +99,7 @@ class DistillationMixin(ProjectionTraining):
         **trainer_kwargs: Any,
     ) -> None:
         args = self._distillation_arguments(args)
-        if args.device.type == "cpu" and (args.fp16 or getattr(args, "mixed_precision", "no") == "fp16"):
-            # accelerate runs fp16 autocast only on GPUs and other accelerators: on a CPU it trains in float32.
-            raise ValueError(
-                "fp16=True (or ACCELERATE_MIXED_PRECISION=fp16) needs a CUDA GPU (or another fp16 accelerator), but "
-                "this run is on the CPU (use_cpu=True or no GPU found), where it would silently train in float32. "
-                "On a CPU set bf16=True instead (bf16 autocast), or fp16=False."
-            )
+        check_fp16_device(args)  # fp16 on a CPU would train in float32
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
         # The Distiller normalises its terms itself (token-level ones over the whole step, from the counts taken
         # in get_batch_samples: hf_distill.losses.normalise), so the Trainer must scale the loss as it scales a plain

@@ -221,6 +221,13 @@ def parse_args(dataclass_types: list[type], description: str, argv: list[str] | 
     for obj in objs:
         for name in MODEL_PATH_FIELDS:
             check_model_path(name, getattr(obj, name, None))
+        if hasattr(obj, "fp16"):  # fp16 on a CPU, refused by the trainers, refused here before anything loads
+            from hf_distill.argument_checks import check_fp16_device
+
+            try:
+                check_fp16_device(obj)
+            except ValueError as err:
+                fail(str(err))
         if getattr(obj, "resume_from_checkpoint", None):  # TrainingArguments leaves it to scripts; these ignore it
             fail("resume_from_checkpoint: the recipes do not resume a run (they rebuild their students and stages "
                  "from the start); run the recipe again without it")

@@ -235,7 +235,14 @@ def main() -> None:
     from transformers import set_seed
 
     from hf_distill import students
-    from hf_distill.data.asr import check_audio, check_feature_extractors, pseudo_label, transcribe
+    from hf_distill.data.asr import (
+        check_audio,
+        check_clip_lengths,
+        check_feature_extractors,
+        check_input_features,
+        pseudo_label,
+        transcribe,
+    )
     from hf_distill.data.wer import english_normaliser, wer, wer_filter
 
     out = Path(args.output_dir)
@@ -247,10 +254,13 @@ def main() -> None:
     splits = load_splits(recipe) if recipe.dataset_dir else build_splits(recipe)
     if recipe.dataset_dir:
         check_extractors(recipe, has_audio=all(recipe.audio_column in rows.column_names for rows in splits.values()))
-    rate = 16_000 if recipe.teacher is None else _extractor_rate(recipe.teacher)
+    extractor = _teacher_extractor(recipe)
     for rows in splits.values():
-        if recipe.audio_column in rows.column_names:  # else precomputed input_features
-            check_audio(rows, recipe.audio_column, rate)
+        if recipe.audio_column in rows.column_names:
+            check_audio(rows, recipe.audio_column, extractor.sampling_rate)
+            check_clip_lengths(rows, recipe.audio_column, extractor)
+        else:  # precomputed input_features
+            check_input_features(rows, extractor)
     results["rows"] = {name: len(rows) for name, rows in splits.items()}
 
     # 1. The teacher (and its processor), given or trained here.
@@ -310,12 +320,13 @@ def main() -> None:
             trainer, done = train_student(student, teacher, rows.add_column("target", [labels[i] for i in kept]),
                                           processor, args, str(out), kd=True)
             results.update(distillation=distillation_facts(args), train_runtime_s=done.metrics.get("train_runtime"),
-                           **run_length(args, trainer.state))
+                           student_from=_inputs_digest(teacher, init_dir, filtered), **run_length(args, trainer.state))
         if "baseline" in recipe.stages:
             set_seed(args.seed)
             _, done = train_student(copy.deepcopy(initial), None, rows.add_column("target", rows[recipe.text_column]),
                                     processor, args, str(out / "baseline"), kd=False)
-            results.update(baseline_train_runtime_s=done.metrics.get("train_runtime"), baseline_steps=done.global_step)
+            results.update(baseline_train_runtime_s=done.metrics.get("train_runtime"), baseline_steps=done.global_step,
+                           baseline_from=_inputs_digest(teacher, init_dir, filtered))
 
     # 7. WER and decode speed.
     if "evaluate" in recipe.stages:
@@ -325,6 +336,13 @@ def main() -> None:
                 models[name] = load_whisper(str(folder), name)[0]
         if "student" not in models:
             fail(f"evaluate needs the distilled student in {out} (run the distil stage first)")
+        for name, made_from in (("student", "student_from"), ("baseline", "baseline_from")):
+            now = _inputs_digest(teacher, init_dir, labels_dir / "filter.json")
+            if name in models and results.get(made_from) not in (None, now):
+                stage = "distil" if name == "student" else "baseline"
+                fail(f"the {name} in {out} was trained from another teacher, student_init or filter than the ones "
+                     f"now (a stage ran since, or --teacher changed): run the {stage} stage again before evaluate, or "
+                     "use another output_dir")
         for split in recipe.eval_splits:
             rows = splits[split]
             for name, model in models.items():
@@ -337,14 +355,30 @@ def main() -> None:
     write_results(str(out), results)
 
 
-def _extractor_rate(path: str) -> int:
-    """The sampling rate a given teacher's feature extractor expects (read before the model loads)."""
+def _inputs_digest(teacher, init_dir: Path, filtered: Path) -> str:
+    """A short hash of what a trained student came from: the teacher, student_init's weights and the WER filter's
+    rows (which the teacher's pseudo-labels chose)."""
+    from hf_distill.data.cache_key import teacher_fingerprint
+
+    digest = hashlib.sha256(teacher_fingerprint(teacher).encode())
+    for path in (init_dir / "model.safetensors", filtered):
+        if path.is_file():
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 24), b""):
+                    digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+def _teacher_extractor(recipe: WhisperRecipeArguments):
+    """The teacher's feature extractor, read before the model loads (the one trained here: the recipe's settings)."""
     from transformers import WhisperFeatureExtractor
 
+    if recipe.teacher is None:
+        return WhisperFeatureExtractor(feature_size=recipe.num_mel_bins, chunk_length=recipe.chunk_length)
     try:
-        return int(WhisperFeatureExtractor.from_pretrained(path).sampling_rate)
+        return WhisperFeatureExtractor.from_pretrained(recipe.teacher)
     except OSError as err:
-        fail(f"cannot read the teacher's feature extractor from {path!r}: {err}".splitlines()[0])
+        fail(f"cannot read the teacher's feature extractor from {recipe.teacher!r}: {err}".splitlines()[0])
 
 
 if __name__ == "__main__":

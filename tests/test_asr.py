@@ -44,6 +44,9 @@ def test_wrong_sampling_rate_is_refused_in_one_line():
     # (decoding a real Audio column needs torchcodec: its schema is what is read, so a stand-in with that schema)
     cast = type("AudioColumn", (), {"column_names": ["audio"], "features": {"audio": Audio(sampling_rate=16_000)}})
     assert asr.audio_sampling_rates(cast, "audio") == {16_000}
+    native = type("AudioColumn", (), {"column_names": ["audio"], "features": {"audio": Audio()}})  # no rate
+    with pytest.raises(ValueError, match=r"datasets.Audio column without a sampling_rate .*cast_column"):
+        asr.check_audio(native, "audio", 16_000)
     with pytest.raises(ValueError, match="'speech' is not a column"):
         asr.check_audio(rows, "speech", 16_000)
 
@@ -54,6 +57,47 @@ def test_pseudo_labelling_refuses_a_wrong_rate_before_generating(proc, tmp_path,
     with pytest.raises(ValueError, match=r"\[44100\] Hz"):
         asr.pseudo_label(model, proc, noise_rows(2, rate=44_100), tmp_path / "labels")
     assert not (tmp_path / "labels").exists()
+
+
+def test_precomputed_features_of_another_shape_are_refused_before_generating(proc, tmp_path, monkeypatch):
+    """40-bin features for a 16-bin model failed in its first convolution, with a traceback, after the settings
+    file was written (which then refused the corrected dataset's labels)."""
+    from datasets import Dataset
+
+    model = tiny_whisper(proc)
+    monkeypatch.setattr(model, "generate", lambda **kw: pytest.fail("generated before the check"))
+    rows = Dataset.from_dict({"input_features": torch.zeros(2, 40, 100).tolist(), "text": ["a", "b"]})
+    with pytest.raises(ValueError, match=r"input_features are 40 x 100 \(mel bins x frames\), the feature extractor "
+                                         r"makes 16 x 100"):
+        asr.pseudo_label(model, proc, rows, tmp_path / "labels")
+    assert not (tmp_path / "labels").exists()
+
+
+def test_a_labelling_run_that_failed_before_its_first_batch_does_not_block_the_corrected_one(proc, tmp_path):
+    """`max_new_tokens` past the model's positions failed in generate after the settings file was written: the
+    corrected call was refused ("other settings") though the folder held no label."""
+    model, rows = tiny_whisper(proc), noise_rows(2)
+    with pytest.raises(ValueError, match="max_target_positions"):
+        asr.pseudo_label(model, proc, rows, tmp_path, max_new_tokens=40)
+    assert len(asr.pseudo_label(model, proc, rows, tmp_path, max_new_tokens=2)) == 2
+    assert len((tmp_path / asr.PSEUDO_LABEL_FILE).read_text().splitlines()) == 2
+
+
+def test_clips_longer_than_the_window_are_refused_not_cut(proc, tmp_path, monkeypatch):
+    """The feature extractor cut a 1.5 s clip to its 1 s window silently, while its transcript kept every word. The
+    dataset is concatenated, whose flattened column datasets 5 could not iterate (check_audio failed: KeyError)."""
+    from datasets import concatenate_datasets
+
+    rows = concatenate_datasets([noise_rows(2), noise_rows(1, seconds=1.5)])
+    asr.check_audio(rows, "audio", 16_000)  # the rate is right
+    model = tiny_whisper(proc)
+    monkeypatch.setattr(model, "generate", lambda **kw: pytest.fail("generated before the check"))
+    message = r"1 clip\(s\) up to 1.5 s, longer than the feature extractor's 1 s window"
+    with pytest.raises(ValueError, match=message):
+        asr.pseudo_label(model, proc, rows, tmp_path / "labels")
+    assert not (tmp_path / "labels").exists()
+    with pytest.raises(ValueError, match=message):  # a clip decoded by datasets.Audio meets the collator's check
+        asr.SpeechSeq2SeqCollator(proc)([rows[2]])
 
 
 def test_different_feature_extractors_are_refused(proc):

@@ -938,6 +938,19 @@ def test_malformed_config_in_a_subprocess(tmp_path):
     assert len(lines) == 1 and "temprature" in lines[0], proc.stderr
 
 
+@pytest.mark.parametrize("recipe", ["distilbert", "distil_whisper"])
+def test_fp16_on_a_cpu_is_one_line_before_anything_loads(tmp_path, monkeypatch, capsys, recipe):
+    """The trainers refuse fp16 on a CPU: distil_whisper reached that refusal after pseudo-labelling (and training
+    a teacher)."""
+    data = ["--dataset_dir", tmp_path / "none", "--teacher_cache_dir", tmp_path / "t"] if recipe == "distil_whisper" \
+        else []
+    assert _recipe_main(recipe, ["--output_dir", tmp_path / "out", "--fp16", "true", "--use_cpu", "true", *data],
+                        monkeypatch) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: fp16=True") and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "t").exists()
+
+
 def test_invalid_value_is_one_line(tmp_path, monkeypatch, capsys):
     config = tmp_path / "bad.yaml"
     config.write_text("teacher: nowhere\ntemperature: -1\n")

@@ -205,3 +205,58 @@ def test_seed_summary_pairs_kd_and_ce_only_by_seed(monkeypatch):
     assert table["student_wer_new"]["mean"] == pytest.approx(0.7)
     assert table["student_wer_new"]["std"] == pytest.approx(0.1 * 2**0.5)  # sample std, not the population's
     assert table["decode_speedup"]["mean"] == pytest.approx(1.3)
+
+
+def test_evaluate_refuses_a_student_trained_from_another_teacher_student_init_or_filter(tmp_path, monkeypatch, capsys):
+    """The filter or student stage run alone changes the training rows or rebuilds student_init (other decoder
+    layers), or evaluate is given another teacher: the distilled student left in output_dir came from the old ones,
+    and evaluate wrote its WER as the new configuration's, silently."""
+    from datasets import DatasetDict
+    from whisper_models import processor, tiny_whisper
+
+    proc = processor()
+    tiny_whisper(proc).save_pretrained(tmp_path / "teacher")
+    proc.save_pretrained(tmp_path / "teacher")
+    DatasetDict({name: noise_rows(2) for name in ("teacher", "train", "eval_seen_text", "eval_new_text")}) \
+        .save_to_disk(tmp_path / "data")
+    monkeypatch.syspath_prepend(str(ROOT / "recipes"))
+    recipe = __import__("importlib").import_module("distil_whisper")
+    base = ["--config", str(CONFIG), "--teacher", str(tmp_path / "teacher"), "--dataset_dir", str(tmp_path / "data"),
+            "--output_dir", str(tmp_path / "out"), "--wer_threshold", "1.0", "--max_steps", "1", "--disable_tqdm",
+            "true", "--speed_clips", "1", "--speed_tokens", "1", "--transcript_max_tokens", "2"]
+
+    def run(*extra: str) -> None:
+        monkeypatch.setattr(sys, "argv", ["distil_whisper.py", *base, *extra])
+        recipe.main()
+
+    tiny_whisper(proc, seed=1).save_pretrained(tmp_path / "other")
+    proc.save_pretrained(tmp_path / "other")
+    run("--stages", "pseudo_label", "filter", "student", "distil")
+    for stage in (["filter", "--wer_threshold", "0.0"], ["student", "--student_decoder_layers", "1", "2"], None):
+        if stage:
+            run("--stages", *stage)  # other training rows, then another initial student
+        capsys.readouterr()
+        with pytest.raises(SystemExit):
+            run("--stages", "evaluate", *([] if stage else ["--teacher", str(tmp_path / "other")]))  # or teacher
+        assert "the student in" in capsys.readouterr().err and not (tmp_path / "out" / "baseline").exists()
+        assert "student_wer_eval_seen_text" not in json.loads((tmp_path / "out" / "results.json").read_text())
+        run("--stages", "filter", "student")  # the first run's rows and initial student again (the same bytes)
+
+
+def test_precomputed_features_of_another_shape_are_one_line_before_the_teacher_trains(tmp_path, monkeypatch, capsys):
+    """40-bin features for the 80-bin teacher the recipe trains: it failed in the convolution, mid-training."""
+    from datasets import Dataset, DatasetDict
+
+    rows = Dataset.from_dict({"input_features": np.zeros((2, 40, 300), np.float32), "text": ["good film", "bad"]})
+    DatasetDict({name: rows for name in ("teacher", "train", "eval_seen_text", "eval_new_text")}) \
+        .save_to_disk(tmp_path / "data")
+    monkeypatch.syspath_prepend(str(ROOT / "recipes"))
+    recipe = __import__("importlib").import_module("distil_whisper")
+    monkeypatch.setattr(sys, "argv", ["distil_whisper.py", "--config", str(CONFIG), "--dataset_dir",
+                                      str(tmp_path / "data"), "--output_dir", str(tmp_path / "out"),
+                                      "--teacher_cache_dir", str(tmp_path / "teachers"), "--num_mel_bins", "80"])
+    with pytest.raises(SystemExit):
+        recipe.run_main(recipe.main)  # a ValueError while the recipe checks and builds: one `error:` line
+    assert "error: input_features are 40 x 300 (mel bins x frames), the feature extractor makes 80 x 300" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "teachers").exists()

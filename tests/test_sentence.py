@@ -6,6 +6,7 @@ offline all-MiniLM-L6-v2)."""
 
 from __future__ import annotations
 
+import copy
 import sys
 
 import pytest
@@ -17,7 +18,7 @@ datasets = pytest.importorskip("datasets")
 
 from sentence_transformers import SentenceTransformer  # noqa: E402
 from sentence_transformers.sentence_transformer import losses  # noqa: E402
-from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer  # noqa: E402
+from sentence_transformers.sentence_transformer.modules import Dense, Normalize, Pooling, Transformer  # noqa: E402
 from transformers import BertConfig, BertModel, BertTokenizerFast  # noqa: E402
 
 from hf_distill.sentence import (  # noqa: E402
@@ -127,6 +128,10 @@ def test_cached_embeddings_give_the_teachers_loss_without_a_teacher(tokenizer_di
     assert from_cache.compute_loss(student, rows).item() == pytest.approx(expected.item(), rel=1e-6)
     with pytest.raises(ValueError, match="already a column"):
         cache_teacher_embeddings(cached, teacher, "text")
+    with pytest.raises(ValueError, match=r"column='sentence' is not a column of the dataset \(\['text'\]\)"):
+        cache_teacher_embeddings(plain, teacher, "sentence")  # was a KeyError from the first batch
+    with pytest.raises(ValueError, match="space='pooled' but the teacher has no Pooling"):  # was an AttributeError
+        cache_teacher_embeddings(plain, SentenceTransformer(modules=[teacher[0]], device="cpu"), "text", space="pooled")
 
 
 def test_a_teacher_that_tokenizes_differently_reads_its_own_tokens(tokenizer_dir, tmp_path):
@@ -188,7 +193,7 @@ def test_training_with_evaluator_card_and_save_reload(tokenizer_dir, tmp_path):
     assert "reimers-2020-multilingual-sentence-bert" in card and "knowledge-distillation" in card
 
 
-def test_students_keep_the_teachers_modules(tokenizer_dir, tmp_path):
+def test_students_keep_the_teachers_modules(tokenizer_dir, tmp_path, monkeypatch):
     teacher = tiny(tokenizer_dir, tmp_path, "t", width=32)
     student = from_teacher(teacher, [0, 2])
     assert [type(m).__name__ for m in student] == ["Transformer", "Pooling", "Normalize"]
@@ -200,6 +205,11 @@ def test_students_keep_the_teachers_modules(tokenizer_dir, tmp_path):
     narrow = shrink(teacher, 2, 16, 2, 32, seed=0)
     assert narrow[1].embedding_dimension == 16 and narrow.encode(["a cat"]).shape == (1, 16)
     assert teacher[1].embedding_dimension == 32 and teacher.encode(["a cat"]).shape == (1, 32)
+    # a Dense teacher shrunk in width is refused before the student transformer is built (a random model)
+    monkeypatch.setattr(__import__("hf_distill.students.build").students.build, "shrink",
+                        lambda *a, **k: pytest.fail("the student was built before the width check"))
+    with pytest.raises(ValueError, match="Dense after its transformer"):
+        shrink(SentenceTransformer(modules=[teacher[0], teacher[1], Dense(32, 8)], device="cpu"), 2, 16, 2, 32)
 
 
 @pytest.mark.slow
@@ -220,12 +230,14 @@ def test_real_minilm_teacher_and_its_two_layer_student(tmp_path):
 
 REFUSALS = [
     (dict(teacher=False), "teacher_model is None"),
+    (dict(teacher=False, cached=True, eval_plain=True), "'eval_dataset' \\(evaluation\\) has no 'teacher_embedding'"),
     (dict(loss=None, kw=dict(kd_weight=0.0)), "nothing to train"),
     (dict(kw=dict(projection="none")), "projection='none'"),
     (dict(teacher=False, cached=True, kw=dict(distill_terms=["loss=hidden_mse,layers=last"])), "distill_terms need"),
     (dict(student_normalize=True, two_columns=True, cached=True), "covers one text column"),
     (dict(model="bad"), "must be a SentenceTransformer"),
     (dict(teacher_obj=torch.nn.Linear(2, 2)), "teacher_model must be a SentenceTransformer"),
+    (dict(kw=dict(fp16=True)), r"fp16=True .*CPU.*bf16=True"),  # no fp16 autocast on a CPU: it trained in float32
 ]
 
 
@@ -241,7 +253,29 @@ def test_refusals_before_training(tokenizer_dir, tmp_path, case, message):
     with pytest.raises((ValueError, TypeError), match=message):
         DistillationSentenceTransformerTrainer(model=student if "model" not in case else torch.nn.Linear(2, 2),
                                                teacher_model=given, train_dataset=data, args=args(tmp_path, **case.get(
-                                                   "kw", {})), loss=case.get("loss"))
+                                                   "kw", {})), loss=case.get("loss"),
+                                               eval_dataset=datasets.Dataset.from_dict(rows) if case.get("eval_plain")
+                                               else None)
+
+
+def test_under_bf16_the_teacher_runs_in_the_students_autocast(tokenizer_dir, tmp_path):
+    """accelerate autocasts the student's forward only: the teacher, run by the loss, stayed in float32 under
+    bf16=True (DistillationTrainer runs it in the student's autocast). The loss stays within bf16's error of float64."""
+    teacher = tiny(tokenizer_dir, tmp_path, "t", width=32)
+    student = tiny(tokenizer_dir, tmp_path, "s", width=32, layers=2, seed=1)
+    rows = {"text": PAIRS["anchor"]}
+    trainer = DistillationSentenceTransformerTrainer(model=student, teacher_model=teacher, train_dataset=datasets
+                                                     .Dataset.from_dict(rows), args=args(tmp_path, bf16=True))
+    dtypes = []
+    hook = teacher[0].auto_model.encoder.layer[0].output.dense.register_forward_hook(
+        lambda _m, _i, out: dtypes.append(out.dtype))
+    loss = trainer.compute_loss(student, batch(trainer, rows))
+    hook.remove()
+    assert dtypes == [torch.bfloat16]
+    with torch.no_grad():
+        s64, t64 = (copy.deepcopy(m).double() for m in (student, teacher))
+        expected = F.mse_loss(embed(s64, rows["text"], "output"), embed(t64, rows["text"], "output"))
+    assert loss.item() == pytest.approx(expected.item(), rel=2e-2)
 
 
 def test_argument_refusals():
@@ -346,3 +380,32 @@ def test_a_resumed_run_and_the_best_model_equal_the_uninterrupted_run(tokenizer_
         assert torch.equal(value, best.model.state_dict()[key]), key
     projection = torch.load(f"{best.state.best_model_checkpoint}/distill_projections.pt", weights_only=True)
     assert torch.equal(best._projections()["embedding"].weight, projection["embedding.weight"])
+
+
+def test_a_teacher_that_tokenizes_differently_reads_the_students_prompt(tokenizer_dir, tmp_path):
+    """With `prompts`, the teacher embeds the text the student embeds (prompt included), as it does when it reads
+    the student's own features; its tokenization without the prompt compared two different texts."""
+    teacher = tiny(tokenizer_dir, tmp_path, "t", width=32)
+    student = tiny(tokenizer_dir, tmp_path, "s", width=32, layers=2, seed=1, max_seq_length=6)
+    rows = {"text": PAIRS["anchor"]}
+    trainer = DistillationSentenceTransformerTrainer(model=student, teacher_model=teacher, train_dataset=datasets
+                                                     .Dataset.from_dict(rows), args=args(tmp_path, prompts="hello "))
+    collated = batch(trainer, rows)
+    assert torch.equal(collated[TEACHER_INPUTS][0]["input_ids"],
+                       teacher.preprocess(rows["text"], prompt="hello ")["input_ids"])
+    with torch.no_grad():
+        expected = F.mse_loss(student.encode(rows["text"], prompt="hello ", convert_to_tensor=True),
+                              teacher.encode(rows["text"], prompt="hello ", convert_to_tensor=True))
+    assert trainer.compute_loss(student, collated).item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_a_streamed_dataset_of_cached_embeddings_trains_without_a_teacher(tokenizer_dir, tmp_path):
+    teacher = tiny(tokenizer_dir, tmp_path, "t", width=32)
+    student = tiny(tokenizer_dir, tmp_path, "s", width=32, layers=2, seed=1)
+    cached = cache_teacher_embeddings(datasets.Dataset.from_dict({"text": PAIRS["anchor"]}), teacher, "text")
+    trainer = DistillationSentenceTransformerTrainer(model=student, train_dataset=cached.to_iterable_dataset(),
+                                                     args=args(tmp_path))
+    with torch.no_grad():
+        expected = F.mse_loss(embed(student, PAIRS["anchor"], "output"), embed(teacher, PAIRS["anchor"], "output"))
+    assert trainer.compute_loss(student, batch(trainer, cached.to_dict())).item() == pytest.approx(expected.item(),
+                                                                                                  rel=1e-5)

@@ -4,7 +4,10 @@ distil-whisper's pseudo-labelling stage (batched, resumable).
 * `check_audio` refuses an audio column at another sampling rate than the feature extractor's (Whisper's log-mel
   frames assume 16 kHz: audio at 8 or 44.1 kHz would be read too slow or too fast, silently);
   `check_feature_extractors` refuses a teacher and student that would need different features (mel bins, sampling
-  rate, hop, FFT or window length) when the batch cannot give each its own.
+  rate, hop, FFT or window length) when the batch cannot give each its own; `check_input_features` refuses
+  precomputed `input_features` of another shape (mel bins x frames) than the feature extractor's;
+  `check_clip_lengths` (and the collator, clip by clip) refuses clips longer than the extractor's window
+  (`chunk_length`), which it would cut silently while their transcript still holds every word.
 * `SpeechSeq2SeqCollator` makes `input_features` from the raw audio (or takes precomputed ones) and the `labels`
   from a text column: the tokenizer's prefix (`<|startoftranscript|>` ... `<|notimestamps|>`), the text and
   `<|endoftext|>`, padded with -100; the leading decoder-start token is dropped, since the model prepends it when it
@@ -12,7 +15,8 @@ distil-whisper's pseudo-labelling stage (batched, resumable).
 * `pseudo_label` transcribes a dataset with the teacher, `batch_size` rows per `generate` call, and appends each
   finished batch to a JSON-lines file, so a run killed mid-way restarts where it stopped; the file's settings (the
   teacher's weights, the rows, the generation settings) are checked first, so labels of another teacher or dataset
-  are never mixed in (the run is refused, and nothing is deleted).
+  are never mixed in (the run is refused, and nothing is deleted); settings with no finished row (a run that
+  failed before its first batch) are replaced.
 * `whisper_processor` builds a `WhisperProcessor` offline (a byte-level BPE trained on your texts plus Whisper's
   special tokens), for tests and for teachers trained from scratch where no Hub tokenizer can be downloaded.
 """
@@ -34,7 +38,9 @@ __all__ = [
     "SpeechSeq2SeqCollator",
     "audio_sampling_rates",
     "check_audio",
+    "check_clip_lengths",
     "check_feature_extractors",
+    "check_input_features",
     "digest",
     "pseudo_label",
     "transcribe",
@@ -80,11 +86,18 @@ def audio_sampling_rates(dataset: Any, audio_column: str) -> set[int]:
     rate = getattr(feature, "sampling_rate", None)
     if rate is not None:
         return {int(rate)}
+    if type(feature).__name__ == "Audio":
+        raise ValueError(f"audio_column {audio_column!r} is a datasets.Audio column without a sampling_rate (each file "
+                         f"decodes at its own rate): cast it to the feature extractor's, dataset.cast_column("
+                         f"{audio_column!r}, datasets.Audio(sampling_rate=16000)) for Whisper")
     if not isinstance(feature, dict) or "sampling_rate" not in feature or "array" not in feature:
         raise ValueError(f"audio_column {audio_column!r} must hold {{'array', 'sampling_rate'}} rows or be a "
                          f"datasets.Audio column, got {feature}")
-    flat = dataset.select_columns([audio_column]).flatten()
-    return {int(r) for r in flat[f"{audio_column}.sampling_rate"]}
+    import pyarrow.compute as pc
+
+    # as Arrow: iterating the flattened column of a concatenated dataset fails in datasets 5 (KeyError)
+    flat = dataset.select_columns([audio_column]).flatten().with_format("arrow")
+    return {int(r) for r in pc.unique(flat[f"{audio_column}.sampling_rate"]).to_pylist()}
 
 
 def check_audio(dataset: Any, audio_column: str, sampling_rate: int) -> None:
@@ -95,6 +108,42 @@ def check_audio(dataset: Any, audio_column: str, sampling_rate: int) -> None:
         raise ValueError(f"audio_column {audio_column!r} has audio at {wrong} Hz, the feature extractor expects "
                          f"{sampling_rate} Hz: resample it first (dataset.cast_column({audio_column!r}, "
                          f"datasets.Audio(sampling_rate={sampling_rate})))")
+
+
+def _too_long(seconds: float, count: int, where: str, extractor: Any) -> ValueError:
+    return ValueError(f"{where}: {count} clip(s) up to {seconds:.1f} s, longer than the feature extractor's "
+                      f"{extractor.chunk_length} s window, which would cut them while their transcripts keep every "
+                      "word: drop or split them first (dataset.filter), or use a longer chunk_length")
+
+
+def check_clip_lengths(dataset: Any, audio_column: str, extractor: Any) -> None:
+    """A one-line ValueError when clips of an {"array", "sampling_rate"} audio column are longer than the feature
+    extractor's window (read from the Arrow lengths, nothing decoded). A `datasets.Audio` column is checked by
+    `SpeechSeq2SeqCollator` as its clips are decoded."""
+    import pyarrow.compute as pc
+
+    if audio_column not in dataset.column_names or getattr(dataset.features[audio_column], "sampling_rate", None):
+        return
+    flat = dataset.select_columns([audio_column]).flatten().with_format("arrow")
+    lengths = pc.list_value_length(flat[f"{audio_column}.array"])
+    long = pc.greater(lengths, extractor.n_samples)
+    count = pc.sum(long).as_py() or 0
+    if count:
+        longest = pc.max(lengths).as_py() / extractor.sampling_rate
+        raise _too_long(longest, count, f"audio_column {audio_column!r}", extractor)
+
+
+def check_input_features(dataset: Any, extractor: Any) -> None:
+    """A one-line ValueError when a dataset's precomputed `input_features` (its first row) are not the shape the
+    feature extractor makes, mel bins x frames: the model's first convolution would fail on them mid-run."""
+    if "input_features" not in dataset.column_names or len(dataset) == 0:
+        return
+    shape = tuple(torch.as_tensor(dataset.select_columns(["input_features"])[0]["input_features"]).shape)
+    expected = (extractor.feature_size, extractor.nb_max_frames)
+    if shape != expected:
+        raise ValueError(f"input_features are {' x '.join(map(str, shape))} (mel bins x frames), the feature extractor "
+                         f"makes {expected[0]} x {expected[1]} ({extractor.chunk_length} s): compute them with this "
+                         "model's feature extractor, or give the raw audio")
 
 
 def _extractor_settings(extractor: Any) -> dict[str, Any]:
@@ -136,6 +185,10 @@ class SpeechSeq2SeqCollator:
                 raise ValueError(f"audio_column {self.audio_column!r}: a row at {audio['sampling_rate']} Hz, the "
                                  f"feature extractor expects {extractor.sampling_rate} Hz")
             arrays.append(audio["array"])
+        long = [len(a) for a in arrays if len(a) > extractor.n_samples]
+        if long:
+            raise _too_long(max(long) / extractor.sampling_rate, len(long), f"audio_column {self.audio_column!r}",
+                            extractor)
         out = extractor(arrays, sampling_rate=extractor.sampling_rate, return_tensors="pt")
         return out["input_features"]
 
@@ -207,10 +260,15 @@ def pseudo_label(model: Any, processor: Any, dataset: Any, folder: str | os.Path
     without `audio_column` must hold precomputed `input_features`."""
     if audio_column in dataset.column_names or "input_features" not in dataset.column_names:
         check_audio(dataset, audio_column, processor.feature_extractor.sampling_rate)
+        check_clip_lengths(dataset, audio_column, processor.feature_extractor)
+    else:
+        check_input_features(dataset, processor.feature_extractor)
     folder = Path(folder)
     key = _settings_key(model, dataset, audio_column, generate_kwargs)
     meta_path, path = folder / "pseudo_labels.meta.json", folder / PSEUDO_LABEL_FILE
-    if meta_path.exists():
+    if meta_path.exists() and not _read_done(path):  # a run that failed before its first batch: nothing to keep
+        meta_path.write_text(json.dumps(key, indent=2) + "\n")
+    elif meta_path.exists():
         old = json.loads(meta_path.read_text())
         if old != key:
             changed = sorted(k for k in key if old.get(k) != key[k])

@@ -338,7 +338,8 @@ def shrink(
     if is_sentence_transformer(teacher_or_config):  # Pooling follows hidden_size; Normalize kept
         return rebuild(teacher_or_config, lambda auto: shrink(
             auto, num_layers, hidden_size, num_attention_heads, intermediate_size,
-            num_key_value_heads=num_key_value_heads, model_class=model_class, seed=seed, **config_overrides))
+            num_key_value_heads=num_key_value_heads, model_class=model_class, seed=seed, **config_overrides),
+            width=hidden_size)
     if isinstance(teacher_or_config, PreTrainedModel):
         teacher_config = teacher_or_config.config
         model_class = model_class if model_class is not None else type(teacher_or_config)

@@ -17,23 +17,20 @@ def is_sentence_transformer(model: Any) -> bool:
     return any(cls.__name__ == "SentenceTransformer" for cls in type(model).__mro__)
 
 
-def rebuild(teacher: nn.Module, build: Callable[[nn.Module], nn.Module]) -> nn.Module:
-    """A copy of `teacher` whose transformer is `build(teacher's transformer)`: every other module is copied as it
-    is (the teacher's transformer is not copied first), Pooling follows a new width; a module that holds weights of
-    the old width (Dense) with a new width is refused, before anything is built."""
+def rebuild(teacher: nn.Module, build: Callable[[nn.Module], nn.Module], width: int | None = None) -> nn.Module:
+    """A copy of `teacher` whose transformer is `build(teacher's transformer)` (of hidden size `width`, None: the
+    teacher's): every other module is copied as it is (the teacher's transformer is not copied first), Pooling
+    follows a new width; a module that holds weights of the old width (Dense) with a new width is refused, before
+    anything is built."""
     first = teacher[0]
     auto = getattr(first, "auto_model", None)
     if auto is None:
         raise ValueError(f"The teacher's first module ({type(first).__name__}) wraps no transformers model, so "
                          "hf_distill.students cannot build its transformer: build the student yourself.")
+    old = auto.config.hidden_size
+    _check_width(teacher, old, old if width is None else width)
     student_auto = build(auto)
-    old, new = auto.config.hidden_size, student_auto.config.hidden_size
-    if old != new:
-        fixed = [type(m).__name__ for m in list(teacher)[1:] if type(m).__name__ not in ("Pooling", "Normalize")]
-        if fixed:
-            raise ValueError(f"The teacher has {', '.join(fixed)} after its transformer, whose weights expect width "
-                             f"{old}; the student is {new} wide. Keep hidden_size={old}, or build the student "
-                             "without those modules.")
+    new = student_auto.config.hidden_size
     student = copy.deepcopy(teacher, memo={id(auto): student_auto})
     student_auto.to(next(auto.parameters()).device)
     if old != new:
@@ -43,3 +40,11 @@ def rebuild(teacher: nn.Module, build: Callable[[nn.Module], nn.Module]) -> nn.M
                 module.embedding_dimension = new
     student.train(teacher.training)
     return student
+
+
+def _check_width(teacher: nn.Module, old: int, new: int) -> None:
+    fixed = [type(m).__name__ for m in list(teacher)[1:] if type(m).__name__ not in ("Pooling", "Normalize")]
+    if old != new and fixed:
+        raise ValueError(f"The teacher has {', '.join(fixed)} after its transformer, whose weights expect width "
+                         f"{old}; the student is {new} wide. Keep hidden_size={old}, or build the student "
+                         "without those modules.")
