@@ -20,8 +20,10 @@ logging of loss components and model-card generation stay sentence-transformers'
 distillation loss with its settings (teacher, embedding loss and space, weights, terms) and its citation.
 
 Each text column of a batch is distilled (all of them: anchor, positive, ...). Cached teacher embeddings: a column
-(`teacher_embedding_column`, default `teacher_embedding`) of vectors for a dataset with one text column
-(`cache_teacher_embeddings` writes it); rows that carry it use it, the teacher (if given) runs for the others. When
+(`teacher_embedding_column`, default `cached_column(embedding_space)`: `teacher_embedding` for the output space) of
+vectors for a dataset with one text column (`cache_teacher_embeddings` writes it); rows that carry it use it, the
+teacher (if given) runs for the others; a column of another space, or one that disagrees with the given teacher on
+its first row, is refused. When
 the teacher tokenizes differently from the student (another vocabulary or `max_seq_length`), the collator also
 tokenizes each text column with the teacher's tokenizer (with the column's prompt, as the student's). This module
 needs sentence-transformers (`pip install 'hf-distill[sentence]'`).
@@ -65,7 +67,7 @@ except ImportError as err:  # the optional extra is missing (tests/test_sentence
 logger = logging.get_logger(__name__)
 
 __all__ = ["DistillationSentenceTransformerArguments", "DistillationSentenceTransformerTrainer",
-           "cache_teacher_embeddings"]
+           "cache_teacher_embeddings", "cached_column"]
 
 LABEL_COLUMNS = ("label", "labels", "score", "scores")
 
@@ -89,8 +91,10 @@ class DistillationSentenceTransformerArguments(_STArgs):
     projection: str = field(default="shared", metadata={
         "help": "When widths differ: shared or per_layer (intermediate terms; the embedding gets one Linear), or "
                 "none (refuse)."})
-    teacher_embedding_column: str = field(default="teacher_embedding", metadata={
-        "help": "The dataset column of cached teacher embeddings (cache_teacher_embeddings writes it)."})
+    teacher_embedding_column: str | None = field(default=None, metadata={
+        "help": "The dataset column of cached teacher embeddings. Default: the name cache_teacher_embeddings gives "
+                "embeddings of `embedding_space` (teacher_embedding for output, teacher_embedding_<space> else), "
+                "so a column cached in another space is refused, not compared with the wrong embeddings."})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -214,7 +218,9 @@ class SentenceDistillationMixin(ProjectionTraining):
                              "model_init is not supported: build the student first and pass it as model=.")
         if not isinstance(model, SentenceTransformer):
             raise TypeError(f"model must be a SentenceTransformer (the student), got {type(model).__name__}.")
-        column = args.teacher_embedding_column
+        space = args.embedding_space
+        column = args.teacher_embedding_column or cached_column(space)
+        _refuse_other_spaces(train_dataset, eval_dataset, column, space)
         cached = [n for n, d in _datasets(train_dataset) if column in _columns(d)]
         for name, data in _datasets(train_dataset) + _datasets(eval_dataset):
             if column in _columns(data) and len(_text_columns(data, column)) != 1:
@@ -240,7 +246,6 @@ class SentenceDistillationMixin(ProjectionTraining):
         if teacher_model is not None and not isinstance(teacher_model, SentenceTransformer):
             raise TypeError(f"teacher_model must be a SentenceTransformer (or its folder / Hub id), got "
                             f"{type(teacher_model).__name__}.")
-        space = args.embedding_space
         for role, m in (("student", model), ("teacher", teacher_model)):
             if m is not None and space == "pooled" and pooling_module(m) is None:
                 raise ValueError(f"embedding_space='pooled' but the {role} has no Pooling module. Use 'output'.")
@@ -255,6 +260,8 @@ class SentenceDistillationMixin(ProjectionTraining):
             if width != t_width:
                 raise ValueError(f"{column!r} of dataset {name!r} holds {width}-wide vectors, but the "
                                  f"teacher's {space} embeddings are {t_width} wide. Recompute the cache.")
+        if teacher_model is not None:
+            _check_cache_against_teacher(train_dataset, eval_dataset, column, teacher_model, space)
         s_width = _width(model, space)
         same = teacher_model is None or _same_tokens(model, teacher_model)
         if args.terms and not same:
@@ -341,12 +348,61 @@ def _name(model: nn.Module) -> str:
     return str(name or getattr(getattr(auto, "config", None), "name_or_path", None) or type(model).__name__)
 
 
+def cached_column(space: str) -> str:
+    """The column `cache_teacher_embeddings` writes embeddings of `space` to, and the trainer reads by default: the
+    space is in the name, because the vectors alone do not say it (pooled and output embeddings have one width)."""
+    return "teacher_embedding" if space == "output" else f"teacher_embedding_{space}"
+
+
+def _refuse_other_spaces(train_dataset: Any, eval_dataset: Any, column: str, space: str) -> None:
+    """A dataset that holds another space's cached column but not the one this run reads: compared as this space's,
+    it would train toward the wrong embeddings (same width), so it is refused."""
+    for name, data in _datasets(train_dataset) + _datasets(eval_dataset):
+        names = _columns(data)
+        other = [cached_column(o) for o in SPACES if o != space and cached_column(o) in names]
+        if other and column not in names:
+            raise ValueError(
+                f"Dataset {name or 'train_dataset'!r} has {other[0]!r} (teacher embeddings cached in another space) "
+                f"but embedding_space={space!r} reads {column!r}: cache_teacher_embeddings(..., space={space!r}), or "
+                f"set embedding_space to the space the column was cached in, or drop the column.")
+
+
+def _check_cache_against_teacher(train_dataset: Any, eval_dataset: Any, column: str, teacher: nn.Module,
+                                 space: str) -> None:
+    """The first cached row of each dataset against the given teacher's embedding of its text in `space`: a column
+    cached from another teacher (or space, under a name given by hand) is refused, not trained toward."""
+    from .sentence_loss import _run
+
+    for name, data in _datasets(train_dataset) + _datasets(eval_dataset):
+        if column not in _columns(data):
+            continue
+        row = _first_row(data)
+        text = row[_text_columns(data, column)[0]]
+        with torch.no_grad():
+            features = {k: v.to(teacher.device) if isinstance(v, torch.Tensor) else v
+                        for k, v in teacher.preprocess([text]).items()}
+            now = _run(teacher, features, space, None)[1].float().cpu()[0]
+        cached = torch.tensor(row[column], dtype=torch.float32)
+        gap = float((now - cached).norm() / now.norm().clamp_min(1e-12))
+        if gap > CACHE_TOLERANCE:
+            raise ValueError(
+                f"{column!r} of dataset {name or 'train_dataset'!r} does not hold this teacher's {space} embeddings "
+                f"(its first row differs from the teacher's by {gap:.1%}): it was cached from another teacher or "
+                f"space. Recompute it with cache_teacher_embeddings(..., space={space!r}), or give the teacher it "
+                "came from.")
+
+
+CACHE_TOLERANCE = 0.02  # relative L2 gap of a recomputed embedding: another device or precision stays far below
+
+
 def cache_teacher_embeddings(dataset: Any, teacher: nn.Module, column: str, *, space: str = "output",
-                             out_column: str = "teacher_embedding", batch_size: int = 64) -> Any:
-    """`dataset` with `out_column`: the teacher's embedding of each row's `column` in `space`, computed once so
-    that training runs no teacher forward. Refuses a column that is already there (nothing is overwritten)."""
+                             out_column: str | None = None, batch_size: int = 64) -> Any:
+    """`dataset` with `out_column` (default :func:`cached_column`: the space in its name): the teacher's embedding
+    of each row's `column` in `space`, computed once so that training runs no teacher forward. Refuses a column
+    that is already there (nothing is overwritten)."""
     if space not in SPACES:
         raise ValueError(f"space={space!r} is not one of {', '.join(SPACES)}.")
+    out_column = out_column or cached_column(space)
     if out_column in dataset.column_names:
         raise ValueError(f"{out_column!r} is already a column of the dataset; remove it or pick out_column=.")
     if column not in dataset.column_names:

@@ -409,3 +409,29 @@ def test_a_streamed_dataset_of_cached_embeddings_trains_without_a_teacher(tokeni
         expected = F.mse_loss(embed(student, PAIRS["anchor"], "output"), embed(teacher, PAIRS["anchor"], "output"))
     assert trainer.compute_loss(student, batch(trainer, cached.to_dict())).item() == pytest.approx(expected.item(),
                                                                                                   rel=1e-5)
+
+
+def test_a_cache_of_another_space_or_teacher_is_refused_not_trained_toward(tokenizer_dir, tmp_path):
+    """Pooled and output embeddings have one width, so a column cached in one space and read as the other trained
+    toward the wrong vectors; a column cached from another teacher likewise (beside a given teacher)."""
+    teacher = tiny(tokenizer_dir, tmp_path, "t", width=32)
+    other = tiny(tokenizer_dir, tmp_path, "o", width=32, seed=3)
+    student = tiny(tokenizer_dir, tmp_path, "s", width=32, layers=2, seed=1)
+    plain = datasets.Dataset.from_dict({"text": PAIRS["anchor"]})
+    output = cache_teacher_embeddings(plain, teacher, "text")
+    pooled = cache_teacher_embeddings(plain, teacher, "text", space="pooled")
+    assert "teacher_embedding" in output.column_names and "teacher_embedding_pooled" in pooled.column_names
+    with pytest.raises(ValueError, match="'teacher_embedding' .*another space.* embedding_space='pooled'"):
+        DistillationSentenceTransformerTrainer(model=student, train_dataset=output,
+                                               args=args(tmp_path, embedding_space="pooled"))
+    with pytest.raises(ValueError, match="does not hold this teacher's output embeddings"):
+        DistillationSentenceTransformerTrainer(model=student, teacher_model=other, train_dataset=output,
+                                               args=args(tmp_path))
+    renamed = pooled.rename_column("teacher_embedding_pooled", "mine")  # a name given by hand: checked on row 0
+    with pytest.raises(ValueError, match="does not hold this teacher's output embeddings"):
+        DistillationSentenceTransformerTrainer(model=student, teacher_model=teacher, train_dataset=renamed,
+                                               args=args(tmp_path, teacher_embedding_column="mine"))
+    # the matching space and teacher train from the cache, as before
+    trainer = DistillationSentenceTransformerTrainer(model=student, teacher_model=teacher, train_dataset=pooled,
+                                                     args=args(tmp_path, embedding_space="pooled"))
+    assert CACHED_EMBEDDING in batch(trainer, pooled.to_dict())
