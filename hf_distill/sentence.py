@@ -371,17 +371,11 @@ def _check_cache_against_teacher(train_dataset: Any, eval_dataset: Any, column: 
                                  space: str) -> None:
     """The first cached row of each dataset against the given teacher's embedding of its text in `space`: a column
     cached from another teacher (or space, under a name given by hand) is refused, not trained toward."""
-    from .sentence_loss import _run
-
     for name, data in _datasets(train_dataset) + _datasets(eval_dataset):
         if column not in _columns(data):
             continue
         row = _first_row(data)
-        text = row[_text_columns(data, column)[0]]
-        with torch.no_grad():
-            features = {k: v.to(teacher.device) if isinstance(v, torch.Tensor) else v
-                        for k, v in teacher.preprocess([text]).items()}
-            now = _run(teacher, features, space, None)[1].float().cpu()[0]
+        now = _teacher_embeddings(teacher, [row[_text_columns(data, column)[0]]], space)[0]
         cached = torch.tensor(row[column], dtype=torch.float32)
         gap = float((now - cached).norm() / now.norm().clamp_min(1e-12))
         if gap > CACHE_TOLERANCE:
@@ -409,14 +403,18 @@ def cache_teacher_embeddings(dataset: Any, teacher: nn.Module, column: str, *, s
         raise ValueError(f"column={column!r} is not a column of the dataset ({dataset.column_names}).")
     if space == "pooled" and pooling_module(teacher) is None:
         raise ValueError("space='pooled' but the teacher has no Pooling module. Use 'output'.")
-    from .sentence_loss import _run
-
     teacher.eval()
     rows = []
-    with torch.no_grad():
-        for start in range(0, len(dataset), batch_size):
-            texts = dataset[start:start + batch_size][column]
-            features = {k: v.to(teacher.device) if isinstance(v, torch.Tensor) else v
-                        for k, v in teacher.preprocess(texts).items()}
-            rows.extend(_run(teacher, features, space, None)[1].float().cpu().tolist())
+    for start in range(0, len(dataset), batch_size):
+        rows.extend(_teacher_embeddings(teacher, dataset[start:start + batch_size][column], space).tolist())
     return dataset.add_column(out_column, rows)
+
+
+def _teacher_embeddings(teacher: nn.Module, texts: list[str], space: str) -> torch.Tensor:
+    """The teacher's float32 embeddings of `texts` in `space`, on the CPU: what a cached column holds (no prompt)."""
+    from .sentence_loss import _run
+
+    with torch.no_grad():
+        features = {k: v.to(teacher.device) if isinstance(v, torch.Tensor) else v
+                    for k, v in teacher.preprocess(texts).items()}
+        return _run(teacher, features, space, None)[1].float().cpu()

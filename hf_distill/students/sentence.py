@@ -31,6 +31,7 @@ def rebuild(teacher: nn.Module, build: Callable[[nn.Module], nn.Module], width: 
     _check_width(teacher, old, old if width is None else width)
     student_auto = build(auto)
     new = student_auto.config.hidden_size
+    _check_width(teacher, old, new)  # a builder whose width differs from `width`: still refused, before the copy
     student = copy.deepcopy(teacher, memo={id(auto): student_auto})
     student_auto.to(next(auto.parameters()).device)
     if old != new:
