@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import hashlib
 import json
 import time
@@ -298,6 +299,9 @@ def main() -> None:
         student.save_pretrained(init_dir)
         processor.save_pretrained(init_dir)
 
+    # what a trained student comes from (teacher, student_init, filter): hashed once, for the stages below
+    made_from = functools.cache(lambda: _inputs_digest(teacher, init_dir, labels_dir / "filter.json"))
+
     # 5-6. Distillation on the kept pseudo-labels, and the CE-only baseline on the same rows' references.
     if "distil" in recipe.stages or "baseline" in recipe.stages:
         filtered = labels_dir / "filter.json"
@@ -320,13 +324,13 @@ def main() -> None:
             trainer, done = train_student(student, teacher, rows.add_column("target", [labels[i] for i in kept]),
                                           processor, args, str(out), kd=True)
             results.update(distillation=distillation_facts(args), train_runtime_s=done.metrics.get("train_runtime"),
-                           student_from=_inputs_digest(teacher, init_dir, filtered), **run_length(args, trainer.state))
+                           student_from=made_from(), **run_length(args, trainer.state))
         if "baseline" in recipe.stages:
             set_seed(args.seed)
             _, done = train_student(copy.deepcopy(initial), None, rows.add_column("target", rows[recipe.text_column]),
                                     processor, args, str(out / "baseline"), kd=False)
             results.update(baseline_train_runtime_s=done.metrics.get("train_runtime"), baseline_steps=done.global_step,
-                           baseline_from=_inputs_digest(teacher, init_dir, filtered))
+                           baseline_from=made_from())
 
     # 7. WER and decode speed.
     if "evaluate" in recipe.stages:
@@ -336,9 +340,8 @@ def main() -> None:
                 models[name] = load_whisper(str(folder), name)[0]
         if "student" not in models:
             fail(f"evaluate needs the distilled student in {out} (run the distil stage first)")
-        for name, made_from in (("student", "student_from"), ("baseline", "baseline_from")):
-            now = _inputs_digest(teacher, init_dir, labels_dir / "filter.json")
-            if name in models and results.get(made_from) not in (None, now):
+        for name, key in (("student", "student_from"), ("baseline", "baseline_from")):
+            if name in models and results.get(key) not in (None, made_from()):
                 stage = "distil" if name == "student" else "baseline"
                 fail(f"the {name} in {out} was trained from another teacher, student_init or filter than the ones "
                      f"now (a stage ran since, or --teacher changed): run the {stage} stage again before evaluate, or "
