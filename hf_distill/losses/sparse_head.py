@@ -28,7 +28,7 @@ import functools
 import torch
 
 from . import divergences as losses
-from .fused_grads import by_columns, sum_coefficients
+from .fused_grads import by_columns, sum_coefficients, writes_into
 from .head_common import (
     Counted,
     KDSpec,
@@ -277,7 +277,7 @@ def _block_grad_fn(device: torch.device, ids, shift_k, targets, stats, s_head: L
     `block` (`zs` their logits; the row weights already the rows'): the backward's blocks (every row) and the fused
     mode's token chunks (every column). On CUDA the Triton kernels (shifts from the ids), else the row math."""
     kind, T, beta, alpha = _spec_args(spec)
-    grad_block = _elementwise(_sparse_grad_block, device)
+    grad_block = writes_into(_elementwise(_sparse_grad_block, device))
     kernel = _triton_or(device, "grad_block")
 
     def block_of(zs: torch.Tensor, rows: slice, block: slice, w_kd, w_ce, dtype: torch.dtype,
@@ -290,9 +290,8 @@ def _block_grad_fn(device: torch.device, ids, shift_k, targets, stats, s_head: L
                           tg, lse1, w_ce, lse_a, stat, w_kd, kind, T, beta, alpha, s_head.scale, s_head.cap, dtype,
                           out=out)
         shift = _block_shift(ids[rows], shift_k[rows], tail, block) if kd_here else None
-        g = grad_block(zs, shift, block.start, tg, lse1, w_ce, lse_a, stat, w_kd,
-                       kind if shift is not None else None, T, beta, alpha, s_head.scale, s_head.cap, dtype)
-        return g if out is None else out.copy_(g)
+        return grad_block(zs, shift, block.start, tg, lse1, w_ce, lse_a, stat, w_kd,
+                          kind if shift is not None else None, T, beta, alpha, s_head.scale, s_head.cap, dtype, out=out)
 
     return block_of
 
