@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from datasets import IterableDataset
 from torch import nn
 from transformers.utils import logging
 
@@ -45,6 +44,16 @@ from .argument_checks import check_fp16_device
 from .features.taps import unwrap
 from .losses.intermediate import IntermediateDistiller
 from .losses.terms import parse_terms
+from .sentence_cache import (
+    cache_teacher_embeddings,
+    cached_column,
+    check_cache_against_teacher,
+    column_names,
+    first_row,
+    named_datasets,
+    refuse_other_spaces,
+    text_columns,
+)
 from .sentence_loss import (
     CACHED_EMBEDDING,
     EMBEDDING_LOSSES,
@@ -68,9 +77,6 @@ logger = logging.get_logger(__name__)
 
 __all__ = ["DistillationSentenceTransformerArguments", "DistillationSentenceTransformerTrainer",
            "cache_teacher_embeddings", "cached_column"]
-
-LABEL_COLUMNS = ("label", "labels", "score", "scores")
-
 
 @dataclass
 class DistillationSentenceTransformerArguments(_STArgs):
@@ -127,28 +133,6 @@ def _upgrade(args: Any) -> DistillationSentenceTransformerArguments:
     return DistillationSentenceTransformerArguments(**kept)
 
 
-def _datasets(data: Any) -> list[tuple[str, Any]]:
-    if data is None:
-        return []
-    return list(data.items()) if isinstance(data, dict) else [("", data)]
-
-
-def _first_row(dataset: Any) -> dict[str, Any]:
-    """The first row of a `Dataset` or of a streamed `IterableDataset` (which has no `[0]`)."""
-    return next(iter(dataset)) if isinstance(dataset, IterableDataset) else dataset[0]
-
-
-def _columns(dataset: Any) -> list[str]:
-    """A dataset's column names (a streamed one without features has none: sentence-transformers refuses it)."""
-    return list(getattr(dataset, "column_names", None) or [])
-
-
-def _text_columns(dataset: Any, cached: str) -> list[str]:
-    """The columns sentence-transformers' collator tokenizes (all but labels, dataset_name and the cache)."""
-    names = dataset if isinstance(dataset, list) else _columns(dataset)
-    return [c for c in names if c not in (*LABEL_COLUMNS, "dataset_name", cached)]
-
-
 def _width(model: nn.Module, space: str) -> int:
     if space == "pooled":
         return int(pooling_module(model).pooling_output_dimension)
@@ -190,7 +174,8 @@ class TeacherColumnsCollator:
         student_fn = self.base.preprocess_fn
 
         def both(inputs: list[Any], prompt: str | None = None, **kwargs: Any) -> dict[str, Any]:
-            teacher_inputs.append(self.teacher_preprocess(inputs, prompt=prompt))
+            # the column's task (router_mapping) too: a Router teacher takes the route the student's column takes
+            teacher_inputs.append(self.teacher_preprocess(inputs, prompt=prompt, task=kwargs.get("task")))
             return student_fn(inputs, prompt=prompt, **kwargs)
 
         self.base.preprocess_fn = both
@@ -220,18 +205,18 @@ class SentenceDistillationMixin(ProjectionTraining):
             raise TypeError(f"model must be a SentenceTransformer (the student), got {type(model).__name__}.")
         space = args.embedding_space
         column = args.teacher_embedding_column or cached_column(space)
-        _refuse_other_spaces(train_dataset, eval_dataset, column, space)
-        cached = [n for n, d in _datasets(train_dataset) if column in _columns(d)]
-        for name, data in _datasets(train_dataset) + _datasets(eval_dataset):
-            if column in _columns(data) and len(_text_columns(data, column)) != 1:
+        refuse_other_spaces(train_dataset, eval_dataset, column, space)
+        cached = [n for n, d in named_datasets(train_dataset) if column in column_names(d)]
+        for name, data in named_datasets(train_dataset) + named_datasets(eval_dataset):
+            if column in column_names(data) and len(text_columns(data, column)) != 1:
                 raise ValueError(
                     f"{column!r} (cached teacher embeddings) covers one text column, but dataset {name!r} has "
-                    f"{_text_columns(data, column)}. Give teacher_model= and drop {column!r}, or keep one text column.")
-        all_cached = bool(train_dataset is not None) and len(cached) == len(_datasets(train_dataset))
+                    f"{text_columns(data, column)}. Give teacher_model= and drop {column!r}, or keep one text column.")
+        all_cached = bool(train_dataset is not None) and len(cached) == len(named_datasets(train_dataset))
         if teacher_model is None and not all_cached:
             raise ValueError(f"teacher_model is None and the training rows have no {column!r} column of cached "
                              "teacher embeddings: give teacher_model=, or cache_teacher_embeddings(...) first.")
-        uncached_eval = [n or "eval_dataset" for n, d in _datasets(eval_dataset) if column not in _columns(d)]
+        uncached_eval = [n or "eval_dataset" for n, d in named_datasets(eval_dataset) if column not in column_names(d)]
         if teacher_model is None and uncached_eval and args.kd_weight > 0:
             raise ValueError(f"teacher_model is None and {', '.join(map(repr, uncached_eval))} (evaluation) has no "
                              f"{column!r} column: cache_teacher_embeddings(...) on it too, or give teacher_model=.")
@@ -253,17 +238,23 @@ class SentenceDistillationMixin(ProjectionTraining):
             teacher_model.to(args.device).eval().requires_grad_(False)
             t_width = _width(teacher_model, space)
         else:
-            first = next(d for _, d in _datasets(train_dataset))
-            t_width = len(_first_row(first)[column])
-        for name, data in _datasets(train_dataset) + _datasets(eval_dataset):
-            width = len(_first_row(data)[column]) if column in _columns(data) else t_width
+            first = next(d for _, d in named_datasets(train_dataset))
+            t_width = len(first_row(first)[column])
+        for name, data in named_datasets(train_dataset) + named_datasets(eval_dataset):
+            width = len(first_row(data)[column]) if column in column_names(data) else t_width
             if width != t_width:
                 raise ValueError(f"{column!r} of dataset {name!r} holds {width}-wide vectors, but the "
                                  f"teacher's {space} embeddings are {t_width} wide. Recompute the cache.")
         if teacher_model is not None:
-            _check_cache_against_teacher(train_dataset, eval_dataset, column, teacher_model, space)
+            check_cache_against_teacher(train_dataset, eval_dataset, column, teacher_model, space,
+                                         args.router_mapping)
         s_width = _width(model, space)
         same = teacher_model is None or _same_tokens(model, teacher_model)
+        routed = [role for role, m in (("student", model), ("teacher", teacher_model))
+                  if m is not None and not hasattr(unwrap(m)[0], "auto_model")]
+        if args.terms and routed:
+            raise ValueError(f"distill_terms tap one transformer, but the {' and the '.join(routed)} routes each "
+                             "column to its own modules (a Router): remove distill_terms.")
         if args.terms and not same:
             raise ValueError("distill_terms compare token features, but the teacher tokenizes differently from the "
                              "student (vocabulary or max_seq_length). Remove distill_terms or use the same tokenizer.")
@@ -344,77 +335,5 @@ class DistillationSentenceTransformerTrainer(SentenceDistillationMixin, Sentence
 def _name(model: nn.Module) -> str:
     data = getattr(model, "model_card_data", None)
     name = getattr(data, "model_id", None) or getattr(data, "base_model", None)
-    auto = unwrap(model)[0].auto_model if len(unwrap(model)) else None
+    auto = getattr(unwrap(model)[0], "auto_model", None) if len(unwrap(model)) else None  # none in a Router
     return str(name or getattr(getattr(auto, "config", None), "name_or_path", None) or type(model).__name__)
-
-
-def cached_column(space: str) -> str:
-    """The column `cache_teacher_embeddings` writes embeddings of `space` to, and the trainer reads by default: the
-    space is in the name, because the vectors alone do not say it (pooled and output embeddings have one width)."""
-    return "teacher_embedding" if space == "output" else f"teacher_embedding_{space}"
-
-
-def _refuse_other_spaces(train_dataset: Any, eval_dataset: Any, column: str, space: str) -> None:
-    """A dataset that holds another space's cached column but not the one this run reads: compared as this space's,
-    it would train toward the wrong embeddings (same width), so it is refused."""
-    for name, data in _datasets(train_dataset) + _datasets(eval_dataset):
-        names = _columns(data)
-        other = [cached_column(o) for o in SPACES if o != space and cached_column(o) in names]
-        if other and column not in names:
-            raise ValueError(
-                f"Dataset {name or 'train_dataset'!r} has {other[0]!r} (teacher embeddings cached in another space) "
-                f"but embedding_space={space!r} reads {column!r}: cache_teacher_embeddings(..., space={space!r}), or "
-                f"set embedding_space to the space the column was cached in, or drop the column.")
-
-
-def _check_cache_against_teacher(train_dataset: Any, eval_dataset: Any, column: str, teacher: nn.Module,
-                                 space: str) -> None:
-    """The first cached row of each dataset against the given teacher's embedding of its text in `space`: a column
-    cached from another teacher (or space, under a name given by hand) is refused, not trained toward."""
-    for name, data in _datasets(train_dataset) + _datasets(eval_dataset):
-        if column not in _columns(data):
-            continue
-        row = _first_row(data)
-        now = _teacher_embeddings(teacher, [row[_text_columns(data, column)[0]]], space)[0]
-        cached = torch.tensor(row[column], dtype=torch.float32)
-        gap = float((now - cached).norm() / now.norm().clamp_min(1e-12))
-        if gap > CACHE_TOLERANCE:
-            raise ValueError(
-                f"{column!r} of dataset {name or 'train_dataset'!r} does not hold this teacher's {space} embeddings "
-                f"(its first row differs from the teacher's by {gap:.1%}): it was cached from another teacher or "
-                f"space. Recompute it with cache_teacher_embeddings(..., space={space!r}), or give the teacher it "
-                "came from.")
-
-
-CACHE_TOLERANCE = 0.02  # relative L2 gap of a recomputed embedding: another device or precision stays far below
-
-
-def cache_teacher_embeddings(dataset: Any, teacher: nn.Module, column: str, *, space: str = "output",
-                             out_column: str | None = None, batch_size: int = 64) -> Any:
-    """`dataset` with `out_column` (default :func:`cached_column`: the space in its name): the teacher's embedding
-    of each row's `column` in `space`, computed once so that training runs no teacher forward. Refuses a column
-    that is already there (nothing is overwritten)."""
-    if space not in SPACES:
-        raise ValueError(f"space={space!r} is not one of {', '.join(SPACES)}.")
-    out_column = out_column or cached_column(space)
-    if out_column in dataset.column_names:
-        raise ValueError(f"{out_column!r} is already a column of the dataset; remove it or pick out_column=.")
-    if column not in dataset.column_names:
-        raise ValueError(f"column={column!r} is not a column of the dataset ({dataset.column_names}).")
-    if space == "pooled" and pooling_module(teacher) is None:
-        raise ValueError("space='pooled' but the teacher has no Pooling module. Use 'output'.")
-    teacher.eval()
-    rows = []
-    for start in range(0, len(dataset), batch_size):
-        rows.extend(_teacher_embeddings(teacher, dataset[start:start + batch_size][column], space).tolist())
-    return dataset.add_column(out_column, rows)
-
-
-def _teacher_embeddings(teacher: nn.Module, texts: list[str], space: str) -> torch.Tensor:
-    """The teacher's float32 embeddings of `texts` in `space`, on the CPU: what a cached column holds (no prompt)."""
-    from .sentence_loss import _run
-
-    with torch.no_grad():
-        features = {k: v.to(teacher.device) if isinstance(v, torch.Tensor) else v
-                    for k, v in teacher.preprocess(texts).items()}
-        return _run(teacher, features, space, None)[1].float().cpu()

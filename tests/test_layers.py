@@ -22,7 +22,7 @@ HIGH = ("hf_distill.distiller", "hf_distill.trainer", "hf_distill.on_policy", "h
         "hf_distill.students", "hf_distill.auto", "hf_distill.callbacks", "hf_distill.schedules", "hf_distill.cli",
         "hf_distill.demo", "hf_distill.kd_paths", "hf_distill.teacher_sources", "hf_distill.task_loss",
         "hf_distill.settings", "hf_distill.model_inputs", "hf_distill.serving", "hf_distill.sentence",
-        "hf_distill.sentence_loss", "hf_distill.routing", "hf_distill.routed_signal")
+        "hf_distill.sentence_loss", "hf_distill.sentence_cache", "hf_distill.routing", "hf_distill.routed_signal")
 # What the ground floor holds: each name is defined (assigned, or a def / class) there and nowhere else.
 GROUND_NAMES = {"TEACHER_PREFIX": "hf_distill.base.batch_keys", "SIGNAL_PREFIX": "hf_distill.base.batch_keys",
                 "ROUTE_COLUMN": "hf_distill.base.batch_keys",

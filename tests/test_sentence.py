@@ -18,7 +18,13 @@ datasets = pytest.importorskip("datasets")
 
 from sentence_transformers import SentenceTransformer  # noqa: E402
 from sentence_transformers.sentence_transformer import losses  # noqa: E402
-from sentence_transformers.sentence_transformer.modules import Dense, Normalize, Pooling, Transformer  # noqa: E402
+from sentence_transformers.sentence_transformer.modules import (  # noqa: E402
+    Dense,
+    Normalize,
+    Pooling,
+    Router,
+    Transformer,
+)
 from transformers import BertConfig, BertModel, BertTokenizerFast  # noqa: E402
 
 from hf_distill.sentence import (  # noqa: E402
@@ -435,3 +441,53 @@ def test_a_cache_of_another_space_or_teacher_is_refused_not_trained_toward(token
     trainer = DistillationSentenceTransformerTrainer(model=student, teacher_model=teacher, train_dataset=pooled,
                                                      args=args(tmp_path, embedding_space="pooled"))
     assert CACHED_EMBEDDING in batch(trainer, pooled.to_dict())
+
+
+def router(tokenizer_dir, tmp_path, seed: int) -> SentenceTransformer:
+    """An asymmetric SentenceTransformer: a 'query' and a 'document' encoder behind a Router (default 'document')."""
+    query = tiny(tokenizer_dir, tmp_path, f"q{seed}", seed=seed, normalize=False)
+    document = tiny(tokenizer_dir, tmp_path, f"d{seed}", seed=seed + 1, normalize=False)
+    return SentenceTransformer(modules=[Router.for_query_document([*query], [*document]), Normalize()], device="cpu")
+
+
+ROUTES = {"anchor": "query", "positive": "document"}
+
+
+@pytest.mark.parametrize("case", ["teacher, its own tokens", "teacher, the student's tokens", "student"])
+def test_a_router_takes_the_route_router_mapping_gives_each_column(tokenizer_dir, tmp_path, case):
+    """The teacher embeds each column on the route the student's column takes (`router_mapping`): a Router teacher
+    that tokenized for itself got no task and embedded queries with its default, document encoder."""
+    if case == "student":
+        student, teacher = router(tokenizer_dir, tmp_path, 5), tiny(tokenizer_dir, tmp_path, "t", seed=7)
+    else:
+        length = 4 if case == "teacher, its own tokens" else 16
+        student = tiny(tokenizer_dir, tmp_path, "s", layers=2, seed=1, max_seq_length=length)
+        teacher = router(tokenizer_dir, tmp_path, 3)
+    rows = {k: PAIRS[k] for k in ROUTES}
+    trainer = DistillationSentenceTransformerTrainer(model=student, teacher_model=teacher, args=args(
+        tmp_path, router_mapping=ROUTES), train_dataset=datasets.Dataset.from_dict(rows))
+    with torch.no_grad():
+        expected = sum(F.mse_loss(*(m.encode(rows[c], task=t, convert_to_tensor=True) for m in (student, teacher)))
+                       for c, t in ROUTES.items()) / 2
+    assert trainer.compute_loss(student, batch(trainer, rows)).item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_a_router_teacher_is_cached_on_a_named_route_and_checked_on_it(tokenizer_dir, tmp_path):
+    teacher = router(tokenizer_dir, tmp_path, 3)
+    student = tiny(tokenizer_dir, tmp_path, "s", layers=2, seed=1)
+    plain = datasets.Dataset.from_dict({"anchor": PAIRS["anchor"]})
+    with pytest.raises(ValueError, match="routes by task .*pass task="):
+        cache_teacher_embeddings(plain, teacher, "anchor")
+    queries = cache_teacher_embeddings(plain, teacher, "anchor", task="query")
+    assert torch.allclose(torch.tensor(queries["teacher_embedding"]),
+                          teacher.encode_query(PAIRS["anchor"], convert_to_tensor=True), atol=1e-6)
+    trainer = DistillationSentenceTransformerTrainer(model=student, teacher_model=teacher, train_dataset=queries,
+                                                     args=args(tmp_path, router_mapping={"anchor": "query"}))
+    assert CACHED_EMBEDDING in batch(trainer, queries.to_dict())
+    with pytest.raises(ValueError, match="another teacher, space or route"):  # cached on the document route
+        DistillationSentenceTransformerTrainer(model=student, teacher_model=teacher, train_dataset=queries,
+                                               args=args(tmp_path, router_mapping={"anchor": "document"}))
+    with pytest.raises(ValueError, match="teacher routes each column to its own modules .*remove distill_terms"):
+        DistillationSentenceTransformerTrainer(model=student, teacher_model=teacher, args=args(
+            tmp_path, router_mapping=ROUTES, distill_terms=["loss=hidden_mse,layers=uniform"]),
+            train_dataset=datasets.Dataset.from_dict({k: PAIRS[k] for k in ROUTES}))
