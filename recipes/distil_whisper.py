@@ -11,7 +11,8 @@ Stages (`--stages`, in this order; each reads what the earlier ones left in `out
    call, each finished batch appended to `output_dir/pseudo_labels/pseudo_labels.jsonl`: killed mid-way, the stage
    continues where it stopped (`hf_distill.data.asr.pseudo_label`);
 3. `filter`: rows whose pseudo-label has a WER above `wer_threshold` against the split's own transcript (both
-   normalised by Whisper's English normaliser, `hf_distill.data.wer`) are dropped (distil-whisper: 10%);
+   normalised by Whisper's English normaliser, `hf_distill.data.wer`) are dropped (distil-whisper: 10%); the
+   stages after `pseudo_label` read its labels back and refuse a folder that lacks some (they never generate);
 4. `student`: the teacher's whole encoder, copied and frozen, and `student_decoder_layers` of its decoder (default
    the first and the last), saved in `output_dir/student_init` (`hf_distill.students.whisper_student`);
 5. `distil`: `task_weight * CE(pseudo-labels) + kd_weight * T^2 * KL(teacher || student)` at `temperature` over the
@@ -274,10 +275,12 @@ def main() -> None:
     labels_dir = out / "pseudo_labels"
 
     # 2-3. Pseudo-labels (resumable) and the WER filter.
-    if "pseudo_label" in recipe.stages or "filter" in recipe.stages:
+    # a stage after pseudo_label reads the labels back and never generates them (that is pseudo_label's work)
+    labelling = "pseudo_label" in recipe.stages
+    if labelling or "filter" in recipe.stages:
         t0 = time.time()
         labels = pseudo_label(teacher, processor, train, labels_dir, batch_size=recipe.pseudo_label_batch_size,
-                              audio_column=recipe.audio_column, **gen)
+                              audio_column=recipe.audio_column, generate=labelling, **gen)
         results["pseudo_label_s"] = time.time() - t0
         results["pseudo_label_wer"] = wer(train[recipe.text_column], labels, norm)
     if "filter" in recipe.stages:
@@ -311,7 +314,7 @@ def main() -> None:
         if not kept:
             fail(f"the WER filter kept no row (wer_threshold {recipe.wer_threshold}): raise it or check the teacher")
         labels = pseudo_label(teacher, processor, train, labels_dir, batch_size=recipe.pseudo_label_batch_size,
-                              audio_column=recipe.audio_column, **gen)
+                              audio_column=recipe.audio_column, generate=labelling, **gen)
         rows = train.select(kept)
         initial, init_processor = load_whisper(str(init_dir), "initial student")
         check_feature_extractors(processor.feature_extractor, init_processor.feature_extractor,

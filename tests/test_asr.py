@@ -152,6 +152,11 @@ def test_pseudo_labelling_resumes_after_a_kill_without_redoing_rows(proc, tmp_pa
     with pytest.raises(KeyboardInterrupt):
         asr.pseudo_label(model, proc, rows, folder, batch_size=3, max_new_tokens=2)
     assert calls == [3, 3, 1]
+    calls.clear()
+    before = (folder / asr.PSEUDO_LABEL_FILE).read_text()
+    with pytest.raises(ValueError, match="holds 6 of the 7 pseudo-labels: label them first"):  # reading back only
+        asr.pseudo_label(model, proc, rows, folder, batch_size=3, max_new_tokens=2, generate=False)
+    assert calls == [] and (folder / asr.PSEUDO_LABEL_FILE).read_text() == before
     # a kill mid-write leaves half a line: dropped, and its rows labelled again
     with open(folder / asr.PSEUDO_LABEL_FILE, "a") as f:
         f.write('{"row": 6, "te')
@@ -159,6 +164,8 @@ def test_pseudo_labelling_resumes_after_a_kill_without_redoing_rows(proc, tmp_pa
     monkeypatch.setattr(model, "generate", lambda **kw: calls.append(kw["input_features"].shape[0]) or real(**kw))
     assert asr.pseudo_label(model, proc, rows, folder, batch_size=3, max_new_tokens=2) == expected
     assert calls == [1]  # only row 6 was left
+    assert asr.pseudo_label(model, proc, rows, folder, batch_size=3, max_new_tokens=2, generate=False) == expected
+    assert calls == [1]
     lines = (folder / asr.PSEUDO_LABEL_FILE).read_text().splitlines()
     assert sorted(json.loads(x)["row"] for x in lines) == list(range(7))
 

@@ -231,6 +231,10 @@ def test_evaluate_refuses_a_student_trained_from_another_teacher_student_init_or
 
     tiny_whisper(proc, seed=1).save_pretrained(tmp_path / "other")
     proc.save_pretrained(tmp_path / "other")
+    with pytest.raises(SystemExit):  # filter alone reads the labels back: it ran the teacher's generation unasked
+        recipe.run_main(lambda: run("--stages", "filter"))
+    assert "holds 0 of the 2 pseudo-labels: label them first" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "pseudo_labels" / "pseudo_labels.jsonl").exists()
     run("--stages", "pseudo_label", "filter", "student", "distil")
     for stage in (["filter", "--wer_threshold", "0.0"], ["student", "--student_decoder_layers", "1", "2"], None):
         if stage:

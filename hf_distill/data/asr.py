@@ -253,11 +253,12 @@ def _read_done(path: Path) -> dict[int, str]:
 
 def pseudo_label(model: Any, processor: Any, dataset: Any, folder: str | os.PathLike, batch_size: int = 16,
                  audio_column: str = "audio", progress: Callable[[int, int], None] | None = None,
-                 **generate_kwargs: Any) -> list[str]:
+                 generate: bool = True, **generate_kwargs: Any) -> list[str]:
     """The teacher's transcript of every row of `dataset` (in row order), generated `batch_size` rows at a time and
     appended to `folder/pseudo_labels.jsonl` batch by batch: a second call (after a kill, or to read them back)
     generates only the rows the file lacks. A folder holding labels made with other settings is refused. Rows
-    without `audio_column` must hold precomputed `input_features`."""
+    without `audio_column` must hold precomputed `input_features`. `generate=False` only reads them back: a folder
+    that lacks rows is refused (a later stage never runs the teacher's generation unasked)."""
     if audio_column in dataset.column_names or "input_features" not in dataset.column_names:
         check_audio(dataset, audio_column, processor.feature_extractor.sampling_rate)
         check_clip_lengths(dataset, audio_column, processor.feature_extractor)
@@ -266,6 +267,11 @@ def pseudo_label(model: Any, processor: Any, dataset: Any, folder: str | os.Path
     folder = Path(folder)
     key = _settings_key(model, dataset, audio_column, generate_kwargs)
     meta_path, path = folder / "pseudo_labels.meta.json", folder / PSEUDO_LABEL_FILE
+    if not generate:
+        found = len(_read_done(path)) if meta_path.exists() else 0
+        if found < len(dataset):
+            raise ValueError(f"{folder} holds {found} of the {len(dataset)} pseudo-labels: label them first "
+                             "(pseudo_label with generate=True; in distil_whisper, the pseudo_label stage)")
     if meta_path.exists() and not _read_done(path):  # a run that failed before its first batch: nothing to keep
         meta_path.write_text(json.dumps(key, indent=2) + "\n")
     elif meta_path.exists():
