@@ -138,9 +138,15 @@ def _recipe_folders() -> tuple[Path, Path]:
     return Path.cwd() / "recipes", REPO_ROOT / "recipes"
 
 
+def _is_recipe(path: Path) -> bool:
+    """A recipe is a script: a module without a `__main__` block (recipes/common.py, the recipes' shared helpers)
+    would run as one, do nothing and exit 0."""
+    return not path.name.startswith("_") and "__name__ == " in path.read_text(encoding="utf-8")
+
+
 def available_recipes() -> list[str]:
     return sorted({p.stem for folder in _recipe_folders() if folder.is_dir() for p in folder.glob("*.py")
-                   if not p.name.startswith("_")})
+                   if _is_recipe(p)})
 
 
 def resolve_recipe(recipe: str) -> Path:
@@ -149,9 +155,10 @@ def resolve_recipe(recipe: str) -> Path:
             return Path(recipe).resolve()
         raise CommandError(f"no recipe script at {recipe}.", code=2)
     found = next((folder / f"{recipe}.py" for folder in _recipe_folders() if (folder / f"{recipe}.py").is_file()), None)
-    if found is None:
+    if found is None or not _is_recipe(found):
         known = ", ".join(available_recipes()) or "none found"
-        raise CommandError(f"unknown recipe {recipe!r}. Available recipes: {known}.", code=2)
+        what = f"unknown recipe {recipe!r}" if found is None else f"{found} is not a recipe (no __main__ block)"
+        raise CommandError(f"{what}. Available recipes: {known}.", code=2)
     return found.resolve()
 
 

@@ -116,7 +116,7 @@ def recipes(tmp_path, monkeypatch) -> Path:
         "    json.dump({'argv': sys.argv, 'helper': helper_mod.VALUE}, open(out, 'w'))\n"
     )
     (tmp_path / "recipes" / "fail.py").write_text(
-        "import sys\nsys.exit(sys.argv[1] if len(sys.argv) > 1 else 3)\n"
+        "import sys\nif __name__ == '__main__':\n    sys.exit(sys.argv[1] if len(sys.argv) > 1 else 3)\n"
     )
     monkeypatch.chdir(tmp_path)
     return tmp_path / "recipes"
@@ -153,7 +153,9 @@ def test_run_exit_codes(recipes, capsys):
         err.startswith("error: unknown recipe 'nope'. Available recipes: ")
         and "echo" in err
         and "fail" in err
+        and "helper_mod" not in err  # a module the recipes import is not a recipe (no __main__ block)
     )
+    assert main(["run", "helper_mod"]) == 2  # it would have run, done nothing and exited 0
     assert main(["run", "missing/script.py"]) == 2
 
 
