@@ -187,6 +187,10 @@ def cmd_card(args: argparse.Namespace) -> int:
 
     fields = {"teacher": args.teacher, "datasets": args.dataset, "dataset_name": args.dataset_name,
               "license": args.license, "language": args.language, "method": args.method, "model_name": args.repo_id}
+    folder = Path(args.student_dir)
+    if folder.is_dir() and not any((folder / name).is_file() for name in ("config.json", "adapter_config.json")):
+        raise CommandError(f"{folder} holds no config.json, so it is not a saved student (a card would describe "
+                           "nothing): save it with trainer.save_model() or model.save_pretrained() first.")
     print(f"Wrote {write_model_card(args.student_dir, **{k: v for k, v in fields.items() if v})}")
     return 0
 

@@ -196,6 +196,9 @@ def test_card_of_a_missing_folder_fails_cleanly(tmp_path, capsys):
     assert main(["card", str(tmp_path / "nope")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
+    (tmp_path / "empty").mkdir()  # a folder without a saved model: no card written into it
+    assert main(["card", str(tmp_path / "empty")]) == 1
+    assert "not a saved student" in capsys.readouterr().err and not any((tmp_path / "empty").iterdir())
 
 
 @pytest.mark.slow
