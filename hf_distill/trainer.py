@@ -42,6 +42,7 @@ from .routed_signal import is_signal
 from .serving.client import is_teacher_url
 from .task_loss import plain_task_loss
 from .trainer_projections import PROJECTIONS_ATTR, PROJECTIONS_FILE, ProjectionTraining, _ClearProjectionGradients
+from .trainer_runs import check_resumable, distils_unlabeled, unlabeled_prediction_step
 
 logger = logging.get_logger(__name__)
 
@@ -225,6 +226,8 @@ class DistillationMixin(ProjectionTraining):
         return model
 
     def train(self, *args: Any, **kwargs: Any):
+        # a checkpoint written with save_only_model would resume with a new optimizer and its schedule from step 0
+        check_resumable(self, args[0] if args else kwargs.get("resume_from_checkpoint"))
         # Components of compute_loss calls made before training (by hand, in train mode) are not the run's.
         self.distiller.tracker.reset()
         if self.distiller.pairing is not None:
@@ -349,7 +352,10 @@ class DistillationMixin(ProjectionTraining):
 
     def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None, **kwargs: Any):
-        """The Trainer class's own, except inside `evaluate_teacher`, where the teacher predicts."""
+        """The Trainer class's own, except inside `evaluate_teacher`, where the teacher predicts, and for a batch
+        without labels under `eval_with_teacher`, whose distillation loss the Trainer's would not compute."""
+        if not self._evaluating_teacher and distils_unlabeled(self, inputs, prediction_loss_only):
+            return unlabeled_prediction_step(self, model, inputs, prediction_loss_only, ignore_keys)
         if not self._evaluating_teacher:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **kwargs)
         return self._teacher_prediction_step(inputs, prediction_loss_only, ignore_keys)

@@ -1,0 +1,82 @@
+"""What a distillation run's evaluation and resumption need beyond the Trainer's own, where the Trainer's would be
+silently wrong.
+
+* With `eval_with_teacher=True` a batch without labels still has a loss (the teacher's terms), but
+  `Trainer.prediction_step` runs the model alone on it and reports none, so `eval_loss` went missing.
+* A checkpoint written with `save_only_model=True` holds no optimizer, scheduler or RNG state; the Trainer resumes
+  it anyway, with a new optimizer and its learning-rate schedule restarted from step 0 at the checkpoint's step.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from .compat import prepare_inputs
+
+
+def distils_unlabeled(trainer: Any, inputs: dict[str, Any], prediction_loss_only: bool) -> bool:
+    """True for an evaluation batch the Trainer would run without a loss although `eval_with_teacher` gives it
+    one: it lacks the label keys, and the Trainer asks no loss of the model (`can_return_loss` without label names).
+    Generation (`predict_with_generate`) is left to the Seq2Seq trainer."""
+    if not trainer.args.eval_with_teacher:
+        return False
+    if getattr(trainer.args, "predict_with_generate", False) and not prediction_loss_only:
+        return False
+    names = trainer.label_names
+    if names and all(inputs.get(k) is not None for k in names):
+        return False
+    return_loss = inputs.get("return_loss")
+    return_loss = trainer.can_return_loss if return_loss is None else return_loss
+    return bool(names) or not return_loss  # no names + a loss the model returns: the Trainer computes it itself
+
+
+def unlabeled_prediction_step(trainer: Any, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
+                              ignore_keys: list[str] | None = None):
+    """`Trainer.prediction_step` for such a batch: the distillation loss of `compute_loss`, the student's outputs as
+    predictions (read as the Trainer reads them), no labels."""
+    from transformers.trainer_pt_utils import nested_detach
+
+    inputs = prepare_inputs(trainer, inputs)
+    with torch.no_grad(), trainer.compute_loss_context_manager():
+        loss, outputs = trainer.compute_loss(model, inputs, return_outputs=True)
+    loss = loss.detach().mean()
+    if prediction_loss_only:
+        return loss, None, None
+    if ignore_keys is None:
+        config = getattr(trainer.model, "config", None)
+        ignore_keys = getattr(config, "keys_to_ignore_at_inference", ["cache"]) if config is not None else []
+    if isinstance(outputs, dict):
+        logits = tuple(v for k, v in outputs.items() if k not in [*ignore_keys, "loss"])
+    else:
+        logits = outputs[1:]
+    logits = nested_detach(logits)
+    return loss, logits[0] if len(logits) == 1 else logits, None
+
+
+def check_resumable(trainer: Any, resume_from_checkpoint: str | bool | None) -> None:
+    """Refuse to resume a checkpoint written with `save_only_model=True` (no optimizer state in it), before the
+    Trainer loads it: it would continue at the checkpoint's step with a fresh optimizer and its schedule from 0."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    folder = resume_from_checkpoint
+    if folder is True:
+        folder = get_last_checkpoint(trainer.args.output_dir) if os.path.isdir(trainer.args.output_dir) else None
+    if not isinstance(folder, str | os.PathLike) or not os.path.isdir(folder):
+        return  # none given, or one the Trainer reports itself
+    names = os.listdir(folder)
+    # optimizer.pt / .bin, FSDP's optimizer_* folders, SageMaker's and XLA's per-rank files, DeepSpeed's global_step*
+    if any("optimizer" in n or n.startswith("global_step") for n in names):
+        return
+    raise ValueError(
+        f"resume_from_checkpoint={str(folder)!r} holds no optimizer state (it was written with save_only_model=True): "
+        "the Trainer would resume it at its step with a new optimizer and the learning-rate schedule restarted from "
+        "step 0. Resume from a checkpoint written without save_only_model, or start a new run from its weights (load "
+        "the student from that folder and train without resume_from_checkpoint)."
+    )
+
+
+__all__ = ["check_resumable", "distils_unlabeled", "unlabeled_prediction_step"]

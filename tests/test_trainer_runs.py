@@ -1,0 +1,77 @@
+"""Evaluation, best-model loading and resumption of a distillation run where the Trainer's own would be silently
+wrong (hf_distill.trainer_runs, and the projections' `_load_best_model`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import args, bert, collate, token_dataset
+from helpers import teacher as make_teacher
+
+from hf_distill import DistillationTrainer
+
+
+def _trainer(tmp_path, student=None, data=None, eval_dataset=None, compute_metrics=None, **kw):
+    kw.setdefault("max_steps", 1)
+    return DistillationTrainer(
+        model=student if student is not None else bert(2),
+        teacher_model=make_teacher(),
+        args=args(tmp_path, **kw),
+        train_dataset=data if data is not None else token_dataset(8),
+        eval_dataset=eval_dataset,
+        data_collator=collate,
+        compute_metrics=compute_metrics,
+    )
+
+
+def test_eval_with_teacher_reports_the_distillation_loss_of_rows_without_labels(tmp_path):
+    """The Trainer runs the student alone on a batch without labels and reports no loss; with eval_with_teacher the
+    teacher's terms give it one, and the predictions stay the student's logits."""
+    unlabeled = token_dataset(8).remove_columns(["label"])
+    trainer = _trainer(tmp_path, eval_with_teacher=True, per_device_eval_batch_size=8, task_weight=0.0)
+    out = trainer.predict(unlabeled)
+    batch = collate([unlabeled[i] for i in range(8)])
+    trainer.model.eval()
+    with torch.no_grad():
+        logits = trainer.model(**batch).logits
+        expected = trainer.compute_loss(trainer.model, dict(batch))
+    assert out.label_ids is None
+    assert np.allclose(out.predictions, logits.numpy(), atol=1e-6)
+    assert out.metrics["test_loss"] == pytest.approx(float(expected), rel=1e-5)
+    assert float(expected) > 0
+    assert "eval_loss" in trainer.evaluate(unlabeled)
+    assert "eval_loss" not in _trainer(tmp_path).evaluate(unlabeled)  # without the teacher: the Trainer's own
+
+
+def test_load_best_model_at_end_restores_the_best_checkpoints_projections(tmp_path):
+    """The best checkpoint's student comes back with the projections it was saved with, not the last step's."""
+    scores = iter([0.9, 0.1])
+
+    def metrics(_):
+        return {"score": next(scores)}
+
+    data = token_dataset(8)
+    trainer = _trainer(tmp_path, student=bert(2, hidden=16), data=data, eval_dataset=data.select(range(2)),
+                       compute_metrics=metrics, max_steps=2, per_device_train_batch_size=4, eval_strategy="steps",
+                       eval_steps=1, save_strategy="steps", save_steps=1, load_best_model_at_end=True,
+                       metric_for_best_model="score", distill_terms=["loss=hidden_mse,layers=uniform"])
+    trainer.train()
+    best = tmp_path / "out" / "checkpoint-1"
+    assert trainer.state.best_model_checkpoint == str(best)
+    saved = torch.load(best / "distill_projections.pt", weights_only=True)
+    last = torch.load(tmp_path / "out" / "checkpoint-2" / "distill_projections.pt", weights_only=True)
+    assert not all(torch.equal(saved[k], last[k]) for k in saved)  # the projections trained between the two
+    now = trainer.distiller.projections.state_dict()
+    assert all(torch.equal(saved[k], now[k]) for k in saved)
+
+
+def test_a_checkpoint_saved_without_its_optimizer_is_refused_for_resumption(tmp_path):
+    """save_only_model writes no optimizer or scheduler state: resuming would restart both at the checkpoint's step."""
+    _trainer(tmp_path, save_strategy="steps", save_steps=1, save_only_model=True).train()
+    checkpoint = tmp_path / "out" / "checkpoint-1"
+    again = _trainer(tmp_path, max_steps=2)
+    for given in (str(checkpoint), True):
+        with pytest.raises(ValueError, match="holds no optimizer state.*save_only_model=True"):
+            again.train(resume_from_checkpoint=given)
+    assert again.state.global_step == 0
