@@ -42,7 +42,7 @@ from .routed_signal import is_signal
 from .serving.client import is_teacher_url
 from .task_loss import plain_task_loss
 from .trainer_projections import PROJECTIONS_ATTR, PROJECTIONS_FILE, ProjectionTraining, _ClearProjectionGradients
-from .trainer_runs import check_resumable, distils_unlabeled, unlabeled_prediction_step
+from .trainer_runs import check_best_metric, check_resumable, distils_unlabeled, unlabeled_prediction_step
 
 logger = logging.get_logger(__name__)
 
@@ -228,6 +228,7 @@ class DistillationMixin(ProjectionTraining):
     def train(self, *args: Any, **kwargs: Any):
         # a checkpoint written with save_only_model would resume with a new optimizer and its schedule from step 0
         check_resumable(self, args[0] if args else kwargs.get("resume_from_checkpoint"))
+        check_best_metric(self)  # an eval_loss whose weights a schedule changes cannot pick the best checkpoint
         # Components of compute_loss calls made before training (by hand, in train mode) are not the run's.
         self.distiller.tracker.reset()
         if self.distiller.pairing is not None:

@@ -5,6 +5,8 @@ silently wrong.
   `Trainer.prediction_step` runs the model alone on it and reports none, so `eval_loss` went missing.
 * A checkpoint written with `save_only_model=True` holds no optimizer, scheduler or RNG state; the Trainer resumes
   it anyway, with a new optimizer and its learning-rate schedule restarted from step 0 at the checkpoint's step.
+* With `eval_with_teacher=True`, `eval_loss` is the distillation loss at the step's settings: a callback that
+  changes them (a schedule, stages) makes evaluations incomparable, so it cannot choose the best checkpoint.
 """
 
 from __future__ import annotations
@@ -79,4 +81,29 @@ def check_resumable(trainer: Any, resume_from_checkpoint: str | bool | None) -> 
     )
 
 
-__all__ = ["check_resumable", "distils_unlabeled", "unlabeled_prediction_step"]
+def check_best_metric(trainer: Any) -> None:
+    """Refuse `metric_for_best_model` on an evaluation loss (set by `load_best_model_at_end` when not given) while
+    that loss is the distillation loss (`eval_with_teacher`) and a callback changes its weights, temperature or terms
+    during the run: each evaluation would weigh another loss, and the best checkpoint, early stopping and
+    ReduceLROnPlateau would follow the schedule rather than the student."""
+    args = trainer.args
+    metric = args.metric_for_best_model
+    if not args.eval_with_teacher or metric is None:
+        return
+    metric = metric if metric.startswith("eval_") else f"eval_{metric}"
+    sets = trainer.eval_dataset if isinstance(trainer.eval_dataset, dict) else {}
+    if metric != "eval_loss" and metric not in {f"eval_{name}_loss" for name in sets}:
+        return
+    changing = [type(c).__name__ for c in trainer.callback_handler.callbacks
+                if callable(getattr(c, "distill_log_values", None))]  # ScheduleCallback, StageSwitchCallback
+    if changing:
+        raise ValueError(
+            f"metric_for_best_model={args.metric_for_best_model!r} compares evaluation losses, but with "
+            f"eval_with_teacher=True each is the distillation loss at that step's settings, which {changing[0]} "
+            "changes during the run: the best checkpoint would follow the schedule, not the student. Set "
+            "eval_with_teacher=False (eval_loss is then the student's task loss), or set metric_for_best_model to a "
+            "metric of compute_metrics."
+        )
+
+
+__all__ = ["check_best_metric", "check_resumable", "distils_unlabeled", "unlabeled_prediction_step"]

@@ -75,3 +75,24 @@ def test_a_checkpoint_saved_without_its_optimizer_is_refused_for_resumption(tmp_
         with pytest.raises(ValueError, match="holds no optimizer state.*save_only_model=True"):
             again.train(resume_from_checkpoint=given)
     assert again.state.global_step == 0
+
+
+def test_an_eval_loss_a_schedule_changes_cannot_choose_the_best_checkpoint(tmp_path):
+    """With eval_with_teacher, eval_loss is the distillation loss at the step's kd_weight and temperature: while a
+    schedule moves them, it cannot rank checkpoints (load_best_model_at_end's default metric is that loss)."""
+    from hf_distill.callbacks import ScheduleCallback
+    from hf_distill.trainer_runs import check_best_metric
+
+    data = token_dataset(8)
+    best = dict(eval_strategy="steps", save_strategy="steps", load_best_model_at_end=True, eval_with_teacher=True)
+    trainer = _trainer(tmp_path, data=data, eval_dataset=data, **best)
+    trainer.add_callback(ScheduleCallback({"temperature": {"start": 4.0, "end": 1.0}}))
+    with pytest.raises(ValueError, match="metric_for_best_model='loss'.*ScheduleCallback.*eval_with_teacher=False"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    per_set = _trainer(tmp_path, data=data, eval_dataset={"dev": data}, metric_for_best_model="dev_loss", **best)
+    per_set.add_callback(ScheduleCallback({"kd_weight": {"start": 1.0, "end": 0.5}}))
+    with pytest.raises(ValueError, match="'dev_loss'"):
+        check_best_metric(per_set)
+    check_best_metric(_trainer(tmp_path, data=data, eval_dataset=data, **best))  # no schedule: comparable
+    check_best_metric(_trainer(tmp_path, data=data, eval_dataset=data, **{**best, "eval_with_teacher": False}))
