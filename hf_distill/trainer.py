@@ -24,6 +24,7 @@ from transformers import PreTrainedModel, Trainer
 from transformers.trainer_callback import CallbackHandler
 from transformers.utils import logging
 
+from . import trainer_runs as runs
 from .argument_checks import check_fp16_device
 from .arguments import DistillationArguments, as_distillation_arguments
 from .compat import add_signature_columns, children_dict, prepare_inputs, signature_columns
@@ -42,7 +43,6 @@ from .routed_signal import is_signal
 from .serving.client import is_teacher_url
 from .task_loss import plain_task_loss
 from .trainer_projections import PROJECTIONS_ATTR, PROJECTIONS_FILE, ProjectionTraining, _ClearProjectionGradients
-from .trainer_runs import check_best_metric, check_resumable, distils_unlabeled, unlabeled_prediction_step
 
 logger = logging.get_logger(__name__)
 
@@ -227,8 +227,8 @@ class DistillationMixin(ProjectionTraining):
 
     def train(self, *args: Any, **kwargs: Any):
         # a checkpoint written with save_only_model would resume with a new optimizer and its schedule from step 0
-        check_resumable(self, args[0] if args else kwargs.get("resume_from_checkpoint"))
-        check_best_metric(self)  # an eval_loss whose weights a schedule changes cannot pick the best checkpoint
+        runs.check_resumable(self, args[0] if args else kwargs.get("resume_from_checkpoint"))
+        runs.check_best_metric(self)  # an eval_loss whose weights a schedule changes cannot pick the best checkpoint
         # Components of compute_loss calls made before training (by hand, in train mode) are not the run's.
         self.distiller.tracker.reset()
         if self.distiller.pairing is not None:
@@ -245,6 +245,11 @@ class DistillationMixin(ProjectionTraining):
             for callback in self.callback_handler.callbacks:
                 if callable(getattr(callback, "restore_trainable", None)):
                     callback.restore_trainable(self.model)
+
+    def hyperparameter_search(self, hp_space: Any = None, compute_objective: Any = None, *args: Any, **kwargs: Any):
+        """The Trainer's, refusing its default objective where that is the distillation loss (trainer_runs)."""
+        runs.check_search_objective(self, compute_objective)
+        return super().hyperparameter_search(hp_space, compute_objective, *args, **kwargs)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and self.distiller.tracker:
@@ -355,8 +360,8 @@ class DistillationMixin(ProjectionTraining):
                         ignore_keys: list[str] | None = None, **kwargs: Any):
         """The Trainer class's own, except inside `evaluate_teacher`, where the teacher predicts, and for a batch
         without labels under `eval_with_teacher`, whose distillation loss the Trainer's would not compute."""
-        if not self._evaluating_teacher and distils_unlabeled(self, inputs, prediction_loss_only):
-            return unlabeled_prediction_step(self, model, inputs, prediction_loss_only, ignore_keys)
+        if not self._evaluating_teacher and runs.distils_unlabeled(self, inputs, prediction_loss_only):
+            return runs.unlabeled_prediction_step(self, model, inputs, prediction_loss_only, ignore_keys)
         if not self._evaluating_teacher:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **kwargs)
         return self._teacher_prediction_step(inputs, prediction_loss_only, ignore_keys)

@@ -6,7 +6,8 @@ silently wrong.
 * A checkpoint written with `save_only_model=True` holds no optimizer, scheduler or RNG state; the Trainer resumes
   it anyway, with a new optimizer and its learning-rate schedule restarted from step 0 at the checkpoint's step.
 * With `eval_with_teacher=True`, `eval_loss` is the distillation loss at the step's settings: a callback that
-  changes them (a schedule, stages) makes evaluations incomparable, so it cannot choose the best checkpoint.
+  changes them (a schedule, stages) makes evaluations incomparable, so it cannot choose the best checkpoint, nor
+  (as `hyperparameter_search`'s default objective) rank trials that set other weights or temperatures.
 """
 
 from __future__ import annotations
@@ -106,4 +107,18 @@ def check_best_metric(trainer: Any) -> None:
         )
 
 
-__all__ = ["check_best_metric", "check_resumable", "distils_unlabeled", "unlabeled_prediction_step"]
+def check_search_objective(trainer: Any, compute_objective: Any) -> None:
+    """Refuse `hyperparameter_search`'s default objective when it is the distillation `eval_loss`: without
+    `compute_metrics` it is `eval_loss`, which under `eval_with_teacher` each trial weighs by its own `kd_weight`,
+    `task_weight` and `temperature`, so the search would favour the trial whose loss is scaled down."""
+    if compute_objective is None and trainer.compute_metrics is None and trainer.args.eval_with_teacher:
+        raise ValueError(
+            "hyperparameter_search's default objective is eval_loss, which with eval_with_teacher=True is the "
+            "distillation loss at each trial's kd_weight, task_weight and temperature: trials that set them "
+            "differently are not compared on one scale. Pass compute_objective= (e.g. a compute_metrics metric), or "
+            "set eval_with_teacher=False (eval_loss is then the student's task loss)."
+        )
+
+
+__all__ = ["check_best_metric", "check_resumable", "check_search_objective", "distils_unlabeled",
+           "unlabeled_prediction_step"]

@@ -96,3 +96,14 @@ def test_an_eval_loss_a_schedule_changes_cannot_choose_the_best_checkpoint(tmp_p
         check_best_metric(per_set)
     check_best_metric(_trainer(tmp_path, data=data, eval_dataset=data, **best))  # no schedule: comparable
     check_best_metric(_trainer(tmp_path, data=data, eval_dataset=data, **{**best, "eval_with_teacher": False}))
+
+
+def test_a_search_ranked_by_the_distillation_eval_loss_is_refused(tmp_path):
+    """hyperparameter_search's default objective (no compute_metrics) is eval_loss: under eval_with_teacher each trial
+    would weigh it by its own kd_weight and temperature."""
+    data = token_dataset(8)
+    trainer = DistillationTrainer(model_init=lambda: bert(2), teacher_model=make_teacher(), data_collator=collate,
+                                  args=args(tmp_path, max_steps=1, eval_with_teacher=True), train_dataset=data,
+                                  eval_dataset=data)
+    with pytest.raises(ValueError, match="default objective is eval_loss.*compute_objective="):
+        trainer.hyperparameter_search(hp_space=lambda trial: {"temperature": 2.0}, backend="optuna", n_trials=1)
