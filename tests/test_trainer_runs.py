@@ -8,6 +8,7 @@ import pytest
 import torch
 from helpers import args, bert, collate, token_dataset
 from helpers import teacher as make_teacher
+from safetensors import safe_open
 
 from hf_distill import DistillationTrainer
 
@@ -64,6 +65,11 @@ def test_load_best_model_at_end_restores_the_best_checkpoints_projections(tmp_pa
     assert not all(torch.equal(saved[k], last[k]) for k in saved)  # the projections trained between the two
     now = trainer.distiller.projections.state_dict()
     assert all(torch.equal(saved[k], now[k]) for k in saved)
+    with safe_open(str(best / "model.safetensors"), "pt") as f:  # the student alone: no teacher, no projection
+        assert set(f.keys()) == set(trainer.model.state_dict())
+    groups = torch.load(best / "optimizer.pt", weights_only=True)["param_groups"]
+    trained = [*trainer.model.parameters(), *trainer.distiller.projections.parameters()]
+    assert sum(len(g["params"]) for g in groups) == len(trained)  # no teacher parameter in the optimizer
 
 
 def test_a_checkpoint_saved_without_its_optimizer_is_refused_for_resumption(tmp_path):
