@@ -113,3 +113,29 @@ def test_a_search_ranked_by_the_distillation_eval_loss_is_refused(tmp_path):
                                   eval_dataset=data)
     with pytest.raises(ValueError, match="default objective is eval_loss.*compute_objective="):
         trainer.hyperparameter_search(hp_space=lambda trial: {"temperature": 2.0}, backend="optuna", n_trials=1)
+
+
+def test_evaluation_with_the_teacher_hands_compute_metrics_what_the_trainer_does(tmp_path):
+    """eval_with_teacher changes the loss only: compute_metrics gets the student's logits, the labels, the inputs and
+    the per-batch losses (include_for_metrics), under each evaluation set's prefix; the teacher's own are teacher_*."""
+    data = token_dataset(8)
+    seen = {}
+
+    def metrics(p):
+        seen[len(seen)] = p
+        return {"acc": float((p.predictions.argmax(-1) == p.label_ids).mean())}
+
+    trainer = _trainer(tmp_path, eval_dataset={"a": data, "b": data.select(range(4))}, compute_metrics=metrics,
+                       eval_with_teacher=True, include_for_metrics=["inputs", "loss"], per_device_eval_batch_size=4)
+    out = trainer.evaluate()
+    assert {"eval_a_loss", "eval_a_acc", "eval_b_loss", "eval_b_acc"} <= set(out)
+    first = seen[0]
+    batch = collate([data[i] for i in range(4)])
+    trainer.model.eval()
+    with torch.no_grad():
+        logits = trainer.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    assert np.allclose(first.predictions[:4, :], logits.numpy(), atol=1e-6)  # the student's, not the teacher's
+    assert np.array_equal(first.label_ids, np.array(data["label"]))
+    assert np.array_equal(first.inputs[:4, : batch["input_ids"].shape[1]], batch["input_ids"].numpy())
+    assert first.losses.shape == (8,) and out["eval_a_loss"] == pytest.approx(float(first.losses.mean()), rel=1e-5)
+    assert {"teacher_a_loss", "teacher_a_acc"} <= set(trainer.evaluate_teacher())
