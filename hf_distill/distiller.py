@@ -456,7 +456,7 @@ class Distiller:
                 self.pairing.add({**inputs, **cached})
         if self.student_hook is not None:
             self.student_hook(model, s_out, inputs, not path.whole_logits)
-        return (loss, self._predictions(s_out, distill)) if return_outputs else loss
+        return (loss, self._predictions(s_out, distill, student.inner)) if return_outputs else loss
 
     def _counts(self, inputs: dict[str, Any]) -> torch.Tensor:
         counts = batch_counts(inputs, self._token_labels, self.settings.kd_token_mask, self._causal,
@@ -505,12 +505,14 @@ class Distiller:
                     terms[name] = terms[name] * self._step.scale(kind, float(local[COUNT_KINDS.index(kind)]))
         return terms
 
-    def _predictions(self, s_out, distill: bool) -> dict[str, Any]:
-        """The student's outputs for predictions and compute_metrics: never what was asked for the loss only."""
+    def _predictions(self, s_out, distill: bool, inner: nn.Module) -> dict[str, Any]:
+        """The student's outputs for predictions and compute_metrics: never what was asked for the loss only (hidden
+        states its config asks for itself are the user's, as without the teacher)."""
         outputs = s_out if isinstance(s_out, dict) else {"logits": heads_mod._logits(s_out)}
         loss_only = {"distill_losses"}  # a self-distilling student's terms are not predictions
         taps = self.intermediate.student_taps if (distill and self.intermediate) else None
-        if taps is not None and "output_hidden_states" in taps.forward_kwargs():
+        own = getattr(getattr(inner, "config", None), "output_hidden_states", False) is True
+        if taps is not None and "output_hidden_states" in taps.forward_kwargs() and not own:
             loss_only.add("hidden_states")
         return {k: v for k, v in outputs.items() if k not in loss_only}
 
