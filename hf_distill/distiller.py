@@ -65,6 +65,7 @@ from .teacher import (
     load_teacher,
     per_teacher,
     shares_parameters,
+    switches_adapters_off,
     teacher_weights,
     validate_pair,
 )
@@ -168,6 +169,13 @@ class Distiller:
         self.shared_base = bool(teachers) and shares_parameters(teachers[0], student)
         if any(shares_parameters(t, student) for t in teachers[1:]):
             raise ValueError("Only the first teacher may share its parameters with the student (self-distillation).")
+        if self.shared_base and not switches_adapters_off(teachers[0]):
+            raise ValueError(  # no adapters to switch off: the teacher would be the student being trained
+                f"teacher_model ({type(unwrap(teachers[0])).__name__}) shares parameters with the student but is not a "
+                "PEFT model whose adapters can be switched off, so the teacher would be (part of) the student being "
+                "trained and KD would compare it with itself. Pass a separate teacher (e.g. copy.deepcopy of it, made "
+                "before get_peft_model changes a base in place), or a PEFT student as its own teacher."
+            )
         # Frozen, eval mode, and replicated or sharded as the accelerator's mode requires (hf_distill.placement).
         self.teachers = [
             t if (i == 0 and self.shared_base) else self._place(t, student) for i, t in enumerate(teachers)
