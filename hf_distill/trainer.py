@@ -311,6 +311,13 @@ class DistillationMixin(ProjectionTraining):
         `self.teacher_metrics`, which the model card reports next to the student's; they are logged too."""
         if self.teacher is None:
             raise ValueError("evaluate_teacher needs a teacher: this trainer was given no teacher_model.")
+        router = self.distiller.router
+        if router is not None and len(router.names) > 1:  # the first teacher would be scored on every teacher's rows
+            raise ValueError(
+                "evaluate_teacher scores one teacher on every row, but this run routes its rows to "
+                f"{len(router.names)} named teachers ({', '.join(router.names)}): its metrics would not be those of "
+                "the teachers the student learnt from. Evaluate each teacher on its own rows with a trainer of its own."
+            )
         if metric_key_prefix == "eval":
             raise ValueError(
                 "metric_key_prefix='eval' would log the teacher's metrics as the student's (eval_*). Keep the "
