@@ -11,6 +11,7 @@ from helpers import teacher as make_teacher
 from safetensors import safe_open
 
 from hf_distill import DistillationTrainer
+from hf_distill.publish.report import DistillationReport
 
 
 def _trainer(tmp_path, student=None, data=None, eval_dataset=None, compute_metrics=None, **kw):
@@ -70,6 +71,8 @@ def test_load_best_model_at_end_restores_the_best_checkpoints_projections(tmp_pa
     groups = torch.load(best / "optimizer.pt", weights_only=True)["param_groups"]
     trained = [*trainer.model.parameters(), *trainer.distiller.projections.parameters()]
     assert sum(len(g["params"]) for g in groups) == len(trained)  # no teacher parameter in the optimizer
+    report = DistillationReport.from_trainer(trainer)  # the card describes the weights restored
+    assert report.student_metrics["score"] == 0.9 and report.eval_step == 1
 
 
 def test_a_checkpoint_saved_without_its_optimizer_is_refused_for_resumption(tmp_path):
