@@ -32,6 +32,9 @@ def distils_unlabeled(trainer: Any, inputs: dict[str, Any], prediction_loss_only
     names = trainer.label_names
     if names and all(inputs.get(k) is not None for k in names):
         return False
+    settings = trainer.distiller.settings
+    if settings.kd_weight == 0 and not any(t.weight > 0 for t in settings.terms):
+        return False  # the teacher adds nothing now (a stage of the task loss alone): no loss, as the Trainer's
     return_loss = inputs.get("return_loss")
     return_loss = trainer.can_return_loss if return_loss is None else return_loss
     return bool(names) or not return_loss  # no names + a loss the model returns: the Trainer computes it itself

@@ -44,6 +44,8 @@ def test_eval_with_teacher_reports_the_distillation_loss_of_rows_without_labels(
     assert float(expected) > 0
     assert "eval_loss" in trainer.evaluate(unlabeled)
     assert "eval_loss" not in _trainer(tmp_path).evaluate(unlabeled)  # without the teacher: the Trainer's own
+    task_only = _trainer(tmp_path, eval_with_teacher=True, kd_weight=0.0, task_weight=1.0)  # the teacher adds nothing
+    assert "eval_loss" not in task_only.evaluate(unlabeled)
 
 
 def test_load_best_model_at_end_restores_the_best_checkpoints_projections(tmp_path):
