@@ -370,6 +370,7 @@ class DistillationMixin(ProjectionTraining):
         if not self._evaluating_teacher and runs.distils_unlabeled(self, inputs, prediction_loss_only):
             return runs.unlabeled_prediction_step(self, model, inputs, prediction_loss_only, ignore_keys)
         if not self._evaluating_teacher:
+            inputs = runs.student_batch(self, inputs)  # a batch the student runs alone: no teacher-only keys
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **kwargs)
         return self._teacher_prediction_step(inputs, prediction_loss_only, ignore_keys)
 

@@ -2,7 +2,8 @@
 silently wrong.
 
 * With `eval_with_teacher=True` a batch without labels still has a loss (the teacher's terms), but
-  `Trainer.prediction_step` runs the model alone on it and reports none, so `eval_loss` went missing.
+  `Trainer.prediction_step` runs the model alone on it and reports none, so `eval_loss` went missing; without the
+  teacher it hands the model the cached teacher columns the distillation keeps.
 * A checkpoint written with `save_only_model=True` holds no optimizer, scheduler or RNG state; the Trainer resumes
   it anyway, with a new optimizer and its learning-rate schedule restarted from step 0 at the checkpoint's step.
 * With `eval_with_teacher=True`, `eval_loss` is the distillation loss at the step's settings: a callback that
@@ -18,26 +19,41 @@ from typing import Any
 import torch
 from torch import nn
 
+from .base.batch_keys import PROMPT_KEYS, TEACHER_PREFIX
 from .compat import prepare_inputs
+
+
+def runs_model_alone(trainer: Any, inputs: dict[str, Any]) -> bool:
+    """Whether `Trainer.prediction_step` hands this batch to the model itself, not to `compute_loss`: it lacks the
+    label keys, and the Trainer asks no loss of the model (`can_return_loss` without label names)."""
+    names = trainer.label_names
+    if names and all(inputs.get(k) is not None for k in names):
+        return False
+    return_loss = inputs.get("return_loss")
+    return_loss = trainer.can_return_loss if return_loss is None else return_loss
+    return bool(names) or not return_loss
 
 
 def distils_unlabeled(trainer: Any, inputs: dict[str, Any], prediction_loss_only: bool) -> bool:
     """True for an evaluation batch the Trainer would run without a loss although `eval_with_teacher` gives it
-    one: it lacks the label keys, and the Trainer asks no loss of the model (`can_return_loss` without label names).
-    Generation (`predict_with_generate`) is left to the Seq2Seq trainer."""
+    one. Generation (`predict_with_generate`) is left to the Seq2Seq trainer."""
     if not trainer.args.eval_with_teacher:
         return False
     if getattr(trainer.args, "predict_with_generate", False) and not prediction_loss_only:
         return False
-    names = trainer.label_names
-    if names and all(inputs.get(k) is not None for k in names):
-        return False
     settings = trainer.distiller.settings
     if settings.kd_weight == 0 and not any(t.weight > 0 for t in settings.terms):
         return False  # the teacher adds nothing now (a stage of the task loss alone): no loss, as the Trainer's
-    return_loss = inputs.get("return_loss")
-    return_loss = trainer.can_return_loss if return_loss is None else return_loss
-    return bool(names) or not return_loss  # no names + a loss the model returns: the Trainer computes it itself
+    return runs_model_alone(trainer, inputs)
+
+
+def student_batch(trainer: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+    """The batch without the keys only the loss reads (cached `teacher_*` columns, generation prompts) where the
+    Trainer hands it to the student itself: a forward without `**kwargs` refuses them (a plain Trainer never had
+    them, since only the distillation keeps those columns)."""
+    if not runs_model_alone(trainer, inputs):
+        return inputs
+    return {k: v for k, v in inputs.items() if not k.startswith(TEACHER_PREFIX) and k not in PROMPT_KEYS}
 
 
 def unlabeled_prediction_step(trainer: Any, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
@@ -124,4 +140,4 @@ def check_search_objective(trainer: Any, compute_objective: Any) -> None:
 
 
 __all__ = ["check_best_metric", "check_resumable", "check_search_objective", "distils_unlabeled",
-           "unlabeled_prediction_step"]
+           "runs_model_alone", "student_batch", "unlabeled_prediction_step"]

@@ -6,9 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import args, bert, collate, token_dataset
 from helpers import teacher as make_teacher
 from safetensors import safe_open
+from torch import nn
 
 from hf_distill import DistillationTrainer
 from hf_distill.publish.report import DistillationReport
@@ -144,3 +146,26 @@ def test_evaluation_with_the_teacher_hands_compute_metrics_what_the_trainer_does
     assert np.array_equal(first.inputs[:4, : batch["input_ids"].shape[1]], batch["input_ids"].numpy())
     assert first.losses.shape == (8,) and out["eval_a_loss"] == pytest.approx(float(first.losses.mean()), rel=1e-5)
     assert {"teacher_a_loss", "teacher_a_acc"} <= set(trainer.evaluate_teacher())
+
+
+class _Plain(nn.Module):
+    """A student whose forward takes no `**kwargs`: it refuses any key it does not name."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.out = nn.EmbeddingBag(200, 16), nn.Linear(16, 2)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        logits = self.out(self.emb(input_ids))
+        return {"loss": F.cross_entropy(logits, labels), "logits": logits} if labels is not None else {"logits": logits}
+
+
+def test_a_student_predicting_alone_never_gets_the_cached_teacher_columns(tmp_path):
+    """Rows without labels go to the student's forward itself (no compute_loss): the teacher_* columns the
+    distillation keeps through column removal must not reach it (a plain Trainer would have dropped them)."""
+    rows = token_dataset(8).add_column("teacher_logits", [[0.5, -0.5]] * 8).remove_columns(["label"])
+    student = _Plain()
+    out = _trainer(tmp_path, student=student, per_device_eval_batch_size=8).predict(rows)
+    batch = collate([{"input_ids": r} for r in rows["input_ids"]])
+    assert np.allclose(out.predictions, student(batch["input_ids"])["logits"].detach().numpy(), atol=1e-6)
