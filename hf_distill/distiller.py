@@ -65,6 +65,7 @@ from .teacher import (
     load_teacher,
     per_teacher,
     shares_parameters,
+    switches_adapters_off,
     teacher_weights,
     validate_pair,
 )
@@ -168,6 +169,13 @@ class Distiller:
         self.shared_base = bool(teachers) and shares_parameters(teachers[0], student)
         if any(shares_parameters(t, student) for t in teachers[1:]):
             raise ValueError("Only the first teacher may share its parameters with the student (self-distillation).")
+        if self.shared_base and not switches_adapters_off(teachers[0]):
+            raise ValueError(  # no adapters to switch off: the teacher would be the student being trained
+                f"teacher_model ({type(unwrap(teachers[0])).__name__}) shares parameters with the student but is not a "
+                "PEFT model whose adapters can be switched off, so the teacher would be (part of) the student being "
+                "trained and KD would compare it with itself. Pass a separate teacher (e.g. copy.deepcopy of it, made "
+                "before get_peft_model changes a base in place), or a PEFT student as its own teacher."
+            )
         # Frozen, eval mode, and replicated or sharded as the accelerator's mode requires (hf_distill.placement).
         self.teachers = [
             t if (i == 0 and self.shared_base) else self._place(t, student) for i, t in enumerate(teachers)
@@ -456,7 +464,7 @@ class Distiller:
                 self.pairing.add({**inputs, **cached})
         if self.student_hook is not None:
             self.student_hook(model, s_out, inputs, not path.whole_logits)
-        return (loss, self._predictions(s_out, distill)) if return_outputs else loss
+        return (loss, self._predictions(s_out, distill, student.inner)) if return_outputs else loss
 
     def _counts(self, inputs: dict[str, Any]) -> torch.Tensor:
         counts = batch_counts(inputs, self._token_labels, self.settings.kd_token_mask, self._causal,
@@ -505,12 +513,14 @@ class Distiller:
                     terms[name] = terms[name] * self._step.scale(kind, float(local[COUNT_KINDS.index(kind)]))
         return terms
 
-    def _predictions(self, s_out, distill: bool) -> dict[str, Any]:
-        """The student's outputs for predictions and compute_metrics: never what was asked for the loss only."""
+    def _predictions(self, s_out, distill: bool, inner: nn.Module) -> dict[str, Any]:
+        """The student's outputs for predictions and compute_metrics: never what was asked for the loss only (hidden
+        states its config asks for itself are the user's, as without the teacher)."""
         outputs = s_out if isinstance(s_out, dict) else {"logits": heads_mod._logits(s_out)}
         loss_only = {"distill_losses"}  # a self-distilling student's terms are not predictions
         taps = self.intermediate.student_taps if (distill and self.intermediate) else None
-        if taps is not None and "output_hidden_states" in taps.forward_kwargs():
+        own = getattr(getattr(inner, "config", None), "output_hidden_states", False) is True
+        if taps is not None and "output_hidden_states" in taps.forward_kwargs() and not own:
             loss_only.add("hidden_states")
         return {k: v for k, v in outputs.items() if k not in loss_only}
 

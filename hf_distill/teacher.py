@@ -95,15 +95,25 @@ def shares_parameters(a: nn.Module, b: nn.Module) -> bool:
     return any(id(p) in ids for p in b.parameters())
 
 
+def _adapter_host(model: nn.Module) -> nn.Module:
+    """The model inside DDP-style wrappers: the PEFT model itself, whose `disable_adapter` switches its adapters off."""
+    while hasattr(model, "module") and isinstance(model.module, nn.Module):
+        model = model.module
+    return model
+
+
+def switches_adapters_off(model: nn.Module) -> bool:
+    """Whether `shared_base_teacher` can run `model` as a teacher distinct from the student it shares (a PEFT model)."""
+    return callable(getattr(_adapter_host(model), "disable_adapter", None))
+
+
 @contextlib.contextmanager
 def shared_base_teacher(model: nn.Module) -> Iterator[nn.Module]:
     """Run a shared-base teacher: adapters off and every module in eval mode for the forward only.
 
     Calling `.eval()` on a model the student shares would switch the student's dropout off for the rest of
     training (trl PR #5862); instead each module's mode is restored on exit, and so are the adapters."""
-    inner = model
-    while hasattr(inner, "module") and isinstance(inner.module, nn.Module):
-        inner = inner.module
+    inner = _adapter_host(model)
     modes = [(m, m.training) for m in inner.modules()]
     disable = inner.disable_adapter() if hasattr(inner, "disable_adapter") else contextlib.nullcontext()
     try:

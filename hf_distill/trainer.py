@@ -24,6 +24,7 @@ from transformers import PreTrainedModel, Trainer
 from transformers.trainer_callback import CallbackHandler
 from transformers.utils import logging
 
+from . import trainer_runs as runs
 from .argument_checks import check_fp16_device
 from .arguments import DistillationArguments, as_distillation_arguments
 from .compat import add_signature_columns, children_dict, prepare_inputs, signature_columns
@@ -225,6 +226,9 @@ class DistillationMixin(ProjectionTraining):
         return model
 
     def train(self, *args: Any, **kwargs: Any):
+        # a checkpoint written with save_only_model would resume with a new optimizer and its schedule from step 0
+        runs.check_resumable(self, args[0] if args else kwargs.get("resume_from_checkpoint"))
+        runs.check_best_metric(self)  # an eval_loss whose weights a schedule changes cannot pick the best checkpoint
         # Components of compute_loss calls made before training (by hand, in train mode) are not the run's.
         self.distiller.tracker.reset()
         if self.distiller.pairing is not None:
@@ -241,6 +245,11 @@ class DistillationMixin(ProjectionTraining):
             for callback in self.callback_handler.callbacks:
                 if callable(getattr(callback, "restore_trainable", None)):
                     callback.restore_trainable(self.model)
+
+    def hyperparameter_search(self, hp_space: Any = None, compute_objective: Any = None, *args: Any, **kwargs: Any):
+        """The Trainer's, refusing its default objective where that is the distillation loss (trainer_runs)."""
+        runs.check_search_objective(self, compute_objective)
+        return super().hyperparameter_search(hp_space, compute_objective, *args, **kwargs)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and self.distiller.tracker:
@@ -302,6 +311,13 @@ class DistillationMixin(ProjectionTraining):
         `self.teacher_metrics`, which the model card reports next to the student's; they are logged too."""
         if self.teacher is None:
             raise ValueError("evaluate_teacher needs a teacher: this trainer was given no teacher_model.")
+        router = self.distiller.router
+        if router is not None and len(router.names) > 1:  # the first teacher would be scored on every teacher's rows
+            raise ValueError(
+                "evaluate_teacher scores one teacher on every row, but this run routes its rows to "
+                f"{len(router.names)} named teachers ({', '.join(router.names)}): its metrics would not be those of "
+                "the teachers the student learnt from. Evaluate each teacher on its own rows with a trainer of its own."
+            )
         if metric_key_prefix == "eval":
             raise ValueError(
                 "metric_key_prefix='eval' would log the teacher's metrics as the student's (eval_*). Keep the "
@@ -349,8 +365,12 @@ class DistillationMixin(ProjectionTraining):
 
     def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None, **kwargs: Any):
-        """The Trainer class's own, except inside `evaluate_teacher`, where the teacher predicts."""
+        """The Trainer class's own, except inside `evaluate_teacher`, where the teacher predicts, and for a batch
+        without labels under `eval_with_teacher`, whose distillation loss the Trainer's would not compute."""
+        if not self._evaluating_teacher and runs.distils_unlabeled(self, inputs, prediction_loss_only):
+            return runs.unlabeled_prediction_step(self, model, inputs, prediction_loss_only, ignore_keys)
         if not self._evaluating_teacher:
+            inputs = runs.student_batch(self, inputs)  # a batch the student runs alone: no teacher-only keys
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **kwargs)
         return self._teacher_prediction_step(inputs, prediction_loss_only, ignore_keys)
 

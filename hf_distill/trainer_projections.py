@@ -218,8 +218,20 @@ class ProjectionTraining:
             proj.load_state_dict(torch.load(path, map_location=self.args.device, weights_only=True))
 
     def _load_best_model(self) -> None:
+        """The best checkpoint's student, and its projections with it (else they stay at the last step's, paired with
+        another student). Under DeepSpeed the engine loads them (attached to the student)."""
         if not self._loaded_renamed(self.state.best_model_checkpoint, None):
             super()._load_best_model()
+        proj = self._projections()
+        if proj is None or self._attached():
+            return
+        path = os.path.join(self.state.best_model_checkpoint, PROJECTIONS_FILE)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"load_best_model_at_end: {self.state.best_model_checkpoint} has no {PROJECTIONS_FILE}, so its "
+                "student would be paired with the last step's projections. Keep the file in the checkpoints."
+            )
+        proj.load_state_dict(torch.load(path, map_location=self.args.device, weights_only=True))
 
     def _loaded_renamed(self, folder: str, model: Any) -> bool:
         """Loads a checkpoint saved under other weight names than the model's (ViT, DeiT in transformers 5), which

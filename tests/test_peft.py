@@ -89,6 +89,17 @@ def test_lora_teacher_loads_from_an_adapter_folder(tmp_path):
                                    rtol=0)
 
 
+def test_a_teacher_sharing_the_students_weights_without_adapters_to_switch_off_is_refused(tmp_path):
+    """The teacher would be the student being trained: a plain model as its own teacher, or the base that
+    get_peft_model changed in place (its LoRA layers stay on; only the PeftModel can switch them off)."""
+    plain = bert(2)
+    base = bert(2)
+    for student, teacher in ((plain, plain), (_lora(base), base)):
+        with pytest.raises(ValueError, match="shares parameters with the student but is not a PEFT model"):
+            DistillationTrainer(model=student, teacher_model=teacher, args=args(tmp_path),
+                                train_dataset=token_dataset(8), data_collator=collate)
+
+
 def test_shared_base_self_distillation_keeps_student_dropout_on(tmp_path):
     base = bert(2, hidden_dropout_prob=0.3)
     student = _lora(base, dropout=0.2)

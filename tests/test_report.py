@@ -123,6 +123,20 @@ def test_latest_eval_metrics_merge_every_eval_set_and_drop_prefixed_losses_and_t
     assert latest_eval_metrics([{"eval_accuracy": 0.5, "eval_loss": 0.1, "step": 3}]) == ({"accuracy": 0.5}, 3)
 
 
+def test_the_card_reports_the_evaluation_of_the_best_checkpoint_load_best_model_at_end_put_back():
+    """The weights handed over are the best checkpoint's: its evaluation, not the last one, unless the model was
+    evaluated again after training (then that evaluation is of the restored weights)."""
+    from hf_distill.publish.report import published_eval_metrics
+
+    history = [{"eval_accuracy": 0.9, "step": 1}, {"loss": 0.5, "step": 2}, {"eval_accuracy": 0.6, "step": 2},
+               {"train_runtime": 1.0, "train_loss": 0.5, "step": 2}]
+    assert published_eval_metrics(history, best_step=1) == ({"accuracy": 0.9}, 1)
+    assert published_eval_metrics(history) == ({"accuracy": 0.6}, 2)  # no best checkpoint restored
+    again = [*history, {"eval_accuracy": 0.88, "step": 2}]  # trainer.evaluate() after training
+    assert published_eval_metrics(again, best_step=1) == ({"accuracy": 0.88}, 2)
+    assert published_eval_metrics(history[:3], best_step=1) == ({"accuracy": 0.6}, 2)  # a run still going
+
+
 def test_pipeline_tag_of_encoder_decoder_lms_is_text2text_generation():
     """AutoModelForSeq2SeqLM's classes (T5/BART/Pegasus ...ForConditionalGeneration, MarianMTModel) are
     text2text-generation; MarianMTModel is no feature extractor for its "Model" suffix, and vision-language or

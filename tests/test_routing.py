@@ -211,3 +211,14 @@ def test_several_teachers_under_a_sharded_engine_are_refused(tmp_path):
         Distiller(llama(0), args(tmp_path, **RUN), {"a": llama(1), "b": "no/such-teacher"}, processing_class=_tok(),
                   train_dataset=_rows(["a", "b"]), route="module")
     assert "\n" not in str(err.value)
+
+
+def test_evaluate_teacher_with_several_named_teachers_is_refused(tmp_path):
+    """It scores one teacher on every row: the first named teacher's metrics on the rows routed to the others."""
+    data = token_dataset(4).add_column("teacher_id", ["a", "b", "a", "b"])
+    trainer = DistillationTrainer(model=bert(layers=2), teacher_model={"a": bert_teacher(layers=2, seed=1),
+                                                                       "b": bert_teacher(layers=2, seed=2)},
+                                  args=args(tmp_path, remove_unused_columns=False), train_dataset=data,
+                                  eval_dataset=data, data_collator=collate)
+    with pytest.raises(ValueError, match=r"routes its rows to 2 named teachers \(a, b\)"):
+        trainer.evaluate_teacher()

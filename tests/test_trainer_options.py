@@ -297,15 +297,30 @@ def test_label_names_missing_from_the_batch_are_refused_while_the_task_term_is_o
 
 def test_hidden_states_asked_for_the_loss_never_reach_predictions(tmp_path):
     """An unregistered family captures hidden states through output_hidden_states: predict() must not see them."""
-    from transformers import AlbertConfig, AlbertForSequenceClassification
-
-    torch.manual_seed(0)
-    student = AlbertForSequenceClassification(AlbertConfig(
-        vocab_size=120, embedding_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
     data = token_dataset(8)
-    trainer = _trainer(tmp_path, student=student, data=data, eval_with_teacher=True,
+    trainer = _trainer(tmp_path, student=_albert(), data=data, eval_with_teacher=True,
                        distill_terms=["loss=hidden_mse,layers=0:0;2:4"])
     assert trainer.intermediate.student_taps.use_hidden_states_output
     predictions = trainer.predict(data).predictions
     assert isinstance(predictions, np.ndarray) and predictions.shape == (8, 2)
+
+
+def test_hidden_states_the_students_config_asks_for_stay_in_predictions(tmp_path):
+    """A student whose config returns hidden states predicts them with the teacher as without (eval_with_teacher must
+    not take away what the taps happen to ask for too)."""
+    data = token_dataset(8)
+    trainer = _trainer(tmp_path, student=_albert(output_hidden_states=True), data=data, eval_with_teacher=True,
+                       distill_terms=["loss=hidden_mse,layers=0:0;2:4"])
+    predictions = trainer.predict(data).predictions
+    assert isinstance(predictions, tuple) and predictions[0].shape == (8, 2)
+    assert len(predictions[1]) == 3 and predictions[1][2].shape[-1] == 32  # embeddings + 2 layers, width 32
+
+
+def _albert(**kw):
+    from transformers import AlbertConfig, AlbertForSequenceClassification
+
+    torch.manual_seed(0)
+    return AlbertForSequenceClassification(AlbertConfig(
+        vocab_size=120, embedding_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        **kw))

@@ -119,7 +119,8 @@ class DistillationReport:
             args = settings.record(args)
         peft_config = getattr(getattr(trainer.model, "peft_config", None), "get", lambda _: None)("default")
         found = _run_facts(getattr(student, "config", None), type(student).__name__, args, trainer,
-                           {"log_history": state.log_history, "global_step": state.global_step, "epoch": state.epoch},
+                           {"log_history": state.log_history, "global_step": state.global_step, "epoch": state.epoch,
+                            "best_global_step": state.best_global_step},
                            peft_config.to_dict() if peft_config is not None else None)
         kind = head_kind(student)  # the model itself, also a subclass or a custom class no mapping names
         found["pipeline_tag"] = kind.facts.pipeline_tag if kind is not None else None
@@ -216,7 +217,8 @@ def _run_facts(config: Any, architecture: str | None, args: Any, trainer: Any, s
             found["method"] = detect_method(found["distillation"])
     if state:
         own_loss = _own_eval_loss(**found)
-        metrics, found["eval_step"] = latest_eval_metrics(state.get("log_history") or [], keep_loss=own_loss)
+        best = state.get("best_global_step") if getattr(args, "load_best_model_at_end", False) else None
+        metrics, found["eval_step"] = published_eval_metrics(state.get("log_history") or [], own_loss, best)
         # The task's metrics first (the model index's first metric is the one the Hub shows), then the losses.
         losses = [k for k in metrics if k == "loss" or k.endswith("_loss")]
         metrics = {**{k: v for k, v in metrics.items() if k not in losses}, **{k: metrics[k] for k in losses}}
@@ -368,6 +370,17 @@ def latest_eval_metrics(log_history: list[dict[str, Any]], keep_loss: bool = Fal
         step = entry.get("step")
         metrics = {**found, **metrics}
     return metrics, step
+
+
+def published_eval_metrics(log_history: list[dict[str, Any]], keep_loss: bool = False, best_step: int | None = None
+                           ) -> tuple[dict[str, float], int | None]:
+    """`latest_eval_metrics` of the weights a finished run hands over: the last evaluation's, except where
+    `load_best_model_at_end` put back the checkpoint of `best_step` and nothing was evaluated after training (the
+    entry with `train_runtime`): then that step's, not the last step's that the published weights no longer hold."""
+    ends = [i for i, entry in enumerate(log_history or []) if "train_runtime" in entry]
+    if best_step is not None and ends and not latest_eval_metrics(log_history[ends[-1] + 1:], keep_loss)[0]:
+        return latest_eval_metrics([e for e in log_history[:ends[-1]] if e.get("step") == best_step], keep_loss)
+    return latest_eval_metrics(log_history, keep_loss)
 
 
 def find_trainer_state(folder: str | os.PathLike) -> Path | None:
