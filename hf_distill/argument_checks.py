@@ -19,8 +19,8 @@ from .losses.registry import KindNames
 from .losses.terms import parse_terms
 
 __all__ = [
-    "CHECKS", "CROSS_TOKENIZER_METHODS", "check_fp16_device", "check_loss_fields", "check_model_fields",
-    "check_served_fields", "check_weights", "validate_cross_tokenizer", "validate_distillation",
+    "CHECKS", "CROSS_TOKENIZER_METHODS", "check_fp16_device", "check_liger_kernel", "check_loss_fields",
+    "check_model_fields", "check_served_fields", "check_weights", "validate_cross_tokenizer", "validate_distillation",
 ]
 
 # The accepted values of the fields (hf_distill.arguments re-exports them): here, with the checks that use them, so
@@ -43,6 +43,20 @@ def check_fp16_device(args: Any) -> None:
             "fp16=True (or ACCELERATE_MIXED_PRECISION=fp16) needs a CUDA GPU (or another fp16 accelerator), but "
             "this run is on the CPU (use_cpu=True or no GPU found), where it would silently train in float32. "
             "On a CPU set bf16=True instead (bf16 autocast), or fp16=False."
+        )
+
+
+def check_liger_kernel(args: Any) -> None:
+    """`use_liger_kernel=True` is refused while liger-kernel's fused linear cross-entropy is on (its default): it
+    replaces a causal LM's forward with one that, in training with labels, returns the hard-label loss and no logits,
+    so the distillation loss would be bypassed or fail. Its layer kernels alone keep the model's outputs."""
+    config = getattr(args, "liger_kernel_config", None) or {}
+    if getattr(args, "use_liger_kernel", False) and config.get("fused_linear_cross_entropy", True) is not False:
+        raise ValueError(
+            "use_liger_kernel=True turns on liger-kernel's fused linear cross-entropy, which replaces a causal LM's "
+            "forward so that training with labels returns no logits: the distillation loss cannot read them. Set "
+            "liger_kernel_config={'fused_linear_cross_entropy': False} to keep its layer kernels (RMSNorm, RoPE, "
+            "SwiGLU), or use_liger_kernel=False (the distillation loss head already never forms whole logits)."
         )
 
 

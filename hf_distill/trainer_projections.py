@@ -231,10 +231,15 @@ class ProjectionTraining:
 
 
 class _ClearProjectionGradients(TrainerCallback):
-    """The Trainer zeroes only the model's gradients after a step; the projections' are cleared here."""
+    """The Trainer zeroes only the model's gradients (when its loop starts and after each step); the projections'
+    are cleared here at the same points. At the start matters: a retry of `auto_find_batch_size` after an
+    out-of-memory error would otherwise add the failed try's projection gradients to its first update."""
 
     def __init__(self, projections: nn.Module) -> None:
         self.projections = projections
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.projections.zero_grad(set_to_none=True)
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         self.projections.zero_grad(set_to_none=True)

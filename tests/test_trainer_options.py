@@ -309,3 +309,41 @@ def test_hidden_states_asked_for_the_loss_never_reach_predictions(tmp_path):
     assert trainer.intermediate.student_taps.use_hidden_states_output
     predictions = trainer.predict(data).predictions
     assert isinstance(predictions, np.ndarray) and predictions.shape == (8, 2)
+
+
+# ---------------------------------------------------------------- auto_find_batch_size, use_liger_kernel
+
+
+class _OutOfMemoryAtSecondMicroBatch(DistillationTrainer):
+    """The first try (batch 8) runs out of memory in its second micro-batch, after the first one's backward."""
+
+    def compute_loss(self, model, inputs, *rest, **kw):
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls == 2 and len(inputs["input_ids"]) == 8:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return super().compute_loss(model, inputs, *rest, **kw)
+
+
+def test_auto_find_batch_size_retry_starts_clean_with_projections(tmp_path):
+    """The retry (batch 7) equals a run at batch 7: no projection gradient or logged component of the failed try."""
+    common = dict(max_steps=1, gradient_accumulation_steps=2, optim="sgd", learning_rate=1.0, **TERMS)
+    runs = []
+    for cls, size, auto in ((_OutOfMemoryAtSecondMicroBatch, 8, True), (DistillationTrainer, 7, False)):
+        trainer = cls(model=_narrow_student(), teacher_model=make_teacher(), data_collator=collate,
+                      train_dataset=token_dataset(16), args=args(tmp_path / str(size), auto_find_batch_size=auto,
+                                                                 per_device_train_batch_size=size, **common))
+        trainer.train()
+        runs.append((trainer, _first_log(trainer)))
+    (retried, retried_log), (direct, direct_log) = runs
+    assert retried._train_batch_size == 7
+    torch.testing.assert_close(flat_params(retried.intermediate.projections),
+                               flat_params(direct.intermediate.projections), rtol=0, atol=1e-7)
+    torch.testing.assert_close(flat_params(retried.model), flat_params(direct.model), rtol=0, atol=1e-7)
+    assert retried_log == pytest.approx(direct_log, rel=1e-6)
+
+
+def test_liger_kernel_fused_cross_entropy_is_refused_before_training(tmp_path):
+    with pytest.raises(ValueError, match=r"use_liger_kernel=True.*liger_kernel_config=\{'fused_linear_cross_entropy'"):
+        _trainer(tmp_path, use_liger_kernel=True)
+    trainer = _trainer(tmp_path, use_liger_kernel=True, liger_kernel_config={"fused_linear_cross_entropy": False})
+    assert trainer.args.liger_kernel_config == {"fused_linear_cross_entropy": False}
