@@ -83,6 +83,15 @@ class ProjectionTraining:
             f"Projections (student width {self.distiller.intermediate.student_info.hidden_size} -> teacher width "
             f"{self.distiller.intermediate.teacher_info.hidden_size})"
         )
+        optim = getattr(self.args.optim, "value", self.args.optim)
+        if str(optim).endswith("layerwise") or optim in ("lomo", "adalomo"):
+            raise ValueError(
+                f"optim={optim!r} updates the student's parameters only, inside the backward pass (from hooks on "
+                f"them), and its optimizer step does nothing: the {widths.lower()} that the distill_terms train "
+                "would never move. Choose an optim that steps every parameter group (e.g. "
+                f"{str(optim).removesuffix('_layerwise') if optim not in ('lomo', 'adalomo') else 'adamw_torch'!r}), "
+                "or give the student the teacher's hidden size so that no projection is needed."
+            )
         if self.accelerator.distributed_type == DistributedType.FSDP:
             raise ValueError(
                 f"{widths} are not supported under FSDP yet: they are used by the loss, outside the student's "

@@ -347,3 +347,10 @@ def test_liger_kernel_fused_cross_entropy_is_refused_before_training(tmp_path):
         _trainer(tmp_path, use_liger_kernel=True)
     trainer = _trainer(tmp_path, use_liger_kernel=True, liger_kernel_config={"fused_linear_cross_entropy": False})
     assert trainer.args.liger_kernel_config == {"fused_linear_cross_entropy": False}
+
+
+@pytest.mark.parametrize("optim", ["galore_adamw_layerwise", "lomo"])
+def test_optimizers_stepping_in_the_backward_are_refused_with_projections(tmp_path, optim):
+    """Their Trainer optimizer is a no-op (the student steps in its own parameter hooks): the projections never move."""
+    with pytest.raises(ValueError, match=rf"optim='{optim}'.*projections \(student width 16 -> teacher width 32\)"):
+        _trainer(tmp_path, student=_narrow_student(), optim=optim, **TERMS)
