@@ -357,3 +357,29 @@ def test_optimizers_stepping_in_the_backward_are_refused_with_projections(tmp_pa
     """Their Trainer optimizer is a no-op (the student steps in its own parameter hooks): the projections never move."""
     with pytest.raises(ValueError, match=rf"optim='{optim}'.*projections \(student width 16 -> teacher width 32\)"):
         _trainer(tmp_path, student=_narrow_student(), optim=optim, **TERMS)
+
+
+# ---------------------------------------------------------------- neftune_noise_alpha
+
+
+def test_neftune_noises_the_student_embeddings_only_also_on_a_shared_base(tmp_path):
+    """NEFTune's noise is the student's (its embedding-output terms read the noisy embeddings, as its first block
+    does); the teacher reads clean ones, also when it is the student's own PEFT base with adapters off."""
+    peft = pytest.importorskip("peft")
+    student = peft.get_peft_model(bert(2), peft.LoraConfig(task_type="SEQ_CLS", r=4, target_modules=["query"]))
+    embeddings = student.get_base_model().bert.embeddings
+    calls = []  # [grad enabled, input ids, the embeddings' sum before their LayerNorm] at every call
+    embeddings.register_forward_pre_hook(
+        lambda m, a, kw: calls.append([torch.is_grad_enabled(), kw["input_ids"].clone(), None]), with_kwargs=True)
+    embeddings.LayerNorm.register_forward_pre_hook(lambda m, a: calls[-1].__setitem__(2, a[0].detach().clone()))
+    trainer = _trainer(tmp_path, student=student, teacher=student, neftune_noise_alpha=5.0, max_steps=2,
+                       distill_terms=["loss=hidden_mse,layers=0:0"])
+    trainer.train()
+    assert trainer.shared_base and sorted(c[0] for c in calls) == [False, False, True, True]
+    embeddings.eval()
+    for student_call, ids, summed in list(calls):
+        with torch.no_grad():
+            embeddings(input_ids=ids)
+        noise = (summed - calls[-1][2]).abs().max()
+        assert (noise > 0) == student_call  # noisy for the student only
+        assert noise <= 5.0 / (ids.shape[1] * 32) ** 0.5  # NEFTune's bound: alpha / sqrt(length * width)
