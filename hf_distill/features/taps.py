@@ -323,7 +323,7 @@ class FeatureTaps:
             check_layerdrop(unwrap(model), self._role)
         check_tapped_checkpointing(unwrap(model), self.modules(), self._role)
         with self.capture() as feats:
-            out = model(**kwargs, **self.forward_kwargs())
+            out = model(**{**kwargs, **self.forward_kwargs()})  # the loss head may ask for hidden states too
         self.collect(feats, out)
         return out, feats
 
