@@ -644,3 +644,13 @@ def test_the_distiller_refuses_cross_tokenizer_where_it_cannot_work(tmp_path, to
     ids = torch.randint(2, len(s_tok), (2, 6))
     with pytest.raises(ValueError, match="CrossTokenizerCollator"):
         distiller.compute_loss(student, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
+
+
+def test_the_collator_pickles_for_spawned_dataloader_workers(tokenizers_pair):
+    """`dataloader_num_workers > 0` with spawned workers (macOS, Windows) pickles it, with both tokenizers."""
+    import pickle
+
+    collator = CrossTokenizerCollator(*tokenizers_pair)
+    want, got = collator(_rows()), pickle.loads(pickle.dumps(collator))(_rows())
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[k], got[k]) if isinstance(want[k], torch.Tensor) else want[k] == got[k] for k in want)
