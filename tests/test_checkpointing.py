@@ -70,3 +70,23 @@ def test_reentrant_checkpointing_without_taps_inside_its_blocks_is_exact(tmp_pat
     """The embeddings' output and the logits leave the checkpointed blocks with their graph: nothing to refuse."""
     terms = ["loss=hidden_mse,layers=0:0,weight=1"]
     torch.testing.assert_close(_gradients(tmp_path, terms, REENTRANT), _gradients(tmp_path, terms), rtol=0, atol=1e-7)
+
+
+def test_a_first_blocks_input_is_read_before_the_checkpointed_block_runs():
+    """T5's hidden state 0 is its first block's input (a pre-hook): outside the checkpointed region, so not refused;
+    block outputs inside it are."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from hf_distill.features.checkpointing import check_tapped_checkpointing
+    from hf_distill.features.taps import FeatureTaps, TapRequest
+
+    model = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=2,
+                                                num_heads=4, decoder_start_token_id=0)).train()
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs=REENTRANT)
+    for hidden, refused in (({0}, False), ({0, 1}, True)):
+        taps = FeatureTaps(model, TapRequest(stacks={"encoder": TapRequest(hidden=hidden)}))
+        if refused:
+            with pytest.raises(ValueError, match=r"encoder\.block\.0"):
+                check_tapped_checkpointing(model, taps.modules())
+        else:
+            check_tapped_checkpointing(model, taps.modules())

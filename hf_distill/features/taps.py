@@ -260,8 +260,9 @@ class FeatureTaps:
             self._targets.append((self._module(base, family.rotary, role), "rope", 0))
 
     def modules(self) -> list[nn.Module]:
-        """Every module a hook is put on (each stack's too)."""
-        return [m for m, _, _ in self._targets] + [m for taps in self._stacks.values() for m in taps.modules()]
+        """Every module whose forward a hook reads (each stack's too); a first block's input is read before it runs."""
+        own = [m for m, kind, _ in self._targets if kind != "block_input"]
+        return own + [m for taps in self._stacks.values() for m in taps.modules()]
 
     @staticmethod
     def _module(root: nn.Module, path: str, role: str) -> nn.Module:
