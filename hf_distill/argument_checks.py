@@ -19,7 +19,8 @@ from .losses.registry import KindNames
 from .losses.terms import parse_terms
 
 __all__ = [
-    "CHECKS", "CROSS_TOKENIZER_METHODS", "check_fp16_device", "check_liger_kernel", "check_loss_fields",
+    "CHECKS", "CROSS_TOKENIZER_METHODS", "check_fp16_device", "check_length_grouping", "check_liger_kernel",
+    "check_loss_fields",
     "check_model_fields", "check_served_fields", "check_weights", "validate_cross_tokenizer", "validate_distillation",
 ]
 
@@ -57,6 +58,28 @@ def check_liger_kernel(args: Any) -> None:
             "forward so that training with labels returns no logits: the distillation loss cannot read them. Set "
             "liger_kernel_config={'fused_linear_cross_entropy': False} to keep its layer kernels (RMSNorm, RoPE, "
             "SwiGLU), or use_liger_kernel=False (the distillation loss head already never forms whole logits)."
+        )
+
+
+def check_length_grouping(args: Any, dataset: Any, processing_class: Any = None) -> None:
+    """`train_sampling_strategy='group_by_length'` / `'batch_rebalance'` read each training row's length from its
+    `length_column_name` column or its tokens (the processor's first input name): rows of text that a collator
+    tokenizes (`CrossTokenizerCollator`, prompt rows) have neither. Refused when the trainer is built, before any
+    teacher loads (transformers would fail at `train()`, without naming the fix)."""
+    import datasets as hf_datasets
+
+    strategy = getattr(args, "train_sampling_strategy", "random")
+    if strategy not in ("group_by_length", "batch_rebalance") or not isinstance(dataset, hf_datasets.Dataset):
+        return
+    names = getattr(processing_class, "model_input_names", None) or ["input_ids"]
+    length = getattr(args, "length_column_name", "length")
+    if length not in dataset.column_names and names[0] not in dataset.column_names:
+        raise ValueError(
+            f"train_sampling_strategy={strategy!r} groups rows by length, read from the {length!r} column "
+            f"(length_column_name) or the {names[0]!r} column, but the training rows have neither (columns: "
+            f"{', '.join(dataset.column_names)}): they are tokenized by the collator. Add a {length!r} column with "
+            "each row's token count (e.g. dataset.map(lambda r: {'length': len(tokenizer(r['text']).input_ids)})), "
+            "or use train_sampling_strategy='random'."
         )
 
 

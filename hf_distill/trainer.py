@@ -24,7 +24,7 @@ from transformers import PreTrainedModel, Trainer
 from transformers.trainer_callback import CallbackHandler
 from transformers.utils import logging
 
-from .argument_checks import check_fp16_device, check_liger_kernel
+from .argument_checks import check_fp16_device, check_length_grouping, check_liger_kernel
 from .arguments import DistillationArguments, as_distillation_arguments
 from .compat import add_signature_columns, children_dict, prepare_inputs, signature_columns
 from .compat import num_items_in_batch as count_items
@@ -132,6 +132,7 @@ class DistillationMixin(ProjectionTraining):
                               len(teacher_model) if many else 1)
         # cross_tokenizer's chat rows: read before the Distiller loads a teacher given by path
         check_first_rows(self.data_collator, self.train_dataset, self.eval_dataset)
+        check_length_grouping(self.args, self.train_dataset, self.processing_class)  # text rows have no length
         # audio: the teacher's own input_values need the raw clips at the student's rate (hf_distill.data.audio)
         check_audio_inputs(self.data_collator, self.processing_class, teacher_processing_class, self.train_dataset,
                            self.eval_dataset, teacher_model=teacher_model)
@@ -281,6 +282,8 @@ class DistillationMixin(ProjectionTraining):
             extra.add(f"{TEACHER_PREFIX}logits")
             # the text columns a collator tokenises itself (hf_distill.data.prompts.PromptCompletionCollator)
             extra.update(getattr(getattr(self.data_collator, "base", self.data_collator), "dataset_columns", ()))
+            if self.args.train_sampling_strategy in ("group_by_length", "batch_rebalance"):  # rows of text: their
+                extra.add(self.args.length_column_name)  # lengths come from this column (check_length_grouping)
             add_signature_columns(self, sorted(extra))
 
     def _remove_unused_columns(self, dataset, description: str | None = None):
