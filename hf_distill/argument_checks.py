@@ -20,8 +20,8 @@ from .losses.terms import parse_terms
 
 __all__ = [
     "CHECKS", "CROSS_TOKENIZER_METHODS", "check_fp16_device", "check_length_grouping", "check_liger_kernel",
-    "check_loss_fields",
-    "check_model_fields", "check_served_fields", "check_weights", "validate_cross_tokenizer", "validate_distillation",
+    "check_loss_fields", "check_model_fields", "check_served_fields", "check_weights", "validate_cross_tokenizer",
+    "validate_distillation",
 ]
 
 # The accepted values of the fields (hf_distill.arguments re-exports them): here, with the checks that use them, so

@@ -85,12 +85,12 @@ class ProjectionTraining:
         )
         optim = getattr(self.args.optim, "value", self.args.optim)
         if str(optim).endswith("layerwise") or optim in ("lomo", "adalomo"):
+            instead = "adamw_torch" if optim in ("lomo", "adalomo") else str(optim).removesuffix("_layerwise")
             raise ValueError(
                 f"optim={optim!r} updates the student's parameters only, inside the backward pass (from hooks on "
                 f"them), and its optimizer step does nothing: the {widths.lower()} that the distill_terms train "
-                "would never move. Choose an optim that steps every parameter group (e.g. "
-                f"{str(optim).removesuffix('_layerwise') if optim not in ('lomo', 'adalomo') else 'adamw_torch'!r}), "
-                "or give the student the teacher's hidden size so that no projection is needed."
+                f"would never move. Choose an optim that steps every parameter group (e.g. {instead!r}), or give "
+                "the student the teacher's hidden size so that no projection is needed."
             )
         if self.accelerator.distributed_type == DistributedType.FSDP:
             raise ValueError(
