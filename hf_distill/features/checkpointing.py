@@ -81,9 +81,9 @@ def check_planned_checkpointing(args: Any, model: nn.Module, targets: Iterable[n
     """The same refusal when the trainer is built, from the arguments: `gradient_checkpointing=True` with
     `gradient_checkpointing_kwargs` that make transformers checkpoint reentrantly (it passes them to torch as they
     are; None or {} become {'use_reentrant': False})."""
-    enabled = getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", False)
-    kwargs = getattr(args, "activation_checkpointing_kwargs", None) or getattr(args, "gradient_checkpointing_kwargs",
-                                                                            None)
+    new = hasattr(args, "activation_checkpointing")  # what the Trainer reads (the old names are aliases of it)
+    enabled = args.activation_checkpointing if new else getattr(args, "gradient_checkpointing", False)
+    kwargs = args.activation_checkpointing_kwargs if new else getattr(args, "gradient_checkpointing_kwargs", None)
     kwargs = {k: v for k, v in (kwargs or {}).items() if k not in ("every_n_layers", "offload")}
     if not enabled or not kwargs or kwargs.get("use_reentrant", True) is False:
         return
