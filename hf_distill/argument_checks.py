@@ -19,8 +19,9 @@ from .losses.registry import KindNames
 from .losses.terms import parse_terms
 
 __all__ = [
-    "CHECKS", "CROSS_TOKENIZER_METHODS", "check_fp16_device", "check_loss_fields", "check_model_fields",
-    "check_served_fields", "check_weights", "validate_cross_tokenizer", "validate_distillation",
+    "CHECKS", "CROSS_TOKENIZER_METHODS", "check_fp16_device", "check_length_grouping", "check_liger_kernel",
+    "check_loss_fields", "check_model_fields", "check_served_fields", "check_weights", "validate_cross_tokenizer",
+    "validate_distillation",
 ]
 
 # The accepted values of the fields (hf_distill.arguments re-exports them): here, with the checks that use them, so
@@ -43,6 +44,42 @@ def check_fp16_device(args: Any) -> None:
             "fp16=True (or ACCELERATE_MIXED_PRECISION=fp16) needs a CUDA GPU (or another fp16 accelerator), but "
             "this run is on the CPU (use_cpu=True or no GPU found), where it would silently train in float32. "
             "On a CPU set bf16=True instead (bf16 autocast), or fp16=False."
+        )
+
+
+def check_liger_kernel(args: Any) -> None:
+    """`use_liger_kernel=True` is refused while liger-kernel's fused linear cross-entropy is on (its default): it
+    replaces a causal LM's forward with one that, in training with labels, returns the hard-label loss and no logits,
+    so the distillation loss would be bypassed or fail. Its layer kernels alone keep the model's outputs."""
+    config = getattr(args, "liger_kernel_config", None) or {}
+    if getattr(args, "use_liger_kernel", False) and config.get("fused_linear_cross_entropy", True) is not False:
+        raise ValueError(
+            "use_liger_kernel=True turns on liger-kernel's fused linear cross-entropy, which replaces a causal LM's "
+            "forward so that training with labels returns no logits: the distillation loss cannot read them. Set "
+            "liger_kernel_config={'fused_linear_cross_entropy': False} to keep its layer kernels (RMSNorm, RoPE, "
+            "SwiGLU), or use_liger_kernel=False (the distillation loss head already never forms whole logits)."
+        )
+
+
+def check_length_grouping(args: Any, dataset: Any, processing_class: Any = None) -> None:
+    """`train_sampling_strategy='group_by_length'` / `'batch_rebalance'` read each training row's length from its
+    `length_column_name` column or its tokens (the processor's first input name): rows of text that a collator
+    tokenizes (`CrossTokenizerCollator`, prompt rows) have neither. Refused when the trainer is built, before any
+    teacher loads (transformers would fail at `train()`, without naming the fix)."""
+    import datasets as hf_datasets
+
+    strategy = getattr(args, "train_sampling_strategy", "random")
+    if strategy not in ("group_by_length", "batch_rebalance") or not isinstance(dataset, hf_datasets.Dataset):
+        return
+    names = getattr(processing_class, "model_input_names", None) or ["input_ids"]
+    length = getattr(args, "length_column_name", "length")
+    if length not in dataset.column_names and names[0] not in dataset.column_names:
+        raise ValueError(
+            f"train_sampling_strategy={strategy!r} groups rows by length, read from the {length!r} column "
+            f"(length_column_name) or the {names[0]!r} column, but the training rows have neither (columns: "
+            f"{', '.join(dataset.column_names)}): they are tokenized by the collator. Add a {length!r} column with "
+            "each row's token count (e.g. dataset.map(lambda r: {'length': len(tokenizer(r['text']).input_ids)})), "
+            "or use train_sampling_strategy='random'."
         )
 
 

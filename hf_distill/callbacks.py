@@ -307,7 +307,8 @@ class StageSwitchCallback(TrainerCallback, ExportableState):
                 if not any(n == f or n.startswith(f + ".") for n in names):
                     raise ValueError(f"Stage {i} ({stage.name or 'unnamed'}) freezes {f!r}, which names no parameter "
                                      f"of the model (e.g. {names[0]!r}).")
-        self._trainable = {n: p.requires_grad for n, p in model.named_parameters()}
+        if self._trainable is None:  # kept until train() ends: a retry of auto_find_batch_size finds its failed
+            self._trainable = {n: p.requires_grad for n, p in model.named_parameters()}  # try's freeze in place
 
     def restore_trainable(self, model) -> None:
         """Every parameter's `requires_grad` as it was when training began (called when `train()` ends, also
@@ -315,6 +316,7 @@ class StageSwitchCallback(TrainerCallback, ExportableState):
         if self._trainable is not None and model is not None:
             for n, p in model.named_parameters():
                 p.requires_grad_(self._trainable.get(n, p.requires_grad))
+            self._trainable = None  # the next train() starts from the model as it is then
 
     def _apply_frozen(self, stage: Stage, model) -> None:
         if self._trainable is None:

@@ -54,6 +54,8 @@ PRIVATE: tuple[Private, ...] = (
             "builds a model of the teacher's class with its dtype and attention kernel (what from_pretrained does)"),
     Private("transformers.PreTrainedModel", "_no_split_modules", "field", "no_split_modules",
             "the block classes FSDP wraps, named in the error that says which to wrap"),
+    Private("transformers.PreTrainedModel", "_gradient_checkpointing_func", "field", "checkpoint_function",
+            "the checkpoint function a block runs under (reentrant or not: taps inside reentrant blocks are refused)"),
     # TRL: SFTTrainer's metric fields, which DistillationSFTTrainer.compute_loss fills as SFTTrainer's does
     Private("trl.SFTTrainer", "_metrics", "field", "sft_metrics", "the metrics SFTTrainer logs (num_tokens, ...)"),
     Private("trl.SFTTrainer", "_total_train_tokens", "field", "count_sft_train_tokens, sft_train_tokens",
@@ -143,6 +145,12 @@ def model_from_config(model_class: Any, config: Any, **kwargs: Any) -> Any:
 
 def no_split_modules(model: Any) -> list[str] | None:
     return getattr(model, "_no_split_modules", None)
+
+
+def checkpoint_function(module: Any) -> Any:
+    """The function an activation-checkpointed transformers module wraps its forward in (a `functools.partial` of
+    `torch.utils.checkpoint.checkpoint` with the run's keywords), or None where checkpointing was never set up."""
+    return getattr(module, "_gradient_checkpointing_func", None)
 
 
 def load_renamed_checkpoint(model: Any, folder: str) -> bool:

@@ -25,7 +25,7 @@ from transformers.trainer_callback import CallbackHandler
 from transformers.utils import logging
 
 from . import trainer_runs as runs
-from .argument_checks import check_fp16_device
+from .argument_checks import check_fp16_device, check_length_grouping, check_liger_kernel
 from .arguments import DistillationArguments, as_distillation_arguments
 from .compat import add_signature_columns, children_dict, prepare_inputs, signature_columns
 from .compat import num_items_in_batch as count_items
@@ -36,6 +36,7 @@ from .data.image_inputs import TeacherImages
 from .data.prompts import check_generation_data
 from .distiller import Distiller
 from .features import heads as heads_mod
+from .features.checkpointing import check_planned_checkpointing
 from .features.taps import unwrap
 from .kd_paths.distillation_token import has_distillation_token
 from .placement import check_engine, check_fsdp2_wrap
@@ -102,6 +103,7 @@ class DistillationMixin(ProjectionTraining):
         args = self._distillation_arguments(args)
         check_fp16_device(args)  # fp16 on a CPU would train in float32
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        check_liger_kernel(self.args)  # after the Trainer class's own __init__ (TRL's SFTTrainer turns it off there)
         # The Distiller normalises its terms itself (token-level ones over the whole step, from the counts taken
         # in get_batch_samples: hf_distill.losses.normalise), so the Trainer must scale the loss as it scales a plain
         # micro-batch mean: divide it by the accumulation steps and let DDP average (docs/guides/trainer.md, "Notes
@@ -131,6 +133,7 @@ class DistillationMixin(ProjectionTraining):
                               len(teacher_model) if many else 1)
         # cross_tokenizer's chat rows: read before the Distiller loads a teacher given by path
         check_first_rows(self.data_collator, self.train_dataset, self.eval_dataset)
+        check_length_grouping(self.args, self.train_dataset, self.processing_class)  # text rows have no length
         # audio: the teacher's own input_values need the raw clips at the student's rate (hf_distill.data.audio)
         check_audio_inputs(self.data_collator, self.processing_class, teacher_processing_class, self.train_dataset,
                            self.eval_dataset, teacher_model=teacher_model)
@@ -140,8 +143,12 @@ class DistillationMixin(ProjectionTraining):
             label_names=self.label_names or [], accelerator=self.accelerator, label_smoother=self.label_smoother,
             compute_loss_func=self.compute_loss_func, route=self._loss_head_route(),
         )
+        if self.distiller.intermediate is not None:  # taps inside reentrant-checkpointed blocks: no gradient
+            taps = self.distiller.intermediate.student_taps
+            check_planned_checkpointing(self.args, unwrap(self.model), taps.modules())
         # Every callback event gets the run's loss settings (schedules and stages change the loss through them)
-        self.callback_handler = _SettingsCallbackHandler(self.callback_handler, self.distiller.settings)
+        self.callback_handler = _SettingsCallbackHandler(self.callback_handler, self.distiller.settings,
+                                                         self._start_run)
         if self._projections() is not None and not self._projections_in_engine():
             self.add_callback(_ClearProjectionGradients(self._projections()))
         self._check_projection_optimizer()
@@ -225,16 +232,20 @@ class DistillationMixin(ProjectionTraining):
                 model.add_module(PROJECTIONS_ATTR, proj)
         return model
 
-    def train(self, *args: Any, **kwargs: Any):
-        # a checkpoint written with save_only_model would resume with a new optimizer and its schedule from step 0
-        runs.check_resumable(self, args[0] if args else kwargs.get("resume_from_checkpoint"))
-        runs.check_best_metric(self)  # an eval_loss whose weights a schedule changes cannot pick the best checkpoint
-        # Components of compute_loss calls made before training (by hand, in train mode) are not the run's.
+    def _start_run(self) -> None:
+        """At each start of the training loop (`on_train_begin`: every `train()`, and every retry of
+        `auto_find_batch_size` after an out-of-memory error), forget the components, paired shares and routed rows of
+        compute_loss calls that are not this run's (made by hand, or by the failed try)."""
         self.distiller.tracker.reset()
         if self.distiller.pairing is not None:
             self.distiller.pairing.reset()
         if self.distiller.router is not None:  # rows routed per teacher: this training's
             self.distiller.router.reset()
+
+    def train(self, *args: Any, **kwargs: Any):
+        # a checkpoint written with save_only_model would resume with a new optimizer and its schedule from step 0
+        runs.check_resumable(self, args[0] if args else kwargs.get("resume_from_checkpoint"))
+        runs.check_best_metric(self)  # an eval_loss whose weights a schedule changes cannot pick the best checkpoint
         try:
             with self._projections_attached():
                 return super().train(*args, **kwargs)
@@ -280,6 +291,8 @@ class DistillationMixin(ProjectionTraining):
             extra.add(f"{TEACHER_PREFIX}logits")
             # the text columns a collator tokenises itself (hf_distill.data.prompts.PromptCompletionCollator)
             extra.update(getattr(getattr(self.data_collator, "base", self.data_collator), "dataset_columns", ()))
+            if self.args.train_sampling_strategy in ("group_by_length", "batch_rebalance"):  # rows of text: their
+                extra.add(self.args.length_column_name)  # lengths come from this column (check_length_grouping)
             add_signature_columns(self, sorted(extra))
 
     def _remove_unused_columns(self, dataset, description: str | None = None):
@@ -476,11 +489,14 @@ class _SettingsCallbackHandler(CallbackHandler):
     """The Trainer's callback handler, passing the run's loss settings to every event as `distill_settings` (as it
     passes `model` and `optimizer`): callbacks hold nothing of the trainer and may be rebuilt from saved state."""
 
-    def __init__(self, handler: CallbackHandler, settings: Any) -> None:
+    def __init__(self, handler: CallbackHandler, settings: Any, start_run: Any = None) -> None:
         self.__dict__.update(handler.__dict__)
         self.distill_settings = settings
+        self.start_run = start_run
 
     def call_event(self, event, args, state, control, **kwargs):
         if event == "on_train_begin":  # arguments set since the trainer was built (a hyperparameter-search trial)
             self.distill_settings.follow(args)
+            if self.start_run is not None:
+                self.start_run()
         return super().call_event(event, args, state, control, distill_settings=self.distill_settings, **kwargs)

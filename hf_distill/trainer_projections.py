@@ -83,6 +83,15 @@ class ProjectionTraining:
             f"Projections (student width {self.distiller.intermediate.student_info.hidden_size} -> teacher width "
             f"{self.distiller.intermediate.teacher_info.hidden_size})"
         )
+        optim = getattr(self.args.optim, "value", self.args.optim)
+        if str(optim).endswith("layerwise") or optim in ("lomo", "adalomo"):
+            instead = "adamw_torch" if optim in ("lomo", "adalomo") else str(optim).removesuffix("_layerwise")
+            raise ValueError(
+                f"optim={optim!r} updates the student's parameters only, inside the backward pass (from hooks on "
+                f"them), and its optimizer step does nothing: the {widths.lower()} that the distill_terms train "
+                f"would never move. Choose an optim that steps every parameter group (e.g. {instead!r}), or give "
+                "the student the teacher's hidden size so that no projection is needed."
+            )
         if self.accelerator.distributed_type == DistributedType.FSDP:
             raise ValueError(
                 f"{widths} are not supported under FSDP yet: they are used by the loss, outside the student's "
@@ -243,10 +252,15 @@ class ProjectionTraining:
 
 
 class _ClearProjectionGradients(TrainerCallback):
-    """The Trainer zeroes only the model's gradients after a step; the projections' are cleared here."""
+    """The Trainer zeroes only the model's gradients (when its loop starts and after each step); the projections'
+    are cleared here at the same points. At the start matters: a retry of `auto_find_batch_size` after an
+    out-of-memory error would otherwise add the failed try's projection gradients to its first update."""
 
     def __init__(self, projections: nn.Module) -> None:
         self.projections = projections
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.projections.zero_grad(set_to_none=True)
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         self.projections.zero_grad(set_to_none=True)

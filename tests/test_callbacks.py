@@ -257,3 +257,33 @@ def test_bad_stages_are_refused(tmp_path):
     switch = StageSwitchCallback([Stage(until_step=3, kd_weight=1.0), Stage(until_step=2), Stage()])
     with pytest.raises(ValueError, match="must increase"):
         switch._resolve(a, TrainerState(), train_dataloader=range(4))
+
+
+class _OutOfMemoryAtFirstBatch(DistillationTrainer):
+    """The first try (batch 8) runs out of memory at its first loss, after the first stage froze its modules."""
+
+    def compute_loss(self, model, inputs, *rest, **kw):
+        if len(inputs["input_ids"]) == 8:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return super().compute_loss(model, inputs, *rest, **kw)
+
+
+def test_a_retry_of_auto_find_batch_size_still_unfreezes_at_the_stage_boundary(tmp_path, monkeypatch):
+    """The retry's `on_train_begin` finds the embeddings its failed try froze: they are still the user's trainable
+    ones, so the second stage trains them, as in a run at the batch size found, and the model comes back trainable."""
+    import gc
+
+    monkeypatch.setattr(gc, "collect", lambda *a, **k: 0)  # accelerate collects at each try (0.25 s each here)
+    models = []
+    for cls, size, auto in ((_OutOfMemoryAtFirstBatch, 8, True), (DistillationTrainer, 7, False)):
+        switch = StageSwitchCallback([Stage(until_step=1, frozen=["bert.embeddings"]), Stage()])
+        trainer = cls(model=bert(2), teacher_model=make_teacher(), train_dataset=token_dataset(14),
+                      data_collator=collate, callbacks=[switch],
+                      args=args(tmp_path / str(size), max_steps=2, optim="sgd", learning_rate=1.0,
+                                auto_find_batch_size=auto, per_device_train_batch_size=size))
+        trainer.train()
+        assert all(p.requires_grad for p in trainer.model.parameters())
+        models.append(trainer.model)
+    start = bert(2).bert.embeddings.word_embeddings.weight
+    assert not torch.equal(models[0].bert.embeddings.word_embeddings.weight, start)  # trained in the second stage
+    torch.testing.assert_close(flat_params(models[0]), flat_params(models[1]), rtol=0, atol=1e-7)

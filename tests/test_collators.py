@@ -206,3 +206,24 @@ def test_column_remover_keeps_teacher_columns_and_drops_the_rest(caplog):
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 1 and " id " in messages[0] and "teacher_" in messages[0]  # logged once, names `id`
     assert "teacher_logits" not in messages[0] and "teacher_hidden" not in messages[0]
+
+
+def test_the_trainers_collators_pickle_for_spawned_dataloader_workers(tmp_path, tokenizer):
+    """`dataloader_num_workers > 0` where workers are spawned (macOS, Windows) pickles the collate function: the
+    trainer's wrapped collator (cached teacher columns kept through the row-by-row column filter) and the MLM
+    collator survive it and collate as before."""
+    import pickle
+
+    from helpers import bert
+    from transformers import DataCollatorWithPadding
+
+    rows = [{**r, "label": 1, "teacher_logits": [0.5, -0.5], "id": "x"} for r in _rows(4)]  # a 2-class student
+    trainer = DistillationTrainer(model=bert(1), teacher_model=None, train_dataset=rows, args=args(tmp_path),
+                                  data_collator=DataCollatorWithPadding(tokenizer))
+    collate = trainer.get_train_dataloader().collate_fn
+    mlm = MLMDistillationCollator(tokenizer, seed=3)
+    for fn, data in ((collate, rows), (mlm, _rows(4))):
+        again = pickle.loads(pickle.dumps(fn))
+        want, got = fn(data), again(data)
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert "teacher_logits" in collate(rows) and "id" not in collate(rows)

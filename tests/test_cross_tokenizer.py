@@ -644,3 +644,31 @@ def test_the_distiller_refuses_cross_tokenizer_where_it_cannot_work(tmp_path, to
     ids = torch.randint(2, len(s_tok), (2, 6))
     with pytest.raises(ValueError, match="CrossTokenizerCollator"):
         distiller.compute_loss(student, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
+
+
+def test_the_collator_pickles_for_spawned_dataloader_workers(tokenizers_pair):
+    """`dataloader_num_workers > 0` with spawned workers (macOS, Windows) pickles it, with both tokenizers."""
+    import pickle
+
+    collator = CrossTokenizerCollator(*tokenizers_pair)
+    want, got = collator(_rows()), pickle.loads(pickle.dumps(collator))(_rows())
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[k], got[k]) if isinstance(want[k], torch.Tensor) else want[k] == got[k] for k in want)
+
+
+def test_length_grouping_of_text_rows_reads_their_length_column(tmp_path, tokenizers_pair):
+    """Rows of text have no tokens to measure: `train_sampling_strategy='group_by_length'` is refused when the trainer
+    is built, naming the fix (a `length` column), and with that column the rows are grouped by it."""
+    from datasets import Dataset
+
+    s_tok, t_tok = tokenizers_pair
+    collator = CrossTokenizerCollator(s_tok, t_tok)
+    rows = Dataset.from_list(_rows(8))
+    student, teacher = _models(s_tok, t_tok)
+    common = dict(model=student, teacher_model=teacher, processing_class=s_tok, teacher_processing_class=t_tok,
+                  data_collator=collator, args=_run_args(tmp_path, "uld", train_sampling_strategy="group_by_length"))
+    with pytest.raises(ValueError, match=r"train_sampling_strategy='group_by_length'.*Add a 'length' column"):
+        DistillationTrainer(train_dataset=rows, **common)
+    rows = rows.map(lambda r: {"length": collator([r])["input_ids"].shape[1]})
+    first = next(iter(DistillationTrainer(train_dataset=rows, **common).get_train_dataloader()))
+    assert first["input_ids"].shape[1] == max(rows["length"])  # the longest rows come first (LengthGroupedSampler)

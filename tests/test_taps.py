@@ -96,3 +96,27 @@ def test_register_family_teaches_the_taps_a_new_architecture(monkeypatch):
                              query="attention.self.query", key="attention.self.key", value="attention.self.value")
     tap = FeatureTaps(bert(2), TapRequest(v={2}))
     assert not tap.use_hidden_states_output
+
+
+def test_an_unregistered_causal_lm_distils_hidden_states_through_the_loss_head(tmp_path, monkeypatch):
+    """The loss head asks the student for its hidden states too: the fallback's `output_hidden_states` joins that
+    request (it was passed twice: a TypeError), and the terms equal the hooked ones of the registered family."""
+    from helpers import args, labelled_collate, llama, sft_rows
+
+    from hf_distill import DistillationTrainer
+
+    rows = sft_rows(6)
+    batch = labelled_collate([rows[i] for i in range(6)])
+
+    def components():
+        student = llama(0).train()
+        trainer = DistillationTrainer(model=student, teacher_model=llama(1, layers=4), data_collator=labelled_collate,
+                                      args=args(tmp_path, distill_terms=["loss=hidden_mse,layers=0:0;1:2;2:4"]))
+        trainer.compute_loss(student, dict(batch))
+        return trainer.intermediate.student_taps.use_hidden_states_output, trainer.tracker.pop_means()
+
+    hooked, registered = components()
+    monkeypatch.delitem(families.FAMILIES, "llama")
+    fallback, unregistered = components()
+    assert (hooked, fallback) == (False, True)
+    assert unregistered == pytest.approx(registered, rel=1e-6) and unregistered["hidden"] > 0

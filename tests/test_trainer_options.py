@@ -324,3 +324,77 @@ def _albert(**kw):
         vocab_size=120, embedding_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
         **kw))
+
+
+# ---------------------------------------------------------------- auto_find_batch_size, use_liger_kernel
+
+
+class _OutOfMemoryAtSecondMicroBatch(DistillationTrainer):
+    """The first try (batch 8) runs out of memory in its second micro-batch, after the first one's backward."""
+
+    def compute_loss(self, model, inputs, *rest, **kw):
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls == 2 and len(inputs["input_ids"]) == 8:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return super().compute_loss(model, inputs, *rest, **kw)
+
+
+def test_auto_find_batch_size_retry_starts_clean_with_projections(tmp_path, monkeypatch):
+    """The retry (batch 7) equals a run at batch 7: no projection gradient or logged component of the failed try."""
+    import gc
+
+    monkeypatch.setattr(gc, "collect", lambda *a, **k: 0)  # accelerate collects at each try (0.25 s each here)
+    common = dict(max_steps=1, gradient_accumulation_steps=2, optim="sgd", learning_rate=1.0, **TERMS)
+    runs = []
+    for cls, size, auto in ((_OutOfMemoryAtSecondMicroBatch, 8, True), (DistillationTrainer, 7, False)):
+        trainer = cls(model=_narrow_student(), teacher_model=make_teacher(), data_collator=collate,
+                      train_dataset=token_dataset(16), args=args(tmp_path / str(size), auto_find_batch_size=auto,
+                                                                 per_device_train_batch_size=size, **common))
+        trainer.train()
+        runs.append((trainer, _first_log(trainer)))
+    (retried, retried_log), (direct, direct_log) = runs
+    assert retried._train_batch_size == 7
+    torch.testing.assert_close(flat_params(retried.intermediate.projections),
+                               flat_params(direct.intermediate.projections), rtol=0, atol=1e-7)
+    torch.testing.assert_close(flat_params(retried.model), flat_params(direct.model), rtol=0, atol=1e-7)
+    assert retried_log == pytest.approx(direct_log, rel=1e-6)
+
+
+def test_liger_kernel_fused_cross_entropy_is_refused_before_training(tmp_path):
+    with pytest.raises(ValueError, match=r"use_liger_kernel=True.*liger_kernel_config=\{'fused_linear_cross_entropy'"):
+        _trainer(tmp_path, use_liger_kernel=True)
+    trainer = _trainer(tmp_path, use_liger_kernel=True, liger_kernel_config={"fused_linear_cross_entropy": False})
+    assert trainer.args.liger_kernel_config == {"fused_linear_cross_entropy": False}
+
+
+@pytest.mark.parametrize("optim", ["galore_adamw_layerwise", "lomo"])
+def test_optimizers_stepping_in_the_backward_are_refused_with_projections(tmp_path, optim):
+    """Their Trainer optimizer is a no-op (the student steps in its own parameter hooks): the projections never move."""
+    with pytest.raises(ValueError, match=rf"optim='{optim}'.*projections \(student width 16 -> teacher width 32\)"):
+        _trainer(tmp_path, student=_narrow_student(), optim=optim, **TERMS)
+
+
+# ---------------------------------------------------------------- neftune_noise_alpha
+
+
+def test_neftune_noises_the_student_embeddings_only_also_on_a_shared_base(tmp_path):
+    """NEFTune's noise is the student's (its embedding-output terms read the noisy embeddings, as its first block
+    does); the teacher reads clean ones, also when it is the student's own PEFT base with adapters off."""
+    peft = pytest.importorskip("peft")
+    student = peft.get_peft_model(bert(2), peft.LoraConfig(task_type="SEQ_CLS", r=4, target_modules=["query"]))
+    embeddings = student.get_base_model().bert.embeddings
+    calls = []  # [grad enabled, input ids, the embeddings' sum before their LayerNorm] at every call
+    embeddings.register_forward_pre_hook(
+        lambda m, a, kw: calls.append([torch.is_grad_enabled(), kw["input_ids"].clone(), None]), with_kwargs=True)
+    embeddings.LayerNorm.register_forward_pre_hook(lambda m, a: calls[-1].__setitem__(2, a[0].detach().clone()))
+    trainer = _trainer(tmp_path, student=student, teacher=student, neftune_noise_alpha=5.0, max_steps=2,
+                       distill_terms=["loss=hidden_mse,layers=0:0"])
+    trainer.train()
+    assert trainer.shared_base and sorted(c[0] for c in calls) == [False, False, True, True]
+    embeddings.eval()
+    for student_call, ids, summed in list(calls):
+        with torch.no_grad():
+            embeddings(input_ids=ids)
+        noise = (summed - calls[-1][2]).abs().max()
+        assert (noise > 0) == student_call  # noisy for the student only
+        assert noise <= 5.0 / (ids.shape[1] * 32) ** 0.5  # NEFTune's bound: alpha / sqrt(length * width)

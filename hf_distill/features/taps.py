@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..compat import compiled_inner
+from .checkpointing import check_tapped_checkpointing
 from .families import REGISTER_HINT, Family, get_family
 from .families_audio import check_layerdrop
 from .families_vision import stage_width
@@ -258,6 +259,11 @@ class FeatureTaps:
         if family.rotary is not None and (request.q or request.k):
             self._targets.append((self._module(base, family.rotary, role), "rope", 0))
 
+    def modules(self) -> list[nn.Module]:
+        """Every module whose forward a hook reads (each stack's too); a first block's input is read before it runs."""
+        own = [m for m, kind, _ in self._targets if kind != "block_input"]
+        return own + [m for taps in self._stacks.values() for m in taps.modules()]
+
     @staticmethod
     def _module(root: nn.Module, path: str, role: str) -> nn.Module:
         module = _get(root, path)
@@ -316,8 +322,9 @@ class FeatureTaps:
         """One forward pass with the hooks attached: the model's outputs and the captured features."""
         if self._targets:
             check_layerdrop(unwrap(model), self._role)
+        check_tapped_checkpointing(unwrap(model), self.modules(), self._role)
         with self.capture() as feats:
-            out = model(**kwargs, **self.forward_kwargs())
+            out = model(**{**kwargs, **self.forward_kwargs()})  # the loss head may ask for hidden states too
         self.collect(feats, out)
         return out, feats
 
