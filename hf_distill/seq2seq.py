@@ -78,12 +78,13 @@ class DistillationSeq2SeqTrainer(DistillationMixin, Seq2SeqTrainer):
         generate = self.args.predict_with_generate and not prediction_loss_only
         if self._evaluating_teacher or not generate:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs)
-        inputs = without_empty_labels(inputs, self.label_names)
+        inputs = _without_empty_labels(inputs, self.label_names)
         if not self.args.eval_with_teacher:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs)
         loss, tokens, labels = super().prediction_step(
             model, dict(inputs), prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs
         )
+        # rows without labels: the loss they get without generation (distils_unlabeled as for a loss-only step)
         decoded = any(inputs.get(k) is not None for k in ("decoder_input_ids", "decoder_inputs_embeds"))
         if loss is not None or (decoded and runs.distils_unlabeled(self, inputs, prediction_loss_only=True)):
             with torch.no_grad(), self.compute_loss_context_manager():
@@ -91,7 +92,7 @@ class DistillationSeq2SeqTrainer(DistillationMixin, Seq2SeqTrainer):
         return loss, tokens, labels
 
 
-def without_empty_labels(inputs: dict[str, Any], label_names: list[str]) -> dict[str, Any]:
+def _without_empty_labels(inputs: dict[str, Any], label_names: list[str]) -> dict[str, Any]:
     """The batch without label keys set to None (`DataCollatorForSeq2Seq` on rows without targets): Seq2SeqTrainer's
     generation reads the key's presence as labels and runs the model's forward for a loss, which fails without
     decoder inputs (transformers#19714: rows without targets should give generated tokens and no loss)."""
