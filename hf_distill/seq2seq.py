@@ -22,8 +22,9 @@ What distillation means for these models:
   `Seq2SeqTrainer` does, and its `eval_loss` is the student's cross-entropy, unless `eval_with_teacher=True`,
   which makes it the distillation loss (the teacher then runs on every evaluation batch), also for rows without
   labels that carry `decoder_input_ids`, as without generation. Rows with neither get generated tokens and no loss,
-  as `Seq2SeqTrainer` means them to (the two decoders have no sequence to be compared on), also from
-  `DataCollatorForSeq2Seq`, whose `labels=None` made `Seq2SeqTrainer` run a forward that fails.
+  as `Seq2SeqTrainer` means them to (no target sequence to compare the decoders on; without generation a BART-like
+  student decodes its shifted `input_ids` and that loss is reported), also from `DataCollatorForSeq2Seq`, whose
+  `labels=None` made `Seq2SeqTrainer` run a forward that fails.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ class DistillationSeq2SeqTrainer(DistillationMixin, Seq2SeqTrainer):
         """`Seq2SeqTrainer.prediction_step` (the student generates); with `eval_with_teacher=True` the loss it
         reports is the distillation loss, as in evaluation without generation, not the student's cross-entropy:
         also for rows without labels that carry `decoder_input_ids` (the decoder sequence the loss compares on).
-        Rows with neither have no loss, as in `Seq2SeqTrainer`: nothing to compare the two decoders on."""
+        Rows with neither have no loss, as in `Seq2SeqTrainer`: no target sequence to compare the decoders on."""
         generate = self.args.predict_with_generate and not prediction_loss_only
         if self._evaluating_teacher or not generate:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs)
