@@ -205,9 +205,8 @@ class Router:
         if not return_outputs:
             return total
         back = torch.argsort(torch.tensor(order))
-        merged = {k: torch.cat([o[k] for o in outs])[back.to(outs[0][k].device)] for k in outs[0]
-                  if isinstance(outs[0][k], torch.Tensor)}
-        return total, merged
+        sizes = [len(rows) for rows in groups.values()]
+        return total, {k: _merge(k, [o.get(k) for o in outs], sizes, back) for k in outs[0]}
 
     def _with_signal(self, place: int, inputs: dict[str, Any]) -> dict[str, Any]:
         """A batch of rows routed to teacher `place` with their offline signal's columns when it is one."""
@@ -258,6 +257,54 @@ class Router:
                 what = getattr(getattr(teacher, "config", None), "name_or_path", "") or type(teacher).__name__
             out[name] = {"teacher": what, "rows": int(self.rows[name])}
         return out
+
+
+class NotPerRow(Mapping):
+    """In the merged outputs of a batch split by teacher, an output that is one per sub-batch, not one per row (a KV
+    cache, a 0-d auxiliary loss, a (tokens, experts) router logit): it cannot be put back in the batch's row order.
+    Outputs the Trainer leaves out (`ignore_keys`, loss-only evaluation) never read it; one it keeps as a prediction
+    is rebuilt as a mapping (`nested_detach`, accelerate's gathers), which raises the error naming the output."""
+
+    def __init__(self, entry: Mapping[str, str]) -> None:  # a rebuild: the output is kept as a prediction
+        ((key, kind),) = entry.items()
+        raise ValueError(
+            f"The student's output {key!r} ({kind}) is one per sub-batch, not one per row: the rows of this batch "
+            f"routed to different teachers ({ROUTE_COLUMN!r}) ran as separate sub-batches, so it cannot be put back "
+            f"in the batch's order as a prediction. Leave it out (predict/evaluate(ignore_keys=[{key!r}]) or the "
+            "student config's keys_to_ignore_at_inference), or have the student not return it."
+        )
+
+    @classmethod
+    def of(cls, key: str, value: Any) -> NotPerRow:
+        out = cls.__new__(cls)
+        out._entry = {key: type(value).__name__}
+        return out
+
+    def __getitem__(self, key: str) -> str:
+        return self._entry[key]
+
+    def __iter__(self):
+        return iter(self._entry)
+
+    def __len__(self) -> int:
+        return 1
+
+    def __repr__(self) -> str:
+        return f"NotPerRow({self._entry})"
+
+
+def _merge(key: str, values: list[Any], sizes: list[int], back: torch.Tensor) -> Any:
+    """One output of the sub-batches put back together in the batch's row order: tensors of one row per row
+    concatenated, tuples and lists (hidden states, attentions) element by element, None kept; anything else is a
+    :class:`NotPerRow`."""
+    first = values[0]
+    if all(v is None for v in values):
+        return None
+    if all(isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == n for v, n in zip(values, sizes, strict=True)):
+        return torch.cat(values)[back.to(first.device)]
+    if isinstance(first, tuple | list) and all(type(v) is type(first) and len(v) == len(first) for v in values):
+        return type(first)(_merge(key, list(parts), sizes, back) for parts in zip(*values, strict=True))
+    return NotPerRow.of(key, first)
 
 
 def _rows(batch: dict[str, Any], rows: list[int]) -> dict[str, Any]:

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
+from . import trainer_runs as runs
 from .argument_checks import check_fp16_device
 from .features.taps import unwrap
 from .losses.intermediate import IntermediateDistiller
@@ -312,6 +313,23 @@ class SentenceDistillationMixin(ProjectionTraining):
                 raise FileNotFoundError(f"{resume_from_checkpoint} has no {PROJECTIONS_FILE}: it was not written by a "
                                         "run with the same projection, so resuming would restart it from scratch.")
             proj.load_state_dict(torch.load(path, map_location=self.args.device, weights_only=True))
+
+    def train(self, *args: Any, **kwargs: Any):
+        """The Trainer's, refusing a checkpoint written with `save_only_model=True` as `DistillationTrainer` does
+        (hf_distill.trainer_runs): it holds no optimizer state, so the run would go on with a new optimizer and its
+        learning-rate schedule restarted from step 0."""
+        runs.check_resumable(self, args[0] if args else kwargs.get("resume_from_checkpoint"))
+        return super().train(*args, **kwargs)
+
+    def hyperparameter_search(self, *args: Any, **kwargs: Any):
+        """Refused with the fix: the Trainer's search builds each trial's student with `model_init`, which this
+        trainer does not take (its teacher, projection and loss are built around the student given)."""
+        raise ValueError(
+            "hyperparameter_search needs model_init (a new student per trial), which "
+            "DistillationSentenceTransformerTrainer does not take. Search in your own loop instead: for each trial "
+            "build the student and the trainer, train, and rank the trials by an evaluator's metric (eval_loss is the "
+            "distillation loss at each trial's kd_weight and task_weight, not comparable across trials)."
+        )
 
     def _distill_losses(self) -> list[EmbeddingDistillationLoss]:
         return list(self.loss.values()) if isinstance(self.loss, dict) else [self.loss]

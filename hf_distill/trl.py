@@ -71,6 +71,7 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainingArguments
 
+from . import trainer_runs as runs
 from .arguments import DistillationArguments, as_distillation_arguments
 from .compat import count_sft_train_tokens, sft_metrics, sft_train_tokens
 from .data.collators import TeacherOutputsCollator
@@ -380,7 +381,13 @@ class DistillationSFTTrainer(DistillationMixin, SFTTrainer):
         **kwargs: Any,
     ):
         """`Trainer.prediction_step` on the distillation loss (SFTTrainer's own reads `.logits` from the outputs of
-        its fused loss head, which the Distiller does not return); inside `evaluate_teacher` the teacher predicts."""
+        its fused loss head, which the Distiller does not return); inside `evaluate_teacher` the teacher predicts. As
+        `DistillationTrainer`'s (hf_distill.trainer_runs): a batch without labels (a `data_collator` that gives none)
+        gets its distillation loss under `eval_with_teacher`, and one the student runs alone loses the teacher-only
+        keys (cached `teacher_*` columns, prompts)."""
         if self._evaluating_teacher:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **kwargs)
+        if runs.distils_unlabeled(self, inputs, prediction_loss_only):
+            return runs.unlabeled_prediction_step(self, model, inputs, prediction_loss_only, ignore_keys)
+        inputs = runs.student_batch(self, inputs)
         return Trainer.prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=ignore_keys)

@@ -222,3 +222,28 @@ def test_evaluate_teacher_with_several_named_teachers_is_refused(tmp_path):
                                   eval_dataset=data, data_collator=collate)
     with pytest.raises(ValueError, match=r"routes its rows to 2 named teachers \(a, b\)"):
         trainer.evaluate_teacher()
+
+
+def test_routed_predictions_keep_the_students_own_outputs(tmp_path):
+    """A batch split by teacher gives back every output the student returns, in row order: the hidden states its
+    config asks for, as the single-teacher path does (they were dropped); an output that is one per sub-batch (the
+    KV cache) is refused by name when kept as a prediction, and left out as the Trainer leaves it by default."""
+    student = llama(0).eval()
+    student.config.output_hidden_states = True
+    data = _rows(["b", "a", "b"])
+    trainer = DistillationTrainer(model=student, teacher_model={"a": llama(1), "b": llama(2)}, train_dataset=data,
+                                  args=args(tmp_path, **RUN, eval_with_teacher=True, per_device_eval_batch_size=3,
+                                            use_cache=True),
+                                  data_collator=labelled_collate, processing_class=_tok())
+    out = trainer.predict(data)
+    batch = labelled_collate([{k: v for k, v in data[i].items() if k != "teacher_id"} for i in range(3)])
+    with torch.no_grad():
+        whole = student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    logits, hidden = out.predictions
+    torch.testing.assert_close(torch.as_tensor(logits), whole.logits)
+    assert len(hidden) == len(whole.hidden_states)
+    for got, want in zip(hidden, whole.hidden_states, strict=True):
+        torch.testing.assert_close(torch.as_tensor(got), want)
+    with pytest.raises(ValueError, match=r"output 'cache' \(DynamicCache\) is one per sub-batch.*ignore_keys"):
+        trainer.predict(data, ignore_keys=[])
+    assert "eval_loss" in trainer.evaluate(data)  # loss only: the cache is never read

@@ -351,6 +351,27 @@ def test_checkpoints_hold_the_projection_and_resume_with_it(tokenizer_dir, tmp_p
     assert resumed.state.global_step == 2
 
 
+def test_a_checkpoint_without_its_optimizer_and_a_search_are_refused(tokenizer_dir, tmp_path):
+    """save_only_model writes no optimizer or scheduler state: resuming would restart both at the checkpoint's step
+    (as DistillationTrainer refuses). hyperparameter_search needs model_init, which this trainer does not take."""
+    teacher = tiny(tokenizer_dir, tmp_path, "t", layers=1)
+    student = tiny(tokenizer_dir, tmp_path, "s", layers=1, seed=1)
+    data = datasets.Dataset.from_dict({"text": PAIRS["anchor"]})
+
+    def trainer(**kw):
+        return DistillationSentenceTransformerTrainer(model=student, teacher_model=teacher, train_dataset=data,
+                                                      args=args(tmp_path, **kw))
+
+    trainer(max_steps=1, save_strategy="steps", save_steps=1, save_only_model=True).train()
+    again = trainer(max_steps=2)
+    for given in (str(tmp_path / "out" / "checkpoint-1"), True):
+        with pytest.raises(ValueError, match="holds no optimizer state.*save_only_model=True"):
+            again.train(resume_from_checkpoint=given)
+    assert again.state.global_step == 0
+    with pytest.raises(ValueError, match="hyperparameter_search needs model_init.*own loop"):
+        again.hyperparameter_search(hp_space=lambda trial: {"learning_rate": 1e-3}, n_trials=1)
+
+
 @pytest.mark.slow
 def test_a_resumed_run_and_the_best_model_equal_the_uninterrupted_run(tokenizer_dir, tmp_path):
     """The student SentenceTransformer and its projection after resuming at step 2 of 4 are the uninterrupted run's,

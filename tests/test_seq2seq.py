@@ -307,6 +307,28 @@ def test_eval_with_teacher_reports_the_distillation_loss_when_generating(tmp_pat
     assert plain.evaluate()["eval_loss"] != pytest.approx(results[True], rel=1e-3)
 
 
+def test_rows_without_labels_when_generating(tmp_path):
+    """predict_with_generate on rows without labels: with decoder_input_ids, eval_with_teacher's loss is the
+    distillation loss over them, as without generation (Seq2SeqTrainer reported none); with neither
+    (DataCollatorForSeq2Seq's labels=None), the student's generations and no loss, not Seq2SeqTrainer's failing
+    forward (transformers#19714)."""
+    teacher, student = sharpen(t5(seed=1)), t5(decoder=2, seed=0)
+    trainer = trainer_for(tmp_path, student, teacher, eval_with_teacher=True, task_weight=0.0, generation_max_length=9)
+    targets = rows(4, seed=1)
+    primed = targets.map(lambda r: {"decoder_input_ids": ([PAD, *r["labels"]] + [PAD] * 6)[:6]})
+    primed = primed.remove_columns(["labels"])
+    batch = trainer.data_collator(list(primed))
+    expected = kd_by_hand(student.eval(), teacher, dict(batch, labels=torch.zeros_like(batch["decoder_input_ids"])))
+    for generate in (False, True):
+        trainer.args.predict_with_generate = generate
+        assert trainer.predict(primed).metrics["test_loss"] == pytest.approx(expected, rel=1e-5), generate
+    out = trainer.predict(targets.remove_columns(["labels"]))
+    assert "test_loss" not in out.metrics and out.label_ids is None
+    with torch.no_grad():
+        own = student.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], max_length=9)
+    np.testing.assert_array_equal(out.predictions[:, : own.shape[1]], own.numpy())
+
+
 @pytest.mark.slow
 def test_checkpoint_and_exact_resume_with_stack_projections(tmp_path):
     """A narrower student (per-layer projections keyed by stack) stopped at a checkpoint and resumed by a fresh

@@ -467,3 +467,43 @@ def test_distillation_trainer_on_flattened_batches_equals_padded(tmp_path):
                 values.append(distiller.tracker.pop_means() if train else {"total": float(total)})
             for key, value in values[0].items():
                 assert value == pytest.approx(values[1][key], rel=1e-5, abs=1e-7), (mode, train, key)
+
+
+@needs_trl
+def test_rows_without_labels_are_evaluated_as_distillation_trainer_does(tmp_path):
+    """A data_collator that gives no labels: under eval_with_teacher the batch gets its distillation loss (KD over
+    the real tokens, as DistillationTrainer's), and a batch the student predicts alone never hands it the cached
+    teacher_* columns; the predictions stay the student's logits (SFT's prediction_step went to the Trainer's, which
+    reported no loss and passed the columns on)."""
+    from hf_distill import DistillationSFTTrainer
+
+    tok = _tokenizer()
+    student, teacher = _pair(len(tok))
+
+    def unlabeled(features):
+        ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(f["input_ids"]) for f in features], batch_first=True,
+                                              padding_value=tok.pad_token_id)
+        mask = torch.nn.utils.rnn.pad_sequence([torch.ones(len(f["input_ids"]), dtype=torch.long) for f in features],
+                                               batch_first=True)
+        return {"input_ids": ids, "attention_mask": mask}
+
+    rows = _rows("messages")
+    trainer = DistillationSFTTrainer(model=student, teacher_model=teacher, data_collator=unlabeled, train_dataset=rows,
+                                     args=_config(tmp_path, "unlabeled", eval_with_teacher=True, task_weight=0.0,
+                                                  per_device_eval_batch_size=len(rows)), processing_class=tok)
+    prepared = trainer.train_dataset
+    batch = unlabeled(list(prepared))
+    out = trainer.predict(prepared)
+    real = batch["attention_mask"].bool()
+    kl, _ = _reference(student, teacher, dict(batch, labels=batch["input_ids"]), real[:, :-1] & real[:, 1:])
+    assert out.metrics["test_loss"] == pytest.approx(kl, rel=1e-4) and kl > 0
+    with torch.no_grad():
+        logits = student(**batch).logits
+    assert torch.allclose(torch.as_tensor(out.predictions), logits, atol=1e-5)
+    seen = set()
+    student.register_forward_pre_hook(lambda module, a, kw: seen.update(kw), with_kwargs=True)
+    trainer.args.eval_with_teacher = False
+    cached = prepared.add_column("teacher_logits", [[[0.0] * len(tok)] * len(r) for r in prepared["input_ids"]])
+    out = trainer.predict(cached)
+    assert seen == {"input_ids", "attention_mask"} and "test_loss" not in out.metrics
+    assert torch.allclose(torch.as_tensor(out.predictions), logits, atol=1e-5)
