@@ -688,6 +688,20 @@ def test_out_of_range_student_layers_are_one_line(env, tmp_path, monkeypatch, ca
     assert not (tmp_path / "out" / "results.json").exists()
 
 
+def test_a_teacher_folder_without_tokenizer_files_is_one_line(env, tmp_path, monkeypatch, capsys):
+    """transformers 5 builds an empty tokenizer from such a folder (the demo's cached teacher is one): the teacher
+    then read every word as unknown and scored chance in results.json, with no error."""
+    import shutil
+
+    bare = tmp_path / "bare_teacher"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(env["teacher"] / name, bare / name)
+    flags = common_flags(env, tmp_path / "out")
+    flags[flags.index("--teacher") + 1] = bare
+    _refused("distilbert", flags, "holds no tokenizer files", tmp_path / "out", monkeypatch, capsys)
+
+
 def test_a_hub_id_that_cannot_be_loaded_is_one_line(env, tmp_path, monkeypatch, capsys):
     """A name that could be a Hub id goes to the loader; offline, its error is one line saying so."""
     flags = common_flags(env, tmp_path / "out")
