@@ -28,6 +28,7 @@ import transformers
 from torch import nn
 from transformers.utils import logging
 
+from .base.tokenizer_files import TOKENIZER_FILES, lacks_tokenizer
 from .features.taps import unwrap
 
 if TYPE_CHECKING:
@@ -299,16 +300,10 @@ def teacher_tokenizer(teacher: nn.Module, given: Any = None, source: str | None 
     return _load_tokenizer(path, local_only=not os.path.isdir(path), what=f"the teacher's name_or_path {path}")
 
 
-# Files a saved tokenizer consists of (at least one): transformers 5 builds an *empty* tokenizer (special tokens
-# only) from a folder that has none of them, which must not be taken for the model's tokenizer.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model",
-                   "tokenizer.model", "sentencepiece.bpe.model")
-
-
 def _load_tokenizer(path: str, local_only: bool, what: str) -> tuple[Any, str]:
     from transformers import AutoTokenizer
 
-    if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+    if lacks_tokenizer(path):  # transformers 5 would build an empty tokenizer (hf_distill.base.tokenizer_files)
         return None, f"{what} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...)"
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=local_only), path

@@ -27,6 +27,7 @@ from transformers.utils import logging
 from . import trainer_runs as runs
 from .argument_checks import check_fp16_device, check_length_grouping, check_liger_kernel
 from .arguments import DistillationArguments, as_distillation_arguments
+from .base.log_level import follow_log_level
 from .compat import add_signature_columns, children_dict, prepare_inputs, signature_columns
 from .compat import num_items_in_batch as count_items
 from .data.audio import check_audio_inputs, teacher_own_inputs
@@ -104,6 +105,8 @@ class DistillationMixin(ProjectionTraining):
         check_fp16_device(args)  # fp16 on a CPU would train in float32
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
         check_liger_kernel(self.args)  # after the Trainer class's own __init__ (TRL's SFTTrainer turns it off there)
+        # hf_distill's loggers at the process log level the Trainer just gave transformers' (log_level="info")
+        follow_log_level(args.log_level if args.should_log else args.log_level_replica, args.get_process_log_level())
         # The Distiller normalises its terms itself (token-level ones over the whole step, from the counts taken
         # in get_batch_samples: hf_distill.losses.normalise), so the Trainer must scale the loss as it scales a plain
         # micro-batch mean: divide it by the accumulation steps and let DDP average (docs/guides/trainer.md, "Notes

@@ -191,8 +191,10 @@ def main() -> None:
                                          n_iter=recipe.n_iter, p_mask=recipe.p_mask, p_pos=recipe.p_pos,
                                          p_ng=recipe.p_ng, ngram_range=(1, recipe.ngram_max), tagger=tagger,
                                          seed=args.seed)
-        rest = train.select(range(k, rows)).add_column(AUGMENTED_COLUMN, [0] * (rows - k))
-        train = datasets.concatenate_datasets([augmented, rest]).shuffle(seed=order_seed(args)).flatten_indices()
+        if k < rows:  # the rows not augmented (none when augment_rows covers the file: select(range(n, n)) fails)
+            rest = train.select(range(k, rows)).add_column(AUGMENTED_COLUMN, [0] * (rows - k))
+            augmented = datasets.concatenate_datasets([augmented, rest])
+        train = augmented.shuffle(seed=order_seed(args)).flatten_indices()
         results["augment"] = {"n_iter": recipe.n_iter, "p_mask": recipe.p_mask, "p_pos": recipe.p_pos,
                               "p_ng": recipe.p_ng, "ngram_max": recipe.ngram_max, "rows_augmented": k,
                               "rows_in": rows, "rows_out": len(train), "pos_tagger": recipe.pos_tagger}

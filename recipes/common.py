@@ -85,11 +85,15 @@ def load_model(auto_class, path: str, what: str, **kwargs):
 
 
 def load_tokenizer(path: str, what: str, **kwargs):
-    """`AutoTokenizer.from_pretrained` with a one-line error naming whose tokenizer could not be read (a folder
-    without tokenizer files raises a ValueError listing the converters it tried)."""
+    """`AutoTokenizer.from_pretrained` with a one-line error naming whose tokenizer could not be read. A local
+    folder without tokenizer files is refused first: transformers 5 would return an empty tokenizer, no error."""
     from transformers import AutoTokenizer
 
-    try:
+    from hf_distill.base.tokenizer_files import check_tokenizer_folder
+
+    try:  # a folder without tokenizer files would give transformers 5's empty tokenizer (every word unknown)
+        check_tokenizer_folder(path, f"the {what}", f"Save the {what}'s tokenizer in that folder "
+                               "(tokenizer.save_pretrained(folder)).")
         return AutoTokenizer.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as err:
         fail(f"cannot load the tokenizer of the {what} from {path!r}{_as_hub_id(path)}: {_one_line(err)}")

@@ -352,6 +352,27 @@ def test_cli_refuses_a_teacher_whose_classifier_would_be_random(saved_teacher, t
     assert not (tmp_path / "never").exists()
 
 
+def test_cli_refuses_a_teacher_folder_without_tokenizer_files(saved_teacher, tmp_path, capsys, monkeypatch):
+    """transformers 5 reads such a folder as an empty tokenizer (every word unknown): every candidate would have
+    been distilled on [UNK] rows. One error line, before the teacher loads, and no output folder."""
+    import shutil
+
+    import transformers
+
+    folder, rows = saved_teacher
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(folder / name, bare / name)
+    loaded = []
+    monkeypatch.setattr(transformers.AutoModelForSequenceClassification, "from_pretrained",
+                        lambda *a, **kw: loaded.append(a))
+    assert main(cli_args((bare, rows), tmp_path / "never")) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: The teacher {str(bare)!r} holds no tokenizer files") and err.count("\n") == 1
+    assert "Give --tokenizer" in err and loaded == [] and not (tmp_path / "never").exists()
+
+
 def test_an_in_memory_teacher_loaded_without_its_head_is_warned_about(tmp_path, monkeypatch, caplog):
     """In memory the loading report is gone: a classifier whose config still names the base checkpoint's class gets
     a warning (it may have been fine-tuned since); one built or fine-tuned and saved as a classifier gets none."""

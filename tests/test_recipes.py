@@ -267,6 +267,25 @@ def test_bilstm_training_rows_carry_the_right_labels(env, tmp_path, monkeypatch)
         int(p) != gold[tuple(i)] for i, p in zip(train["input_ids"], predicted) if tuple(i) in gold) < 48
 
 
+def test_bilstm_augments_a_file_with_fewer_rows_than_augment_rows(env, tmp_path, monkeypatch):
+    """augment_rows 3000 (the SST-2 config's) of a 48-row file: every row is augmented. Before, selecting the
+    rows left over, none, raised datasets' IndexError after the augmentation had run."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(RECIPES))
+    recipe = importlib.import_module("bilstm")
+    seen = {}
+    monkeypatch.setattr(recipe, "cache_task_logits",
+                        lambda teacher, train, *a, **kw: train.map(lambda r: {"teacher_logits": [0.0, 1.0]}))
+    monkeypatch.setattr(recipe, "train_and_report", lambda trainer, results, *a, **kw: seen.update(results))
+    monkeypatch.setattr(sys, "argv", ["recipes/bilstm.py", "--config", str(RECIPES / "configs" / "bilstm_sst2.yaml"),
+                                      *map(str, common_flags(env, tmp_path / "out")), "--n_iter", "2",
+                                      "--p_mask", "0.3", "--lstm_hidden_size", "8", "--classifier_size", "6"])
+    recipe.main()
+    aug = seen["augment"]
+    assert aug["rows_in"] == aug["rows_augmented"] == 48 and 48 < aug["rows_out"] <= 48 * 3
+
+
 @pytest.mark.slow
 def test_bilstm_baseline_without_teacher_or_copies(env, tmp_path):
     out = tmp_path / "out"
@@ -686,6 +705,20 @@ def test_out_of_range_student_layers_are_one_line(env, tmp_path, monkeypatch, ca
     line = _one_error_line(capsys)
     assert "out-of-range index 9" in line and "valid indices are 0..3" in line, line
     assert not (tmp_path / "out" / "results.json").exists()
+
+
+def test_a_teacher_folder_without_tokenizer_files_is_one_line(env, tmp_path, monkeypatch, capsys):
+    """transformers 5 builds an empty tokenizer from such a folder (the demo's cached teacher is one): the teacher
+    then read every word as unknown and scored chance in results.json, with no error."""
+    import shutil
+
+    bare = tmp_path / "bare_teacher"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(env["teacher"] / name, bare / name)
+    flags = common_flags(env, tmp_path / "out")
+    flags[flags.index("--teacher") + 1] = bare
+    _refused("distilbert", flags, "holds no tokenizer files", tmp_path / "out", monkeypatch, capsys)
 
 
 def test_a_hub_id_that_cannot_be_loaded_is_one_line(env, tmp_path, monkeypatch, capsys):

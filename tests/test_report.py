@@ -110,6 +110,14 @@ def test_nothing_to_plot_is_an_error(tmp_path):
         plot_loss_components(state, tmp_path / "x.png")
 
 
+def test_no_loss_logged_names_the_steps_and_logging_steps(tmp_path):
+    # a 2-step run under the default logging_steps=500 logs no loss: the message said "logging_steps > 0"
+    state = tmp_path / "trainer_state.json"
+    state.write_text(json.dumps({"global_step": 2, "logging_steps": 500, "log_history": [{"train_loss": 1.0}]}))
+    with pytest.raises(ValueError, match=r"global_step 2, logging_steps 500\).*at most the steps trained"):
+        plot_loss_components(state, tmp_path / "x.png")
+
+
 def test_latest_eval_metrics_merge_every_eval_set_and_drop_prefixed_losses_and_timings():
     from hf_distill.publish.report import latest_eval_metrics
 

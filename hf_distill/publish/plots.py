@@ -48,9 +48,13 @@ def loss_series(log_history: list[dict[str, Any]]) -> dict[str, tuple[list[int],
 
 def plot_loss_components(trainer_state: str | os.PathLike, out: str | os.PathLike) -> Path:
     """Every logged loss (`loss`, `loss_kd`, `loss_hidden`, ...) against the training step."""
-    series = loss_series(_read_json(Path(trainer_state)).get("log_history", []))
-    if not series:
-        raise ValueError(f"{trainer_state} logs no loss: train with logging_steps > 0 to get a loss curve.")
+    state = _read_json(Path(trainer_state))
+    series = loss_series(state.get("log_history", []))
+    if not series:  # e.g. 2 steps under the Trainer's default logging_steps=500: no training log was written
+        steps, every = state.get("global_step"), state.get("logging_steps")
+        raise ValueError(f"{trainer_state} logs no loss (global_step {steps}, logging_steps {every}): the Trainer "
+                         "logs the loss every logging_steps steps; train with logging_steps at most the steps "
+                         "trained to get a loss curve.")
     plt, fig, ax = _figure()
     for key in sorted(series, key=lambda k: (k != "loss", k)):
         steps, values = series[key]

@@ -9,6 +9,8 @@ import argparse
 import os
 from typing import Any
 
+from ..base.tokenizer_files import check_tokenizer_folder
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     teacher = sub.add_parser("teacher", help="serve a causal-LM teacher over HTTP for served-teacher distillation",
@@ -69,6 +71,7 @@ def cmd_teacher(args: argparse.Namespace, error: Any, device: Any, load: Any) ->
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
     kwargs = {"dtype": dtype} if dtype is not None else {}
+    check_tokenizer_folder(args.model, "The model", "Save its tokenizer in that folder.")  # before the weights load
     model = load("teacher", args.model, lambda: AutoModelForCausalLM.from_pretrained(args.model, **kwargs))
     tokenizer = load("tokenizer", args.model, lambda: AutoTokenizer.from_pretrained(args.model))
     served = ServedModel(model, tokenizer, args.name or args.model, max_k=args.k, temperature=args.temperature,

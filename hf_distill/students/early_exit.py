@@ -147,7 +147,9 @@ class EarlyExitModel(nn.Module):
             ExitBranch(info.hidden_size, num_labels, branch_width, branch_heads) if branch == "fastbert"
             else PoolerBranch(info.hidden_size, num_labels) for _ in range(self.num_exits - 1)
         )
-        self._blocks = inner.base_model.get_submodule(info.family.layers)
+        # a tuple, not a submodule of this wrapper (the blocks are self.model's): registered twice, every block's
+        # weight was in the state dict under two names, which the Trainer's checkpoints (safetensors) refuse
+        self._blocks = tuple(inner.base_model.get_submodule(info.family.layers))
         if len({id(b) for b in self._blocks}) != len(self._blocks):
             raise ValueError("EarlyExitModel: the same module appears more than once among the model's blocks "
                              "(shared layers); early exit needs one module per block, each with its own branch.")
@@ -300,7 +302,7 @@ class EarlyExitModel(nn.Module):
         # The exit step is a forward hook registered after the block's own hooks (and runs after the global
         # ones), so the branch sees their output, as in training, and they see every row the block runs on. The
         # slicing is a pre-hook registered after the block's own, so those see the rows given to the model.
-        key = id(self._blocks)
+        key = id(self.model)  # the backbone, which two wrappers of it share
         if key in _RUNNING:
             raise RuntimeError("exit_forward is already running on this model's blocks (called again from a branch "
                                "or a hook, or from another thread): one call at a time per backbone.")
