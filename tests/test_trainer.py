@@ -363,3 +363,40 @@ def test_jsd_and_reverse_kl_are_the_kd_term(tmp_path, kind, beta):
 def test_jsd_beta_outside_the_unit_interval_is_refused(tmp_path, beta):
     with pytest.raises(ValueError, match="jsd_beta"):
         args(tmp_path, kd_loss="jsd", jsd_beta=beta)
+
+
+class BagOfWords(nn.Module):
+    """A student that is a plain nn.Module (no PreTrainedModel, no config): mean-pooled embeddings -> classes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.out = nn.Embedding(VOCAB, 16), nn.Linear(16, 2)
+
+    def forward(self, input_ids, attention_mask, labels=None):
+        mask = attention_mask.unsqueeze(-1).float()
+        return {"logits": self.out((self.embed(input_ids) * mask).sum(1) / mask.sum(1))}
+
+
+def test_a_plain_module_student_checkpoints_and_resumes_to_the_uninterrupted_run(tmp_path):
+    """The test helpers train with save_strategy="no"; under the Trainer's default of saving, a student that is not a
+    PreTrainedModel goes through its other save path (an early-exit model's crashed there): saved, resumed, equal."""
+    from transformers import TrainerCallback
+
+    class StopAfterTheFirstSave(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            control.should_training_stop = True
+
+    final = {}
+    for name in ("whole", "stopped", "resumed"):
+        trainer = DistillationTrainer(
+            model=BagOfWords(), teacher_model=make_teacher(), train_dataset=token_dataset(16), data_collator=collate,
+            args=args(tmp_path / ("whole" if name == "whole" else "cut"), max_steps=4, save_strategy="steps",
+                      save_steps=2, per_device_train_batch_size=4),
+            callbacks=[StopAfterTheFirstSave()] if name == "stopped" else None)
+        checkpoint = tmp_path / "cut" / "out" / "checkpoint-2"
+        trainer.train(resume_from_checkpoint=str(checkpoint) if name == "resumed" else None)
+        final[name] = (trainer.state.global_step, flat_params(trainer.model))
+    assert (checkpoint / "model.safetensors").is_file() and final["stopped"][0] == 2
+    assert final["resumed"][0] == final["whole"][0] == 4
+    torch.testing.assert_close(final["resumed"][1], final["whole"][1], rtol=0, atol=1e-6)
