@@ -13,7 +13,9 @@ silently wrong.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -68,15 +70,36 @@ def unlabeled_prediction_step(trainer: Any, model: nn.Module, inputs: dict[str, 
     loss = loss.detach().mean()
     if prediction_loss_only:
         return loss, None, None
-    if ignore_keys is None:
-        config = getattr(trainer.model, "config", None)
-        ignore_keys = getattr(config, "keys_to_ignore_at_inference", ["cache"]) if config is not None else []
+    ignore_keys = ignored_keys(trainer, ignore_keys)
     if isinstance(outputs, dict):
         logits = tuple(v for k, v in outputs.items() if k not in [*ignore_keys, "loss"])
     else:
         logits = outputs[1:]
     logits = nested_detach(logits)
     return loss, logits[0] if len(logits) == 1 else logits, None
+
+
+def ignored_keys(trainer: Any, ignore_keys: list[str] | None) -> list[str]:
+    """The output keys `Trainer.prediction_step` leaves out of the predictions: those given, else the model config's
+    `keys_to_ignore_at_inference` (its default, ["cache"], where the config names none)."""
+    if ignore_keys is not None:
+        return ignore_keys
+    config = getattr(trainer.model, "config", None)
+    return getattr(config, "keys_to_ignore_at_inference", ["cache"]) if config is not None else []
+
+
+@contextlib.contextmanager
+def routed_predictions(trainer: Any, prediction_loss_only: bool, ignore_keys: list[str] | None) -> Iterator[None]:
+    """Around a student's prediction step: a batch split by teacher (hf_distill.routing) leaves out the outputs that
+    are one per sub-batch (a KV cache), which are refused here if the step keeps them as predictions."""
+    router = trainer.distiller.router
+    if router is None:
+        yield
+        return
+    router.unmerged = {}  # none from a call outside this step (compute_loss by hand)
+    yield
+    if not prediction_loss_only:
+        router.refuse_unmerged(ignored_keys(trainer, ignore_keys))
 
 
 def check_resumable(trainer: Any, resume_from_checkpoint: str | bool | None) -> None:
@@ -139,5 +162,5 @@ def check_search_objective(trainer: Any, compute_objective: Any) -> None:
         )
 
 
-__all__ = ["check_best_metric", "check_resumable", "check_search_objective", "distils_unlabeled",
-           "runs_model_alone", "student_batch", "unlabeled_prediction_step"]
+__all__ = ["check_best_metric", "check_resumable", "check_search_objective", "distils_unlabeled", "ignored_keys",
+           "routed_predictions", "runs_model_alone", "student_batch", "unlabeled_prediction_step"]
