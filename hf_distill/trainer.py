@@ -382,11 +382,8 @@ class DistillationMixin(ProjectionTraining):
         without labels under `eval_with_teacher`, whose distillation loss the Trainer's would not compute."""
         if self._evaluating_teacher:
             return self._teacher_prediction_step(inputs, prediction_loss_only, ignore_keys)
-        with runs.routed_predictions(self, prediction_loss_only, ignore_keys):
-            if runs.distils_unlabeled(self, inputs, prediction_loss_only):
-                return runs.unlabeled_prediction_step(self, model, inputs, prediction_loss_only, ignore_keys)
-            inputs = runs.student_batch(self, inputs)  # a batch the student runs alone: no teacher-only keys
-            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **kwargs)
+        return runs.student_prediction_step(self, super().prediction_step, model, inputs, prediction_loss_only,
+                                            ignore_keys, **kwargs)
 
     def _teacher_prediction_step(self, inputs, prediction_loss_only, ignore_keys=None):
         """`prediction_step` with the teacher as the model (the student is not run)."""

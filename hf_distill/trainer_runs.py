@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -56,6 +56,17 @@ def student_batch(trainer: Any, inputs: dict[str, Any]) -> dict[str, Any]:
     if not runs_model_alone(trainer, inputs):
         return inputs
     return {k: v for k, v in inputs.items() if not k.startswith(TEACHER_PREFIX) and k not in PROMPT_KEYS}
+
+
+def student_prediction_step(trainer: Any, step: Callable[..., Any], model: nn.Module, inputs: dict[str, Any],
+                            prediction_loss_only: bool, ignore_keys: list[str] | None = None, **kwargs: Any):
+    """The student's prediction step of a distillation trainer around its Trainer class's `step`: a batch without
+    labels gets its distillation loss under `eval_with_teacher`, one the student runs alone loses the teacher-only
+    keys, and a routed batch's outputs that are one per sub-batch are refused where kept."""
+    with routed_predictions(trainer, prediction_loss_only, ignore_keys):
+        if distils_unlabeled(trainer, inputs, prediction_loss_only):
+            return unlabeled_prediction_step(trainer, model, inputs, prediction_loss_only, ignore_keys)
+        return step(model, student_batch(trainer, inputs), prediction_loss_only, ignore_keys=ignore_keys, **kwargs)
 
 
 def unlabeled_prediction_step(trainer: Any, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
@@ -163,4 +174,5 @@ def check_search_objective(trainer: Any, compute_objective: Any) -> None:
 
 
 __all__ = ["check_best_metric", "check_resumable", "check_search_objective", "distils_unlabeled", "ignored_keys",
-           "routed_predictions", "runs_model_alone", "student_batch", "unlabeled_prediction_step"]
+           "routed_predictions", "runs_model_alone", "student_batch", "student_prediction_step",
+           "unlabeled_prediction_step"]
