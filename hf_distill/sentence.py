@@ -62,6 +62,7 @@ from .sentence_loss import (
     TEACHER_INPUTS,
     EmbeddingDistillationLoss,
     pooling_module,
+    routes_by_task,
 )
 from .trainer_projections import PROJECTIONS_FILE, ProjectionTraining, _ClearProjectionGradients
 
@@ -252,7 +253,7 @@ class SentenceDistillationMixin(ProjectionTraining):
         s_width = _width(model, space)
         same = teacher_model is None or _same_tokens(model, teacher_model)
         routed = [role for role, m in (("student", model), ("teacher", teacher_model))
-                  if m is not None and not hasattr(unwrap(m)[0], "auto_model")]
+                  if m is not None and routes_by_task(m)]
         if args.terms and routed:
             raise ValueError(f"distill_terms tap one transformer, but the {' and the '.join(routed)} routes each "
                              "column to its own modules (a Router): remove distill_terms.")
