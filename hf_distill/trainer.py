@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -487,7 +488,7 @@ class _SettingsCallbackHandler(CallbackHandler):
     """The Trainer's callback handler, passing the run's loss settings to every event as `distill_settings` (as it
     passes `model` and `optimizer`): callbacks hold nothing of the trainer and may be rebuilt from saved state."""
 
-    def __init__(self, handler: CallbackHandler, settings: Any, start_run: Any = None) -> None:
+    def __init__(self, handler: CallbackHandler, settings: Any, start_run: Callable[[], None]) -> None:
         self.__dict__.update(handler.__dict__)
         self.distill_settings = settings
         self.start_run = start_run
@@ -495,6 +496,5 @@ class _SettingsCallbackHandler(CallbackHandler):
     def call_event(self, event, args, state, control, **kwargs):
         if event == "on_train_begin":  # arguments set since the trainer was built (a hyperparameter-search trial)
             self.distill_settings.follow(args)
-            if self.start_run is not None:
-                self.start_run()
+            self.start_run()  # every start of the training loop, auto_find_batch_size's retries included
         return super().call_event(event, args, state, control, distill_settings=self.distill_settings, **kwargs)
