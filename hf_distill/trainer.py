@@ -413,10 +413,8 @@ class DistillationMixin(ProjectionTraining):
             loss = own.detach().mean() if own is not None else None
         if prediction_loss_only:
             return loss, None, None
-        if ignore_keys is None:
-            config = getattr(unwrap(self.teacher), "config", None)
-            ignore_keys = getattr(config, "keys_to_ignore_at_inference", ["cache"]) if config is not None else []
         if isinstance(out, dict):
+            ignore_keys = runs.ignored_keys(unwrap(self.teacher), ignore_keys)
             kept = tuple(v for k, v in out.items() if k not in [*ignore_keys, "loss"])
             logits = kept[0] if len(kept) == 1 else kept
         return loss, nested_detach(logits), labels

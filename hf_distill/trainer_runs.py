@@ -81,7 +81,7 @@ def unlabeled_prediction_step(trainer: Any, model: nn.Module, inputs: dict[str, 
     loss = loss.detach().mean()
     if prediction_loss_only:
         return loss, None, None
-    ignore_keys = ignored_keys(trainer, ignore_keys)
+    ignore_keys = ignored_keys(trainer.model, ignore_keys)
     if isinstance(outputs, dict):
         logits = tuple(v for k, v in outputs.items() if k not in [*ignore_keys, "loss"])
     else:
@@ -90,12 +90,12 @@ def unlabeled_prediction_step(trainer: Any, model: nn.Module, inputs: dict[str, 
     return loss, logits[0] if len(logits) == 1 else logits, None
 
 
-def ignored_keys(trainer: Any, ignore_keys: list[str] | None) -> list[str]:
-    """The output keys `Trainer.prediction_step` leaves out of the predictions: those given, else the model config's
-    `keys_to_ignore_at_inference` (its default, ["cache"], where the config names none)."""
+def ignored_keys(model: Any, ignore_keys: list[str] | None) -> list[str]:
+    """The output keys `Trainer.prediction_step` leaves out of `model`'s predictions: those given, else its config's
+    `keys_to_ignore_at_inference` (the Trainer's default, ["cache"], where the config names none)."""
     if ignore_keys is not None:
         return ignore_keys
-    config = getattr(trainer.model, "config", None)
+    config = getattr(model, "config", None)
     return getattr(config, "keys_to_ignore_at_inference", ["cache"]) if config is not None else []
 
 
@@ -110,7 +110,7 @@ def routed_predictions(trainer: Any, prediction_loss_only: bool, ignore_keys: li
     router.unmerged = {}  # none from a call outside this step (compute_loss by hand)
     yield
     if not prediction_loss_only:
-        router.refuse_unmerged(ignored_keys(trainer, ignore_keys))
+        router.refuse_unmerged(ignored_keys(trainer.model, ignore_keys))
 
 
 def check_resumable(trainer: Any, resume_from_checkpoint: str | bool | None) -> None:
