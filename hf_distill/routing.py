@@ -235,9 +235,8 @@ class Router:
 
     def refuse_unmerged(self, ignore_keys: list[str]) -> None:
         """Refuse a left-out output (:attr:`unmerged`) that a prediction step keeps (not in `ignore_keys`): its
-        predictions would silently lack it. Forgets them either way (the next step's are its own)."""
+        predictions would silently lack it."""
         kept = [(k, kind) for k, kind in self.unmerged.items() if k not in ignore_keys]
-        self.unmerged = {}
         if kept:
             key, kind = kept[0]
             raise ValueError(

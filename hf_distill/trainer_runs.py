@@ -9,13 +9,14 @@ silently wrong.
 * With `eval_with_teacher=True`, `eval_loss` is the distillation loss at the step's settings: a callback that
   changes them (a schedule, stages) makes evaluations incomparable, so it cannot choose the best checkpoint, nor
   (as `hyperparameter_search`'s default objective) rank trials that set other weights or temperatures.
+* A batch split by teacher (hf_distill.routing) cannot put back in row order an output that is one per sub-batch (a
+  KV cache): the Router leaves it out and names it, and the prediction step refuses it where it keeps it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -63,10 +64,16 @@ def student_prediction_step(trainer: Any, step: Callable[..., Any], model: nn.Mo
     """The student's prediction step of a distillation trainer around its Trainer class's `step`: a batch without
     labels gets its distillation loss under `eval_with_teacher`, one the student runs alone loses the teacher-only
     keys, and a routed batch's outputs that are one per sub-batch are refused where kept."""
-    with routed_predictions(trainer, prediction_loss_only, ignore_keys):
-        if distils_unlabeled(trainer, inputs, prediction_loss_only):
-            return unlabeled_prediction_step(trainer, model, inputs, prediction_loss_only, ignore_keys)
-        return step(model, student_batch(trainer, inputs), prediction_loss_only, ignore_keys=ignore_keys, **kwargs)
+    router = trainer.distiller.router
+    if router is not None:
+        router.unmerged = {}  # none left from a compute_loss called outside this step
+    if distils_unlabeled(trainer, inputs, prediction_loss_only):
+        out = unlabeled_prediction_step(trainer, model, inputs, prediction_loss_only, ignore_keys)
+    else:
+        out = step(model, student_batch(trainer, inputs), prediction_loss_only, ignore_keys=ignore_keys, **kwargs)
+    if router is not None and not prediction_loss_only:  # outputs the routed batch left out, kept here: refused
+        router.refuse_unmerged(ignored_keys(trainer.model, ignore_keys))
+    return out
 
 
 def unlabeled_prediction_step(trainer: Any, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
@@ -97,20 +104,6 @@ def ignored_keys(model: Any, ignore_keys: list[str] | None) -> list[str]:
         return ignore_keys
     config = getattr(model, "config", None)
     return getattr(config, "keys_to_ignore_at_inference", ["cache"]) if config is not None else []
-
-
-@contextlib.contextmanager
-def routed_predictions(trainer: Any, prediction_loss_only: bool, ignore_keys: list[str] | None) -> Iterator[None]:
-    """Around a student's prediction step: a batch split by teacher (hf_distill.routing) leaves out the outputs that
-    are one per sub-batch (a KV cache), which are refused here if the step keeps them as predictions."""
-    router = trainer.distiller.router
-    if router is None:
-        yield
-        return
-    router.unmerged = {}  # none from a call outside this step (compute_loss by hand)
-    yield
-    if not prediction_loss_only:
-        router.refuse_unmerged(ignored_keys(trainer.model, ignore_keys))
 
 
 def check_resumable(trainer: Any, resume_from_checkpoint: str | bool | None) -> None:
@@ -174,5 +167,4 @@ def check_search_objective(trainer: Any, compute_objective: Any) -> None:
 
 
 __all__ = ["check_best_metric", "check_resumable", "check_search_objective", "distils_unlabeled", "ignored_keys",
-           "routed_predictions", "runs_model_alone", "student_batch", "student_prediction_step",
-           "unlabeled_prediction_step"]
+           "runs_model_alone", "student_batch", "student_prediction_step", "unlabeled_prediction_step"]
