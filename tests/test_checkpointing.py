@@ -87,3 +87,16 @@ def test_a_first_blocks_input_is_read_before_the_checkpointed_block_runs():
                 check_tapped_checkpointing(model, taps.modules())
         else:
             check_tapped_checkpointing(model, taps.modules())
+
+
+def test_reentrant_checkpointing_turned_on_after_the_first_loss_is_refused(tmp_path):
+    """The taps keep the regions around them (the model's structure, found at the first forward) and read whether
+    those are checkpointed at every forward: turning it on later is still refused."""
+    student = llama(0).train()
+    trainer = _trainer(tmp_path, student)
+    rows = sft_rows(8)
+    batch = labelled_collate([rows[i] for i in range(8)])
+    trainer.compute_loss(student, dict(batch))
+    student.activation_checkpointing_enable(activation_checkpointing_kwargs=REENTRANT)
+    with pytest.raises(ValueError, match=r"(?s)drop the gradient.*model\.layers\.0"):
+        trainer.compute_loss(student, dict(batch))
