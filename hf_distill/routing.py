@@ -93,6 +93,9 @@ class Router:
         self.signals = signals or {}  # place -> SignalTeacher (hf_distill.routed_signal): its rows looked up per batch
         self.rows = collections.Counter({name: 0 for name in names})
         self.active = False
+        # the outputs of the last split batch that are one per sub-batch (name: type), left out of its predictions:
+        # refused by refuse_unmerged where the Trainer would keep them, never where it leaves them out (loss only)
+        self.unmerged: dict[str, str] = {}
         # each teacher's KD since the last log: the sum of its sub-batch means times their counted tokens, the tokens
         self._kd = torch.zeros(2, len(names), dtype=torch.float64)
 
@@ -206,7 +209,9 @@ class Router:
             return total
         back = torch.argsort(torch.tensor(order))
         sizes = [len(rows) for rows in groups.values()]
-        return total, {k: _merge(k, [o.get(k) for o in outs], sizes, back) for k in outs[0]}
+        merged = {k: _merge([o.get(k) for o in outs], sizes, back) for k in outs[0]}
+        self.unmerged = {k: type(outs[0][k]).__name__ for k, v in merged.items() if v is _NOT_PER_ROW}
+        return total, {k: v for k, v in merged.items() if v is not _NOT_PER_ROW}
 
     def _with_signal(self, place: int, inputs: dict[str, Any]) -> dict[str, Any]:
         """A batch of rows routed to teacher `place` with their offline signal's columns when it is one."""
@@ -227,6 +232,19 @@ class Router:
 
             tokens = float(self.distiller._counts(inputs)[COUNT_KINDS.index("kd")]) or 1.0  # sequence level: a row
             self._kd[:, place] += torch.tensor([float(kd) * tokens, tokens], dtype=torch.float64)
+
+    def refuse_unmerged(self, ignore_keys: list[str]) -> None:
+        """Refuse a left-out output (:attr:`unmerged`) that a prediction step keeps (not in `ignore_keys`): its
+        predictions would silently lack it."""
+        kept = [(k, kind) for k, kind in self.unmerged.items() if k not in ignore_keys]
+        if kept:
+            key, kind = kept[0]
+            raise ValueError(
+                f"The student's output {key!r} ({kind}) is one per sub-batch, not one per row: the rows of this batch "
+                f"routed to different teachers ({ROUTE_COLUMN!r}) ran as separate sub-batches, so it cannot be put "
+                f"back in the batch's order as a prediction. Leave it out (predict/evaluate(ignore_keys=[{key!r}]) or "
+                "the student config's keys_to_ignore_at_inference), or have the student not return it."
+            )
 
     def reset(self) -> None:
         """Forget the rows counted and the KD logged so far (a training starts: hand calls before it are not its)."""
@@ -259,52 +277,22 @@ class Router:
         return out
 
 
-class NotPerRow(Mapping):
-    """In the merged outputs of a batch split by teacher, an output that is one per sub-batch, not one per row (a KV
-    cache, a 0-d auxiliary loss, a (tokens, experts) router logit): it cannot be put back in the batch's row order.
-    Outputs the Trainer leaves out (`ignore_keys`, loss-only evaluation) never read it; one it keeps as a prediction
-    is rebuilt as a mapping (`nested_detach`, accelerate's gathers), which raises the error naming the output."""
-
-    def __init__(self, entry: Mapping[str, str]) -> None:  # a rebuild: the output is kept as a prediction
-        ((key, kind),) = entry.items()
-        raise ValueError(
-            f"The student's output {key!r} ({kind}) is one per sub-batch, not one per row: the rows of this batch "
-            f"routed to different teachers ({ROUTE_COLUMN!r}) ran as separate sub-batches, so it cannot be put back "
-            f"in the batch's order as a prediction. Leave it out (predict/evaluate(ignore_keys=[{key!r}]) or the "
-            "student config's keys_to_ignore_at_inference), or have the student not return it."
-        )
-
-    @classmethod
-    def of(cls, key: str, value: Any) -> NotPerRow:
-        out = cls.__new__(cls)
-        out._entry = {key: type(value).__name__}
-        return out
-
-    def __getitem__(self, key: str) -> str:
-        return self._entry[key]
-
-    def __iter__(self):
-        return iter(self._entry)
-
-    def __len__(self) -> int:
-        return 1
-
-    def __repr__(self) -> str:
-        return f"NotPerRow({self._entry})"
+_NOT_PER_ROW = object()  # what _merge gives an output it cannot put back in row order
 
 
-def _merge(key: str, values: list[Any], sizes: list[int], back: torch.Tensor) -> Any:
+def _merge(values: list[Any], sizes: list[int], back: torch.Tensor) -> Any:
     """One output of the sub-batches put back together in the batch's row order: tensors of one row per row
-    concatenated, tuples and lists (hidden states, attentions) element by element, None kept; anything else is a
-    :class:`NotPerRow`."""
+    concatenated, tuples and lists (hidden states, attentions) element by element, None kept; anything else (a KV
+    cache, a 0-d auxiliary loss, a (tokens, experts) router logit) is one per sub-batch: `_NOT_PER_ROW`."""
     first = values[0]
     if all(v is None for v in values):
         return None
     if all(isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == n for v, n in zip(values, sizes, strict=True)):
         return torch.cat(values)[back.to(first.device)]
     if isinstance(first, tuple | list) and all(type(v) is type(first) and len(v) == len(first) for v in values):
-        return type(first)(_merge(key, list(parts), sizes, back) for parts in zip(*values, strict=True))
-    return NotPerRow.of(key, first)
+        parts = [_merge(list(part), sizes, back) for part in zip(*values, strict=True)]
+        return _NOT_PER_ROW if any(p is _NOT_PER_ROW for p in parts) else type(first)(parts)
+    return _NOT_PER_ROW
 
 
 def _rows(batch: dict[str, Any], rows: list[int]) -> dict[str, Any]:

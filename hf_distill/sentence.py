@@ -62,6 +62,7 @@ from .sentence_loss import (
     TEACHER_INPUTS,
     EmbeddingDistillationLoss,
     pooling_module,
+    routes_by_task,
 )
 from .trainer_projections import PROJECTIONS_FILE, ProjectionTraining, _ClearProjectionGradients
 
@@ -252,7 +253,7 @@ class SentenceDistillationMixin(ProjectionTraining):
         s_width = _width(model, space)
         same = teacher_model is None or _same_tokens(model, teacher_model)
         routed = [role for role, m in (("student", model), ("teacher", teacher_model))
-                  if m is not None and not hasattr(unwrap(m)[0], "auto_model")]
+                  if m is not None and routes_by_task(m)]
         if args.terms and routed:
             raise ValueError(f"distill_terms tap one transformer, but the {' and the '.join(routed)} routes each "
                              "column to its own modules (a Router): remove distill_terms.")
@@ -306,13 +307,10 @@ class SentenceDistillationMixin(ProjectionTraining):
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         """sentence-transformers' own (it takes no model), then the projections, which the checkpoint must hold."""
         super(ProjectionTraining, self)._load_from_checkpoint(resume_from_checkpoint)
-        proj = self._projections()
-        if proj is not None:
-            path = os.path.join(resume_from_checkpoint, PROJECTIONS_FILE)
-            if not os.path.isfile(path):
-                raise FileNotFoundError(f"{resume_from_checkpoint} has no {PROJECTIONS_FILE}: it was not written by a "
-                                        "run with the same projection, so resuming would restart it from scratch.")
-            proj.load_state_dict(torch.load(path, map_location=self.args.device, weights_only=True))
+        if self._projections() is not None:
+            self._load_projections(resume_from_checkpoint, f"{resume_from_checkpoint} has no {PROJECTIONS_FILE}: it "
+                                   "was not written by a run with the same projection, so resuming would restart it "
+                                   "from scratch.")
 
     def train(self, *args: Any, **kwargs: Any):
         """The Trainer's, refusing a checkpoint written with `save_only_model=True` as `DistillationTrainer` does

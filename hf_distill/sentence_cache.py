@@ -11,8 +11,7 @@ import torch
 from datasets import IterableDataset
 from torch import nn
 
-from .features.taps import unwrap
-from .sentence_loss import SPACES, _run, pooling_module
+from .sentence_loss import SPACES, _run, pooling_module, routes_by_task
 
 LABEL_COLUMNS = ("label", "labels", "score", "scores")
 
@@ -105,7 +104,7 @@ def cache_teacher_embeddings(dataset: Any, teacher: nn.Module, column: str, *, s
         raise ValueError(f"column={column!r} is not a column of the dataset ({dataset.column_names}).")
     if space == "pooled" and pooling_module(teacher) is None:
         raise ValueError("space='pooled' but the teacher has no Pooling module. Use 'output'.")
-    if task is None and not hasattr(unwrap(teacher)[0], "auto_model"):
+    if task is None and routes_by_task(teacher):
         raise ValueError(f"The teacher routes by task (a Router): pass task= (the route router_mapping gives "
                          f"{column!r} in training, e.g. 'query' or 'document').")
     teacher.eval()

@@ -61,6 +61,12 @@ def pooling_module(model: nn.Module) -> nn.Module | None:
     return next((m for m in unwrap(model).children() if type(m).__name__ == "Pooling"), None)
 
 
+def routes_by_task(model: nn.Module) -> bool:
+    """Whether a SentenceTransformer's first module is a Router (each task, e.g. query or document, on its own
+    modules) rather than one transformer: what it embeds depends on the route, and it has no `auto_model` to tap."""
+    return not hasattr(unwrap(model)[0], "auto_model")
+
+
 @contextlib.contextmanager
 def shared_forward(model: nn.Module) -> Iterator[dict[int, Any]]:
     """While inside, calling `model` on a features dict whose id is in the yielded memo returns the stored outputs

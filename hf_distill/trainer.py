@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -383,12 +384,10 @@ class DistillationMixin(ProjectionTraining):
                         ignore_keys: list[str] | None = None, **kwargs: Any):
         """The Trainer class's own, except inside `evaluate_teacher`, where the teacher predicts, and for a batch
         without labels under `eval_with_teacher`, whose distillation loss the Trainer's would not compute."""
-        if not self._evaluating_teacher and runs.distils_unlabeled(self, inputs, prediction_loss_only):
-            return runs.unlabeled_prediction_step(self, model, inputs, prediction_loss_only, ignore_keys)
-        if not self._evaluating_teacher:
-            inputs = runs.student_batch(self, inputs)  # a batch the student runs alone: no teacher-only keys
-            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **kwargs)
-        return self._teacher_prediction_step(inputs, prediction_loss_only, ignore_keys)
+        if self._evaluating_teacher:
+            return self._teacher_prediction_step(inputs, prediction_loss_only, ignore_keys)
+        return runs.student_prediction_step(self, super().prediction_step, model, inputs, prediction_loss_only,
+                                            ignore_keys, **kwargs)
 
     def _teacher_prediction_step(self, inputs, prediction_loss_only, ignore_keys=None):
         """`prediction_step` with the teacher as the model (the student is not run)."""
@@ -417,10 +416,8 @@ class DistillationMixin(ProjectionTraining):
             loss = own.detach().mean() if own is not None else None
         if prediction_loss_only:
             return loss, None, None
-        if ignore_keys is None:
-            config = getattr(unwrap(self.teacher), "config", None)
-            ignore_keys = getattr(config, "keys_to_ignore_at_inference", ["cache"]) if config is not None else []
         if isinstance(out, dict):
+            ignore_keys = runs.ignored_keys(unwrap(self.teacher), ignore_keys)
             kept = tuple(v for k, v in out.items() if k not in [*ignore_keys, "loss"])
             logits = kept[0] if len(kept) == 1 else kept
         return loss, nested_detach(logits), labels
@@ -492,7 +489,7 @@ class _SettingsCallbackHandler(CallbackHandler):
     """The Trainer's callback handler, passing the run's loss settings to every event as `distill_settings` (as it
     passes `model` and `optimizer`): callbacks hold nothing of the trainer and may be rebuilt from saved state."""
 
-    def __init__(self, handler: CallbackHandler, settings: Any, start_run: Any = None) -> None:
+    def __init__(self, handler: CallbackHandler, settings: Any, start_run: Callable[[], None]) -> None:
         self.__dict__.update(handler.__dict__)
         self.distill_settings = settings
         self.start_run = start_run
@@ -500,6 +497,5 @@ class _SettingsCallbackHandler(CallbackHandler):
     def call_event(self, event, args, state, control, **kwargs):
         if event == "on_train_begin":  # arguments set since the trainer was built (a hyperparameter-search trial)
             self.distill_settings.follow(args)
-            if self.start_run is not None:
-                self.start_run()
+            self.start_run()  # every start of the training loop, auto_find_batch_size's retries included
         return super().call_event(event, args, state, control, distill_settings=self.distill_settings, **kwargs)

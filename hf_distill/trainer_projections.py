@@ -210,37 +210,37 @@ class ProjectionTraining:
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         if not self._loaded_renamed(resume_from_checkpoint, model):
             super()._load_from_checkpoint(resume_from_checkpoint, model)
-        proj = self._projections()
-        path = os.path.join(resume_from_checkpoint, PROJECTIONS_FILE)
-        if proj is not None:
+        if self._projections() is not None:
             engine_files = any(n.startswith("global_step") for n in os.listdir(resume_from_checkpoint))
-            if not os.path.isfile(path) and engine_files:
+            if not os.path.isfile(os.path.join(resume_from_checkpoint, PROJECTIONS_FILE)) and engine_files:
                 raise FileNotFoundError(
                     f"{resume_from_checkpoint} was written under DeepSpeed: its projections are in the engine's "
                     "global_step*/ files, which only DeepSpeed reads. Resume it with the same DeepSpeed config."
                 )
-            if not os.path.isfile(path):
-                raise FileNotFoundError(
-                    f"{resume_from_checkpoint} has no {PROJECTIONS_FILE}: it was not written by a run with the "
-                    "same projections, so resuming would restart them from scratch."
-                )
-            proj.load_state_dict(torch.load(path, map_location=self.args.device, weights_only=True))
+            self._load_projections(resume_from_checkpoint, (
+                f"{resume_from_checkpoint} has no {PROJECTIONS_FILE}: it was not written by a run with the "
+                "same projections, so resuming would restart them from scratch."
+            ))
 
     def _load_best_model(self) -> None:
         """The best checkpoint's student, and its projections with it (else they stay at the last step's, paired with
         another student). Under DeepSpeed the engine loads them (attached to the student)."""
         if not self._loaded_renamed(self.state.best_model_checkpoint, None):
             super()._load_best_model()
-        proj = self._projections()
-        if proj is None or self._attached():
+        if self._projections() is None or self._attached():
             return
-        path = os.path.join(self.state.best_model_checkpoint, PROJECTIONS_FILE)
+        self._load_projections(self.state.best_model_checkpoint, (
+            f"load_best_model_at_end: {self.state.best_model_checkpoint} has no {PROJECTIONS_FILE}, so its "
+            "student would be paired with the last step's projections. Keep the file in the checkpoints."
+        ))
+
+    def _load_projections(self, folder: str, refusal: str) -> None:
+        """The projections saved beside a checkpoint's student (by `_save_checkpoint`); a checkpoint without them is
+        refused with `refusal` (the caller says what would go wrong), never trained on with other projections."""
+        path = os.path.join(folder, PROJECTIONS_FILE)
         if not os.path.isfile(path):
-            raise FileNotFoundError(
-                f"load_best_model_at_end: {self.state.best_model_checkpoint} has no {PROJECTIONS_FILE}, so its "
-                "student would be paired with the last step's projections. Keep the file in the checkpoints."
-            )
-        proj.load_state_dict(torch.load(path, map_location=self.args.device, weights_only=True))
+            raise FileNotFoundError(refusal)
+        self._projections().load_state_dict(torch.load(path, map_location=self.args.device, weights_only=True))
 
     def _loaded_renamed(self, folder: str, model: Any) -> bool:
         """Loads a checkpoint saved under other weight names than the model's (ViT, DeiT in transformers 5), which

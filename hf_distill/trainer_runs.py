@@ -9,11 +9,14 @@ silently wrong.
 * With `eval_with_teacher=True`, `eval_loss` is the distillation loss at the step's settings: a callback that
   changes them (a schedule, stages) makes evaluations incomparable, so it cannot choose the best checkpoint, nor
   (as `hyperparameter_search`'s default objective) rank trials that set other weights or temperatures.
+* A batch split by teacher (hf_distill.routing) cannot put back in row order an output that is one per sub-batch (a
+  KV cache): the Router leaves it out and names it, and the prediction step refuses it where it keeps it.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,6 +59,23 @@ def student_batch(trainer: Any, inputs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in inputs.items() if not k.startswith(TEACHER_PREFIX) and k not in PROMPT_KEYS}
 
 
+def student_prediction_step(trainer: Any, step: Callable[..., Any], model: nn.Module, inputs: dict[str, Any],
+                            prediction_loss_only: bool, ignore_keys: list[str] | None = None, **kwargs: Any):
+    """The student's prediction step of a distillation trainer around its Trainer class's `step`: a batch without
+    labels gets its distillation loss under `eval_with_teacher`, one the student runs alone loses the teacher-only
+    keys, and a routed batch's outputs that are one per sub-batch are refused where kept."""
+    router = trainer.distiller.router
+    if router is not None:
+        router.unmerged = {}  # none left from a compute_loss called outside this step
+    if distils_unlabeled(trainer, inputs, prediction_loss_only):
+        out = unlabeled_prediction_step(trainer, model, inputs, prediction_loss_only, ignore_keys)
+    else:
+        out = step(model, student_batch(trainer, inputs), prediction_loss_only, ignore_keys=ignore_keys, **kwargs)
+    if router is not None and not prediction_loss_only:  # outputs the routed batch left out, kept here: refused
+        router.refuse_unmerged(ignored_keys(trainer.model, ignore_keys))
+    return out
+
+
 def unlabeled_prediction_step(trainer: Any, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
                               ignore_keys: list[str] | None = None):
     """`Trainer.prediction_step` for such a batch: the distillation loss of `compute_loss`, the student's outputs as
@@ -68,15 +88,22 @@ def unlabeled_prediction_step(trainer: Any, model: nn.Module, inputs: dict[str, 
     loss = loss.detach().mean()
     if prediction_loss_only:
         return loss, None, None
-    if ignore_keys is None:
-        config = getattr(trainer.model, "config", None)
-        ignore_keys = getattr(config, "keys_to_ignore_at_inference", ["cache"]) if config is not None else []
+    ignore_keys = ignored_keys(trainer.model, ignore_keys)
     if isinstance(outputs, dict):
         logits = tuple(v for k, v in outputs.items() if k not in [*ignore_keys, "loss"])
     else:
         logits = outputs[1:]
     logits = nested_detach(logits)
     return loss, logits[0] if len(logits) == 1 else logits, None
+
+
+def ignored_keys(model: Any, ignore_keys: list[str] | None) -> list[str]:
+    """The output keys `Trainer.prediction_step` leaves out of `model`'s predictions: those given, else its config's
+    `keys_to_ignore_at_inference` (the Trainer's default, ["cache"], where the config names none)."""
+    if ignore_keys is not None:
+        return ignore_keys
+    config = getattr(model, "config", None)
+    return getattr(config, "keys_to_ignore_at_inference", ["cache"]) if config is not None else []
 
 
 def check_resumable(trainer: Any, resume_from_checkpoint: str | bool | None) -> None:
@@ -139,5 +166,5 @@ def check_search_objective(trainer: Any, compute_objective: Any) -> None:
         )
 
 
-__all__ = ["check_best_metric", "check_resumable", "check_search_objective", "distils_unlabeled",
-           "runs_model_alone", "student_batch", "unlabeled_prediction_step"]
+__all__ = ["check_best_metric", "check_resumable", "check_search_objective", "distils_unlabeled", "ignored_keys",
+           "runs_model_alone", "student_batch", "student_prediction_step", "unlabeled_prediction_step"]

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -387,7 +388,5 @@ class DistillationSFTTrainer(DistillationMixin, SFTTrainer):
         keys (cached `teacher_*` columns, prompts)."""
         if self._evaluating_teacher:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **kwargs)
-        if runs.distils_unlabeled(self, inputs, prediction_loss_only):
-            return runs.unlabeled_prediction_step(self, model, inputs, prediction_loss_only, ignore_keys)
-        inputs = runs.student_batch(self, inputs)
-        return Trainer.prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        return runs.student_prediction_step(self, functools.partial(Trainer.prediction_step, self), model, inputs,
+                                            prediction_loss_only, ignore_keys)

@@ -40,11 +40,8 @@ def _gradients(tmp_path, terms, checkpointing=None):
     return torch.cat([p.grad.reshape(-1) for p in student.parameters()])
 
 
-def test_non_reentrant_checkpointing_trains_as_without_it(tmp_path, monkeypatch):
+def test_non_reentrant_checkpointing_trains_as_without_it(tmp_path):
     """Hidden-state and attention-score taps inside the checkpointed blocks, through the causal-LM loss head."""
-    import gc
-
-    monkeypatch.setattr(gc, "collect", lambda *a, **k: 0)  # accelerate collects at each train() (0.25 s each here)
     plain, plain_log = _trained(tmp_path)
     checkpointed, log = _trained(tmp_path, activation_checkpointing=True,
                                  activation_checkpointing_kwargs={"use_reentrant": False})
@@ -90,3 +87,16 @@ def test_a_first_blocks_input_is_read_before_the_checkpointed_block_runs():
                 check_tapped_checkpointing(model, taps.modules())
         else:
             check_tapped_checkpointing(model, taps.modules())
+
+
+def test_reentrant_checkpointing_turned_on_after_the_first_loss_is_refused(tmp_path):
+    """The taps keep the regions around them (the model's structure, found at the first forward) and read whether
+    those are checkpointed at every forward: turning it on later is still refused."""
+    student = llama(0).train()
+    trainer = _trainer(tmp_path, student)
+    rows = sft_rows(8)
+    batch = labelled_collate([rows[i] for i in range(8)])
+    trainer.compute_loss(student, dict(batch))
+    student.activation_checkpointing_enable(activation_checkpointing_kwargs=REENTRANT)
+    with pytest.raises(ValueError, match=r"(?s)drop the gradient.*model\.layers\.0"):
+        trainer.compute_loss(student, dict(batch))

@@ -339,11 +339,8 @@ class _OutOfMemoryAtSecondMicroBatch(DistillationTrainer):
         return super().compute_loss(model, inputs, *rest, **kw)
 
 
-def test_auto_find_batch_size_retry_starts_clean_with_projections(tmp_path, monkeypatch):
+def test_auto_find_batch_size_retry_starts_clean_with_projections(tmp_path):
     """The retry (batch 7) equals a run at batch 7: no projection gradient or logged component of the failed try."""
-    import gc
-
-    monkeypatch.setattr(gc, "collect", lambda *a, **k: 0)  # accelerate collects at each try (0.25 s each here)
     common = dict(max_steps=1, gradient_accumulation_steps=2, optim="sgd", learning_rate=1.0, **TERMS)
     runs = []
     for cls, size, auto in ((_OutOfMemoryAtSecondMicroBatch, 8, True), (DistillationTrainer, 7, False)):

@@ -22,7 +22,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ..compat import checkpoint_function
 
-__all__ = ["check_planned_checkpointing", "check_tapped_checkpointing", "is_reentrant"]
+__all__ = ["check_planned_checkpointing", "check_tapped_checkpointing", "is_reentrant", "tapped_regions"]
 
 FIX = ("Set gradient_checkpointing_kwargs={'use_reentrant': False} (transformers' default; exact with taps), or "
        "turn gradient_checkpointing off")
@@ -35,17 +35,16 @@ def is_reentrant(func: Any) -> bool:
     return keywords.get("use_reentrant", True) is not False
 
 
-def _inside(model: nn.Module, targets: Iterable[nn.Module], active: bool) -> list[str]:
-    """Names of the checkpointed regions of `model` holding a target: with `active`, those checkpointed reentrantly
-    now; else every region transformers would checkpoint. A `GradientCheckpointingLayer` checkpoints its own call
-    (its forward hooks included); a model without such layers (older or remote code) checkpoints the calls of the
-    children of the module carrying the `gradient_checkpointing` flag."""
+def tapped_regions(model: nn.Module, targets: Iterable[nn.Module]) -> list[tuple[str, nn.Module]]:
+    """The modules of `model` that transformers would checkpoint around a target (name, the module carrying the
+    `gradient_checkpointing` flag): a `GradientCheckpointingLayer` checkpoints its own call (its forward hooks
+    included); a model without such layers (older or remote code) checkpoints the calls of the children of the module
+    carrying the flag. The model's structure alone, so a caller may keep it; whether each is checkpointed reentrantly
+    is read at every forward (checkpointing may be turned on after)."""
     wanted = {id(t) for t in targets}
     found = []
     for name, module in model.named_modules():
         if not hasattr(module, "gradient_checkpointing"):
-            continue
-        if active and not (module.gradient_checkpointing is True and is_reentrant(checkpoint_function(module))):
             continue
         if isinstance(module, GradientCheckpointingLayer):
             regions = [module]
@@ -54,7 +53,7 @@ def _inside(model: nn.Module, targets: Iterable[nn.Module], active: bool) -> lis
         else:
             regions = list(module.children())
         if any(id(m) in wanted for region in regions for m in region.modules()):
-            found.append(name or type(module).__name__)
+            found.append((name or type(module).__name__, module))
     return found
 
 
@@ -67,12 +66,15 @@ def _refusal(role: str, where: list[str], how: str) -> ValueError:
     )
 
 
-def check_tapped_checkpointing(model: nn.Module, targets: Iterable[nn.Module], role: str = "student") -> None:
+def check_tapped_checkpointing(model: nn.Module, targets: Iterable[nn.Module], role: str = "student",
+                               regions: list[tuple[str, nn.Module]] | None = None) -> None:
     """Refuse a training forward whose tapped modules sit inside a module checkpointed reentrantly (whoever turned
-    checkpointing on: the Trainer's `gradient_checkpointing`, TRL's defaults, or the user's own call)."""
+    checkpointing on: the Trainer's `gradient_checkpointing`, TRL's defaults, or the user's own call). `regions`:
+    `tapped_regions(model, targets)` kept by the caller (FeatureTaps), so that a step does not walk the model."""
     if not (model.training and torch.is_grad_enabled()):
         return
-    where = _inside(model, targets, active=True)
+    regions = tapped_regions(model, targets) if regions is None else regions
+    where = [name for name, m in regions if m.gradient_checkpointing is True and is_reentrant(checkpoint_function(m))]
     if where:
         raise _refusal(role, where, "use_reentrant=True or not given")
 
@@ -87,6 +89,6 @@ def check_planned_checkpointing(args: Any, model: nn.Module, targets: Iterable[n
     kwargs = {k: v for k, v in (kwargs or {}).items() if k not in ("every_n_layers", "offload")}
     if not enabled or not kwargs or kwargs.get("use_reentrant", True) is False:
         return
-    where = _inside(model, targets, active=False)
+    where = [name for name, _ in tapped_regions(model, targets)]
     if where:
         raise _refusal("student", where, f"gradient_checkpointing_kwargs={kwargs}")

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..compat import compiled_inner
-from .checkpointing import check_tapped_checkpointing
+from .checkpointing import check_tapped_checkpointing, tapped_regions
 from .families import REGISTER_HINT, Family, get_family
 from .families_audio import check_layerdrop
 from .families_vision import stage_width
@@ -202,6 +202,7 @@ class FeatureTaps:
         self._channels_first = False  # (B, C, H, W) feature maps, stored as (B, H*W, C)
         # Without a registered family, hidden states still come from `output_hidden_states`.
         self.use_hidden_states_output = False
+        self._regions: tuple[nn.Module, list] | None = None  # (model, its tapped_regions): found once, not per step
         self._stacks = {name: FeatureTaps(model, sub, role, name) for name, sub in request.stacks.items() if sub}
         if not (request.hidden or request.q or request.k or request.v):
             return
@@ -322,7 +323,10 @@ class FeatureTaps:
         """One forward pass with the hooks attached: the model's outputs and the captured features."""
         if self._targets:
             check_layerdrop(unwrap(model), self._role)
-        check_tapped_checkpointing(unwrap(model), self.modules(), self._role)
+        inner = unwrap(model)
+        if self._regions is None or self._regions[0] is not inner:
+            self._regions = (inner, tapped_regions(inner, self.modules()))
+        check_tapped_checkpointing(inner, (), self._role, self._regions[1])
         with self.capture() as feats:
             out = model(**{**kwargs, **self.forward_kwargs()})  # the loss head may ask for hidden states too
         self.collect(feats, out)
