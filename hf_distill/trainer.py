@@ -13,9 +13,7 @@ docs/design.md, and `tests/test_trainer_overrides.py` fails when transformers re
 
 from __future__ import annotations
 
-import math
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -29,9 +27,9 @@ from . import trainer_runs as runs
 from .argument_checks import check_fp16_device, check_length_grouping, check_liger_kernel
 from .arguments import DistillationArguments, as_distillation_arguments
 from .base.log_level import follow_log_level
-from .compat import add_signature_columns, children_dict, prepare_inputs, signature_columns
+from .compat import add_signature_columns, children_dict, signature_columns
 from .compat import num_items_in_batch as count_items
-from .data.audio import check_audio_inputs, teacher_own_inputs
+from .data.audio import check_audio_inputs
 from .data.collators import TEACHER_PREFIX, KeepTeacherColumnsCollator, TeacherOutputsCollator
 from .data.cross_tokenizer import check_first_rows
 from .data.image_inputs import TeacherImages
@@ -44,8 +42,8 @@ from .kd_paths.distillation_token import has_distillation_token
 from .placement import check_engine, check_fsdp2_wrap
 from .routed_signal import is_signal
 from .serving.client import is_teacher_url
-from .task_loss import plain_task_loss
 from .trainer_projections import PROJECTIONS_ATTR, PROJECTIONS_FILE, ProjectionTraining, _ClearProjectionGradients
+from .trainer_teacher_eval import TeacherEvaluation
 
 logger = logging.get_logger(__name__)
 
@@ -67,7 +65,7 @@ PRIVATE_OVERRIDES = (
 # The private Trainer methods hf_distill calls (not overrides) are called from hf_distill.compat only (PRIVATE_CALLS).
 
 
-class DistillationMixin(ProjectionTraining):
+class DistillationMixin(TeacherEvaluation, ProjectionTraining):
     """Distillation for a `Trainer` class: `class DistillationTrainer(DistillationMixin, Trainer)`.
 
     Args:
@@ -116,7 +114,6 @@ class DistillationMixin(ProjectionTraining):
         self.model_accepts_loss_kwargs = False
         self.teacher_metrics: dict[str, float] = {}  # set by evaluate_teacher(), reported by the model card
         self._pending_projections: dict | None = None  # gathered in _save_checkpoint for the save and its push
-        self._evaluating_teacher = False  # prediction_step runs the teacher (evaluate_teacher)
         check_engine(self.args, self.accelerator)  # an FSDP/DeepSpeed request accelerate ignored (CPU): refused
         check_fsdp2_wrap(self.model, self.accelerator)  # an FSDP2 wrap accelerate would crash on: refused
         # lmbda / seq_kd: the first rows and the models' positions, before the teacher loads (issue #39); another
@@ -315,71 +312,6 @@ class DistillationMixin(ProjectionTraining):
 
     # ------------------------------------------------------------------ the teacher's own evaluation
 
-    def evaluate_teacher(
-        self,
-        eval_dataset: Any = None,
-        ignore_keys: list[str] | None = None,
-        metric_key_prefix: str = "teacher",
-    ) -> dict[str, float]:
-        """The first teacher's metrics, computed by the Trainer's evaluation loop exactly as `evaluate()` computes
-        the student's (same data, `compute_metrics`, gathering across processes): call it on every process.
-
-        A shared PEFT base is evaluated with its adapters off. The metrics (without the prefix) are kept in
-        `self.teacher_metrics`, which the model card reports next to the student's; they are logged too."""
-        if self.teacher is None:
-            raise ValueError("evaluate_teacher needs a teacher: this trainer was given no teacher_model.")
-        router = self.distiller.router
-        if router is not None and len(router.names) > 1:  # the first teacher would be scored on every teacher's rows
-            raise ValueError(
-                "evaluate_teacher scores one teacher on every row, but this run routes its rows to "
-                f"{len(router.names)} named teachers ({', '.join(router.names)}): its metrics would not be those of "
-                "the teachers the student learnt from. Evaluate each teacher on its own rows with a trainer of its own."
-            )
-        if metric_key_prefix == "eval":
-            raise ValueError(
-                "metric_key_prefix='eval' would log the teacher's metrics as the student's (eval_*). Keep the "
-                "default 'teacher' or choose another prefix."
-            )
-        override = eval_dataset is not None
-        dataset = eval_dataset if override else self.eval_dataset
-        if dataset is None:
-            raise ValueError("evaluate_teacher needs an evaluation set: pass eval_dataset= or give the trainer one.")
-        parts = dataset.items() if isinstance(dataset, dict) else [(None, dataset)]
-        metrics: dict[str, float] = {}
-        for name, data in parts:
-            prefix = metric_key_prefix if name is None else f"{metric_key_prefix}_{name}"
-            metrics.update(self._evaluate_teacher_on(data if override or name is None else name, ignore_keys, prefix))
-        self.log(metrics)
-        start = len(metric_key_prefix) + 1
-        found = {
-            k[start:]: float(v)
-            for k, v in metrics.items()
-            if k.startswith(f"{metric_key_prefix}_") and isinstance(v, int | float)
-        }
-        self.teacher_metrics.update(found)
-        return metrics
-
-    def _evaluate_teacher_on(self, dataset: Any, ignore_keys: list[str] | None, prefix: str) -> dict[str, float]:
-        """One evaluation loop whose prediction steps run the teacher instead of the student."""
-        from transformers.trainer_utils import speed_metrics
-
-        dataloader = self.get_eval_dataloader(dataset)
-        start = time.time()
-        self._evaluating_teacher = True
-        try:
-            output = self.evaluation_loop(
-                dataloader,
-                description="Teacher evaluation",
-                prediction_loss_only=True if self.compute_metrics is None else None,
-                ignore_keys=ignore_keys,
-                metric_key_prefix=prefix,
-            )
-        finally:
-            self._evaluating_teacher = False
-        steps = math.ceil(output.num_samples / (self.args.eval_batch_size * self.args.world_size))
-        output.metrics.update(speed_metrics(prefix, start, num_samples=output.num_samples, num_steps=steps))
-        return output.metrics
-
     def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None, **kwargs: Any):
         """The Trainer class's own, except inside `evaluate_teacher`, where the teacher predicts, and for a batch
@@ -388,39 +320,6 @@ class DistillationMixin(ProjectionTraining):
             return self._teacher_prediction_step(inputs, prediction_loss_only, ignore_keys)
         return runs.student_prediction_step(self, super().prediction_step, model, inputs, prediction_loss_only,
                                             ignore_keys, **kwargs)
-
-    def _teacher_prediction_step(self, inputs, prediction_loss_only, ignore_keys=None):
-        """`prediction_step` with the teacher as the model (the student is not run)."""
-        from transformers.trainer_pt_utils import nested_detach
-
-        names = self.label_names
-        if self.args.cross_tokenizer:  # the teacher reads its own tokenization (hf_distill.losses.cross_tokenizer)
-            from .losses.cross_tokenizer import teacher_batch
-
-            inputs = teacher_batch(inputs, self.args.cross_tokenizer, names)
-        own = {k: v for k, v in inputs.items() if k.startswith(TEACHER_PREFIX)}  # its own input_values (data.audio)
-        inputs = teacher_own_inputs({k: v for k, v in inputs.items() if k not in own}, own)
-        if self.distiller.images is not None:  # an image teacher reads its own pixel_values (issue #43)
-            inputs = self.distiller.images.teacher_inputs(inputs, own)
-        inputs = prepare_inputs(self, inputs)
-        has_labels = bool(names) and all(inputs.get(k) is not None for k in names)
-        labels = nested_detach(tuple(inputs[k] for k in names)) if has_labels else None
-        labels = labels[0] if labels is not None and len(labels) == 1 else labels
-        out, _ = self.distiller.run_teacher(self.teacher, inputs, labels=has_labels)  # its own loss, as the student's
-        logits = heads_mod._logits(out)
-        loss = None
-        if has_labels:
-            own = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
-            if own is None and len(names) == 1:
-                own = plain_task_loss(logits, labels)
-            loss = own.detach().mean() if own is not None else None
-        if prediction_loss_only:
-            return loss, None, None
-        if isinstance(out, dict):
-            ignore_keys = runs.ignored_keys(unwrap(self.teacher), ignore_keys)
-            kept = tuple(v for k, v in out.items() if k not in [*ignore_keys, "loss"])
-            logits = kept[0] if len(kept) == 1 else kept
-        return loss, nested_detach(logits), labels
 
     # ------------------------------------------------------------------ publishing (hf_distill.publish)
 

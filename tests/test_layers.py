@@ -150,7 +150,7 @@ def test_every_module_has_a_layer():
     """A new top-level module or package must be placed (ground, low, high, or one of the middle modules below)."""
     middle = ("hf_distill.arguments", "hf_distill.argument_checks", "hf_distill.presets", "hf_distill.teacher",
               "hf_distill.placement", "hf_distill.tracking", "hf_distill.trainer_projections",
-              "hf_distill.trainer_runs")
+              "hf_distill.trainer_runs", "hf_distill.trainer_teacher_eval")
     loose = [m for m in imports(PACKAGE) if not under(m, GROUND + LOW + HIGH + middle)]
     assert loose == []
 
