@@ -661,6 +661,38 @@ def test_trainer_checkpoints_and_resumes_an_early_exit_model(tmp_path):
     torch.testing.assert_close(helpers.flat_params(resumed.branches), helpers.flat_params(full.branches))
 
 
+def test_trainer_save_model_writes_what_from_pretrained_loads_and_resumes_from_it(tmp_path):
+    """`trainer.save_model(out)` then `EarlyExitModel.from_pretrained(out)`, as after any Trainer run: before, the
+    Trainer wrote the wrapper's state dict alone (no config.json, no branch files), which from_pretrained refused
+    and trainer.push_to_hub could not publish. Its checkpoints have the same layout and still resume exactly."""
+    rows = helpers.token_dataset(16).remove_columns("label")
+
+    def run(out, **kw):
+        ee = EarlyExitModel(helpers.teacher(layers=2, seed=1).eval())
+        trainer = DistillationTrainer(model=ee, train_dataset=rows, data_collator=helpers.collate,
+                                      args=helpers.args(tmp_path / out, kd_weight=0.0, max_steps=2, learning_rate=1e-2,
+                                                        save_strategy="steps", save_steps=1))
+        trainer.train(**kw)
+        return trainer, ee
+
+    trainer, ee = run("full")
+    trainer.save_model(str(tmp_path / "final"))
+    back = EarlyExitModel.from_pretrained(tmp_path / "final").eval()
+    b = batch(8)
+    for x, y in zip(back.eval()(**b).exit_logits, ee.eval()(**b).exit_logits):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-6)
+    assert not any(k.startswith("branches") for k in load_file(str(tmp_path / "final" / "model.safetensors")))
+    checkpoint = tmp_path / "full" / "out" / "checkpoint-1"
+    assert (checkpoint / BRANCH_CONFIG_FILE).is_file()  # a checkpoint loads with from_pretrained too
+    _, resumed = run("full", resume_from_checkpoint=str(checkpoint))
+    torch.testing.assert_close(helpers.flat_params(resumed), helpers.flat_params(ee), rtol=0, atol=1e-6)
+    with FakeHub() as hub, pytest.MonkeyPatch.context() as mp:
+        online(mp, hub.endpoint)
+        trainer.push_to_hub()
+    files = set(hub.files(next(iter(hub.repos))))
+    assert {"config.json", "model.safetensors", BRANCH_FILE, BRANCH_CONFIG_FILE, "README.md"} <= files
+
+
 # ---------------------------------------------------------------------- saving and publishing
 
 
