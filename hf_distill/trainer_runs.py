@@ -182,6 +182,17 @@ def early_exit_student(trainer: Any, model: Any = None) -> Any:
     return model if isinstance(model, EarlyExitModel) else None
 
 
+def early_exit_card(trainer: Any, tasks: Any) -> dict[str, Any]:
+    """The card fields `EarlyExitModel.push_to_hub` writes (method, exits, the backbone's class, the task unless
+    `tasks` names one), for the card of an early-exit student pushed by the Trainer; {} for any other student."""
+    model = early_exit_student(trainer)
+    if model is None:
+        return {}
+    fields = {"method": model.branch, "architecture": type(model.model).__name__,
+              "early_exit": {"num_exits": model.num_exits, "branch": model.branch, "sweep": [], "plot": None}}
+    return fields if tasks else {**fields, "pipeline_tag": "text-classification"}
+
+
 def save_early_exit(trainer: Any, output_dir: str | None, state_dict: dict | None) -> bool:
     """`save_model` and the checkpoints of an early-exit student write `EarlyExitModel.save_pretrained`'s layout
     (the backbone's own files plus the branch files) and the tokenizer, as the Trainer does for a PreTrainedModel;

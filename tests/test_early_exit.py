@@ -689,8 +689,12 @@ def test_trainer_save_model_writes_what_from_pretrained_loads_and_resumes_from_i
     with FakeHub() as hub, pytest.MonkeyPatch.context() as mp:
         online(mp, hub.endpoint)
         trainer.push_to_hub()
-    files = set(hub.files(next(iter(hub.repos))))
-    assert {"config.json", "model.safetensors", BRANCH_FILE, BRANCH_CONFIG_FILE, "README.md"} <= files
+    files = hub.files(next(iter(hub.repos)))
+    assert {"config.json", "model.safetensors", BRANCH_FILE, BRANCH_CONFIG_FILE, "README.md"} <= set(files)
+    card = files["README.md"].decode()  # the card says how to load it with its branches, and names the method
+    usage = card.split("## How to use", 1)[1]
+    assert "EarlyExitModel.from_pretrained(" in usage and "AutoModel.from_pretrained(" not in usage
+    assert "## Early exit" in card and "liu2020fastbert" in card and "pipeline_tag: text-classification" in card
 
 
 # ---------------------------------------------------------------------- saving and publishing

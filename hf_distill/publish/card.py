@@ -466,10 +466,21 @@ def _early_exit(r: DistillationReport) -> str:
     return "## Early exit\n\n" + "\n\n".join(p for p in parts if p)
 
 
+# Architectures hf_distill registers with transformers' Auto classes: the card's code imports the module first, or a
+# fresh process fails with "Transformers does not recognize this architecture".
+_REGISTERED_BY = {"BiLSTMForSequenceClassification": "hf_distill.students.bilstm"}
+
+
 def _usage(r: DistillationReport) -> str:
     repo, kind = r.model_name or "path/to/student", kind_for_task(r.pipeline_tag)
     auto = kind.facts.auto_class if kind is not None else "AutoModel"
-    if r.adapter:
+    if r.early_exit:  # the Auto classes would load the backbone alone, without its exits
+        code = ("from transformers import AutoTokenizer\n\n"
+                "from hf_distill.students.early_exit import EarlyExitModel\n\n"
+                f'model = EarlyExitModel.from_pretrained("{repo}")\n'
+                f'tokenizer = AutoTokenizer.from_pretrained("{repo}")\n'
+                'print(model.predict(["Your text"], tokenizer, speed=0.5))  # label, score and exit layer per text')
+    elif r.adapter:
         peft = kind.facts.peft_class if kind is not None else "AutoPeftModel"
         code = f'from peft import {peft}\n\nmodel = {peft}.from_pretrained("{repo}")  # base + adapters'
     elif r.pipeline_tag in _IMAGE_TASKS:  # an image processor, not a tokenizer (issue #43)
@@ -489,6 +500,8 @@ def _usage(r: DistillationReport) -> str:
         elif kind is not None:
             code += '\n\n# or\nfrom transformers import pipeline\n\n'
             code += f'pipe = pipeline("{r.pipeline_tag}", model="{repo}")'
+    if r.architecture in _REGISTERED_BY:
+        code = f"import {_REGISTERED_BY[r.architecture]}  # registers {r.architecture} with the Auto classes\n{code}"
     return f"## How to use\n\n```python\n{code}\n```"
 
 
