@@ -23,7 +23,7 @@ from transformers.modelcard import TrainingSummary, make_markdown_table
 from ..features.heads import HEADS, HeadKind, kind_for_task
 from ..losses.registry import UnknownDivergence, get_divergence
 from .measure import size_on_disk, stored_parameters
-from .report import _KD_METHODS, LOSS_PLOT, REPORT_FILE, DistillationReport, _empty, hub_id
+from .report import _KD_METHODS, LOSS_PLOT, REPORT_FILE, SPEECH_RECOGNITION, DistillationReport, _empty, hub_id
 
 CARD_FILE = "README.md"
 BIBTEX = {m[1]: m[0] for m in re.finditer(r"^@\w+\{([^,]+),.*?^\}", Path(__file__).with_name("citations.bib")
@@ -480,6 +480,11 @@ def _usage(r: DistillationReport) -> str:
                 f'model = EarlyExitModel.from_pretrained("{repo}")\n'
                 f'tokenizer = AutoTokenizer.from_pretrained("{repo}")\n'
                 'print(model.predict(["Your text"], tokenizer, speed=0.5))  # label, score and exit layer per text')
+    elif r.pipeline_tag == SPEECH_RECOGNITION and not r.adapter:  # no text seq2seq LM: AutoModelForSeq2SeqLM refuses it
+        code = ("from transformers import AutoModelForSpeechSeq2Seq, AutoProcessor, pipeline\n\n"
+                f'model = AutoModelForSpeechSeq2Seq.from_pretrained("{repo}")\n'
+                f'processor = AutoProcessor.from_pretrained("{repo}")\n\n# or\n'
+                f'pipe = pipeline("{SPEECH_RECOGNITION}", model="{repo}")\nprint(pipe("audio.flac")["text"])')
     elif r.adapter:
         peft = kind.facts.peft_class if kind is not None else "AutoPeftModel"
         code = f'from peft import {peft}\n\nmodel = {peft}.from_pretrained("{repo}")  # base + adapters'

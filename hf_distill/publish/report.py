@@ -279,12 +279,19 @@ def hub_id(name: str | None) -> str | None:
     return name
 
 
+SPEECH_RECOGNITION = "automatic-speech-recognition"  # a speech seq2seq student's tag (AutoModelForSpeechSeq2Seq)
+
+
 def pipeline_tag_for(architecture: str | None, config: Any = None) -> str | None:
     """The Hub pipeline tag of a student class, from its head kind (`features.heads.class_kind`: the task mapping
     that names the class, for `config`'s model_type when given). An encoder-decoder LM is text2text-generation,
     not a vision-language or speech `...ForConditionalGeneration` (see `features.heads.HEADS`)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES
+
     from ..features.heads import class_kind
 
+    if architecture in MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES.values():  # Whisper: audio in, text out
+        return SPEECH_RECOGNITION
     kind = class_kind(architecture, config)
     return kind.facts.pipeline_tag if kind is not None else None
 
