@@ -332,7 +332,10 @@ def _made(r: DistillationReport) -> str:
               + (f", rank {a['r']}" if a.get("r") else "")
               + (f" on {', '.join(a['target_modules'])}" if isinstance(a.get("target_modules"), list) else "")
               + (f" for the base model `{a['base_model']}`" if a.get("base_model") else "")
-              + "; only the adapters were trained and are published",
+              + ("; only the adapters were trained and are published" if not a.get("modules_to_save") else
+                 "; the adapters were trained and are published, with whichever of "
+                 + ", ".join(f"`{m}`" for m in a["modules_to_save"])
+                 + " the model has (PEFT's `modules_to_save`, trained in full)"),
         init and f"- **Initialisation**: {init}",
         r.initialised_from and f"- **Initialised from**: {_model_link(r.initialised_from)} (the student's starting "
                                "checkpoint)",

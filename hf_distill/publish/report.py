@@ -203,7 +203,8 @@ def _run_facts(config: Any, architecture: str | None, args: Any, trainer: Any, s
         found["adapter"] = {"peft_type": getattr(kind, "value", kind), "r": adapter_config.get("r"),  # "LORA"
                             "lora_alpha": adapter_config.get("lora_alpha"), "target_modules": sorted(targets) if
                             isinstance(targets, list | set | tuple) else targets,
-                            "base_model": adapter_config.get("base_model_name_or_path")}
+                            "base_model": adapter_config.get("base_model_name_or_path"),
+                            "modules_to_save": sorted(adapter_config.get("modules_to_save") or [])}
     training: dict[str, Any] = {}
     if args is not None:
         training = extract_hyperparameters_from_trainer(trainer or SimpleNamespace(args=args))
