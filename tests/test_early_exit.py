@@ -697,6 +697,27 @@ def test_trainer_save_model_writes_what_from_pretrained_loads_and_resumes_from_i
     assert "## Early exit" in card and "liu2020fastbert" in card and "pipeline_tag: text-classification" in card
 
 
+def test_load_best_model_at_end_restores_the_best_checkpoints_branches(tmp_path):
+    """The best checkpoint (step 1 here, by a metric that says so) is read back in EarlyExitModel's layout: the
+    Trainer's own load would put its backbone-named weights into the wrapper non-strictly, loading nothing."""
+    rows = helpers.token_dataset(8)
+    scores = iter([1.0, 0.0])
+    ee = EarlyExitModel(helpers.teacher(layers=2, seed=1).eval())
+    trainer = DistillationTrainer(
+        model=ee, train_dataset=rows.remove_columns("label"), eval_dataset=rows, data_collator=helpers.collate,
+        compute_metrics=lambda _: {"score": next(scores)},
+        args=helpers.args(tmp_path, kd_weight=0.0, max_steps=2, learning_rate=1e-2, save_strategy="steps",
+                          save_steps=1, eval_strategy="steps", eval_steps=1, load_best_model_at_end=True,
+                          metric_for_best_model="score", greater_is_better=True))
+    trainer.train()
+    best = tmp_path / "out" / "checkpoint-1"
+    assert trainer.state.best_model_checkpoint == str(best)
+    saved, last = (load_file(str(tmp_path / "out" / f"checkpoint-{i}" / BRANCH_FILE)) for i in (1, 2))
+    assert any(not torch.equal(saved[k], last[k]) for k in saved)  # the last step's branches are not the best's
+    for name, value in ee.branches.state_dict().items():
+        torch.testing.assert_close(value, saved[name], rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------------- saving and publishing
 
 
