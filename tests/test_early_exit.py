@@ -695,6 +695,10 @@ def test_trainer_save_model_writes_what_from_pretrained_loads_and_resumes_from_i
     usage = card.split("## How to use", 1)[1]
     assert "EarlyExitModel.from_pretrained(" in usage and "AutoModel.from_pretrained(" not in usage
     assert "## Early exit" in card and "liu2020fastbert" in card and "pipeline_tag: text-classification" in card
+    exit_row = ("| exit_1 | KL divergence of branch 1 from the final head (self-distillation) | 1 | "
+                "block 1 -> final head |")
+    assert exit_row in card  # the loss the run minimised: one term per branch
+    assert "| task |" not in card  # labelled training rows are refused: no task term ran
 
 
 def test_load_best_model_at_end_restores_the_best_checkpoints_branches(tmp_path):
