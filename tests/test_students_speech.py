@@ -104,3 +104,10 @@ def test_card_of_a_saved_whisper_student_tags_speech_recognition_and_loads_it_as
     assert "pipeline_tag: automatic-speech-recognition" in card
     assert "AutoModelForSpeechSeq2Seq.from_pretrained(" in usage and "AutoProcessor.from_pretrained(" in usage
     assert 'pipeline("automatic-speech-recognition"' in usage and "AutoModelForSeq2SeqLM" not in usage
+    teacher = tiny_whisper(proc)  # the card trainer.push_to_hub writes says the same
+    args = DistillationSeq2SeqArguments(output_dir=str(tmp_path / "run"), report_to="none", use_cpu=True)
+    trainer = DistillationSeq2SeqTrainer(model=students.whisper_student(teacher), teacher_model=teacher, args=args,
+                                         processing_class=proc)
+    trainer.create_model_card()
+    card = (tmp_path / "run" / "README.md").read_text(encoding="utf-8")
+    assert "pipeline_tag: automatic-speech-recognition" in card and "AutoModelForSpeechSeq2Seq" in card

@@ -122,8 +122,9 @@ class DistillationReport:
                            {"log_history": state.log_history, "global_step": state.global_step, "epoch": state.epoch,
                             "best_global_step": state.best_global_step},
                            peft_config.to_dict() if peft_config is not None else None)
-        kind = head_kind(student)  # the model itself, also a subclass or a custom class no mapping names
-        found["pipeline_tag"] = kind.facts.pipeline_tag if kind is not None else None
+        if found["pipeline_tag"] != SPEECH_RECOGNITION:  # a head kind would take Whisper for a text seq2seq LM
+            kind = head_kind(student)  # the model itself, also a subclass or a custom class no mapping names
+            found["pipeline_tag"] = kind.facts.pipeline_tag if kind is not None else None
         found["model_name"] = getattr(trainer, "hub_model_id", None) or args.hub_model_id or Path(args.output_dir).name
         found["student_params"] = measure.count_parameters(student)
         if teacher is not None:
