@@ -686,6 +686,16 @@ def test_trainer_save_model_writes_what_from_pretrained_loads_and_resumes_from_i
     assert (checkpoint / BRANCH_CONFIG_FILE).is_file()  # a checkpoint loads with from_pretrained too
     _, resumed = run("full", resume_from_checkpoint=str(checkpoint))
     torch.testing.assert_close(helpers.flat_params(resumed), helpers.flat_params(ee), rtol=0, atol=1e-6)
+    # a checkpoint an earlier version wrote (the wrapper's state dict in model.safetensors) still resumes
+    from safetensors.torch import save_file
+
+    old = {f"model.{k}": v for k, v in load_file(str(checkpoint / "model.safetensors")).items()}
+    old.update({f"branches.{k}": v for k, v in load_file(str(checkpoint / BRANCH_FILE)).items()})
+    for name in (BRANCH_FILE, BRANCH_CONFIG_FILE, "config.json"):
+        (checkpoint / name).unlink()
+    save_file(old, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
+    _, resumed = run("full", resume_from_checkpoint=str(checkpoint))
+    torch.testing.assert_close(helpers.flat_params(resumed), helpers.flat_params(ee), rtol=0, atol=1e-6)
     with FakeHub() as hub, pytest.MonkeyPatch.context() as mp:
         online(mp, hub.endpoint)
         trainer.push_to_hub()

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForImageClassification, AutoModelForSequenceClassification
 
 from hf_distill import DistillationTrainer
-from hf_distill.students import bilstm, from_teacher, prune_depth, prune_width, shrink
+from hf_distill.students import bilstm, prune_depth, prune_width, shrink
 
 
 def _calibration() -> list[dict]:
@@ -44,11 +44,9 @@ def _text(kind: str):
     """(student, teacher, load, extra arguments) of one kind, all on the tiny BERT teacher."""
     t = teacher(layers=4, seed=1).eval()
     auto = AutoModelForSequenceClassification.from_pretrained
-    if kind == "from_teacher":
-        return from_teacher(t, [0, 2]), t, auto, {}
     if kind == "shrink_with_projection":  # hidden 16 -> 32: a trained projection the folder must not hold
         return shrink(t, 2, 16, 2, 32, seed=0), t, auto, {"distill_terms": ["loss=hidden_mse,layers=uniform"]}
-    if kind == "prune_depth":
+    if kind == "prune_depth":  # students.from_teacher with the blocks it picks
         return prune_depth(t, 2, _calibration())[0], t, auto, {}
     if kind == "prune_width":
         return prune_width(t, _calibration(), intermediate_size=24, num_attention_heads=2)[0], t, auto, {}
@@ -58,13 +56,14 @@ def _text(kind: str):
     return student, t, load, {}
 
 
-@pytest.mark.parametrize("kind", ["from_teacher", "shrink_with_projection", "prune_depth", "prune_width", "bilstm",
+@pytest.mark.parametrize("kind", ["shrink_with_projection", "prune_depth", "prune_width", "bilstm",
                                   "lora_adapter", "lora_merged"])
 def test_saved_text_student_loads_as_its_guide_says_and_holds_the_student_alone(tmp_path, kind):
     student, t, load, extra = _text(kind)
     trainer = DistillationTrainer(model=student, teacher_model=t, train_dataset=token_dataset(8),
                                   data_collator=collate, args=args(tmp_path, max_steps=1, learning_rate=1e-2, **extra))
     trainer.train()
+    assert (trainer._projections() is not None) == (kind == "shrink_with_projection")
     if kind == "lora_merged":  # trainer.md: merge before saving to publish a plain transformers model
         trainer.model = trainer.model.merge_and_unload()
     trainer.save_model(str(tmp_path / "saved"))
