@@ -347,8 +347,8 @@ class DistillationMixin(TeacherEvaluation, ProjectionTraining):
         from .publish.card import write_trainer_card
 
         write_trainer_card(self, language=language, license=license, tags=tags, model_name=model_name,
-                           finetuned_from=finetuned_from, tasks=tasks, dataset_tags=dataset_tags,
-                           dataset=dataset, dataset_args=dataset_args, **report_fields)
+                           finetuned_from=finetuned_from, tasks=tasks, dataset_tags=dataset_tags, dataset=dataset,
+                           dataset_args=dataset_args, **{**runs.early_exit_card(self, tasks), **report_fields})
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
         """Save-time pushes (`push_to_hub=True`) send the student files, not all of `output_dir`.

@@ -19,6 +19,7 @@ from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .compat import checkpoint_parent, children_dict, load_renamed_checkpoint
+from .trainer_runs import load_early_exit, save_early_exit
 
 PROJECTIONS_FILE = "distill_projections.pt"
 # Under DeepSpeed the projections ride inside the engine as this submodule of the student while train() runs.
@@ -173,7 +174,8 @@ class ProjectionTraining:
             if state_dict is None:
                 state_dict = self.model.state_dict()
             state_dict = {k: v for k, v in state_dict.items() if not k.startswith(PROJECTIONS_ATTR + ".")}
-        super()._save(output_dir, state_dict=state_dict)
+        if not save_early_exit(self, output_dir, state_dict):
+            super()._save(output_dir, state_dict=state_dict)
         distiller = getattr(self, "distiller", None)
         if distiller is not None and self.args.should_save:  # the loss settings the run used, as a card reads them
             output_dir = output_dir if output_dir is not None else self.args.output_dir
@@ -208,7 +210,8 @@ class ProjectionTraining:
             self._pending_projections = None
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        if not self._loaded_renamed(resume_from_checkpoint, model):
+        if not (self._loaded_early_exit(resume_from_checkpoint, model)
+                or self._loaded_renamed(resume_from_checkpoint, model)):
             super()._load_from_checkpoint(resume_from_checkpoint, model)
         if self._projections() is not None:
             engine_files = any(n.startswith("global_step") for n in os.listdir(resume_from_checkpoint))
@@ -225,7 +228,8 @@ class ProjectionTraining:
     def _load_best_model(self) -> None:
         """The best checkpoint's student, and its projections with it (else they stay at the last step's, paired with
         another student). Under DeepSpeed the engine loads them (attached to the student)."""
-        if not self._loaded_renamed(self.state.best_model_checkpoint, None):
+        best = self.state.best_model_checkpoint
+        if not (self._loaded_early_exit(best, None) or self._loaded_renamed(best, None)):
             super()._load_best_model()
         if self._projections() is None or self._attached():
             return
@@ -241,6 +245,14 @@ class ProjectionTraining:
         if not os.path.isfile(path):
             raise FileNotFoundError(refusal)
         self._projections().load_state_dict(torch.load(path, map_location=self.args.device, weights_only=True))
+
+    def _loaded_early_exit(self, folder: str, model: Any) -> bool:
+        """An early-exit student saved in `EarlyExitModel.save_pretrained`'s layout (trainer_runs.save_early_exit):
+        its backbone through the Trainer's own load, its branches from their file. Under DeepSpeed or FSDP the
+        engine's own checkpoint is read instead."""
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            return False
+        return load_early_exit(self, folder, model, super()._load_from_checkpoint)
 
     def _loaded_renamed(self, folder: str, model: Any) -> bool:
         """Loads a checkpoint saved under other weight names than the model's (ViT, DeiT in transformers 5), which

@@ -11,6 +11,8 @@ silently wrong.
   (as `hyperparameter_search`'s default objective) rank trials that set other weights or temperatures.
 * A batch split by teacher (hf_distill.routing) cannot put back in row order an output that is one per sub-batch (a
   KV cache): the Router leaves it out and names it, and the prediction step refuses it where it keeps it.
+* An `EarlyExitModel` is no `PreTrainedModel`: the Trainer saved its bare state dict, which its `from_pretrained`
+  refused; `save_model` and the checkpoints now write its own layout, and resuming reads it.
 """
 
 from __future__ import annotations
@@ -168,3 +170,59 @@ def check_search_objective(trainer: Any, compute_objective: Any) -> None:
 
 __all__ = ["check_best_metric", "check_resumable", "check_search_objective", "distils_unlabeled", "ignored_keys",
            "runs_model_alone", "student_batch", "student_prediction_step", "unlabeled_prediction_step"]
+
+
+def early_exit_student(trainer: Any, model: Any = None) -> Any:
+    """The trained `EarlyExitModel` (hf_distill.students.early_exit), or None for any other student. It is no
+    `PreTrainedModel`: the Trainer alone would save its bare state dict, which `EarlyExitModel.from_pretrained`
+    cannot read and `push_to_hub` cannot publish (no config.json)."""
+    from .students.early_exit import EarlyExitModel
+
+    model = trainer.accelerator.unwrap_model(model if model is not None else trainer.model, keep_torch_compile=False)
+    return model if isinstance(model, EarlyExitModel) else None
+
+
+def early_exit_card(trainer: Any, tasks: Any) -> dict[str, Any]:
+    """The card fields `EarlyExitModel.push_to_hub` writes (method, exits, the backbone's class, the task unless
+    `tasks` names one), for the card of an early-exit student pushed by the Trainer; {} for any other student."""
+    model = early_exit_student(trainer)
+    if model is None:
+        return {}
+    fields = {"method": model.branch, "architecture": type(model.model).__name__,
+              "early_exit": {"num_exits": model.num_exits, "branch": model.branch, "sweep": [], "plot": None}}
+    return fields if tasks else {**fields, "pipeline_tag": "text-classification"}
+
+
+def save_early_exit(trainer: Any, output_dir: str | None, state_dict: dict | None) -> bool:
+    """`save_model` and the checkpoints of an early-exit student write `EarlyExitModel.save_pretrained`'s layout
+    (the backbone's own files plus the branch files) and the tokenizer, as the Trainer does for a PreTrainedModel;
+    False (nothing written) for any other student."""
+    model = early_exit_student(trainer)
+    if model is None:
+        return False
+    if not trainer.args.should_save:
+        return True
+    output_dir = output_dir if output_dir is not None else trainer.args.output_dir
+    os.makedirs(output_dir, exist_ok=True)
+    model.save_pretrained(output_dir, state_dict=state_dict)
+    tokenizer = trainer.processing_class or getattr(trainer.data_collator, "tokenizer", None)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(output_dir)
+    return True
+
+
+def load_early_exit(trainer: Any, folder: str, model: Any, load_backbone: Callable[[str, nn.Module], None]) -> bool:
+    """Resume (or load the best checkpoint of) an early-exit student from the layout `save_early_exit` writes:
+    `load_backbone(folder, backbone)` reads the backbone's files (the Trainer's own load, shards included), the
+    branch file is loaded strictly. False for another student, or a checkpoint in the Trainer's layout (the wrapper's
+    state dict, written by an earlier hf_distill), which the Trainer's own load reads."""
+    from safetensors.torch import load_file
+
+    from .students.early_exit import BRANCH_CONFIG_FILE, BRANCH_FILE
+
+    student = early_exit_student(trainer, model)
+    if student is None or not os.path.isfile(os.path.join(folder, BRANCH_CONFIG_FILE)):
+        return False
+    load_backbone(folder, student.model)
+    student.branches.load_state_dict(load_file(os.path.join(folder, BRANCH_FILE), device="cpu"), strict=True)
+    return True

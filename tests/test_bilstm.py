@@ -124,3 +124,16 @@ def test_from_teacher_leaves_the_callers_random_stream_alone():
     torch.manual_seed(5)
     bilstm.from_teacher(t, hidden_size=8, classifier_size=6, seed=0)
     torch.testing.assert_close(torch.rand(3), expected)
+
+
+def test_card_usage_imports_the_module_that_registers_the_architecture(tmp_path):
+    """The card's "How to use" must run in a fresh process: transformers knows `hf_distill_bilstm` only once
+    hf_distill.students.bilstm is imported (before, the card said AutoModelForSequenceClassification.from_pretrained
+    alone, which fails with "Transformers does not recognize this architecture")."""
+    from hf_distill.publish.card import write_model_card
+
+    student().save_pretrained(tmp_path)
+    card = write_model_card(tmp_path).read_text(encoding="utf-8")
+    usage = card.split("## How to use", 1)[1]
+    assert "import hf_distill.students.bilstm" in usage
+    assert usage.index("import hf_distill.students.bilstm") < usage.index(".from_pretrained(")

@@ -661,6 +661,77 @@ def test_trainer_checkpoints_and_resumes_an_early_exit_model(tmp_path):
     torch.testing.assert_close(helpers.flat_params(resumed.branches), helpers.flat_params(full.branches))
 
 
+def test_trainer_save_model_writes_what_from_pretrained_loads_and_resumes_from_it(tmp_path):
+    """`trainer.save_model(out)` then `EarlyExitModel.from_pretrained(out)`, as after any Trainer run: before, the
+    Trainer wrote the wrapper's state dict alone (no config.json, no branch files), which from_pretrained refused
+    and trainer.push_to_hub could not publish. Its checkpoints have the same layout and still resume exactly."""
+    rows = helpers.token_dataset(16).remove_columns("label")
+
+    def run(out, **kw):
+        ee = EarlyExitModel(helpers.teacher(layers=2, seed=1).eval())
+        trainer = DistillationTrainer(model=ee, train_dataset=rows, data_collator=helpers.collate,
+                                      args=helpers.args(tmp_path / out, kd_weight=0.0, max_steps=2, learning_rate=1e-2,
+                                                        save_strategy="steps", save_steps=1))
+        trainer.train(**kw)
+        return trainer, ee
+
+    trainer, ee = run("full")
+    trainer.save_model(str(tmp_path / "final"))
+    back = EarlyExitModel.from_pretrained(tmp_path / "final").eval()
+    b = batch(8)
+    for x, y in zip(back.eval()(**b).exit_logits, ee.eval()(**b).exit_logits):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-6)
+    assert not any(k.startswith("branches") for k in load_file(str(tmp_path / "final" / "model.safetensors")))
+    checkpoint = tmp_path / "full" / "out" / "checkpoint-1"
+    assert (checkpoint / BRANCH_CONFIG_FILE).is_file()  # a checkpoint loads with from_pretrained too
+    _, resumed = run("full", resume_from_checkpoint=str(checkpoint))
+    torch.testing.assert_close(helpers.flat_params(resumed), helpers.flat_params(ee), rtol=0, atol=1e-6)
+    # a checkpoint an earlier version wrote (the wrapper's state dict in model.safetensors) still resumes
+    from safetensors.torch import save_file
+
+    old = {f"model.{k}": v for k, v in load_file(str(checkpoint / "model.safetensors")).items()}
+    old.update({f"branches.{k}": v for k, v in load_file(str(checkpoint / BRANCH_FILE)).items()})
+    for name in (BRANCH_FILE, BRANCH_CONFIG_FILE, "config.json"):
+        (checkpoint / name).unlink()
+    save_file(old, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
+    _, resumed = run("full", resume_from_checkpoint=str(checkpoint))
+    torch.testing.assert_close(helpers.flat_params(resumed), helpers.flat_params(ee), rtol=0, atol=1e-6)
+    with FakeHub() as hub, pytest.MonkeyPatch.context() as mp:
+        online(mp, hub.endpoint)
+        trainer.push_to_hub()
+    files = hub.files(next(iter(hub.repos)))
+    assert {"config.json", "model.safetensors", BRANCH_FILE, BRANCH_CONFIG_FILE, "README.md"} <= set(files)
+    card = files["README.md"].decode()  # the card says how to load it with its branches, and names the method
+    usage = card.split("## How to use", 1)[1]
+    assert "EarlyExitModel.from_pretrained(" in usage and "AutoModel.from_pretrained(" not in usage
+    assert "## Early exit" in card and "liu2020fastbert" in card and "pipeline_tag: text-classification" in card
+    exit_row = ("| exit_1 | KL divergence of branch 1 from the final head (self-distillation) | 1 | "
+                "block 1 -> final head |")
+    assert exit_row in card  # the loss the run minimised: one term per branch
+    assert "| task |" not in card  # labelled training rows are refused: no task term ran
+
+
+def test_load_best_model_at_end_restores_the_best_checkpoints_branches(tmp_path):
+    """The best checkpoint (step 1 here, by a metric that says so) is read back in EarlyExitModel's layout: the
+    Trainer's own load would put its backbone-named weights into the wrapper non-strictly, loading nothing."""
+    rows = helpers.token_dataset(8)
+    scores = iter([1.0, 0.0])
+    ee = EarlyExitModel(helpers.teacher(layers=2, seed=1).eval())
+    trainer = DistillationTrainer(
+        model=ee, train_dataset=rows.remove_columns("label"), eval_dataset=rows, data_collator=helpers.collate,
+        compute_metrics=lambda _: {"score": next(scores)},
+        args=helpers.args(tmp_path, kd_weight=0.0, max_steps=2, learning_rate=1e-2, save_strategy="steps",
+                          save_steps=1, eval_strategy="steps", eval_steps=1, load_best_model_at_end=True,
+                          metric_for_best_model="score", greater_is_better=True))
+    trainer.train()
+    best = tmp_path / "out" / "checkpoint-1"
+    assert trainer.state.best_model_checkpoint == str(best)
+    saved, last = (load_file(str(tmp_path / "out" / f"checkpoint-{i}" / BRANCH_FILE)) for i in (1, 2))
+    assert any(not torch.equal(saved[k], last[k]) for k in saved)  # the last step's branches are not the best's
+    for name, value in ee.branches.state_dict().items():
+        torch.testing.assert_close(value, saved[name], rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------------- saving and publishing
 
 

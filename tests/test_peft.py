@@ -174,3 +174,14 @@ def test_self_distillation_card_shows_the_base_with_adapters_off(tmp_path):
     row = next(line for line in text.splitlines() if line.startswith("| mean_p1 |"))
     teacher_cell, student_cell = [c.strip() for c in row.strip("|").split("|")][1:3]
     assert teacher_cell == f"{base_p1:.4f}" and student_cell == f"{student_metrics['eval_mean_p1']:.4f}"
+
+
+def test_card_names_the_modules_peft_trains_in_full_beside_the_adapters(tmp_path):
+    """A SEQ_CLS LoRA student trains its classifier in full (PEFT's modules_to_save) and publishes it in
+    adapter_model.safetensors: before, its card said "only the adapters were trained"."""
+    student = _lora(bert(2))
+    student.save_pretrained(tmp_path)
+    saved = set(__import__("safetensors.torch").torch.load_file(str(tmp_path / "adapter_model.safetensors")))
+    assert any("classifier" in k for k in saved)  # what the card must say is there
+    line = next(x for x in write_model_card(tmp_path).read_text().splitlines() if x.startswith("- **Adapters**"))
+    assert "classifier" in line and "only the adapters were trained" not in line

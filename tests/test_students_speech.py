@@ -90,3 +90,24 @@ def test_distil_whisper_loss_is_0_8_ce_plus_t2_kl_and_the_encoder_stays(proc, tm
     trainer.train()
     assert all(torch.equal(v, student.model.encoder.state_dict()[k]) for k, v in encoder.items())
     assert any(not torch.equal(v, student.model.decoder.state_dict()[k]) for k, v in decoder.items())
+
+
+def test_card_of_a_saved_whisper_student_tags_speech_recognition_and_loads_it_as_speech(proc, tmp_path):
+    """A Whisper student's card: before, its class was taken for a text seq2seq LM (text2text-generation), and its
+    usage called AutoModelForSeq2SeqLM, which refuses WhisperConfig."""
+    from hf_distill.publish.card import write_model_card
+
+    students.whisper_student(tiny_whisper(proc)).save_pretrained(tmp_path)
+    proc.save_pretrained(tmp_path)
+    card = write_model_card(tmp_path).read_text(encoding="utf-8")
+    usage = card.split("## How to use", 1)[1]
+    assert "pipeline_tag: automatic-speech-recognition" in card
+    assert "AutoModelForSpeechSeq2Seq.from_pretrained(" in usage and "AutoProcessor.from_pretrained(" in usage
+    assert 'pipeline("automatic-speech-recognition"' in usage and "AutoModelForSeq2SeqLM" not in usage
+    teacher = tiny_whisper(proc)  # the card trainer.push_to_hub writes says the same
+    args = DistillationSeq2SeqArguments(output_dir=str(tmp_path / "run"), report_to="none", use_cpu=True)
+    trainer = DistillationSeq2SeqTrainer(model=students.whisper_student(teacher), teacher_model=teacher, args=args,
+                                         processing_class=proc)
+    trainer.create_model_card()
+    card = (tmp_path / "run" / "README.md").read_text(encoding="utf-8")
+    assert "pipeline_tag: automatic-speech-recognition" in card and "AutoModelForSpeechSeq2Seq" in card

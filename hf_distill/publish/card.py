@@ -23,7 +23,7 @@ from transformers.modelcard import TrainingSummary, make_markdown_table
 from ..features.heads import HEADS, HeadKind, kind_for_task
 from ..losses.registry import UnknownDivergence, get_divergence
 from .measure import size_on_disk, stored_parameters
-from .report import _KD_METHODS, LOSS_PLOT, REPORT_FILE, DistillationReport, _empty, hub_id
+from .report import _KD_METHODS, LOSS_PLOT, REPORT_FILE, SPEECH_RECOGNITION, DistillationReport, _empty, hub_id
 
 CARD_FILE = "README.md"
 BIBTEX = {m[1]: m[0] for m in re.finditer(r"^@\w+\{([^,]+),.*?^\}", Path(__file__).with_name("citations.bib")
@@ -313,6 +313,10 @@ def _loss_rows(d: dict[str, Any]) -> list[str]:
 def _made(r: DistillationReport) -> str:
     d, a = r.distillation, r.adapter
     kd, name, init, rows = (d.get("kd_weight") or 0) > 0, method_name(r) or r.method, _initialisation(r), _loss_rows(d)
+    if r.early_exit and rows:  # trained by the Trainer: labelled rows were refused, each branch learnt the final head
+        rows = [x for x in rows if not x.startswith("| task |")] + [
+            f"| exit_{i} | KL divergence of branch {i} from the final head (self-distillation) | 1 | block {i} -> "
+            "final head |" for i in range(1, (r.early_exit.get("num_exits") or 1))]
     # the papers of these methods also train on sequences the student samples; this run did not
     sampled = ", on the training sequences (no student-generated samples)" if r.method in (
         "gkd", "reverse-kl", "distillm", "tvd-kd") else ""
@@ -332,7 +336,10 @@ def _made(r: DistillationReport) -> str:
               + (f", rank {a['r']}" if a.get("r") else "")
               + (f" on {', '.join(a['target_modules'])}" if isinstance(a.get("target_modules"), list) else "")
               + (f" for the base model `{a['base_model']}`" if a.get("base_model") else "")
-              + "; only the adapters were trained and are published",
+              + ("; only the adapters were trained and are published" if not a.get("modules_to_save") else
+                 "; the adapters were trained and are published, with whichever of "
+                 + ", ".join(f"`{m}`" for m in a["modules_to_save"])
+                 + " the model has (PEFT's `modules_to_save`, trained in full)"),
         init and f"- **Initialisation**: {init}",
         r.initialised_from and f"- **Initialised from**: {_model_link(r.initialised_from)} (the student's starting "
                                "checkpoint)",
@@ -466,10 +473,26 @@ def _early_exit(r: DistillationReport) -> str:
     return "## Early exit\n\n" + "\n\n".join(p for p in parts if p)
 
 
+# Architectures hf_distill registers with transformers' Auto classes: the card's code imports the module first, or a
+# fresh process fails with "Transformers does not recognize this architecture".
+_REGISTERED_BY = {"BiLSTMForSequenceClassification": "hf_distill.students.bilstm"}
+
+
 def _usage(r: DistillationReport) -> str:
     repo, kind = r.model_name or "path/to/student", kind_for_task(r.pipeline_tag)
     auto = kind.facts.auto_class if kind is not None else "AutoModel"
-    if r.adapter:
+    if r.early_exit:  # the Auto classes would load the backbone alone, without its exits
+        code = ("from transformers import AutoTokenizer\n\n"
+                "from hf_distill.students.early_exit import EarlyExitModel\n\n"
+                f'model = EarlyExitModel.from_pretrained("{repo}")\n'
+                f'tokenizer = AutoTokenizer.from_pretrained("{repo}")\n'
+                'print(model.predict(["Your text"], tokenizer, speed=0.5))  # label, score and exit layer per text')
+    elif r.pipeline_tag == SPEECH_RECOGNITION and not r.adapter:  # no text seq2seq LM: AutoModelForSeq2SeqLM refuses it
+        code = ("from transformers import AutoModelForSpeechSeq2Seq, AutoProcessor, pipeline\n\n"
+                f'model = AutoModelForSpeechSeq2Seq.from_pretrained("{repo}")\n'
+                f'processor = AutoProcessor.from_pretrained("{repo}")\n\n# or\n'
+                f'pipe = pipeline("{SPEECH_RECOGNITION}", model="{repo}")\nprint(pipe("audio.flac")["text"])')
+    elif r.adapter:
         peft = kind.facts.peft_class if kind is not None else "AutoPeftModel"
         code = f'from peft import {peft}\n\nmodel = {peft}.from_pretrained("{repo}")  # base + adapters'
     elif r.pipeline_tag in _IMAGE_TASKS:  # an image processor, not a tokenizer (issue #43)
@@ -489,6 +512,8 @@ def _usage(r: DistillationReport) -> str:
         elif kind is not None:
             code += '\n\n# or\nfrom transformers import pipeline\n\n'
             code += f'pipe = pipeline("{r.pipeline_tag}", model="{repo}")'
+    if r.architecture in _REGISTERED_BY:
+        code = f"import {_REGISTERED_BY[r.architecture]}  # registers {r.architecture} with the Auto classes\n{code}"
     return f"## How to use\n\n```python\n{code}\n```"
 
 

@@ -122,8 +122,9 @@ class DistillationReport:
                            {"log_history": state.log_history, "global_step": state.global_step, "epoch": state.epoch,
                             "best_global_step": state.best_global_step},
                            peft_config.to_dict() if peft_config is not None else None)
-        kind = head_kind(student)  # the model itself, also a subclass or a custom class no mapping names
-        found["pipeline_tag"] = kind.facts.pipeline_tag if kind is not None else None
+        if found["pipeline_tag"] != SPEECH_RECOGNITION:  # a head kind would take Whisper for a text seq2seq LM
+            kind = head_kind(student)  # the model itself, also a subclass or a custom class no mapping names
+            found["pipeline_tag"] = kind.facts.pipeline_tag if kind is not None else None
         found["model_name"] = getattr(trainer, "hub_model_id", None) or args.hub_model_id or Path(args.output_dir).name
         found["student_params"] = measure.count_parameters(student)
         if teacher is not None:
@@ -203,7 +204,8 @@ def _run_facts(config: Any, architecture: str | None, args: Any, trainer: Any, s
         found["adapter"] = {"peft_type": getattr(kind, "value", kind), "r": adapter_config.get("r"),  # "LORA"
                             "lora_alpha": adapter_config.get("lora_alpha"), "target_modules": sorted(targets) if
                             isinstance(targets, list | set | tuple) else targets,
-                            "base_model": adapter_config.get("base_model_name_or_path")}
+                            "base_model": adapter_config.get("base_model_name_or_path"),
+                            "modules_to_save": sorted(adapter_config.get("modules_to_save") or [])}
     training: dict[str, Any] = {}
     if args is not None:
         training = extract_hyperparameters_from_trainer(trainer or SimpleNamespace(args=args))
@@ -279,12 +281,19 @@ def hub_id(name: str | None) -> str | None:
     return name
 
 
+SPEECH_RECOGNITION = "automatic-speech-recognition"  # a speech seq2seq student's tag (AutoModelForSpeechSeq2Seq)
+
+
 def pipeline_tag_for(architecture: str | None, config: Any = None) -> str | None:
     """The Hub pipeline tag of a student class, from its head kind (`features.heads.class_kind`: the task mapping
     that names the class, for `config`'s model_type when given). An encoder-decoder LM is text2text-generation,
     not a vision-language or speech `...ForConditionalGeneration` (see `features.heads.HEADS`)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES
+
     from ..features.heads import class_kind
 
+    if architecture in MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES.values():  # Whisper: audio in, text out
+        return SPEECH_RECOGNITION
     kind = class_kind(architecture, config)
     return kind.facts.pipeline_tag if kind is not None else None
 

@@ -353,13 +353,26 @@ class EarlyExitModel(nn.Module):
 
     # ------------------------------------------------------------------ saving and publishing
 
-    def save_pretrained(self, folder: str | os.PathLike, **kwargs: Any) -> None:
-        """The backbone's own files (loadable alone with AutoModel...) plus the branches in their own file."""
+    def save_pretrained(self, folder: str | os.PathLike, state_dict: dict[str, torch.Tensor] | None = None,
+                        **kwargs: Any) -> None:
+        """The backbone's own files (loadable alone with AutoModel...) plus the branches in their own file.
+        `state_dict` is this wrapper's (`model.*`, `branches.*`), as the Trainer hands it (gathered under DeepSpeed);
+        `is_main_process=False` writes nothing."""
         from safetensors.torch import save_file
 
+        backbone, branches = None, self.branches.state_dict()
+        if state_dict is not None:
+            other = [k for k in state_dict if not k.startswith(("model.", "branches."))]
+            if other:
+                raise ValueError(f"EarlyExitModel.save_pretrained: state_dict keys {other[:3]} are neither the "
+                                 "backbone's (model.*) nor the branches' (branches.*).")
+            backbone = {k[len("model."):]: v for k, v in state_dict.items() if k.startswith("model.")}
+            branches = {k[len("branches."):]: v for k, v in state_dict.items() if k.startswith("branches.")}
         folder = Path(folder)
-        self.model.save_pretrained(folder, **kwargs)
-        save_file({k: v.detach().contiguous().cpu() for k, v in self.branches.state_dict().items()},
+        self.model.save_pretrained(folder, state_dict=backbone, **kwargs)
+        if not kwargs.get("is_main_process", True):
+            return
+        save_file({k: v.detach().contiguous().cpu() for k, v in branches.items()},
                   folder / BRANCH_FILE, metadata={"format": FORMATS[self.branch]})
         spec: dict[str, Any] = {"format": FORMATS[self.branch], "num_exits": self.num_exits, "branch": self.branch,
                                 "branch_width": self.branch_width, "branch_heads": self.branch_heads,
