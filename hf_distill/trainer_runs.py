@@ -168,10 +168,6 @@ def check_search_objective(trainer: Any, compute_objective: Any) -> None:
         )
 
 
-__all__ = ["check_best_metric", "check_resumable", "check_search_objective", "distils_unlabeled", "ignored_keys",
-           "runs_model_alone", "student_batch", "student_prediction_step", "unlabeled_prediction_step"]
-
-
 def early_exit_student(trainer: Any, model: Any = None) -> Any:
     """The trained `EarlyExitModel` (hf_distill.students.early_exit), or None for any other student. It is no
     `PreTrainedModel`: the Trainer alone would save its bare state dict, which `EarlyExitModel.from_pretrained`
@@ -226,3 +222,8 @@ def load_early_exit(trainer: Any, folder: str, model: Any, load_backbone: Callab
     load_backbone(folder, student.model)
     student.branches.load_state_dict(load_file(os.path.join(folder, BRANCH_FILE), device="cpu"), strict=True)
     return True
+
+
+__all__ = ["check_best_metric", "check_resumable", "check_search_objective", "distils_unlabeled", "early_exit_card",
+           "early_exit_student", "ignored_keys", "load_early_exit", "runs_model_alone", "save_early_exit",
+           "student_batch", "student_prediction_step", "unlabeled_prediction_step"]
