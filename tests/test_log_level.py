@@ -14,12 +14,17 @@ from hf_distill.base.log_level import follow_log_level
 
 @pytest.fixture
 def hf_distill_logger():
-    """The `hf_distill` logger, its level and handlers put back after the test."""
+    """The `hf_distill` logger, its level and handlers put back after the test, and transformers' verbosity, which
+    the Trainer sets from `log_level`: left at INFO, every later test's Trainer would keep it there (passive reads
+    it back) and print transformers' info lines, so tests that read stderr would depend on the order."""
+    from transformers.utils import logging as hf_logging
+
     logger = logging.getLogger("hf_distill")
-    level, handlers = logger.level, list(logger.handlers)
+    level, handlers, verbosity = logger.level, list(logger.handlers), hf_logging.get_verbosity()
     yield logger
     logger.setLevel(level)
     logger.handlers[:] = handlers
+    hf_logging.set_verbosity(verbosity)
 
 
 def _build(tmp_path, **kw):
