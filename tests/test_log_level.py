@@ -53,3 +53,13 @@ def test_a_handler_is_added_only_where_nothing_would_print(hf_distill_logger, mo
     follow_log_level("info", logging.INFO)  # a second trainer adds no second handler
     hf_distill_logger.getChild("teacher").info("shared 12 token strings")
     assert capsys.readouterr().err == "[hf_distill] shared 12 token strings\n"
+
+
+def test_the_added_handler_falls_silent_once_the_script_configures_logging(hf_distill_logger, monkeypatch, capsys):
+    # before: the handler kept printing after a later logging.basicConfig(), so every line came out twice
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    hf_distill_logger.handlers[:] = []
+    follow_log_level("info", logging.INFO)  # a trainer built before the script configured logging
+    monkeypatch.setattr(logging.getLogger(), "handlers", [logging.StreamHandler()])  # logging.basicConfig()
+    hf_distill_logger.getChild("teacher").info("shared 12 token strings")
+    assert capsys.readouterr().err == "shared 12 token strings\n"
