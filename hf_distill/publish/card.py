@@ -314,7 +314,7 @@ def _made(r: DistillationReport) -> str:
     d, a = r.distillation, r.adapter
     kd, name, init, rows = (d.get("kd_weight") or 0) > 0, method_name(r) or r.method, _initialisation(r), _loss_rows(d)
     if r.early_exit and rows:  # trained by the Trainer: labelled rows were refused, each branch learnt the final head
-        rows = [x for x in rows if not x.startswith("| task |")] + [
+        rows = _loss_rows({**d, "task_weight": 0}) + [
             f"| exit_{i} | KL divergence of branch {i} from the final head (self-distillation) | 1 | block {i} -> "
             "final head |" for i in range(1, (r.early_exit.get("num_exits") or 1))]
     # the papers of these methods also train on sequences the student samples; this run did not
