@@ -199,8 +199,9 @@ def cmd_auto(args: argparse.Namespace, argv: list[str]) -> int:
             raise ValueError(f"--candidates {args.candidates}: a JSON list of {{kind, num_layers, "
                              f"num_attention_heads, intermediate_size, hidden_size}} objects is needed ({err}).") \
                 from None
+    if args.teacher or args.tokenizer:  # before the teacher's weights load, or the demo's teacher is fine-tuned
+        check_teacher_tokenizer(args.teacher, args.tokenizer)
     if args.teacher:
-        check_teacher_tokenizer(args.teacher, args.tokenizer)  # before the weights load
         # refused here when the checkpoint has no trained classifier (a base or causal-LM checkpoint): its head
         # would be random, and every candidate would be distilled towards chance before anything said so
         teacher = load_teacher(args.teacher, kind=HeadKind.SEQUENCE_CLASSIFICATION)
