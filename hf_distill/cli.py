@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from .base.tokenizer_files import check_tokenizer_folder
+from .base.tokenizer_files import check_teacher_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -286,8 +286,7 @@ def cmd_signal(args: argparse.Namespace, argv: list[str]) -> int:
     if args.epsilon is not None:
         layout["epsilon"] = args.epsilon
     where = args.tokenizer or args.teacher
-    check_tokenizer_folder(where, "--tokenizer" if args.tokenizer else "The teacher",
-                           "Give --tokenizer, or save the tokenizer in the teacher's folder.")
+    check_teacher_tokenizer(args.teacher, args.tokenizer)
     tokenizer = _load("--tokenizer" if args.tokenizer else "teacher", where,
                       lambda: AutoTokenizer.from_pretrained(where))
     if isinstance(vocab, int):  # a tokenizer that does not fit the teacher is refused before its weights load

@@ -179,14 +179,15 @@ def early_exit_student(trainer: Any, model: Any = None) -> Any:
 
 
 def early_exit_card(trainer: Any, tasks: Any) -> dict[str, Any]:
-    """The card fields `EarlyExitModel.push_to_hub` writes (method, exits, the backbone's class, the task unless
+    """The card fields `EarlyExitModel.push_to_hub` writes (`EarlyExitModel.card_fields`, less the task where
     `tasks` names one), for the card of an early-exit student pushed by the Trainer; {} for any other student."""
     model = early_exit_student(trainer)
     if model is None:
         return {}
-    fields = {"method": model.branch, "architecture": type(model.model).__name__,
-              "early_exit": {"num_exits": model.num_exits, "branch": model.branch, "sweep": [], "plot": None}}
-    return fields if tasks else {**fields, "pipeline_tag": "text-classification"}
+    fields = model.card_fields()
+    if tasks:  # the caller's tasks name the pipeline tag
+        del fields["pipeline_tag"]
+    return fields
 
 
 def save_early_exit(trainer: Any, output_dir: str | None, state_dict: dict | None) -> bool:

@@ -9,9 +9,9 @@ import time
 from typing import Any
 
 from . import trainer_runs as runs
+from .base.batch_keys import TEACHER_PREFIX
 from .compat import prepare_inputs
 from .data.audio import teacher_own_inputs
-from .data.collators import TEACHER_PREFIX
 from .features import heads as heads_mod
 from .features.taps import unwrap
 from .task_loss import plain_task_loss
@@ -108,11 +108,11 @@ class TeacherEvaluation:
         out, _ = self.distiller.run_teacher(self.teacher, inputs, labels=has_labels)  # its own loss, as the student's
         logits = heads_mod._logits(out)
         loss = None
-        if has_labels:
-            own = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
-            if own is None and len(names) == 1:
-                own = plain_task_loss(logits, labels)
-            loss = own.detach().mean() if own is not None else None
+        if has_labels:  # the teacher's own loss where its head computed one, as the student's is
+            found = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+            if found is None and len(names) == 1:
+                found = plain_task_loss(logits, labels)
+            loss = found.detach().mean() if found is not None else None
         if prediction_loss_only:
             return loss, None, None
         if isinstance(out, dict):

@@ -373,6 +373,24 @@ def test_cli_refuses_a_teacher_folder_without_tokenizer_files(saved_teacher, tmp
     assert "Give --tokenizer" in err and loaded == [] and not (tmp_path / "never").exists()
 
 
+def test_cli_refuses_a_tokenizer_folder_without_tokenizer_files_before_the_demo_teacher(saved_teacher, tmp_path,
+                                                                                       capsys, monkeypatch):
+    """Without a teacher folder, --tokenizer is read for the demo's teacher: before, an empty folder gave
+    transformers 5's empty tokenizer, and the demo's teacher was fine-tuned on [UNK] rows."""
+    from hf_distill.auto import command
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    reached = []
+    monkeypatch.setattr(command, "_demo_teacher", lambda *a: reached.append(a) or pytest.fail("demo teacher reached"))
+    argv = cli_args(saved_teacher, tmp_path / "never")
+    argv = [argv[0], *argv[2:], "--tokenizer", str(bare)]  # no teacher folder
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --tokenizer {str(bare)!r} holds no tokenizer files") and err.count("\n") == 1
+    assert "Give --tokenizer a folder" in err and reached == [] and not (tmp_path / "never").exists()
+
+
 def test_an_in_memory_teacher_loaded_without_its_head_is_warned_about(tmp_path, monkeypatch, caplog):
     """In memory the loading report is gone: a classifier whose config still names the base checkpoint's class gets
     a warning (it may have been fine-tuned since); one built or fine-tuned and saved as a classifier gets none."""

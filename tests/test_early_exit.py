@@ -641,30 +641,12 @@ def test_labelled_training_rows_are_refused_with_the_fix(tmp_path):
     assert "eval_loss" in trainer.evaluate()
 
 
-def test_trainer_checkpoints_and_resumes_an_early_exit_model(tmp_path):
-    """The Trainer's own checkpoints (save_strategy="steps", its default): before, the blocks were registered
-    under the wrapper too, so every block weight had two names and the first save raised safetensors' shared
-    tensors error. A run resumed from checkpoint 1 ends on the uninterrupted run's branches."""
-    rows = helpers.token_dataset(16).remove_columns("label")
-
-    def run(out, **kw):
-        ee = EarlyExitModel(helpers.teacher(layers=2, seed=1).eval())
-        trainer = DistillationTrainer(model=ee, train_dataset=rows, data_collator=helpers.collate,
-                                      args=helpers.args(tmp_path / out, kd_weight=0.0, max_steps=2, learning_rate=1e-2,
-                                                        save_strategy="steps", save_steps=1))
-        trainer.train(**kw)
-        return ee
-
-    full = run("full")
-    assert (tmp_path / "full" / "out" / "checkpoint-1").is_dir()
-    resumed = run("full", resume_from_checkpoint=str(tmp_path / "full" / "out" / "checkpoint-1"))
-    torch.testing.assert_close(helpers.flat_params(resumed.branches), helpers.flat_params(full.branches))
-
-
 def test_trainer_save_model_writes_what_from_pretrained_loads_and_resumes_from_it(tmp_path):
     """`trainer.save_model(out)` then `EarlyExitModel.from_pretrained(out)`, as after any Trainer run: before, the
     Trainer wrote the wrapper's state dict alone (no config.json, no branch files), which from_pretrained refused
-    and trainer.push_to_hub could not publish. Its checkpoints have the same layout and still resume exactly."""
+    and trainer.push_to_hub could not publish. Its checkpoints (save_strategy="steps") have the same layout and still
+    resume exactly: before, the blocks were registered under the wrapper too, so every block weight had two names
+    and the first checkpoint raised safetensors' shared tensors error."""
     rows = helpers.token_dataset(16).remove_columns("label")
 
     def run(out, **kw):

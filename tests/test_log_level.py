@@ -14,12 +14,17 @@ from hf_distill.base.log_level import follow_log_level
 
 @pytest.fixture
 def hf_distill_logger():
-    """The `hf_distill` logger, its level and handlers put back after the test."""
+    """The `hf_distill` logger, its level and handlers put back after the test, and transformers' verbosity, which
+    the Trainer sets from `log_level`: left at INFO, every later test's Trainer would keep it there (passive reads
+    it back) and print transformers' info lines, so tests that read stderr would depend on the order."""
+    from transformers.utils import logging as hf_logging
+
     logger = logging.getLogger("hf_distill")
-    level, handlers = logger.level, list(logger.handlers)
+    level, handlers, verbosity = logger.level, list(logger.handlers), hf_logging.get_verbosity()
     yield logger
     logger.setLevel(level)
     logger.handlers[:] = handlers
+    hf_logging.set_verbosity(verbosity)
 
 
 def _build(tmp_path, **kw):
@@ -48,3 +53,13 @@ def test_a_handler_is_added_only_where_nothing_would_print(hf_distill_logger, mo
     follow_log_level("info", logging.INFO)  # a second trainer adds no second handler
     hf_distill_logger.getChild("teacher").info("shared 12 token strings")
     assert capsys.readouterr().err == "[hf_distill] shared 12 token strings\n"
+
+
+def test_the_added_handler_falls_silent_once_the_script_configures_logging(hf_distill_logger, monkeypatch, capsys):
+    # before: the handler kept printing after a later logging.basicConfig(), so every line came out twice
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    hf_distill_logger.handlers[:] = []
+    follow_log_level("info", logging.INFO)  # a trainer built before the script configured logging
+    monkeypatch.setattr(logging.getLogger(), "handlers", [logging.StreamHandler()])  # logging.basicConfig()
+    hf_distill_logger.getChild("teacher").info("shared 12 token strings")
+    assert capsys.readouterr().err == "shared 12 token strings\n"

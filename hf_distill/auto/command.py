@@ -15,7 +15,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from ..base.tokenizer_files import check_tokenizer_folder
+from ..base.tokenizer_files import check_teacher_tokenizer
 from .space import DEFAULT_COPY_DEPTHS, DEFAULT_DEPTHS, DEFAULT_SHRINK, DEFAULT_WIDTHS
 
 DATA = Path(__file__).resolve().parent.parent / "data"
@@ -199,11 +199,11 @@ def cmd_auto(args: argparse.Namespace, argv: list[str]) -> int:
             raise ValueError(f"--candidates {args.candidates}: a JSON list of {{kind, num_layers, "
                              f"num_attention_heads, intermediate_size, hidden_size}} objects is needed ({err}).") \
                 from None
+    if args.teacher or args.tokenizer:  # before the teacher's weights load, or the demo's teacher is fine-tuned
+        check_teacher_tokenizer(args.teacher, args.tokenizer)
     if args.teacher:
         # refused here when the checkpoint has no trained classifier (a base or causal-LM checkpoint): its head
         # would be random, and every candidate would be distilled towards chance before anything said so
-        check_tokenizer_folder(args.tokenizer or args.teacher, "--tokenizer" if args.tokenizer else "The teacher",
-                               "Give --tokenizer, or save the tokenizer in the teacher's folder.")
         teacher = load_teacher(args.teacher, kind=HeadKind.SEQUENCE_CLASSIFICATION)
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.teacher)
         name = args.teacher

@@ -20,6 +20,15 @@ def follow_log_level(log_level: str, level: int) -> None:
     logger = logging.getLogger(NAME)
     logger.setLevel(level)
     if not logger.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler()
+        handler = _UntilConfigured()
         handler.setFormatter(logging.Formatter(f"[{NAME}] %(message)s"))
         logger.addHandler(handler)
+
+
+class _UntilConfigured(logging.StreamHandler):
+    """stderr while the process has configured no logging; silent once the root logger has a handler (a script's
+    `logging.basicConfig()` after the trainer was built), which then prints the line: else it came out twice."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            super().emit(record)

@@ -21,3 +21,13 @@ def check_tokenizer_folder(path: str | os.PathLike, what: str, fix: str) -> None
     if lacks_tokenizer(path):
         raise ValueError(f"{what} {str(path)!r} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...): "
                          f"transformers would build an empty tokenizer that reads every word as unknown. {fix}")
+
+
+def check_teacher_tokenizer(teacher: str | None, tokenizer: str | None) -> None:
+    """The check of the commands that read a teacher's tokenizer from `--tokenizer`, else from the teacher's folder
+    (`signal create`, `auto`), so that both name the same flag and fix."""
+    if tokenizer:
+        check_tokenizer_folder(tokenizer, "--tokenizer", "Give --tokenizer a folder that holds its tokenizer files.")
+    elif teacher:
+        check_tokenizer_folder(teacher, "The teacher", "Give --tokenizer, or save the tokenizer in the teacher's "
+                               "folder.")

@@ -136,9 +136,16 @@ HEADS: dict[HeadKind, HeadFacts] = {  # in the order kinds are tried: a class in
         "MODEL_MAPPING_NAMES", "AutoModel", "AutoPeftModel", ("feature-extraction",), None, False),
 }
 
-# hf_distill's own model types: their modules register them with the Auto classes when imported, which a saved
-# student's config.json alone does not do.
-_OWN_MODEL_TYPES = {"hf_distill_bilstm": "hf_distill.students.bilstm"}
+# hf_distill's own models, (model_type, architecture) -> the module that registers them with the Auto classes when
+# imported, which a saved student's config.json alone does not do (a fresh process: "does not recognize this
+# architecture"). Read here for a config's model_type, and by the model card's usage code for the architecture.
+_OWN_MODELS = {("hf_distill_bilstm", "BiLSTMForSequenceClassification"): "hf_distill.students.bilstm"}
+
+
+def registering_module(model_type: str | None = None, architecture: str | None = None) -> str | None:
+    """The hf_distill module to import before the Auto classes know `model_type` or `architecture`; None for
+    transformers' own."""
+    return next((m for (t, a), m in _OWN_MODELS.items() if model_type == t or architecture == a), None)
 
 
 def head_kind(model: nn.Module, logits: torch.Tensor | None = None) -> HeadKind | None:
@@ -288,8 +295,8 @@ def _config_class(config: Any, model_type: str | None) -> type | None:
         return type(config)
     if not model_type:
         return None
-    if model_type in _OWN_MODEL_TYPES:
-        importlib.import_module(_OWN_MODEL_TYPES[model_type])
+    if (module := registering_module(model_type=model_type)) is not None:
+        importlib.import_module(module)
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     try:

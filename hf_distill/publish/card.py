@@ -20,7 +20,7 @@ import yaml
 from transformers import modelcard
 from transformers.modelcard import TrainingSummary, make_markdown_table
 
-from ..features.heads import HEADS, HeadKind, kind_for_task
+from ..features.heads import HEADS, HeadKind, kind_for_task, registering_module
 from ..losses.registry import UnknownDivergence, get_divergence
 from .measure import size_on_disk, stored_parameters
 from .report import _KD_METHODS, LOSS_PLOT, REPORT_FILE, SPEECH_RECOGNITION, DistillationReport, _empty, hub_id
@@ -314,7 +314,7 @@ def _made(r: DistillationReport) -> str:
     d, a = r.distillation, r.adapter
     kd, name, init, rows = (d.get("kd_weight") or 0) > 0, method_name(r) or r.method, _initialisation(r), _loss_rows(d)
     if r.early_exit and rows:  # trained by the Trainer: labelled rows were refused, each branch learnt the final head
-        rows = [x for x in rows if not x.startswith("| task |")] + [
+        rows = _loss_rows({**d, "task_weight": 0}) + [
             f"| exit_{i} | KL divergence of branch {i} from the final head (self-distillation) | 1 | block {i} -> "
             "final head |" for i in range(1, (r.early_exit.get("num_exits") or 1))]
     # the papers of these methods also train on sequences the student samples; this run did not
@@ -473,11 +473,6 @@ def _early_exit(r: DistillationReport) -> str:
     return "## Early exit\n\n" + "\n\n".join(p for p in parts if p)
 
 
-# Architectures hf_distill registers with transformers' Auto classes: the card's code imports the module first, or a
-# fresh process fails with "Transformers does not recognize this architecture".
-_REGISTERED_BY = {"BiLSTMForSequenceClassification": "hf_distill.students.bilstm"}
-
-
 def _usage(r: DistillationReport) -> str:
     repo, kind = r.model_name or "path/to/student", kind_for_task(r.pipeline_tag)
     auto = kind.facts.auto_class if kind is not None else "AutoModel"
@@ -512,8 +507,8 @@ def _usage(r: DistillationReport) -> str:
         elif kind is not None:
             code += '\n\n# or\nfrom transformers import pipeline\n\n'
             code += f'pipe = pipeline("{r.pipeline_tag}", model="{repo}")'
-    if r.architecture in _REGISTERED_BY:
-        code = f"import {_REGISTERED_BY[r.architecture]}  # registers {r.architecture} with the Auto classes\n{code}"
+    if (module := registering_module(architecture=r.architecture)) is not None:  # hf_distill's own class
+        code = f"import {module}  # registers {r.architecture} with the Auto classes\n{code}"
     return f"## How to use\n\n```python\n{code}\n```"
 
 

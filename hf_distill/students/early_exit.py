@@ -441,11 +441,15 @@ class EarlyExitModel(nn.Module):
             tokenizer.save_pretrained(folder)
         if plot is not None and Path(plot).resolve() != (folder / PLOT_FILE).resolve():
             shutil.copyfile(plot, folder / PLOT_FILE)
-        early_exit = {"num_exits": self.num_exits, "branch": self.branch, "sweep": sweep or [],
-                      "plot": PLOT_FILE if (folder / PLOT_FILE).is_file() else None}
-        write_model_card(folder, model_name=repo_id, method=self.branch, early_exit=early_exit,
-                         pipeline_tag="text-classification", architecture=type(self.model).__name__)
+        plot_name = PLOT_FILE if (folder / PLOT_FILE).is_file() else None
+        write_model_card(folder, model_name=repo_id, **self.card_fields(sweep, plot_name))
         return push_student(folder, repo_id, **hub_kwargs)
+
+    def card_fields(self, sweep: list[dict[str, Any]] | None = None, plot: str | None = None) -> dict[str, Any]:
+        """The model card's fields for this student, shared by `push_to_hub` and the Trainer's `push_to_hub`
+        (trainer_runs.early_exit_card) so that both publish the same card."""
+        return {"method": self.branch, "architecture": type(self.model).__name__, "pipeline_tag": "text-classification",
+                "early_exit": {"num_exits": self.num_exits, "branch": self.branch, "sweep": sweep or [], "plot": plot}}
 
 
 def _download(repo_id: str, hub: dict[str, Any]) -> tuple[Path, Path]:
