@@ -158,6 +158,26 @@ def test_cached_teacher_outputs_are_refused(tokenizer):
         TeacherOutputsCollator(MLMDistillationCollator(tokenizer))(rows)
 
 
+def test_transformers_mlm_collator_with_cached_teacher_outputs_is_refused(tokenizer, tmp_path):
+    """transformers' DataCollatorForLanguageModeling(mlm=True) masks every batch anew, as
+    MLMDistillationCollator does: cached teacher outputs (computed on the unmasked rows) are refused with it, when
+    cached and when training; mlm=False leaves the inputs alone and is let through."""
+    from transformers import DataCollatorForLanguageModeling
+
+    from hf_distill.data.cache import cache_teacher_outputs
+
+    rows = [{**r, "teacher_logits": [[0.0] * VOCAB] * len(r["input_ids"])} for r in _rows(2)]
+    for masking in (DataCollatorForLanguageModeling(tokenizer, mlm=True),):
+        with pytest.raises(ValueError, match="DataCollatorForLanguageModeling changes the inputs of every batch"):
+            TeacherOutputsCollator(masking)(rows)
+        with pytest.raises(ValueError, match="changes the inputs of every batch"):
+            cache_teacher_outputs(BertForMaskedLM(bert_config(layers=1)), Dataset.from_list(_rows(2)),
+                                  cache_dir=tmp_path / "cache", collator=masking, progress=False)
+    assert not (tmp_path / "cache").exists()
+    batch = TeacherOutputsCollator(DataCollatorForLanguageModeling(tokenizer, mlm=False))(rows)
+    assert batch["teacher_logits"].shape[:2] == batch["input_ids"].shape
+
+
 @pytest.mark.parametrize("kd_token_mask", ["labels", "attention"])
 def test_kd_loss_over_masked_positions_with_the_trainer(tmp_path, tokenizer, kd_token_mask):
     torch.manual_seed(0)

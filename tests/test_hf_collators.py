@@ -3,15 +3,13 @@ sequences give the same KD and task terms and the same training (1e-6)."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from datasets import Dataset
+from helpers import VOCAB, args, flat_params, llama
 from transformers import DataCollatorWithFlattening
 
 from hf_distill import DistillationTrainer
-from tests.helpers import VOCAB, args, flat_params, llama
 
 LENGTHS = (5, 9, 3, 7, 6, 4, 8, 5)
 
