@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 from datasets import Dataset
-from helpers import VOCAB, args, flat_params, llama
-from transformers import DataCollatorWithFlattening
+from helpers import VOCAB, args, bert_config, flat_params, llama, word_tokenizer
+from transformers import BertForTokenClassification, DataCollatorForTokenClassification, DataCollatorWithFlattening
 
 from hf_distill import DistillationTrainer
 
@@ -79,3 +79,75 @@ def test_flattening_collator_trains_as_padded_rows_with_accumulation(tmp_path):
         runs[name] = flat_params(t.model)
     assert (runs["flat"] - flat_params(llama(0))).abs().max() > 1e-5
     assert torch.allclose(runs["flat"], runs["pad"], atol=1e-6, rtol=0)
+
+
+# ---------------------------------------------------------------- token classification: collator padding, dataset forms
+
+ROWS = 8  # one batch holds every row, so a run does not depend on the order the rows come in
+
+
+def _tagged() -> Dataset:
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(3, 12, (ROWS,), generator=g).tolist()
+    return Dataset.from_list([{"input_ids": torch.randint(2, VOCAB, (n,), generator=g).tolist(),
+                               "labels": torch.randint(0, 3, (n,), generator=g).tolist(), "source": f"doc {i}"}
+                              for i, n in enumerate(lengths)])
+
+
+def _as_transform(data: Dataset) -> Dataset:
+    """The rows stored as text ("ids"/"tags" strings), turned into model inputs on access by `with_transform`."""
+    stored = Dataset.from_dict({"ids": [" ".join(map(str, r)) for r in data["input_ids"]],
+                                "tags": [" ".join(map(str, r)) for r in data["labels"]], "source": data["source"]})
+
+    def to_inputs(batch: dict) -> dict:
+        return {"input_ids": [[int(x) for x in s.split()] for s in batch["ids"]],
+                "labels": [[int(x) for x in s.split()] for s in batch["tags"]]}
+
+    return stored.with_transform(to_inputs)
+
+
+def _token_run(tmp_path, name: str, data, collator, **kw) -> tuple[torch.Tensor, dict]:
+    a = args(tmp_path / name, per_device_train_batch_size=ROWS, max_steps=2, **kw)
+    student = BertForTokenClassification(_seeded(bert_config(layers=1, labels=3), 0))
+    trainer = DistillationTrainer(model=student, teacher_model=BertForTokenClassification(
+        _seeded(bert_config(layers=2, labels=3), 1)), args=a, train_dataset=data, data_collator=collator)
+    trainer.train()
+    logged = {k: v for k, v in trainer.state.log_history[1].items() if k in ("loss_kd", "loss_task")}
+    return flat_params(trainer.model), logged
+
+
+def _seeded(config, seed: int):
+    torch.manual_seed(seed)
+    return config
+
+
+@pytest.fixture(scope="module")
+def token_reference(tmp_path_factory):
+    """Two steps on a plain datasets.Dataset through DataCollatorForTokenClassification, and the student before."""
+    tok = word_tokenizer([str(i) for i in range(VOCAB - 2)])
+    plain = DataCollatorForTokenClassification(tok)
+    start = flat_params(BertForTokenClassification(_seeded(bert_config(layers=1, labels=3), 0)))
+    return tok, _token_run(tmp_path_factory.mktemp("ref"), "ref", _tagged().remove_columns("source"), plain), start
+
+
+@pytest.mark.parametrize("form", ["pad_to_multiple_of_8", "torch_format", "with_transform", "iterable"])
+def test_token_classification_forms_train_as_plain_rows(tmp_path, token_reference, form):
+    """Token-classification KD with transformers' DataCollatorForTokenClassification on a plain datasets.Dataset is
+    the reference; padding to a multiple of 8 (extra positions never counted), set_format("torch"), with_transform
+    (remove_unused_columns=False, an extra string column dropped by the transform) and a datasets.IterableDataset
+    with the teacher online and max_steps give the same two steps (1e-6) and the same logged terms."""
+    tok, (ref, ref_logged), start = token_reference
+    data, collator, kw = _tagged().remove_columns("source"), DataCollatorForTokenClassification(tok), {}
+    if form == "pad_to_multiple_of_8":
+        collator = DataCollatorForTokenClassification(tok, pad_to_multiple_of=8)
+        assert collator([data[i] for i in range(ROWS)])["input_ids"].shape[1] % 8 == 0
+    elif form == "torch_format":
+        data = data.with_format("torch")
+    elif form == "with_transform":
+        data, kw = _as_transform(_tagged()), dict(remove_unused_columns=False)
+    else:
+        data = data.to_iterable_dataset()
+    got, logged = _token_run(tmp_path, form, data, collator, **kw)
+    assert (ref - start).abs().max() > 1e-5
+    assert torch.allclose(got, ref, atol=1e-6, rtol=0)
+    assert logged == pytest.approx(ref_logged, rel=1e-6, abs=1e-7) and set(logged) == {"loss_kd", "loss_task"}
