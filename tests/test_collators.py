@@ -179,15 +179,23 @@ def test_transformers_mlm_collator_with_cached_teacher_outputs_is_refused(tokeni
 
 
 @pytest.mark.parametrize("kd_token_mask", ["labels", "attention"])
-def test_kd_loss_over_masked_positions_with_the_trainer(tmp_path, tokenizer, kd_token_mask):
+@pytest.mark.parametrize("masking", ["ours", "transformers"])
+def test_kd_loss_over_masked_positions_with_the_trainer(tmp_path, tokenizer, kd_token_mask, masking):
+    """The teacher reads the student's masked inputs; `kd_token_mask="labels"` counts the masked positions only,
+    `"attention"` every real token; with transformers' DataCollatorForLanguageModeling(mlm=True) as with ours."""
+    from transformers import DataCollatorForLanguageModeling
+
     torch.manual_seed(0)
     student = BertForMaskedLM(bert_config(layers=2))
     teacher = BertForMaskedLM(bert_config(layers=3))
     a = args(tmp_path, kd_token_mask=kd_token_mask, kd_weight=1.0, task_weight=0.5, temperature=2.0)
-    collator = MLMDistillationCollator(tokenizer, seed=0)
+    collator = (MLMDistillationCollator(tokenizer, seed=0) if masking == "ours"
+                else DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=0.3))
     trainer = DistillationTrainer(model=student, teacher_model=teacher, args=a, data_collator=collator)
     assert isinstance(trainer.data_collator, TeacherOutputsCollator)
     batch = trainer.data_collator(_rows(6, seed=9))
+    masked = batch["labels"] != -100
+    assert masked.any() and (~masked & (batch["attention_mask"] == 1)).any()  # both kinds of real position
     trainer.compute_loss(student.train(), dict(batch))
     got = trainer.tracker.pop_means()
     model_inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
