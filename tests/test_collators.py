@@ -174,6 +174,14 @@ def test_transformers_mlm_collator_with_cached_teacher_outputs_is_refused(tokeni
             cache_teacher_outputs(BertForMaskedLM(bert_config(layers=1)), Dataset.from_list(_rows(2)),
                                   cache_dir=tmp_path / "cache", collator=masking, progress=False)
     assert not (tmp_path / "cache").exists()
+    student = BertForMaskedLM(bert_config(layers=1))
+    trainer = DistillationTrainer(model=student, args=args(tmp_path / "run", max_steps=1),
+                                  train_dataset=Dataset.from_list(rows),
+                                  data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=True))
+    before = [p.detach().clone() for p in student.parameters()]
+    with pytest.raises(ValueError, match="changes the inputs of every batch"):
+        trainer.train()  # at the first batch: no step taken
+    assert trainer.state.global_step == 0 and all(torch.equal(a, b) for a, b in zip(before, student.parameters()))
     batch = TeacherOutputsCollator(DataCollatorForLanguageModeling(tokenizer, mlm=False))(rows)
     assert batch["teacher_logits"].shape[:2] == batch["input_ids"].shape
 
