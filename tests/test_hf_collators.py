@@ -7,7 +7,12 @@ import pytest
 import torch
 from datasets import Dataset
 from helpers import VOCAB, args, bert_config, flat_params, llama, word_tokenizer
-from transformers import BertForTokenClassification, DataCollatorForTokenClassification, DataCollatorWithFlattening
+from transformers import (
+    BertForTokenClassification,
+    DataCollatorForLanguageModeling,
+    DataCollatorForTokenClassification,
+    DataCollatorWithFlattening,
+)
 
 from hf_distill import DistillationTrainer
 
@@ -57,17 +62,25 @@ def _components(trainer, batch: dict, train: bool) -> dict[str, float]:
 
 @pytest.mark.parametrize("kd_token_mask", ["labels", "attention"])
 def test_flattening_collator_equals_padded_rows(tmp_path, kd_token_mask):
-    """DataCollatorWithFlattening (one row, position_ids restarting at 0, no attention mask): KD and task terms on the
-    loss head (training) and whole logits (evaluation with the teacher) equal the padded rows'; no position across
-    a boundary counted."""
-    flat = _trainer(tmp_path, "flat", DataCollatorWithFlattening(), kd_token_mask=kd_token_mask)
+    """DataCollatorWithFlattening (one row, position_ids restarting at 0, no attention mask) and
+    DataCollatorForLanguageModeling(mlm=False, pad_to_multiple_of=8): KD and task terms on the loss head (training)
+    and whole logits (evaluation with the teacher) equal the padded rows'; no position across a boundary, and no
+    extra padded position, counted."""
+    lm = DataCollatorForLanguageModeling(word_tokenizer([str(i) for i in range(VOCAB - 2)]), mlm=False,
+                                         pad_to_multiple_of=8)
     pad = _trainer(tmp_path, "pad", _padded, kd_token_mask=kd_token_mask)
-    fb, pb = next(iter(flat.get_train_dataloader())), next(iter(pad.get_train_dataloader()))
-    assert fb["input_ids"].shape[0] == 1 and "attention_mask" not in fb and "position_ids" in fb
-    for train in (True, False):
-        got, ref = _components(flat, fb, train), _components(pad, pb, train)
-        assert got["kd"] == pytest.approx(ref["kd"], rel=1e-6, abs=1e-7)
-        assert got["task"] == pytest.approx(ref["task"], rel=1e-6, abs=1e-7)
+    pb = next(iter(pad.get_train_dataloader()))
+    for name, collator in (("flat", DataCollatorWithFlattening()), ("lm8", lm)):
+        other = _trainer(tmp_path, name, collator, kd_token_mask=kd_token_mask)
+        ob = next(iter(other.get_train_dataloader()))
+        if name == "flat":
+            assert ob["input_ids"].shape[0] == 1 and "attention_mask" not in ob and "position_ids" in ob
+        else:
+            assert ob["input_ids"].shape[1] % 8 == 0 and ob["input_ids"].shape[1] > pb["input_ids"].shape[1]
+        for train in (True, False):
+            got, ref = _components(other, ob, train), _components(pad, pb, train)
+            assert got["kd"] == pytest.approx(ref["kd"], rel=1e-6, abs=1e-7), (name, train)
+            assert got["task"] == pytest.approx(ref["task"], rel=1e-6, abs=1e-7), (name, train)
 
 
 def test_flattening_collator_trains_as_padded_rows_with_accumulation(tmp_path):
