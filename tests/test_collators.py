@@ -158,16 +158,52 @@ def test_cached_teacher_outputs_are_refused(tokenizer):
         TeacherOutputsCollator(MLMDistillationCollator(tokenizer))(rows)
 
 
+def test_transformers_mlm_collator_with_cached_teacher_outputs_is_refused(tokenizer, tmp_path):
+    """transformers' DataCollatorForLanguageModeling(mlm=True) masks every batch anew, as
+    MLMDistillationCollator does: cached teacher outputs (computed on the unmasked rows) are refused with it, when
+    cached and when training; mlm=False leaves the inputs alone and is let through."""
+    from transformers import DataCollatorForLanguageModeling
+
+    from hf_distill.data.cache import cache_teacher_outputs
+
+    rows = [{**r, "teacher_logits": [[0.0] * VOCAB] * len(r["input_ids"])} for r in _rows(2)]
+    for masking in (DataCollatorForLanguageModeling(tokenizer, mlm=True),):
+        with pytest.raises(ValueError, match="DataCollatorForLanguageModeling changes the inputs of every batch"):
+            TeacherOutputsCollator(masking)(rows)
+        with pytest.raises(ValueError, match="changes the inputs of every batch"):
+            cache_teacher_outputs(BertForMaskedLM(bert_config(layers=1)), Dataset.from_list(_rows(2)),
+                                  cache_dir=tmp_path / "cache", collator=masking, progress=False)
+    assert not (tmp_path / "cache").exists()
+    student = BertForMaskedLM(bert_config(layers=1))
+    trainer = DistillationTrainer(model=student, args=args(tmp_path / "run", max_steps=1),
+                                  train_dataset=Dataset.from_list(rows),
+                                  data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=True))
+    before = [p.detach().clone() for p in student.parameters()]
+    with pytest.raises(ValueError, match="changes the inputs of every batch"):
+        trainer.train()  # at the first batch: no step taken
+    assert trainer.state.global_step == 0 and all(torch.equal(a, b) for a, b in zip(before, student.parameters()))
+    batch = TeacherOutputsCollator(DataCollatorForLanguageModeling(tokenizer, mlm=False))(rows)
+    assert batch["teacher_logits"].shape[:2] == batch["input_ids"].shape
+
+
 @pytest.mark.parametrize("kd_token_mask", ["labels", "attention"])
-def test_kd_loss_over_masked_positions_with_the_trainer(tmp_path, tokenizer, kd_token_mask):
+@pytest.mark.parametrize("masking", ["ours", "transformers"])
+def test_kd_loss_over_masked_positions_with_the_trainer(tmp_path, tokenizer, kd_token_mask, masking):
+    """The teacher reads the student's masked inputs; `kd_token_mask="labels"` counts the masked positions only,
+    `"attention"` every real token; with transformers' DataCollatorForLanguageModeling(mlm=True) as with ours."""
+    from transformers import DataCollatorForLanguageModeling
+
     torch.manual_seed(0)
     student = BertForMaskedLM(bert_config(layers=2))
     teacher = BertForMaskedLM(bert_config(layers=3))
     a = args(tmp_path, kd_token_mask=kd_token_mask, kd_weight=1.0, task_weight=0.5, temperature=2.0)
-    collator = MLMDistillationCollator(tokenizer, seed=0)
+    collator = (MLMDistillationCollator(tokenizer, seed=0) if masking == "ours"
+                else DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=0.3))
     trainer = DistillationTrainer(model=student, teacher_model=teacher, args=a, data_collator=collator)
     assert isinstance(trainer.data_collator, TeacherOutputsCollator)
     batch = trainer.data_collator(_rows(6, seed=9))
+    masked = batch["labels"] != -100
+    assert masked.any() and (~masked & (batch["attention_mask"] == 1)).any()  # both kinds of real position
     trainer.compute_loss(student.train(), dict(batch))
     got = trainer.tracker.pop_means()
     model_inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}

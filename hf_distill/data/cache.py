@@ -49,7 +49,7 @@ from tqdm.auto import tqdm
 
 from ..features.taps import FeatureTaps, ModelInfo, TapRequest, forward, model_info, unwrap
 from .cache_key import _autocast_state, _dataset_digest, _describe, _fingerprint, _teacher_inputs, teacher_fingerprint
-from .collators import TEACHER_PREFIX
+from .collators import TEACHER_PREFIX, changes_inputs
 
 __all__ = [
     "HIDDEN_PREFIX",
@@ -146,7 +146,7 @@ def cache_teacher_outputs(
         )
     if len(dataset) == 0:
         raise ValueError("The dataset is empty: there is nothing to cache.")
-    if getattr(collator, "changes_inputs", False):  # e.g. MLMDistillationCollator: new masks every batch
+    if changes_inputs(collator):  # MLMDistillationCollator, DataCollatorForLanguageModeling(mlm=True): new masks
         raise ValueError(f"{type(collator).__name__} changes the inputs of every batch, so teacher outputs cannot "
                          "be computed once and reused: let the teacher run online instead.")
     accepted, inputs = _teacher_inputs(teacher, dataset)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from transformers import DataCollatorForLanguageModeling
 from transformers.trainer_utils import RemoveColumnsCollator
 from transformers.utils import logging
 
@@ -53,6 +54,15 @@ def stack_signal(values: list[Any]) -> torch.Tensor:
     return pad_stack(values, None, "right", math.nan if dtype.is_floating_point else 0)
 
 
+def changes_inputs(collator: Any) -> bool:
+    """Whether `collator` draws new inputs for every batch (random MLM masks), so that teacher outputs computed once
+    on the rows cannot match what the student reads: `MLMDistillationCollator` (and any collator marked
+    `changes_inputs = True`) and transformers' `DataCollatorForLanguageModeling(mlm=True)`."""
+    if getattr(collator, "changes_inputs", False):
+        return True
+    return isinstance(collator, DataCollatorForLanguageModeling) and bool(collator.mlm)
+
+
 class TeacherOutputsCollator:
     """Wrap a collator so that `teacher_*` columns are stacked and padded next to the inputs."""
 
@@ -65,7 +75,7 @@ class TeacherOutputsCollator:
         keys = [k for k in features[0] if k.startswith(TEACHER_PREFIX)]
         if not keys:
             return self.base(features)
-        if getattr(self.base, "changes_inputs", False):
+        if changes_inputs(self.base):
             raise ValueError(
                 f"The rows carry cached teacher outputs ({', '.join(keys)}), but {type(self.base).__name__} "
                 "changes the inputs of every batch (MLM masking), so outputs computed on the unmasked rows "
