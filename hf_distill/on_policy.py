@@ -176,23 +176,27 @@ class OnPolicy:
                 continue
             model = student if who == "student" else (teachers[0] if teachers else None)
             shared = who == "teacher" and shared_base
-            sequences = self._generate(model, batch, accelerator, shared)
+            seed = sampling_seed(self._seed, step, micro, int(getattr(accelerator, "process_index", 0) or 0))
+            sequences = self._generate(model, batch, accelerator, shared, seed)
             rows, generated = completion_rows(batch[PROMPT_IDS], batch[PROMPT_MASK], sequences, self.stop_ids,
                                               self.pad_id, label_name)
             batch.update(rows)
             self.tokens += generated
 
-    def _generate(self, model: nn.Module, batch: dict[str, Any], accelerator: Any, shared: bool) -> torch.Tensor:
+    def _generate(self, model: nn.Module, batch: dict[str, Any], accelerator: Any, shared: bool,
+                  seed: int) -> torch.Tensor:
         ids, mask = batch[PROMPT_IDS], batch[PROMPT_MASK]
         autocast = accelerator.autocast() if accelerator is not None else contextlib.nullcontext()
         with generation_module(model, accelerator, shared) as (module, extra), torch.no_grad(), autocast, \
                 default_generation_config(module):
             device = teacher_input_device(module)
-            start = time.perf_counter()
-            out = module.generate(input_ids=ids if device is None else ids.to(device),
-                                  attention_mask=mask if device is None else mask.to(device),
-                                  **self.generation_kwargs(), **extra)
-            self.seconds += time.perf_counter() - start
+            run_on = device if device is not None else next(module.parameters()).device
+            with seeded_sampling(seed, torch.device(run_on)):
+                start = time.perf_counter()
+                out = module.generate(input_ids=ids if device is None else ids.to(device),
+                                      attention_mask=mask if device is None else mask.to(device),
+                                      **self.generation_kwargs(), **extra)
+                self.seconds += time.perf_counter() - start
         return out.to(ids.device)
 
     def log_values(self, accelerator: Any = None) -> dict[str, float]:
@@ -211,11 +215,37 @@ class OnPolicy:
         return {"generated_tokens": tokens, "generated_tokens_per_second": tokens / (seconds / processes)}
 
 
+def _mix(seed: int, step: int, micro: int) -> int:
+    return ((int(seed) * 1_000_003 + int(step)) * 1_009 + int(micro)) % (2**63 - 1)
+
+
 def coin(seed: int, step: int, micro: int) -> float:
     """A uniform draw in [0, 1) for micro-batch `micro` of optimizer step `step`, from a generator seeded with the
     three: no state to carry across processes or checkpoints."""
-    mixed = ((int(seed) * 1_000_003 + int(step)) * 1_009 + int(micro)) % (2**63 - 1)
-    return float(torch.rand((), generator=torch.Generator().manual_seed(mixed)))
+    return float(torch.rand((), generator=torch.Generator().manual_seed(_mix(seed, step, micro))))
+
+
+def sampling_seed(seed: int, step: int, micro: int, process: int = 0) -> int:
+    """The seed micro-batch `micro` of optimizer step `step` samples its completions with on process `process`: a
+    function of the four, so a resumed run samples what the uninterrupted run sampled (the Trainer restores the
+    global RNG only after it has fetched, and so generated, the first resumed step) and processes sample
+    independently. Not the coin's stream (a salt), so the coin and the first sampled token are not correlated."""
+    return (_mix(seed, step, micro) * 7_919 + 104_729 * (int(process) + 1)) % (2**63 - 1)
+
+
+@contextlib.contextmanager
+def seeded_sampling(seed: int, device: torch.device) -> Iterator[None]:
+    """Sample with the CPU generator and `device`'s seeded with `seed`, then give both back their state: generation
+    neither depends on nor moves the global RNG that dropout and the data order read."""
+    on_device = device.type not in ("cpu", "meta")
+    index = device.index if device.index is not None else 0
+    with torch.random.fork_rng(devices=[index] if on_device else [], device_type=device.type if on_device else None):
+        torch.random.default_generator.manual_seed(seed)
+        if on_device:  # this device's generator alone (manual_seed_all would move every other device's)
+            module = torch.get_device_module(device.type)
+            generators = getattr(module, "default_generators", None)
+            (generators[index] if generators else module).manual_seed(seed)
+        yield
 
 
 @contextlib.contextmanager
