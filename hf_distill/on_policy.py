@@ -190,8 +190,7 @@ class OnPolicy:
         with generation_module(model, accelerator, shared) as (module, extra), torch.no_grad(), autocast, \
                 default_generation_config(module):
             device = teacher_input_device(module)
-            run_on = device if device is not None else next(module.parameters()).device
-            with seeded_sampling(seed, torch.device(run_on)):
+            with seeded_sampling(seed, module):
                 start = time.perf_counter()
                 out = module.generate(input_ids=ids if device is None else ids.to(device),
                                       attention_mask=mask if device is None else mask.to(device),
@@ -234,17 +233,20 @@ def sampling_seed(seed: int, step: int, micro: int, process: int = 0) -> int:
 
 
 @contextlib.contextmanager
-def seeded_sampling(seed: int, device: torch.device) -> Iterator[None]:
-    """Sample with the CPU generator and `device`'s seeded with `seed`, then give both back their state: generation
-    neither depends on nor moves the global RNG that dropout and the data order read."""
-    on_device = device.type not in ("cpu", "meta")
-    index = device.index if device.index is not None else 0
-    with torch.random.fork_rng(devices=[index] if on_device else [], device_type=device.type if on_device else None):
+def seeded_sampling(seed: int, module: nn.Module) -> Iterator[None]:
+    """Sample with the CPU generator and those of the accelerators `module`'s parameters are on (a model split over
+    devices samples on its last) seeded with `seed`, then give them back their state: generation neither depends on
+    nor moves the global RNG that dropout and the data order read."""
+    devices = {p.device for p in module.parameters() if p.device.type not in ("cpu", "meta")}
+    kind = next(iter(devices)).type if devices else None
+    indices = sorted({d.index if d.index is not None else 0 for d in devices if d.type == kind})
+    with torch.random.fork_rng(devices=indices, device_type=kind):
         torch.random.default_generator.manual_seed(seed)
-        if on_device:  # this device's generator alone (manual_seed_all would move every other device's)
-            module = torch.get_device_module(device.type)
-            generators = getattr(module, "default_generators", None)
-            (generators[index] if generators else module).manual_seed(seed)
+        if kind is not None:  # these devices' generators alone (manual_seed_all would move every other device's)
+            backend = torch.get_device_module(kind)
+            generators = getattr(backend, "default_generators", None)
+            for index in indices:
+                (generators[index] if generators else backend).manual_seed(seed)  # no list: one device (mps)
         yield
 
 
