@@ -100,11 +100,11 @@ class OnPolicy:
         gen_config = getattr(student, "generation_config", None)
         config = getattr(student, "config", None)
         stops = args.stop_token_ids
-        if stops is None:
-            eos = getattr(tokenizer, "eos_token_id", None)
-            eos = eos if eos is not None else getattr(gen_config, "eos_token_id", None)
-            stops = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        self.stop_ids = [int(i) for i in stops]
+        if stops is None:  # the tokenizer's eos, then every id the student's own generate stops at (its
+            # generation_config, set aside while it generates, may list several: an end of turn and an end of text)
+            stops = [i for eos in (getattr(tokenizer, "eos_token_id", None), getattr(gen_config, "eos_token_id", None))
+                     for i in ([] if eos is None else [eos] if isinstance(eos, int) else eos)]
+        self.stop_ids = list(dict.fromkeys(int(i) for i in stops))
         pads = (getattr(tokenizer, "pad_token_id", None), getattr(gen_config, "pad_token_id", None),
                 getattr(config, "pad_token_id", None))
         self.pad_id = next((int(p) for p in pads if p is not None), None)

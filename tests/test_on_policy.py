@@ -255,6 +255,26 @@ def test_loss_covers_exactly_the_generated_completion_tokens(tmp_path):
     assert got.item() == pytest.approx(want.item(), rel=1e-5)
 
 
+def test_completions_stop_where_the_students_own_generate_stops(tmp_path):
+    """An instruct model's generation_config lists several eos ids (end of turn and end of text); the tokenizer names
+    one. The model's generation_config is set aside while it generates, so its other ids used to be dropped: the
+    completion ran past one of them to max_new_tokens and was trained on. Every id stops it now, the first kept."""
+    tok = _tokenizer()
+    batch = PromptCompletionCollator(tok)(list(_rows(2, seed=4, prompt_len=3)))
+    student = llama(0)
+    stop = _stop_token(student, batch)
+    assert stop != tok.eos_token_id
+    student.generation_config.eos_token_id = [tok.eos_token_id, stop]
+    distiller = Distiller(student, args(tmp_path, lmbda=1.0, max_new_tokens=6, generation_temperature=0.0), llama(1),
+                          processing_class=tok)
+    assert distiller.on_policy.stop_ids == [tok.eos_token_id, stop]
+    batches = [dict(batch)]
+    distiller.on_policy.prepare(batches, student, 0, teachers=[], shared_base=False, accelerator=None,
+                                label_name="labels")
+    completion = batches[0]["labels"][0][batches[0]["labels"][0] != -100].tolist()
+    assert completion[-1] == stop and stop not in completion[:-1] and len(completion) < 6
+
+
 def test_completion_rows_cut_at_the_first_stop_token():
     prompt = torch.tensor([[0, 5, 6], [7, 8, 9]])
     mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
