@@ -284,6 +284,12 @@ def test_completion_rows_cut_at_the_first_stop_token():
     assert rows["input_ids"].tolist() == [[5, 6, 10, 3, 0, 0], [7, 8, 9, 12, 13, 14]]
     assert rows["labels"].tolist() == [[-100, -100, 10, 3, -100, -100], [-100, -100, -100, 12, 13, 14]]
     assert rows["attention_mask"].tolist() == [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]]
+    # a tokenizer whose pad token is its eos: generate pads a stopped row with eos; the first is kept, once
+    prompt = torch.tensor([[3, 5, 6], [7, 8, 9]])
+    sequences = torch.cat([prompt, torch.tensor([[10, 3, 3, 3], [12, 13, 3, 3]])], 1)
+    rows, n = completion_rows(prompt, mask, sequences, stop_ids=[3], pad_id=3)
+    assert n == 5 and rows["labels"].tolist() == [[-100, -100, 10, 3, -100, -100], [-100, -100, -100, 12, 13, 3]]
+    assert rows["attention_mask"].tolist() == [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]]
 
 
 @pytest.mark.slow
