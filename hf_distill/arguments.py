@@ -289,8 +289,9 @@ class DistillationArguments(TrainingArguments):
         default=None,
         metadata={
             "help": "Generation: the token ids that end a completion (generate's `eos_token_id`); a completion keeps "
-            "its first stop token and nothing after it. Unset: the tokenizer's `eos_token_id`, else the student's "
-            "`generation_config.eos_token_id`. Refused when nothing is generated."
+            "its first stop token and nothing after it. Unset: the tokenizer's `eos_token_id` and every id of the "
+            "student's `generation_config.eos_token_id` (where its own generate stops). Refused when nothing is "
+            "generated."
         },
     )
     # -- a teacher behind a URL (teacher_model="http://host:port/v1"; hf_distill.serving, issue #42)

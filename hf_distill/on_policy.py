@@ -100,11 +100,11 @@ class OnPolicy:
         gen_config = getattr(student, "generation_config", None)
         config = getattr(student, "config", None)
         stops = args.stop_token_ids
-        if stops is None:
-            eos = getattr(tokenizer, "eos_token_id", None)
-            eos = eos if eos is not None else getattr(gen_config, "eos_token_id", None)
-            stops = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        self.stop_ids = [int(i) for i in stops]
+        if stops is None:  # the tokenizer's eos, then every id the student's own generate stops at (its
+            # generation_config, set aside while it generates, may list several: an end of turn and an end of text)
+            stops = [i for eos in (getattr(tokenizer, "eos_token_id", None), getattr(gen_config, "eos_token_id", None))
+                     for i in ([] if eos is None else [eos] if isinstance(eos, int) else eos)]
+        self.stop_ids = list(dict.fromkeys(int(i) for i in stops))
         pads = (getattr(tokenizer, "pad_token_id", None), getattr(gen_config, "pad_token_id", None),
                 getattr(config, "pad_token_id", None))
         self.pad_id = next((int(p) for p in pads if p is not None), None)
@@ -176,23 +176,26 @@ class OnPolicy:
                 continue
             model = student if who == "student" else (teachers[0] if teachers else None)
             shared = who == "teacher" and shared_base
-            sequences = self._generate(model, batch, accelerator, shared)
+            seed = sampling_seed(self._seed, step, micro, int(getattr(accelerator, "process_index", 0) or 0))
+            sequences = self._generate(model, batch, accelerator, shared, seed)
             rows, generated = completion_rows(batch[PROMPT_IDS], batch[PROMPT_MASK], sequences, self.stop_ids,
                                               self.pad_id, label_name)
             batch.update(rows)
             self.tokens += generated
 
-    def _generate(self, model: nn.Module, batch: dict[str, Any], accelerator: Any, shared: bool) -> torch.Tensor:
+    def _generate(self, model: nn.Module, batch: dict[str, Any], accelerator: Any, shared: bool,
+                  seed: int) -> torch.Tensor:
         ids, mask = batch[PROMPT_IDS], batch[PROMPT_MASK]
         autocast = accelerator.autocast() if accelerator is not None else contextlib.nullcontext()
         with generation_module(model, accelerator, shared) as (module, extra), torch.no_grad(), autocast, \
                 default_generation_config(module):
             device = teacher_input_device(module)
-            start = time.perf_counter()
-            out = module.generate(input_ids=ids if device is None else ids.to(device),
-                                  attention_mask=mask if device is None else mask.to(device),
-                                  **self.generation_kwargs(), **extra)
-            self.seconds += time.perf_counter() - start
+            with seeded_sampling(seed, module):
+                start = time.perf_counter()
+                out = module.generate(input_ids=ids if device is None else ids.to(device),
+                                      attention_mask=mask if device is None else mask.to(device),
+                                      **self.generation_kwargs(), **extra)
+                self.seconds += time.perf_counter() - start
         return out.to(ids.device)
 
     def log_values(self, accelerator: Any = None) -> dict[str, float]:
@@ -211,11 +214,40 @@ class OnPolicy:
         return {"generated_tokens": tokens, "generated_tokens_per_second": tokens / (seconds / processes)}
 
 
+def _mix(seed: int, step: int, micro: int) -> int:
+    return ((int(seed) * 1_000_003 + int(step)) * 1_009 + int(micro)) % (2**63 - 1)
+
+
 def coin(seed: int, step: int, micro: int) -> float:
     """A uniform draw in [0, 1) for micro-batch `micro` of optimizer step `step`, from a generator seeded with the
     three: no state to carry across processes or checkpoints."""
-    mixed = ((int(seed) * 1_000_003 + int(step)) * 1_009 + int(micro)) % (2**63 - 1)
-    return float(torch.rand((), generator=torch.Generator().manual_seed(mixed)))
+    return float(torch.rand((), generator=torch.Generator().manual_seed(_mix(seed, step, micro))))
+
+
+def sampling_seed(seed: int, step: int, micro: int, process: int = 0) -> int:
+    """The seed micro-batch `micro` of optimizer step `step` samples its completions with on process `process`: a
+    function of the four, so a resumed run samples what the uninterrupted run sampled (the Trainer restores the
+    global RNG only after it has fetched, and so generated, the first resumed step) and processes sample
+    independently. Not the coin's stream (a salt), so the coin and the first sampled token are not correlated."""
+    return (_mix(seed, step, micro) * 7_919 + 104_729 * (int(process) + 1)) % (2**63 - 1)
+
+
+@contextlib.contextmanager
+def seeded_sampling(seed: int, module: nn.Module) -> Iterator[None]:
+    """Sample with the CPU generator and those of the accelerators `module`'s parameters are on (a model split over
+    devices samples on its last) seeded with `seed`, then give them back their state: generation neither depends on
+    nor moves the global RNG that dropout and the data order read."""
+    devices = {p.device for p in module.parameters() if p.device.type not in ("cpu", "meta")}
+    kind = next(iter(devices)).type if devices else None
+    indices = sorted({d.index if d.index is not None else 0 for d in devices if d.type == kind})
+    with torch.random.fork_rng(devices=indices, device_type=kind):
+        torch.random.default_generator.manual_seed(seed)
+        if kind is not None:  # these devices' generators alone (manual_seed_all would move every other device's)
+            backend = torch.get_device_module(kind)
+            generators = getattr(backend, "default_generators", None)
+            for index in indices:
+                (generators[index] if generators else backend).manual_seed(seed)  # no list: one device (mps)
+        yield
 
 
 @contextlib.contextmanager

@@ -136,6 +136,26 @@ def test_lmbda_coin_is_seeded_and_mixes_with_seq_kd(tmp_path):
     assert len(student_calls) == want and len(teacher_calls) == 6 - want and 0 < want < 6
 
 
+def test_sampled_completions_are_a_function_of_seed_step_and_micro_batch(tmp_path):
+    """A micro-batch's samples do not depend on the global RNG (which a resumed Trainer restores only after the first
+    resumed step has generated) and do not move it (dropout, data order); another step samples otherwise."""
+    tok = _tokenizer()
+    batch = PromptCompletionCollator(tok)(list(_rows(4, prompt_len=3)))
+    distiller = Distiller(llama(0), args(tmp_path, lmbda=1.0, max_new_tokens=6), llama(1), processing_class=tok)
+    student, runs = llama(0), []
+    for step, global_seed in ((3, 0), (3, 1), (4, 0)):
+        torch.manual_seed(global_seed)
+        batches = [dict(batch), dict(batch)]
+        distiller.on_policy.prepare(batches, student, step, teachers=[], shared_base=False, accelerator=None,
+                                    label_name="labels")
+        runs.append([b["input_ids"].tolist() for b in batches])
+        after = torch.rand(1)
+        torch.manual_seed(global_seed)
+        assert torch.equal(after, torch.rand(1))  # generation left the global RNG where it was
+    assert runs[0] == runs[1]  # the same step under two global RNG states: the same samples
+    assert runs[0][0] != runs[0][1] and runs[0] != runs[2]  # another micro-batch, another step: other samples
+
+
 def test_lmbda_coin_is_a_function_of_seed_step_and_micro_batch():
     draws = [on_policy.coin(0, step, micro) for step in range(50) for micro in range(4)]
     assert len(set(draws)) == len(draws) and all(0 <= d < 1 for d in draws)
@@ -148,13 +168,15 @@ def test_lmbda_coin_is_a_function_of_seed_step_and_micro_batch():
 def test_resumed_run_draws_the_uninterrupted_runs_coins(tmp_path):
     """0 < lmbda < 1 with gradient accumulation: a run resumed from checkpoint-3 of 6 generates with the same models
     at the same micro-batches as the uninterrupted run (the coin is drawn from the step number, which the checkpoint
-    restores), and ends with the same weights. Greedy: the completions themselves are deterministic."""
+    restores), samples the same completions (the Trainer restores its RNG only after the first resumed step's
+    batches, so generation was resumed with another RNG state), and ends with the same weights."""
     def tagged(model, who, log):
         original = model.generate
 
         def generate(*a, **kw):
-            log.append((who, kw["input_ids"].tolist()))
-            return original(*a, **kw)
+            out = original(*a, **kw)
+            log.append((who, kw["input_ids"].tolist(), out.tolist()))
+            return out
 
         model.generate = generate
         return model
@@ -163,15 +185,15 @@ def test_resumed_run_draws_the_uninterrupted_runs_coins(tmp_path):
         log = []
         trainer = _trainer(tmp_path, tagged(llama(0), "student", log), tagged(llama(1), "teacher", log), _rows(24),
                            lmbda=0.5, seq_kd=True, max_new_tokens=2, max_steps=6, per_device_train_batch_size=2,
-                           gradient_accumulation_steps=2, generation_temperature=0.0, save_strategy="steps",
+                           gradient_accumulation_steps=2, generation_temperature=1.0, save_strategy="steps",
                            save_steps=3, learning_rate=1e-2)
         trainer.train(resume_from_checkpoint=resume)
         return log, flat_params(trainer.model)
 
     full_log, full = run()
     resumed_log, resumed = run(resume=str(tmp_path / "out" / "checkpoint-3"))
-    assert len(full_log) == 12 and 0 < sum(who == "student" for who, _ in full_log) < 12
-    assert resumed_log == full_log[6:]  # steps 4-6: the same prompts, completed by the same model
+    assert len(full_log) == 12 and 0 < sum(who == "student" for who, *_ in full_log) < 12
+    assert resumed_log == full_log[6:]  # steps 4-6: the same prompts, completed by the same model, the same samples
     torch.testing.assert_close(resumed, full, atol=1e-6, rtol=0)
 
 
@@ -233,6 +255,26 @@ def test_loss_covers_exactly_the_generated_completion_tokens(tmp_path):
     assert got.item() == pytest.approx(want.item(), rel=1e-5)
 
 
+def test_completions_stop_where_the_students_own_generate_stops(tmp_path):
+    """An instruct model's generation_config lists several eos ids (end of turn and end of text); the tokenizer names
+    one. The model's generation_config is set aside while it generates, so its other ids used to be dropped: the
+    completion ran past one of them to max_new_tokens and was trained on. Every id stops it now, the first kept."""
+    tok = _tokenizer()
+    batch = PromptCompletionCollator(tok)(list(_rows(2, seed=4, prompt_len=3)))
+    student = llama(0)
+    stop = _stop_token(student, batch)
+    assert stop != tok.eos_token_id
+    student.generation_config.eos_token_id = [tok.eos_token_id, stop]
+    distiller = Distiller(student, args(tmp_path, lmbda=1.0, max_new_tokens=6, generation_temperature=0.0), llama(1),
+                          processing_class=tok)
+    assert distiller.on_policy.stop_ids == [tok.eos_token_id, stop]
+    batches = [dict(batch)]
+    distiller.on_policy.prepare(batches, student, 0, teachers=[], shared_base=False, accelerator=None,
+                                label_name="labels")
+    completion = batches[0]["labels"][0][batches[0]["labels"][0] != -100].tolist()
+    assert completion[-1] == stop and stop not in completion[:-1] and len(completion) < 6
+
+
 def test_completion_rows_cut_at_the_first_stop_token():
     prompt = torch.tensor([[0, 5, 6], [7, 8, 9]])
     mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
@@ -241,6 +283,12 @@ def test_completion_rows_cut_at_the_first_stop_token():
     assert n == 5
     assert rows["input_ids"].tolist() == [[5, 6, 10, 3, 0, 0], [7, 8, 9, 12, 13, 14]]
     assert rows["labels"].tolist() == [[-100, -100, 10, 3, -100, -100], [-100, -100, -100, 12, 13, 14]]
+    assert rows["attention_mask"].tolist() == [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]]
+    # a tokenizer whose pad token is its eos: generate pads a stopped row with eos; the first is kept, once
+    prompt = torch.tensor([[3, 5, 6], [7, 8, 9]])
+    sequences = torch.cat([prompt, torch.tensor([[10, 3, 3, 3], [12, 13, 3, 3]])], 1)
+    rows, n = completion_rows(prompt, mask, sequences, stop_ids=[3], pad_id=3)
+    assert n == 5 and rows["labels"].tolist() == [[-100, -100, 10, 3, -100, -100], [-100, -100, -100, 12, 13, 3]]
     assert rows["attention_mask"].tolist() == [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]]
 
 
