@@ -275,3 +275,22 @@ class OpTrace(torch.overrides.TorchFunctionMode):
 
         return sum(1 for op, a, o in self.ops if op == name
                    and ((where != "outs" and hit(a)) or (where != "args" and hit(o))))
+
+
+def loss_components(trainer, batch: dict, train: bool) -> dict[str, float]:
+    """The KD and task terms of one batch (no step scaling: outside the training loop). In training the tracker
+    holds them; in evaluation (with the teacher) the loss is taken once with each weight alone."""
+    trainer.model.train(train)
+    trainer.distiller.tracker.reset()
+    if train:
+        with torch.no_grad():
+            trainer.compute_loss(trainer.model, dict(batch))
+        return trainer.distiller.tracker.pop_means()
+    settings, out = trainer.settings, {}
+    weights = (settings.kd_weight, settings.task_weight)
+    for name, kd_weight, task_weight in (("kd", 1.0, 0.0), ("task", 0.0, 1.0)):
+        settings.set("kd_weight", kd_weight), settings.set("task_weight", task_weight)
+        with torch.no_grad():
+            out[name] = float(trainer.compute_loss(trainer.model, dict(batch)))
+    settings.set("kd_weight", weights[0]), settings.set("task_weight", weights[1])
+    return out

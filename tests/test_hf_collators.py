@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from datasets import Dataset
-from helpers import VOCAB, args, bert_config, flat_params, llama, word_tokenizer
+from helpers import VOCAB, args, bert_config, flat_params, llama, loss_components, word_tokenizer
 from transformers import (
     BertForTokenClassification,
     DataCollatorForLanguageModeling,
@@ -43,23 +43,6 @@ def _trainer(tmp_path, name, collator, **kw):
                                data_collator=collator)
 
 
-def _components(trainer, batch: dict, train: bool) -> dict[str, float]:
-    trainer.model.train(train)
-    trainer.distiller.tracker.reset()
-    if train:
-        with torch.no_grad():
-            trainer.compute_loss(trainer.model, dict(batch))
-        return trainer.distiller.tracker.pop_means()
-    settings, out = trainer.settings, {}
-    weights = (settings.kd_weight, settings.task_weight)
-    for name, kd, task in (("kd", 1.0, 0.0), ("task", 0.0, 1.0)):
-        settings.set("kd_weight", kd), settings.set("task_weight", task)
-        with torch.no_grad():
-            out[name] = float(trainer.compute_loss(trainer.model, dict(batch)))
-    settings.set("kd_weight", weights[0]), settings.set("task_weight", weights[1])
-    return out
-
-
 @pytest.mark.parametrize("kd_token_mask", ["labels", "attention"])
 def test_flattening_collator_equals_padded_rows(tmp_path, kd_token_mask):
     """DataCollatorWithFlattening (one row, position_ids restarting at 0, no attention mask) and
@@ -78,7 +61,7 @@ def test_flattening_collator_equals_padded_rows(tmp_path, kd_token_mask):
         else:
             assert ob["input_ids"].shape[1] % 8 == 0 and ob["input_ids"].shape[1] > pb["input_ids"].shape[1]
         for train in (True, False):
-            got, ref = _components(other, ob, train), _components(pad, pb, train)
+            got, ref = loss_components(other, ob, train), loss_components(pad, pb, train)
             assert got["kd"] == pytest.approx(ref["kd"], rel=1e-6, abs=1e-7), (name, train)
             assert got["task"] == pytest.approx(ref["task"], rel=1e-6, abs=1e-7), (name, train)
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from datasets import Dataset
-from helpers import flat_params, llama, word_tokenizer
+from helpers import flat_params, llama, loss_components, word_tokenizer
 
 needs_trl = pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl is not installed")
 
@@ -100,25 +100,6 @@ def _trainer(tmp_path, name, rows, student, teacher, tok, **kw):
                                   args=_config(tmp_path, name, **kw), train_dataset=rows, processing_class=tok)
 
 
-def _components(trainer, batch: dict, train: bool) -> dict[str, float]:
-    """The KD and task terms of one batch (no step scaling: outside the training loop). In training the tracker
-    holds them; in evaluation (with the teacher) the loss is taken once with each weight alone."""
-    trainer.model.train(train)
-    trainer.distiller.tracker.reset()
-    if train:
-        with torch.no_grad():
-            trainer.compute_loss(trainer.model, dict(batch))
-        return trainer.distiller.tracker.pop_means()
-    settings, out = trainer.settings, {}
-    weights = (settings.kd_weight, settings.task_weight)
-    for name, kd_weight, task_weight in (("kd", 1.0, 0.0), ("task", 0.0, 1.0)):
-        settings.set("kd_weight", kd_weight), settings.set("task_weight", task_weight)
-        with torch.no_grad():
-            out[name] = float(trainer.compute_loss(trainer.model, dict(batch)))
-    settings.set("kd_weight", weights[0]), settings.set("task_weight", weights[1])
-    return out
-
-
 def _reference(student, teacher, batch: dict, counted: torch.Tensor) -> tuple[float, float]:
     """Forward KL (T = 1) and cross-entropy over `counted` (B, T - 1) positions, from both models' whole logits in
     float64; each sequence of a batch is run on its own (one row each, padded rows cut to their length)."""
@@ -170,7 +151,7 @@ def test_kd_counts_the_tokens_sft_loss_counts(tmp_path, kind, sft, counted):
     kd, ce = _reference(student, teacher, batch, mask)
     for train in (True, False):  # the chunked loss head (training) and whole logits (evaluation with the teacher)
         trainer.args.eval_with_teacher = not train
-        got = _components(trainer, batch, train)
+        got = loss_components(trainer, batch, train)
         assert got["kd"] == pytest.approx(kd, rel=1e-5, abs=1e-7)
         assert got["task"] == pytest.approx(ce, rel=1e-5, abs=1e-7)
     assert trainer.distiller._student_state(trainer.model).rebuilds  # the training pass did take the loss head
@@ -214,7 +195,7 @@ def test_packed_kd_equals_the_sequences_run_unpacked(tmp_path, kd_token_mask, fl
     rows = next(iter(unpacked.get_train_dataloader()))
     assert rows["input_ids"].shape[0] == len(CONVERSATIONS)
     for train in (True, False):  # chunked loss head, then whole logits (evaluation with the teacher)
-        ours, ref = _components(packed, batch, train), _components(unpacked, rows, train)
+        ours, ref = loss_components(packed, batch, train), loss_components(unpacked, rows, train)
         assert ours["kd"] == pytest.approx(ref["kd"], rel=1e-5, abs=1e-7)
         assert ours["task"] == pytest.approx(ref["task"], rel=1e-5, abs=1e-7)
     # The same sequences cut out of the packed row, run one per row: the reference does not depend on SFT's own
@@ -228,7 +209,7 @@ def test_packed_kd_equals_the_sequences_run_unpacked(tmp_path, kd_token_mask, fl
     # What makes it true: with a KV cache transformers ignores the packed boundaries (attention crosses), and
     # without position_ids the row is one sequence.
     for broken in ({**batch, "use_cache": True}, {k: v for k, v in batch.items() if k != "position_ids"}):
-        assert _components(packed, broken, True)["kd"] != pytest.approx(kd, rel=1e-3)
+        assert loss_components(packed, broken, True)["kd"] != pytest.approx(kd, rel=1e-3)
 
 
 @needs_trl
